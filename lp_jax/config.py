@@ -1,0 +1,158 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+One frozen dataclass holds what the model code needs and nothing else. Both config
+dialects in the wild are accepted: `num_experts` or `num_local_experts`, and
+`rope_theta` at top level or inside `rope_parameters` (newer transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; lp_jax supports {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in [1, {self.num_experts}], "
+                    f"got {self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("an MoE config needs moe_intermediate_size > 0")
+            if self.decoder_sparse_step < 1:
+                raise ValueError("decoder_sparse_step must be >= 1")
+        if self.has_dense_layers and self.intermediate_size <= 0:
+            raise ValueError("dense MLP layers need intermediate_size > 0")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} outside [0, {self.num_hidden_layers})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i))
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return len(self.dense_layers) > 0
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (gate, up, down) in the model dtype."""
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return 3 * self.hidden_size * self.moe_intermediate_size * itemsize
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; lp_jax supports "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet")
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        if model_type == "qwen3":
+            num_experts = 0
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"],
+                num_hidden_layers=hf["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=hf.get("num_key_value_heads", heads),
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                intermediate_size=hf.get("intermediate_size", 0),
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0) if num_experts else 0,
+                num_experts=num_experts,
+                num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                max_position_embeddings=hf.get("max_position_embeddings", 40960),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=eos,
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from None
+        return cls.from_hf_dict(hf, source=str(path))
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

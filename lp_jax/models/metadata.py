@@ -1,0 +1,83 @@
+"""Per-step batch metadata: an explicit pytree that travels into the jitted step.
+
+A batch is ragged: sequence b owns tokens [query_start_B1[b], query_start_B1[b+1])
+of the flat token array. Shapes are padded to compile-time buckets (T tokens, B
+sequences, C pages per sequence); padding tokens have slot -1 and padding
+sequences have seq_len 0. Slots and page ids are *logical* (the same in every
+layer); the model adds the layer's page offset. See pallas_kernels/attention/ref.py
+for the KV-cache layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    positions_T: jax.Array  # int32 RoPE positions; 0 for padding
+    slots_T: jax.Array  # int32 logical KV slot (page * S + offset); -1 for padding
+    query_start_B1: jax.Array  # int32 cumulative query offsets
+    seq_lens_B: jax.Array  # int32 context length after this step; 0 for padding
+    page_table_BC: jax.Array  # int32 logical page ids
+    num_seqs: jax.Array  # int32 scalar: real sequences
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions_T.shape[0]
+
+    def token_mask(self) -> jax.Array:
+        import jax.numpy as jnp
+
+        return jnp.arange(self.num_tokens) < self.query_start_B1[self.num_seqs]
+
+
+def build_metadata(
+    seqs: list[tuple[int, int, list[int]]],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+) -> AttentionMetadata:
+    """Host-side builder (numpy) for a padded ragged batch.
+
+    seqs: one (first_position, num_new_tokens, page_ids) per sequence, in batch
+    order; the new tokens occupy positions [first, first + n) and the sequence's
+    context after the step is first + n.
+    """
+    T, B, C, S = num_tokens, num_seqs, pages_per_seq, page_size
+    if len(seqs) > B:
+        raise ValueError(f"{len(seqs)} sequences exceed the batch bucket {B}")
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, -1, np.int32)
+    query_start = np.zeros(B + 1, np.int32)
+    seq_lens = np.zeros(B, np.int32)
+    page_table = np.zeros((B, C), np.int32)
+    t = 0
+    for b, (first, n, page_ids) in enumerate(seqs):
+        if t + n > T:
+            raise ValueError(f"{t + n} tokens exceed the token bucket {T}")
+        if len(page_ids) > C:
+            raise ValueError(f"{len(page_ids)} pages exceed the page-table width {C}")
+        pos = np.arange(first, first + n, dtype=np.int32)
+        pages = np.asarray(page_ids, np.int32)
+        positions[t : t + n] = pos
+        slots[t : t + n] = pages[pos // S] * S + pos % S
+        page_table[b, : len(pages)] = pages
+        seq_lens[b] = first + n
+        t += n
+        query_start[b + 1] = t
+    query_start[len(seqs) + 1 :] = t
+    return AttentionMetadata(
+        positions_T=positions,
+        slots_T=slots,
+        query_start_B1=query_start,
+        seq_lens_B=seq_lens,
+        page_table_BC=page_table,
+        num_seqs=np.int32(len(seqs)),
+    )

@@ -1,0 +1,57 @@
+"""Single-sequence forward and greedy generation straight on the model.
+
+No scheduler, no batching: a prompt is prefilled in one call and then decoded one
+token at a time through a private paged KV cache. The golden-parity tests and the
+engine's own tests use it as the plain reference for what the engine must produce.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lp_jax.models.metadata import build_metadata
+from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decode_only", "backends"),
+                   donate_argnames=("kv_pages",))
+def _forward(graphdef, state, kv_pages, token_ids_T, meta, *, decode_only, backends):
+    model = nnx.merge(graphdef, state)
+    x_TD = model.embed(token_ids_T)
+    L = model.config.num_hidden_layers
+    x_TD, kv_pages, _ = model.run_layers(x_TD, kv_pages, meta, 0, L,
+                                         decode_only=decode_only, backends=backends)
+    return model.compute_logits(x_TD), kv_pages
+
+
+def greedy_generate(model: Qwen3MoeForCausalLM, prompt: list[int], max_new_tokens: int, *,
+                    page_size: int = 16, backends: KernelBackends = KernelBackends(),
+                    return_prompt_logits: bool = False):
+    """Returns the greedy continuation (and the prompt's float32 logits if asked)."""
+    cfg = model.config
+    total = len(prompt) + max_new_tokens
+    num_pages = math.ceil(total / page_size)
+    pages = list(range(num_pages))
+    kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype)
+    graphdef, state = nnx.split(model)
+
+    meta = build_metadata([(0, len(prompt), pages)], page_size=page_size,
+                          num_tokens=len(prompt), num_seqs=1, pages_per_seq=num_pages)
+    logits, kv_pages = _forward(graphdef, state, kv_pages, jnp.asarray(prompt, jnp.int32), meta,
+                                decode_only=False, backends=backends)
+    prompt_logits = np.asarray(logits)
+    tokens = [int(np.argmax(prompt_logits[-1]))]
+    for pos in range(len(prompt), total - 1):
+        meta = build_metadata([(pos, 1, pages)], page_size=page_size, num_tokens=1, num_seqs=1,
+                              pages_per_seq=num_pages)
+        logits, kv_pages = _forward(graphdef, state, kv_pages,
+                                    jnp.asarray([tokens[-1]], jnp.int32), meta,
+                                    decode_only=True, backends=backends)
+        tokens.append(int(np.argmax(np.asarray(logits)[0])))
+    return (tokens, prompt_logits) if return_prompt_logits else tokens

@@ -1,0 +1,139 @@
+"""Reference paged attention in plain JAX: the `xla` backend and the kernels' oracle.
+
+KV-cache layout (shared by every backend):
+
+    kv_pages_PSJH  [P, S, 2K, H]   K head k at index 2k, V head k at 2k+1
+
+One pool holds the pages of every layer: layer l owns physical pages
+[l * pages_per_layer, (l + 1) * pages_per_layer). The block manager hands out
+*logical* page ids, the same for all layers, and the model adds the layer offset
+before calling a kernel, so kernels only ever see physical page tables. The
+interleaved K/V axis is the layout of JAX's TPU ragged paged attention, so that
+kernel reads our cache without a copy.
+
+Batches are ragged: the T query tokens are packed sequence after sequence.
+Sequence b owns tokens [query_start_B1[b], query_start_B1[b+1]) and, after this
+step's KV write, has seq_lens_B[b] tokens of context, so its i-th query token
+sits at position seq_lens_B[b] - q_len_b + i and attends causally to positions
+<= its own. Decode is the case q_len_b = 1. Tokens past query_start_B1[num_seqs]
+are padding and return zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def write_kv(kv_pages_PSJH: jax.Array, k_TKH: jax.Array, v_TKH: jax.Array,
+             slots_T: jax.Array) -> jax.Array:
+    """Scatters new K/V rows into physical slots (page * S + offset); slot < 0 is skipped."""
+    P, S, J, H = kv_pages_PSJH.shape
+    T, K, _ = k_TKH.shape
+    kv_TJH = jnp.stack([k_TKH, v_TKH], axis=2).reshape(T, J, H).astype(kv_pages_PSJH.dtype)
+    slots_T = jnp.where(slots_T < 0, P * S, slots_T)  # out of range -> dropped
+    flat = kv_pages_PSJH.reshape(P * S, J, H).at[slots_T].set(kv_TJH, mode="drop")
+    return flat.reshape(P, S, J, H)
+
+
+def token_positions(query_start_B1: jax.Array, seq_lens_B: jax.Array, num_seqs: jax.Array,
+                    num_tokens: int):
+    """Per-token (sequence index, position, valid) for a ragged batch."""
+    t_T = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_T = jnp.searchsorted(query_start_B1[1:], t_T, side="right").astype(jnp.int32)
+    valid_T = t_T < query_start_B1[num_seqs]
+    seq_T = jnp.where(valid_T, seq_T, 0)
+    q_len_T = query_start_B1[seq_T + 1] - query_start_B1[seq_T]
+    pos_T = seq_lens_B[seq_T] - q_len_T + (t_T - query_start_B1[seq_T])
+    return seq_T, jnp.where(valid_T, pos_T, -1), valid_T
+
+
+def ref_ragged_paged_attention(
+    q_TNH: jax.Array,
+    kv_pages_PSJH: jax.Array,
+    query_start_B1: jax.Array,
+    seq_lens_B: jax.Array,
+    page_table_BC: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    block_q: int = 64,
+) -> jax.Array:
+    """Causal paged attention for a ragged batch (prefill, decode, or both).
+
+    Flash-style: query blocks of `block_q` tokens walk their sequences' pages one
+    page at a time with an online softmax, stopping at the last page any token of
+    the block can see. Memory is O(block_q * S), not O(T * context).
+    """
+    T, N, H = q_TNH.shape
+    _, S, J, _ = kv_pages_PSJH.shape
+    K = J // 2
+    G = N // K  # query heads per KV head; head n reads KV head n // G (HF repeat_kv)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    seq_T, pos_T, valid_T = token_positions(query_start_B1, seq_lens_B, num_seqs, T)
+
+    block_q = min(block_q, T)
+    num_blocks = -(-T // block_q)
+    pad = num_blocks * block_q - T
+    q_QKGH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block_q, K, G, H)
+    seq_Q = jnp.pad(seq_T, (0, pad)).reshape(num_blocks, block_q)
+    pos_Q = jnp.pad(pos_T, (0, pad), constant_values=-1).reshape(num_blocks, block_q)
+
+    def one_block(args):
+        q_bKGH, seq_b, pos_b = args
+        q_bKGH = q_bKGH.astype(jnp.float32) * sm_scale
+        pages_bC = page_table_BC[seq_b]
+        num_pages = jnp.max(pos_b) // S + 1  # 0 when the whole block is padding
+
+        def body(c, carry):
+            m_bKG, l_bKG, acc_bKGH = carry
+            kv_bSJH = kv_pages_PSJH[pages_bC[:, c]].astype(jnp.float32)
+            k_bSKH, v_bSKH = kv_bSJH[:, :, 0::2], kv_bSJH[:, :, 1::2]
+            s_bKGS = jnp.einsum("bkgh,bskh->bkgs", q_bKGH, k_bSKH)
+            key_pos_S = c * S + jnp.arange(S)
+            visible_bS = key_pos_S[None, :] <= pos_b[:, None]
+            s_bKGS = jnp.where(visible_bS[:, None, None, :], s_bKGS, MASK_VALUE)
+            m_new = jnp.maximum(m_bKG, jnp.max(s_bKGS, axis=-1))
+            p_bKGS = jnp.exp(s_bKGS - m_new[..., None])
+            p_bKGS = jnp.where(visible_bS[:, None, None, :], p_bKGS, 0.0)
+            alpha = jnp.exp(m_bKG - m_new)
+            l_new = alpha * l_bKG + jnp.sum(p_bKGS, axis=-1)
+            acc_new = alpha[..., None] * acc_bKGH + jnp.einsum("bkgs,bskh->bkgh", p_bKGS, v_bSKH)
+            return m_new, l_new, acc_new
+
+        init = (
+            jnp.full(q_bKGH.shape[:3], MASK_VALUE, jnp.float32),
+            jnp.zeros(q_bKGH.shape[:3], jnp.float32),
+            jnp.zeros(q_bKGH.shape, jnp.float32),
+        )
+        _, l_bKG, acc_bKGH = jax.lax.fori_loop(0, num_pages, body, init)
+        return acc_bKGH / jnp.where(l_bKG == 0.0, 1.0, l_bKG)[..., None]
+
+    o_QKGH = jax.lax.map(one_block, (q_QKGH, seq_Q, pos_Q))
+    o_TNH = o_QKGH.reshape(num_blocks * block_q, N, H)[:T]
+    return jnp.where(valid_T[:, None, None], o_TNH, 0.0).astype(q_TNH.dtype)
+
+
+def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale):
+    """One query token per sequence; sequences with seq_len 0 are padding (zeros)."""
+    B = q_BNH.shape[0]
+    query_start_B1 = jnp.arange(B + 1, dtype=jnp.int32)
+    num_seqs = jnp.sum(seq_lens_B > 0).astype(jnp.int32)
+    # Padding sequences must sit at the end for the ragged form; decode batches do.
+    return ref_ragged_paged_attention(
+        q_BNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs,
+        sm_scale=sm_scale, block_q=B,
+    )
+
+
+def ref_attention_dense(q_TNH, k_TKH, v_TKH, *, sm_scale):
+    """Plain causal attention over one contiguous sequence: the oracle for tests."""
+    T, N, H = q_TNH.shape
+    G = N // k_TKH.shape[1]
+    k_TNH = jnp.repeat(k_TKH, G, axis=1).astype(jnp.float32)
+    v_TNH = jnp.repeat(v_TKH, G, axis=1).astype(jnp.float32)
+    s_NTT = jnp.einsum("tnh,snh->nts", q_TNH.astype(jnp.float32), k_TNH) * sm_scale
+    s_NTT = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None], s_NTT, MASK_VALUE)
+    return jnp.einsum("nts,snh->tnh", jax.nn.softmax(s_NTT, axis=-1), v_TNH).astype(q_TNH.dtype)

@@ -1,0 +1,109 @@
+"""Reference MoE feed-forward in plain JAX: routing, dispatch, grouped matmul, combine.
+
+This is the `xla` backend of `moe_ffn` and the oracle every Pallas kernel is tested
+against. The steps are the ones the kernels fuse:
+
+1. route:    float32 softmax over experts, top-k, optional renormalisation (Qwen3-MoE).
+2. dispatch: order the T*A (token, expert) rows by expert; count rows per expert.
+3. grouped matmul with `jax.lax.ragged_dot`: gate/up fused [E, D, 2F], SiLU(gate)*up,
+   then down [E, F, D]. Rows of masked-out (padding) tokens sort after every real
+   group and are not counted, so they activate no expert.
+4. combine:  weighted sum of each token's A expert outputs back to [T, D].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool):
+    """Returns (weights_TA float32, expert_ids_TA int32)."""
+    probs_TE = jax.nn.softmax(router_logits_TE.astype(jnp.float32), axis=-1)
+    weights_TA, expert_ids_TA = jax.lax.top_k(probs_TE, top_k)
+    if norm_topk_prob:
+        weights_TA = weights_TA / jnp.sum(weights_TA, axis=-1, keepdims=True)
+    return weights_TA, expert_ids_TA.astype(jnp.int32)
+
+
+def dispatch(expert_ids_TA: jax.Array, num_experts: int, token_mask_T: jax.Array | None):
+    """Orders (token, expert) rows by expert.
+
+    Returns (sort_order_R, token_ids_R, group_sizes_E): row r of the sorted order is
+    flat row sort_order_R[r] = token_ids_R[r] * A + slot. Masked tokens get the
+    sentinel expert E, so they sort last and fall outside every group.
+    """
+    T, A = expert_ids_TA.shape
+    ids_R = expert_ids_TA.reshape(T * A)
+    if token_mask_T is not None:
+        valid_R = jnp.repeat(token_mask_T.astype(bool), A)
+        ids_R = jnp.where(valid_R, ids_R, num_experts)
+    sort_order_R = jnp.argsort(ids_R, stable=True).astype(jnp.int32)
+    token_ids_R = sort_order_R // A
+    group_sizes_E = jnp.bincount(ids_R, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    return sort_order_R, token_ids_R, group_sizes_E
+
+
+def moe_stats(group_sizes_E: jax.Array, w_gate_up_EDF2: jax.Array, w_down_EFD: jax.Array):
+    """Expert traffic of one call: experts with at least one row are read once, whole."""
+    experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
+    bytes_per_expert = (w_gate_up_EDF2[0].size + w_down_EFD[0].size) * w_down_EFD.dtype.itemsize
+    return {
+        "tokens_per_expert": group_sizes_E,
+        "experts_activated": experts_activated,
+        # float32 because int32 overflows at 2 GiB and x64 is off; the engine sums
+        # experts_activated in Python ints for the exact total.
+        "expert_bytes_loaded": experts_activated.astype(jnp.float32) * float(bytes_per_expert),
+    }
+
+
+def combine(y_RD: jax.Array, sort_order_R: jax.Array, weights_TA: jax.Array, num_tokens: int):
+    """Weighted sum of the sorted rows back to [T, D] (float32 accumulation)."""
+    A = weights_TA.shape[1]
+    w_R = weights_TA.reshape(-1)[sort_order_R]
+    contrib_RD = y_RD.astype(jnp.float32) * w_R[:, None]
+    return jax.ops.segment_sum(contrib_RD, sort_order_R // A, num_segments=num_tokens)
+
+
+def ref_moe_ffn(
+    x_TD: jax.Array,
+    router_logits_TE: jax.Array,
+    w_gate_up_EDF2: jax.Array,
+    w_down_EFD: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    token_mask_T: jax.Array | None = None,
+):
+    """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats)."""
+    T = x_TD.shape[0]
+    E, _, F2 = w_gate_up_EDF2.shape
+    F = F2 // 2
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    if token_mask_T is not None:
+        weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
+    sort_order_R, token_ids_R, group_sizes_E = dispatch(expert_ids_TA, E, token_mask_T)
+    x_RD = x_TD[token_ids_R]
+    gate_up_RF2 = jax.lax.ragged_dot(x_RD, w_gate_up_EDF2, group_sizes_E)
+    h_RF = jax.nn.silu(gate_up_RF2[:, :F]) * gate_up_RF2[:, F:]
+    y_RD = jax.lax.ragged_dot(h_RF.astype(w_down_EFD.dtype), w_down_EFD, group_sizes_E)
+    y_TD = combine(y_RD, sort_order_R, weights_TA, T).astype(x_TD.dtype)
+    return y_TD, moe_stats(group_sizes_E, w_gate_up_EDF2, w_down_EFD)
+
+
+def ref_moe_ffn_dense(
+    x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k, norm_topk_prob,
+    token_mask_T=None,
+):
+    """Every expert on every token, weighted by the routing: the oracle for tests only."""
+    E, _, F2 = w_gate_up_EDF2.shape
+    F = F2 // 2
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    if token_mask_T is not None:
+        weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
+    dense_w_TE = jnp.sum(jax.nn.one_hot(expert_ids_TA, E) * weights_TA[..., None], axis=1)
+    x32 = x_TD.astype(jnp.float32)
+    gate_up_TEF2 = jnp.einsum("td,edf->tef", x32, w_gate_up_EDF2.astype(jnp.float32))
+    h_TEF = jax.nn.silu(gate_up_TEF2[..., :F]) * gate_up_TEF2[..., F:]
+    y_TED = jnp.einsum("tef,efd->ted", h_TEF, w_down_EFD.astype(jnp.float32))
+    return jnp.einsum("ted,te->td", y_TED, dense_w_TE).astype(x_TD.dtype)

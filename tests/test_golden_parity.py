@@ -1,0 +1,28 @@
+"""lp_jax against Hugging Face transformers: golden logits and greedy continuations.
+
+The golden files come from tests/golden/make_golden.py (transformers on CPU,
+float32). Tolerance: 1e-4 absolute on float32 logits; greedy tokens identical.
+"""
+
+import numpy as np
+import pytest
+
+from checkpoints.make_tiny import PRESETS, ensure_tiny
+from lp_jax.loader import load_model
+from lp_jax.models.simple import greedy_generate
+
+GOLDEN = "tests/golden/{}.npz"
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_matches_transformers(preset):
+    golden = np.load(GOLDEN.format(preset))
+    model = load_model(ensure_tiny(preset=preset))
+    n = len([k for k in golden.files if k.startswith("prompt_")])
+    assert n >= 3
+    for i in range(n):
+        prompt = golden[f"prompt_{i}"].tolist()
+        want = golden[f"greedy_{i}"].tolist()
+        tokens, logits = greedy_generate(model, prompt, len(want), return_prompt_logits=True)
+        np.testing.assert_allclose(logits, golden[f"logits_{i}"], rtol=0, atol=1e-4)
+        assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
