@@ -41,7 +41,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type {self.model_type!r}; lp_jax supports {SUPPORTED_MODEL_TYPES}"
+                f"unsupported model_type {self.model_type!r}; "
+                f"lp_jax supports {SUPPORTED_MODEL_TYPES}"
             )
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim"):
@@ -148,6 +149,11 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        return cls.from_pretrained_file(path)
+
+    @classmethod
+    def from_pretrained_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
         try:
             hf = json.loads(path.read_text())
         except json.JSONDecodeError as e:

@@ -260,7 +260,7 @@ def save_params(model: Qwen3MoeForCausalLM, path: str | Path):
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).absolute(), nnx.state(model))
+        ckptr.save(Path(path).absolute(), nnx.to_pure_dict(nnx.state(model)))
 
 
 def restore_params(cfg: ModelConfig, path: str | Path, *, mesh: Mesh | None = None,

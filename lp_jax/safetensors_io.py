@@ -72,7 +72,8 @@ class SafetensorsFile:
                 raise CheckpointError(
                     f"{self.path}: corrupt safetensors header entry for tensor {name!r} ({e!r})"
                 ) from None
-            if end - begin != math.prod(shape) * dtype.itemsize or not 0 <= begin <= end <= data_size:
+            size_ok = end - begin == math.prod(shape) * dtype.itemsize
+            if not size_ok or not 0 <= begin <= end <= data_size:
                 raise CheckpointError(
                     f"{self.path}: corrupt safetensors header: tensor {name!r} offsets "
                     f"[{begin}, {end}) do not match shape {shape} {info['dtype']} "

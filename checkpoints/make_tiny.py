@@ -1,0 +1,414 @@
+"""Deterministic tiny Qwen3 / Qwen3-MoE checkpoints in the Hugging Face layout.
+
+A preset becomes a model directory that `transformers.AutoModelForCausalLM` loads as is:
+config.json, model.safetensors (or two shards plus an index), tokenizer.json,
+tokenizer_config.json and generation_config.json. The engine's loader tests and the golden
+outputs in tests/golden/ are made from these directories, so the bytes must not drift:
+
+- Weights come from the legacy `np.random.RandomState`, whose stream NumPy keeps fixed
+  across versions (`default_rng` makes no such promise), drawn tensor by tensor in a fixed
+  order. The golden script runs under another venv with another NumPy, so this matters.
+- The byte-level BPE tokenizer is trained here on the small embedded corpus below, with
+  the trainer's thread pool switched off.
+- This module imports only numpy, safetensors and tokenizers and runs on Python 3.11,
+  because tests/golden/make_golden.py loads it inside the transformers reference venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_ROOT = HERE / "tiny"
+STAMP_FILE = ".make_tiny_stamp"
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # appended after the BPE vocab, as in Qwen
+
+# Fields every preset shares. Expert fields are dropped for model_type "qwen3".
+_SHARED = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 4096,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 512,
+}
+
+_TINY = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 128,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(_TINY),
+    # Layer 1 is a dense MLP inside an MoE model; top-k weights are not renormalized.
+    "tiny-mlp-only": {
+        **_TINY,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": False,
+    },
+    # Every second layer is MoE (layers 1 and 3); one KV head serves four query heads.
+    "tiny-tied": {
+        **_TINY,
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": True,
+        "decoder_sparse_step": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 1,
+    },
+    "tiny-dense": {**_TINY, "model_type": "qwen3", "num_hidden_layers": 4},
+}
+
+_EXPERT_KEYS = (
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "num_experts",
+    "num_experts_per_tok",
+    "output_router_logits",
+    "router_aux_loss_coef",
+)
+
+CORPUS = (
+    "A language model server spends most of its day waiting for memory. Each request "
+    "arrives as a short prompt, the prompt is split into tokens, and the tokens are pushed "
+    "through every layer of the network at once. That first pass is called prefill. After "
+    "it, the server produces one new token per step for each request, reading the whole "
+    "key and value cache again and again. This second phase is called decode, and it is "
+    "limited by how fast the cache can be read rather than by arithmetic.",
+    "Mixture of experts models make the picture more interesting. A small router looks at "
+    "every token and picks a few experts out of many, so only a slice of the weights is "
+    "used for any one token. When thousands of tokens share a batch, almost every expert "
+    "is busy; when a single token is decoded, most experts sit idle. A good scheduler "
+    "groups the layers, mixes prefill and decode work, and keeps the accelerator fed.",
+    "The weather this week has been strange. Monday began with fog so thick that the "
+    "harbour lights looked like candles, then the wind turned and blew the clouds out to "
+    "sea. By Wednesday the sky was clear and cold, and the puddles froze at night. The "
+    "forecast promises rain on Friday, warm air from the south on Saturday, and a storm "
+    "that may or may not arrive before Sunday evening.",
+    "To cook a simple soup, slice two onions and let them soften in butter over a low "
+    "flame. Add a few carrots, a potato cut into cubes, a bay leaf and enough water to "
+    "cover everything. Simmer for twenty minutes, season with salt and black pepper, and "
+    "blend until smooth. A spoon of cream and some fresh bread turn it into dinner.",
+    "Questions and answers make good test data. What time is it? It is a quarter past "
+    "seven. How many tokens fit in a page of the cache? Sixteen, in this small model. "
+    "Why do we check the outputs against a reference? Because a serving engine that is "
+    "fast but wrong is not useful to anyone, and small numbers are easy to compare.",
+    "Numbers and symbols: 0 1 2 3 4 5 6 7 8 9, 10, 42, 128, 2048, 3.14; (a + b) * c = d; "
+    "user@example.com; path/to/file.txt; 50% off, $12.99, #tag, x_y-z!",
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_config(preset: str = "tiny") -> dict:
+    """The Hugging Face config.json contents for a preset."""
+    if preset not in PRESETS:
+        raise KeyError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    cfg = {**_SHARED, **PRESETS[preset]}
+    cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    vocab = cfg["vocab_size"]
+    cfg["bos_token_id"] = special_token_id(vocab, ENDOFTEXT)
+    cfg["eos_token_id"] = special_token_id(vocab, IM_END)
+    if cfg["model_type"] == "qwen3":
+        cfg["architectures"] = ["Qwen3ForCausalLM"]
+        for key in _EXPERT_KEYS:
+            cfg.pop(key, None)
+    else:
+        cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    return dict(sorted(cfg.items()))
+
+
+def special_token_id(vocab_size: int, token: str) -> int:
+    return vocab_size - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(token)
+
+
+def is_moe_layer(cfg: dict, i: int) -> bool:
+    """The rule of transformers' Qwen3MoeDecoderLayer."""
+    return (
+        cfg.get("num_experts", 0) > 0
+        and i not in cfg.get("mlp_only_layers", [])
+        and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
+    )
+
+
+# Gains found by a small scan with transformers so that random weights do not collapse into
+# one repeated greedy token. embed, router and head multiply 1/sqrt(hidden_size): embedding
+# rows of norm ~2 sit beside sublayer outputs of norm ~sqrt(hidden_size), so a tied head does
+# not just echo the input token; router and vocab logits come out ~ N(0, 4), which keeps
+# top-k and argmax choices clear of near-ties. qk_norm is the mean of the q/k norm weights:
+# 2 sharpens attention enough that it does not average the context into a fixed point.
+SCALES = {"embed": 2.0, "router": 2.0, "head": 2.0, "qk_norm": 2.0}
+
+
+def make_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float32 tensors under the HF names, torch [out, in] layout, in a fixed draw order.
+
+    Linear weights are N(0, 1/fan_in), so activations keep their scale through a layer;
+    norm weights are their mean plus N(0, 0.1^2) noise, so a misapplied norm shows.
+    """
+    rng = np.random.RandomState(seed)
+    d, v = cfg["hidden_size"], cfg["vocab_size"]
+    h, n, k = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    out: dict[str, np.ndarray] = {}
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(name: str, size: int, mean: float = 1.0) -> None:
+        out[name] = (mean + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+    def linear(name: str, n_out: int, n_in: int) -> None:
+        normal(name, (n_out, n_in), n_in**-0.5)
+
+    def mlp(prefix: str, width: int) -> None:
+        linear(f"{prefix}.gate_proj.weight", width, d)
+        linear(f"{prefix}.up_proj.weight", width, d)
+        linear(f"{prefix}.down_proj.weight", d, width)
+
+    normal("model.embed_tokens.weight", (v, d), SCALES["embed"] * d**-0.5)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm.weight", d)
+        norm(f"{p}.post_attention_layernorm.weight", d)
+        linear(f"{p}.self_attn.q_proj.weight", n * h, d)
+        linear(f"{p}.self_attn.k_proj.weight", k * h, d)
+        linear(f"{p}.self_attn.v_proj.weight", k * h, d)
+        linear(f"{p}.self_attn.o_proj.weight", d, n * h)
+        norm(f"{p}.self_attn.q_norm.weight", h, SCALES["qk_norm"])
+        norm(f"{p}.self_attn.k_norm.weight", h, SCALES["qk_norm"])
+        if is_moe_layer(cfg, i):
+            normal(f"{p}.mlp.gate.weight", (cfg["num_experts"], d), SCALES["router"] * d**-0.5)
+            for e in range(cfg["num_experts"]):
+                mlp(f"{p}.mlp.experts.{e}", cfg["moe_intermediate_size"])
+        else:
+            mlp(f"{p}.mlp", cfg["intermediate_size"])
+    norm("model.norm.weight", d)
+    if not cfg["tie_word_embeddings"]:
+        normal("lm_head.weight", (v, d), SCALES["head"] * d**-0.5)
+    return out
+
+
+@contextlib.contextmanager
+def _serial_tokenizers():
+    """Run the tokenizers library without its thread pool for the duration."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with exactly vocab_size ids, specials last."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    with _serial_tokenizers():
+        tok.train_from_iterator(list(CORPUS), trainer=trainer)
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+        )
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"trained {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    for t in SPECIAL_TOKENS:
+        assert tok.token_to_id(t) == special_token_id(vocab_size, t), t
+    return tok
+
+
+def _dump_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_weights(out: Path, tensors: dict[str, np.ndarray], cfg: dict, sharded: bool) -> None:
+    from safetensors.numpy import save_file
+
+    meta = {"format": "pt"}
+    if not sharded:
+        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        return
+    half = cfg["num_hidden_layers"] // 2
+
+    def shard_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            return 0 if int(name.split(".")[2]) < half else 1
+        return 0 if name == "model.embed_tokens.weight" else 1
+
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {}
+    for s, fname in enumerate(files):
+        part = {n: t for n, t in tensors.items() if shard_of(n) == s}
+        save_file(part, str(out / fname), metadata=meta)
+        weight_map.update({n: fname for n in part})
+    total = sum(t.nbytes for t in tensors.values())
+    _dump_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+
+
+def write_model_dir(
+    out_dir: str | os.PathLike,
+    preset: str = "tiny",
+    *,
+    write_sharded: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a complete model directory for `preset` into out_dir (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # no shards left over from another layout
+    cfg = build_config(preset)
+    vocab = cfg["vocab_size"]
+    _dump_json(out / "config.json", cfg)
+    _write_weights(out, make_weights(cfg, seed), cfg, write_sharded)
+    build_tokenizer(vocab).save(str(out / "tokenizer.json"))
+    _dump_json(
+        out / "tokenizer_config.json",
+        {
+            "add_bos_token": False,
+            "bos_token": ENDOFTEXT,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": IM_END,
+            "model_max_length": cfg["max_position_embeddings"],
+            "pad_token": ENDOFTEXT,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+    _dump_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": cfg["bos_token_id"],
+            "do_sample": False,
+            # As in Qwen3: stop on <|im_end|> or <|endoftext|>.
+            "eos_token_id": [cfg["eos_token_id"], cfg["bos_token_id"]],
+            "pad_token_id": cfg["bos_token_id"],
+        },
+    )
+    (out / STAMP_FILE).write_text(_stamp(preset, write_sharded, seed) + "\n")
+    return out
+
+
+def _stamp(preset: str, sharded: bool, seed: int) -> str:
+    """Changes whenever this generator's source changes, so stale caches get rebuilt."""
+    src = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return f"{preset} sharded={sharded} seed={seed} src={src}"
+
+
+def ensure_tiny(out_dir: str | os.PathLike | None = None, preset: str = "tiny") -> Path:
+    """Path to the preset's model directory, generating it first if absent or stale.
+
+    Defaults to checkpoints/tiny/<preset>/ (gitignored). The directory is built beside
+    the target and renamed into place, so concurrent callers never see half a model.
+    """
+    out = Path(out_dir) if out_dir is not None else DEFAULT_ROOT / preset
+    stamp = out / STAMP_FILE
+    want = _stamp(preset, False, 0)
+    if stamp.exists() and stamp.read_text().strip() == want:
+        return out
+    if out.exists():
+        if not stamp.exists():
+            raise FileExistsError(f"{out} exists and was not made by make_tiny")
+        shutil.rmtree(out)  # a stale build of ours
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_model_dir(tmp, preset)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        os.rename(tmp, out)
+    except OSError:
+        if not (stamp.exists() and stamp.read_text().strip() == want):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def weights_digest(model_dir: str | os.PathLike) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, independent of sharding."""
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}|{t.dtype.str}|{list(t.shape)}|".encode())
+        h.update(t.tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--out", help="target directory (default: checkpoints/tiny/<preset>)")
+    ap.add_argument("--sharded", action="store_true", help="two shards plus an index")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.out is None and not args.sharded and args.seed == 0:
+        path = ensure_tiny(preset=args.preset)
+    else:
+        out = args.out or DEFAULT_ROOT / args.preset
+        path = write_model_dir(out, args.preset, write_sharded=args.sharded, seed=args.seed)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

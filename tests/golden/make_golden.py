@@ -1,0 +1,168 @@
+"""Golden outputs of the reference implementation (Hugging Face transformers) for the tiny presets.
+
+Runs in its own Python 3.11 venv with CPU torch, outside the repo, never under pytest:
+
+    python3 -m venv /tmp/hfref
+    /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
+    /tmp/hfref/bin/python tests/golden/make_golden.py          # from the repo root
+
+It loads checkpoints/make_tiny.py by path (that module needs no jax), writes each preset
+to a temporary directory, loads it with AutoModelForCausalLM in float32 with eager
+attention, and writes tests/golden/<preset>.npz with, for prompt i in 0..2:
+
+    prompt_i         int32 [T]      prompt token ids (lengths 5, 17, 40)
+    logits_i         float32 [T, V] logits at every prompt position
+    greedy_i         int32 [32]     greedy continuation, argmax each step, no eos stop
+    greedy_margin_i  float32 [32]   top-1 minus top-2 logit at each greedy step
+    router_margin_i  float32 []     smallest gap between the k-th and (k+1)-th router
+                                    logit over all MoE layers and positions (inf if dense)
+    text_1, text_2   str            the text that prompts 1 and 2 were cut from
+
+plus preset, weights_digest (make_tiny.weights_digest of the model), and the
+transformers / torch versions. The margins say how much numerical slack a comparison has.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).resolve().parent
+N_NEW = 32
+PROMPT_LENS = (5, 17, 40)
+TEXT_1 = "The forecast promises rain on Friday, so the onion soup will simmer while the wind blows."
+CHAT = [
+    {"role": "system", "content": "You are a small test model that answers briefly."},
+    {
+        "role": "user",
+        "content": "How many tokens fit in a page of the cache, and why does it matter?",
+    },
+]
+
+
+def load_make_tiny():
+    spec = importlib.util.spec_from_file_location("make_tiny", ROOT / "checkpoints/make_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def prompts(tok, vocab_size: int, n_special: int) -> tuple[list[list[int]], dict[str, str]]:
+    """Prompt 0: random ordinary ids; 1: plain text; 2: a ChatML conversation."""
+    ids0 = np.random.RandomState(1234).randint(0, vocab_size - n_special, PROMPT_LENS[0]).tolist()
+    text_2 = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    out = [ids0]
+    for text, n in ((TEXT_1, PROMPT_LENS[1]), (text_2, PROMPT_LENS[2])):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= n, (len(ids), n)
+        out.append(ids[:n])
+    return out, {"text_1": TEXT_1, "text_2": text_2}
+
+
+def check_structure(model, cfg: dict, make_tiny) -> None:
+    """Fail loudly if transformers read the config differently from what make_tiny meant."""
+    inner = model.model
+    assert model.config.head_dim == cfg["head_dim"]
+    h = cfg["head_dim"]
+    want = 1.0 / cfg["rope_theta"] ** (torch.arange(0, h, 2, dtype=torch.float32) / h)
+    torch.testing.assert_close(inner.rotary_emb.inv_freq, want)
+    for i, layer in enumerate(inner.layers):
+        assert hasattr(layer.mlp, "experts") == make_tiny.is_moe_layer(cfg, i), i
+    tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+    assert tied == cfg["tie_word_embeddings"]
+
+
+@torch.no_grad()
+def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray]:
+    """Prompt logits, then a greedy loop that recomputes the whole sequence each step."""
+    seq = torch.tensor([ids])
+    prompt_logits = model(seq).logits[0].numpy().astype(np.float32)
+    for _ in range(N_NEW):
+        nxt = model(seq).logits[0, -1].argmax()
+        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    greedy = seq[0, len(ids) :]
+    # One pass over prompt + continuation gives the logits of every greedy step.
+    out = model(seq[:, :-1], output_router_logits=top_k is not None)
+    steps = out.logits[0, len(ids) - 1 :]
+    assert torch.equal(steps.argmax(-1), greedy), "full-sequence pass disagrees with the loop"
+    top2 = steps.topk(2, dim=-1).values
+    router_margin = np.float32(np.inf)
+    if top_k is not None:
+        gaps = [r.topk(top_k + 1, dim=-1).values for r in out.router_logits]
+        router_margin = np.float32(min((g[:, -2] - g[:, -1]).min().item() for g in gaps))
+    # HF's cached generate() must give the same tokens. eos_token_id=None turns off eos
+    # stopping; min_new_tokens would instead mask eos out and change the argmax.
+    gen = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=N_NEW,
+        eos_token_id=None,
+    )
+    assert torch.equal(gen[0, len(ids) :], greedy), "generate() disagrees with the greedy loop"
+    return {
+        "logits": prompt_logits,
+        "greedy": greedy.numpy().astype(np.int32),
+        "greedy_margin": (top2[:, 0] - top2[:, 1]).numpy().astype(np.float32),
+        "router_margin": router_margin,
+    }
+
+
+def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
+    model_dir = make_tiny.write_model_dir(tmp / preset, preset)
+    cfg = make_tiny.build_config(preset)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    bad = {k: v for k, v in info.items() if v}
+    assert not bad, f"{preset}: loading problems {bad}"
+    model.eval()
+    check_structure(model, cfg, make_tiny)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids_list, texts = prompts(tok, cfg["vocab_size"], len(make_tiny.SPECIAL_TOKENS))
+    top_k = cfg.get("num_experts_per_tok") if cfg.get("num_experts", 0) else None
+    record: dict[str, np.ndarray] = {
+        "preset": np.array(preset),
+        "weights_digest": np.array(make_tiny.weights_digest(model_dir)),
+        "transformers_version": np.array(transformers.__version__),
+        "torch_version": np.array(torch.__version__),
+        **{k: np.array(v) for k, v in texts.items()},
+    }
+    for i, ids in enumerate(ids_list):
+        record[f"prompt_{i}"] = np.array(ids, dtype=np.int32)
+        for key, val in run_prompt(model, ids, top_k).items():
+            record[f"{key}_{i}"] = val
+    return record
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    make_tiny = load_make_tiny()
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in make_tiny.PRESETS:
+            rec = make_preset(make_tiny, preset, Path(tmp))
+            for i in range(len(PROMPT_LENS)):
+                g = rec[f"greedy_{i}"]
+                assert len(set(g.tolist())) > 1, f"{preset}: greedy_{i} repeats one token"
+            np.savez(OUT / f"{preset}.npz", **rec)
+            margins = [float(rec[f"greedy_margin_{i}"].min()) for i in range(len(PROMPT_LENS))]
+            routers = [float(rec[f"router_margin_{i}"]) for i in range(len(PROMPT_LENS))]
+            print(f"{preset}: greedy_0={rec['greedy_0'].tolist()}")
+            print(f"  min greedy margins {margins}, min router margins {routers}")
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"python {sys.version.split()[0]}"
+    )
+
+
+if __name__ == "__main__":
+    main()
