@@ -1,0 +1,111 @@
+"""What one iteration must compute: the plan the scheduler hands to an executor.
+
+An executor (the JAX model runner, or a simulator's cost model) carries out a `StepPlan` and
+returns one sampled token per sequence that samples; the scheduler's `commit` then applies
+them. Plans say which tokens run through which layers and nothing about devices, arrays or
+padding.
+
+Every plan has two parts:
+- `decode`: sequences that each run their last token through all layers and sample one token;
+- `prefill`: prompt chunks that run through layers [layer_start, layer_end) only. Orca and
+  chunked prefill always use the whole stack (one group). Layered prefill runs the same chunks
+  for G consecutive iterations, group g in iteration g; the executor keeps the batch's hidden
+  states between them under `prefill_batch_id`, embeds the tokens when `is_first_group`, and
+  computes logits for the chunks that `samples` when `is_last_group`.
+
+Plans hold the live `Sequence` objects, so an executor reads token ids, positions
+(`num_tokens - 1` for a decode, [start, end) for a chunk) and page ids before `commit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lp_jax.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Tokens [start, end) of `seq` in this prefill batch."""
+
+    seq: Sequence
+    start: int
+    end: int
+    # True iff this chunk ends the sequence's prefill, so its next token is sampled after the
+    # chunk's last layer. Fixed at construction: the sequence may be preempted much later.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.seq.prefill_target:
+            raise ValueError(
+                f"chunk [{self.start}, {self.end}) outside the prefill target "
+                f"{self.seq.prefill_target} of seq {self.seq.seq_id}"
+            )
+        object.__setattr__(self, "samples", self.end == self.seq.prefill_target)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    step_id: int
+    num_layers: int
+    decode: tuple[Sequence, ...] = ()
+    prefill: tuple[PrefillChunk, ...] = ()
+    prefill_batch_id: int | None = None  # set iff prefill is non-empty
+    layer_start: int = 0
+    layer_end: int | None = None  # None: num_layers
+    group_index: int = 0
+    num_groups: int = 1
+    preempted: tuple[int, ...] = ()  # seq ids whose device-side state must be forgotten
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode", tuple(self.decode))
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "preempted", tuple(self.preempted))
+        if self.layer_end is None:
+            object.__setattr__(self, "layer_end", self.num_layers)
+        if not 0 <= self.layer_start < self.layer_end <= self.num_layers:
+            raise ValueError(
+                f"layer range [{self.layer_start}, {self.layer_end}) not inside "
+                f"[0, {self.num_layers})"
+            )
+        if not 0 <= self.group_index < self.num_groups <= self.num_layers:
+            raise ValueError(f"group {self.group_index} of {self.num_groups} is invalid")
+        if self.num_groups == 1 and (self.layer_start, self.layer_end) != (0, self.num_layers):
+            raise ValueError("a single-group plan must cover all layers")
+        if (self.prefill_batch_id is None) != (not self.prefill):
+            raise ValueError("prefill_batch_id must be set iff the plan has prefill chunks")
+        ids = [s.seq_id for s in self.decode] + [c.seq.seq_id for c in self.prefill]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a sequence appears twice in plan {self.step_id}: {ids}")
+
+    @property
+    def is_first_group(self) -> bool:
+        return self.group_index == 0
+
+    @property
+    def is_last_group(self) -> bool:
+        return self.group_index == self.num_groups - 1
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode)
+
+    @property
+    def phase(self) -> str:
+        if self.prefill and self.decode:
+            return "hybrid"
+        return "prefill" if self.prefill else "decode" if self.decode else "idle"
+
+    @property
+    def sampling_seqs(self) -> tuple[Sequence, ...]:
+        """Sequences that get a token from this iteration: decodes, then completed prefills."""
+        done = tuple(c.seq for c in self.prefill if c.samples) if self.is_last_group else ()
+        return self.decode + done

@@ -1,0 +1,481 @@
+"""Iteration-level scheduler: one core, three prefill policies.
+
+The `Scheduler` core owns all bookkeeping: the waiting queue (ordered by priority, arrival,
+id), KV-page admission, decode growth, recompute preemption, aborts and `commit`. A `Policy`
+only decides the prefill part of each plan:
+
+- `OrcaPolicy`: whole prompts next to the decodes (stalls decodes behind long prompts);
+- `ChunkedPolicy`: Sarathi-Serve stall-free batching, prompts cut along tokens to fill a token
+  budget shared with the decodes;
+- `LayeredPolicy`: the paper's layered prefill; one batch of prompt tokens crosses one group of
+  layers per iteration, so every layer sees each prompt token once and decodes never stall.
+
+Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`; exactly one
+plan is outstanding at a time. Every admitted request holds the pages for its whole prefill
+target; a decode that needs a page and finds none preempts from the tail of the running decodes
+(lowest priority, latest arrival), possibly itself. Pages of a sequence aborted while a device
+step may still write its KV are freed only when that step (or layered batch) completes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass
+
+from lp_jax.engine.block_manager import BlockManager
+from lp_jax.engine.layer_groups import LayerGroupMode, check_mode, num_layer_groups, split_layers
+from lp_jax.engine.plan import PrefillChunk, StepPlan
+from lp_jax.engine.sequence import Sequence, SequenceStatus
+
+_POSITIVE_FIELDS = (
+    "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
+).split()
+_STAT_KEYS = (
+    "iterations iterations_decode iterations_prefill iterations_hybrid iterations_idle "
+    "prefill_tokens decode_tokens prefill_batches preemptions finished aborted"
+).split()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    policy: str  # a key of POLICIES: "orca", "chunked" or "layered"
+    num_layers: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    vocab_size: int
+    max_num_seqs: int = 128  # admitted sequences (prefilling + decoding)
+    max_num_batched_tokens: int | None = None  # prefill token budget; None: the policy default
+    layer_groups: LayerGroupMode = "paper"
+    max_layer_groups: int = 16
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        for name in _POSITIVE_FIELDS:
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+        check_mode(self.layer_groups)
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id {self.eos_token_id} outside [0, {self.vocab_size})")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", POLICIES[self.policy].budget(self))
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        POLICIES[self.policy].check(self)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_pages, config.page_size)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.prefilling: list[Sequence] = []  # admitted, prefill not complete
+        self.running: list[Sequence] = []  # decoding
+        self._zombies: list[Sequence] = []  # aborted, pages held until their step completes
+        self._live: dict[int, Sequence] = {}
+        self._pending: StepPlan | None = None
+        self._next_step = 0
+        self._next_batch = 0
+        self._now = 0.0
+        self._stats: Counter[str] = Counter()
+        self.policy: Policy = POLICIES[config.policy](self)
+
+    # ----- requests -----
+    def add(self, seq: Sequence) -> None:
+        """Queue a fresh request; raises ValueError, changing nothing, if it can never run."""
+        cfg = self.config
+        if not isinstance(seq, Sequence):
+            raise ValueError(f"expected a Sequence, got {type(seq).__name__}")
+        if isinstance(seq.seq_id, bool) or not isinstance(seq.seq_id, int):
+            raise ValueError(f"seq_id must be an int, got {seq.seq_id!r}")
+        if seq.seq_id in self._live or any(z.seq_id == seq.seq_id for z in self._zombies):
+            raise ValueError(f"seq_id {seq.seq_id} is already in the scheduler")
+        if isinstance(seq.priority, bool) or not isinstance(seq.priority, int):
+            raise ValueError(f"priority must be an int, got {seq.priority!r}")
+        if (
+            seq.status is not SequenceStatus.WAITING
+            or seq.num_output_tokens
+            or seq.num_computed_tokens
+            or seq.page_ids
+        ):
+            raise ValueError(f"seq {seq.seq_id} is not a fresh request: {seq}")
+        n = seq.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"seq {seq.seq_id} has an empty prompt")
+        if n > cfg.max_model_len:
+            raise ValueError(
+                f"seq {seq.seq_id}: prompt of {n} tokens > max_model_len {cfg.max_model_len}"
+            )
+        bad = [t for t in seq.token_ids if not _is_token(t, cfg.vocab_size)]
+        if bad:
+            raise ValueError(f"seq {seq.seq_id}: token ids {bad[:5]} outside [0, {cfg.vocab_size})")
+        bad = [t for t in seq.sampling_params.stop_token_ids if t >= cfg.vocab_size]
+        if bad:
+            raise ValueError(
+                f"seq {seq.seq_id}: stop_token_ids {bad} >= vocab_size {cfg.vocab_size}"
+            )
+        # The most KV it can ever hold: every token but the last, with outputs cut at
+        # max_model_len (a prompt of exactly max_model_len still yields one token).
+        final = min(n + seq.sampling_params.max_tokens, max(cfg.max_model_len, n + 1))
+        need = self.block_manager.pages_for(final - 1)
+        if need > cfg.num_pages:
+            raise ValueError(
+                f"seq {seq.seq_id} may need {need} KV pages ({final - 1} tokens), "
+                f"the pool has only {cfg.num_pages}"
+            )
+        bisect.insort(self.waiting, seq, key=_key)
+        self._live[seq.seq_id] = seq
+
+    def abort(self, seq_id: int, now: float | None = None) -> Sequence | None:
+        """Finish a request as aborted; None if it is unknown or already finished."""
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            return None
+        for queue in (self.waiting, self.running, self.prefilling):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        seq.finish_time = now
+        if seq.page_ids:
+            if seq.seq_id in self._busy_ids():
+                self._zombies.append(seq)  # the executor may still write its KV
+            else:
+                self.block_manager.free(seq)
+        self._stats["aborted"] += 1
+        return seq
+
+    def has_unfinished(self) -> bool:
+        """True while any request is live or any page is still held for an aborted one."""
+        return bool(self._live or self._zombies)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: iterations (per phase too), tokens, batches, preemptions, finishes."""
+        return {k: self._stats[k] for k in _STAT_KEYS}
+
+    # ----- one iteration -----
+    def schedule(self, now: float) -> StepPlan:
+        if self._pending is not None:
+            raise RuntimeError(f"commit plan {self._pending.step_id} before scheduling another")
+        self._now = now
+        decode, preempted = self._schedule_decodes()
+        # After a preemption, admit nothing this iteration unless nothing else would run.
+        part = self.policy.schedule_prefill(len(decode), admit=not (preempted and decode))
+        plan = StepPlan(
+            step_id=self._next_step,
+            num_layers=self.config.num_layers,
+            decode=tuple(decode),
+            prefill=part.chunks,
+            prefill_batch_id=part.batch_id,
+            layer_start=part.layer_start,
+            layer_end=part.layer_end,
+            group_index=part.group_index,
+            num_groups=part.num_groups,
+            preempted=tuple(s.seq_id for s in preempted),
+        )
+        self._next_step += 1
+        self._pending = plan
+        return plan
+
+    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> list[Sequence]:
+        """Apply the executor's sampled tokens; returns the sequences that finished."""
+        if plan is not self._pending:
+            raise RuntimeError("commit expects the plan returned by the last schedule()")
+        expect = {s.seq_id: s for s in plan.sampling_seqs}
+        extra = set(sampled) - set(expect)
+        if extra:
+            raise ValueError(f"tokens for seqs {sorted(extra)} that do not sample in this plan")
+        for sid, seq in expect.items():
+            if seq.is_finished:
+                continue  # aborted after schedule(); its token, if any, is dropped
+            tok = sampled.get(sid)
+            if tok is None:
+                raise ValueError(f"no sampled token for seq {sid}")
+            if not _is_token(tok, self.config.vocab_size):
+                raise ValueError(
+                    f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
+                )
+        self._pending = None
+        finished: list[Sequence] = []
+        for seq in plan.decode:
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens
+                self._append_token(seq, sampled[seq.seq_id], now, finished)
+        if plan.is_last_group:
+            for chunk in plan.prefill:
+                seq = chunk.seq
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens = chunk.end
+                if chunk.samples:
+                    self.prefilling.remove(seq)
+                    self.running.append(seq)
+                    self._append_token(seq, sampled[seq.seq_id], now, finished)
+            self._stats["prefill_tokens"] += plan.num_prefill_tokens
+            self._stats["prefill_batches"] += bool(plan.prefill)
+        self.policy.on_commit(plan)
+        busy = self._busy_ids()
+        for seq in [z for z in self._zombies if z.seq_id not in busy]:
+            self._zombies.remove(seq)
+            self.block_manager.free(seq)
+        self._stats["iterations"] += 1
+        self._stats[f"iterations_{plan.phase}"] += 1
+        self._stats["decode_tokens"] += plan.num_decode_tokens
+        return finished
+
+    # ----- helpers shared by the policies -----
+    def admit_head(self) -> Sequence | None:
+        """Admit the head of the waiting queue if a sequence slot and its pages are free."""
+        if not self.waiting or len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if not self.block_manager.can_allocate(seq.prefill_target):
+            return None
+        self.waiting.pop(0)
+        self.block_manager.allocate(seq, seq.prefill_target)
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self._now
+        self.prefilling.append(seq)
+        return seq
+
+    def new_batch_id(self) -> int:
+        self._next_batch += 1
+        return self._next_batch - 1
+
+    # ----- internals -----
+    def _schedule_decodes(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Give every running decode room for one more token, preempting from the tail."""
+        queue = sorted(self.running, key=_key)  # head first; queue[-1] is the tail
+        decode: list[Sequence] = []
+        preempted: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            while not self.block_manager.can_append(seq):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                decode.append(seq)
+        return decode, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style: drop the KV, keep the outputs, prefill everything again later."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.prefill_target = seq.num_tokens
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_key)
+        self._stats["preemptions"] += 1
+
+    def _append_token(self, seq: Sequence, tok: int, now: float, finished: list[Sequence]) -> None:
+        seq.token_ids.append(tok)
+        seq.token_times.append(now)
+        sp = seq.sampling_params
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.config.eos_token_id):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        else:
+            return
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.finish_time = now
+        del self._live[seq.seq_id]
+        self._stats["finished"] += 1
+        finished.append(seq)
+
+    def _busy_ids(self) -> set[int]:
+        """Sequences whose KV a device step may still be writing."""
+        ids = {s.seq_id for s in self.policy.in_flight()}
+        if self._pending is not None:
+            ids.update(s.seq_id for s in self._pending.decode)
+            ids.update(c.seq.seq_id for c in self._pending.prefill)
+        return ids
+
+
+def _key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.sort_key
+
+
+def _is_token(t: object, vocab_size: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+
+# ----- policies -----
+@dataclass(frozen=True, slots=True)
+class PrefillPart:
+    """The prefill half of a plan, as a policy decides it."""
+
+    chunks: tuple[PrefillChunk, ...]
+    batch_id: int | None
+    layer_start: int = 0
+    layer_end: int | None = None  # None: all layers
+    group_index: int = 0
+    num_groups: int = 1
+
+
+class Policy:
+    """Chooses prefill chunks; admission goes through `Scheduler.admit_head`."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        """Default max_num_batched_tokens."""
+        raise NotImplementedError
+
+    @staticmethod
+    def check(cfg: SchedulerConfig) -> None:
+        """Policy-specific config checks."""
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        raise NotImplementedError
+
+    def on_commit(self, plan: StepPlan) -> None:
+        """Called at the end of every commit."""
+
+    def in_flight(self) -> tuple[Sequence, ...]:
+        """Sequences of a prefill batch that spans iterations and has not completed."""
+        return ()
+
+    def _whole_stack(self, chunks: list[PrefillChunk]) -> PrefillPart:
+        return PrefillPart(tuple(chunks), self.sched.new_batch_id() if chunks else None)
+
+    def _continue_partials(self, left: int) -> tuple[list[PrefillChunk], int]:
+        """Next chunks of admitted, partially prefilled sequences within `left` tokens."""
+        chunks = []
+        for seq in self.sched.prefilling:
+            if left == 0:
+                break
+            start = seq.num_computed_tokens
+            n = min(seq.prefill_target - start, left)
+            chunks.append(PrefillChunk(seq, start, start + n))
+            left -= n
+        return chunks, left
+
+
+class OrcaPolicy(Policy):
+    """Whole prompts while they fit the budget; always at least one."""
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return cfg.max_model_len
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        s, left, chunks = self.sched, self.sched.config.max_num_batched_tokens, []
+        while admit and s.waiting and not (chunks and s.waiting[0].prefill_target > left):
+            seq = s.admit_head()
+            if seq is None:
+                break
+            chunks.append(PrefillChunk(seq, 0, seq.prefill_target))
+            left -= seq.prefill_target
+        return self._whole_stack(chunks)
+
+
+class ChunkedPolicy(Policy):
+    """Decodes, then in-flight partial prefills, then new requests, within one token budget."""
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return 512
+
+    @staticmethod
+    def check(cfg: SchedulerConfig) -> None:
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ValueError(
+                f"chunked prefill needs max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                f">= max_num_seqs ({cfg.max_num_seqs}) so all decodes fit the budget"
+            )
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        s = self.sched
+        chunks, left = self._continue_partials(s.config.max_num_batched_tokens - num_decode)
+        while admit and left > 0 and (seq := s.admit_head()) is not None:
+            n = min(seq.prefill_target, left)
+            chunks.append(PrefillChunk(seq, 0, n))
+            left -= n
+        return self._whole_stack(chunks)
+
+
+@dataclass(slots=True)
+class _LayeredBatch:
+    batch_id: int
+    chunks: tuple[PrefillChunk, ...]
+    groups: tuple[tuple[int, int], ...]
+    index: int = 0  # the group the next plan runs
+
+
+class LayeredPolicy(Policy):
+    """One prefill batch in flight; iteration g of the batch runs layer group g."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(sched)
+        self._batch: _LayeredBatch | None = None
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return 8192
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        if self._batch is None:
+            self._batch = self._form_batch(admit)
+        b = self._batch
+        if b is None:
+            return PrefillPart((), None)
+        start, end = b.groups[b.index]
+        return PrefillPart(b.chunks, b.batch_id, start, end, b.index, len(b.groups))
+
+    def _form_batch(self, admit: bool) -> _LayeredBatch | None:
+        s, cfg = self.sched, self.sched.config
+        # The rest of a prompt cut by the previous batch goes first.
+        chunks, left = self._continue_partials(cfg.max_num_batched_tokens)
+        # Whole prompts while they fit; a prompt longer than the budget opens a batch alone.
+        while admit and left > 0 and s.waiting:
+            if chunks and s.waiting[0].prefill_target > left:
+                break
+            seq = s.admit_head()
+            if seq is None:
+                break
+            n = min(seq.prefill_target, left)
+            chunks.append(PrefillChunk(seq, 0, n))
+            left -= n
+        if not chunks:
+            return None
+        g = num_layer_groups(
+            sum(c.num_tokens for c in chunks),
+            cfg.layer_groups,
+            max_layer_groups=cfg.max_layer_groups,
+            num_layers=cfg.num_layers,
+        )
+        return _LayeredBatch(s.new_batch_id(), tuple(chunks), split_layers(cfg.num_layers, g))
+
+    def on_commit(self, plan: StepPlan) -> None:
+        b = self._batch
+        if b is not None and plan.prefill_batch_id == b.batch_id:
+            b.index += 1
+            if b.index == len(b.groups):
+                self._batch = None
+
+    def in_flight(self) -> tuple[Sequence, ...]:
+        return tuple(c.seq for c in self._batch.chunks) if self._batch else ()
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "orca": OrcaPolicy,
+    "chunked": ChunkedPolicy,
+    "layered": LayeredPolicy,
+}

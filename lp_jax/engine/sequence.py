@@ -1,0 +1,120 @@
+"""One request's state as the scheduler sees it.
+
+A `Sequence` is mutable (the scheduler appends tokens and moves it between queues) but slotted
+and light: token ids, KV progress, logical page ids, priority and the timestamps needed for
+metrics. It knows nothing about devices.
+
+`prefill_target` is how many tokens the next prefill must cover: the prompt at first
+admission, or every token so far (prompt + outputs) after a recompute preemption. The prefill
+writes KV for positions [0, prefill_target) and samples the token at position
+`prefill_target`; each decode step writes KV for its last token and samples the next one.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from lp_jax.engine.metrics import RequestMetrics
+from lp_jax.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()  # admitted: prefilling or decoding, holds KV pages
+    FINISHED_STOPPED = auto()  # eos or a stop token
+    FINISHED_LENGTH = auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = auto()
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "sampling_params",
+        "priority",
+        "arrival_time",
+        "status",
+        "num_computed_tokens",
+        "page_ids",
+        "prefill_target",
+        "first_scheduled_time",
+        "token_times",
+        "finish_time",
+        "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.priority = priority  # lower is served first
+        self.arrival_time = float(arrival_time)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.page_ids: list[int] = []  # logical KV pages, in position order
+        self.prefill_target = self.num_prompt_tokens
+        self.first_scheduled_time: float | None = None
+        self.token_times: list[float] = []  # one per output token
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"pages={len(self.page_ids)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop", "length" or "abort" once finished, else None."""
+        return _FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: priority, then arrival, then id (lowest first)."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, token_times=tuple(self.token_times))
