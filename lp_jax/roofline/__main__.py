@@ -1,0 +1,159 @@
+"""`python -m lp_jax.roofline`: print the roofline tables and write the plots.
+
+Design note. One run answers the questions of the layered-prefill paper for a model on
+every accelerator in the table: ridge points; tokens per layer step at which the MoE
+turns compute-bound; the Fig. 2 chunk table (expert bytes and MoE time for one prompt);
+activated experts vs decode batch (uniform vs skewed routing); and the marginal expert
+traffic that layering saves next to a decode batch. `--measure` adds a microbenchmark
+of the current JAX device and a measured MoE knee (a few seconds on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from lp_jax.roofline import plots, report
+from lp_jax.roofline.hardware import HARDWARE, get_hardware, measure_current_device
+from lp_jax.roofline.model_shape import resolve_model
+from lp_jax.roofline.ridge import PAPER_CHUNKS, compute_bound_tokens, fig2_table
+from lp_jax.roofline.routing import (
+    PAPER_TABLE1_TARGETS,
+    QWEN3_ZIPF_EXPONENT,
+    UniformRouting,
+    ZipfRouting,
+)
+
+DEFAULT_OUT = Path("runs/roofline")
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lp_jax.roofline", description=__doc__)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the PNG plots")
+    p.add_argument(
+        "--model",
+        default="Qwen3-30B-A3B",
+        help="config.json path, a name in checkpoints/configs/, or a built-in shape",
+    )
+    p.add_argument("--hardware", default="H100 SXM", help="hardware for the Fig. 2 table")
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tile", type=int, default=128, help="grouped-matmul row tile (1 = none)")
+    p.add_argument("--skew", type=float, default=QWEN3_ZIPF_EXPONENT, help="Zipf exponent")
+    p.add_argument(
+        "--measure",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="microbenchmark the current JAX device and measure a MoE knee",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = resolve_model(args.model)
+    if not shape.is_moe:
+        print(f"{shape.name} has no routed experts; the MoE roofline tables do not apply")
+        return 2
+    uniform, skewed = UniformRouting(), ZipfRouting(args.skew)
+    routings = (uniform, skewed)
+    table = list(HARDWARE.values())
+    fig2_hw = get_hardware(args.hardware)
+
+    print(
+        f"model {shape.name}: D={shape.hidden_size} L={shape.num_layers} "
+        f"(MoE layers {shape.num_moe_layers}) E={shape.num_experts} k={shape.top_k} "
+        f"F={shape.expert_width} itemsize={shape.dtype_bytes}; "
+        f"expert bytes per layer {shape.expert_bytes_per_layer:,} B; tp={args.tp} ep={args.ep}"
+    )
+    targets = ", ".join(f"{t} tokens -> {100 * f:.0f}%" for t, f in PAPER_TABLE1_TARGETS)
+    print(f"skewed routing: Zipf exponent s={args.skew:g} (fitted to paper Table 1: {targets})\n")
+
+    print(
+        report.render(
+            "Hardware (per chip; ridge = peak / HBM bandwidth)", report.hardware_table(table)
+        )
+    )
+    print()
+    print(
+        report.render(
+            f"Tokens per layer step at which {shape.name}'s MoE turns compute-bound",
+            report.compute_bound_table(shape, table, routings, tp=args.tp, ep=args.ep),
+        )
+    )
+    print()
+    rows = fig2_table(
+        shape,
+        fig2_hw,
+        prompt_len=args.prompt_len,
+        chunks=PAPER_CHUNKS,
+        routing=uniform,
+        tp=args.tp,
+        ep=args.ep,
+        tile=args.tile,
+    )
+    print(
+        report.render(
+            f"Fig. 2: one {args.prompt_len}-token prompt on {fig2_hw.name}, uniform routing,"
+            f" tile {args.tile} (per device)",
+            report.chunk_table(rows),
+        )
+    )
+    print()
+    print(
+        report.render(
+            "Activated experts per layer vs decode batch",
+            report.active_experts_table(shape, routings, DECODE_BATCHES),
+        )
+    )
+    print()
+    print(
+        report.render(
+            f"Marginal expert traffic of one {args.prompt_len}-token prompt next to a decode"
+            f" batch ({skewed.label}, all MoE layers, per device)",
+            report.marginal_table(
+                shape, skewed, (0, 8, 32, 128, 256), args.prompt_len, 512, args.tp, args.ep
+            ),
+        )
+    )
+    print()
+
+    plotted_hw = list(table)
+    if args.measure:
+        from lp_jax.roofline.knee import measure_moe_knee
+
+        measured = measure_current_device()
+        plotted_hw.append(measured)
+        cb = compute_bound_tokens(shape, measured, routing=uniform)
+        print(
+            f"{measured.name}: {measured.peak_flops / 1e9:,.1f} GFLOP/s, "
+            f"{measured.hbm_bw / 1e9:,.1f} GB/s, ridge {measured.ridge_point:.1f} FLOP/B; "
+            f"{shape.name} compute-bound at T ~ {cb.exact_tokens:,.0f} tokens"
+        )
+        knee = measure_moe_knee()
+        print(
+            report.render(
+                f"Measured MoE knee on {knee.device} (default tiny MoE): knee at"
+                f" T={knee.knee_tokens} ({100 * knee.threshold:.0f}% of max FLOP/s)",
+                report.knee_table(knee),
+            )
+        )
+        print()
+
+    out = args.out
+    written = [
+        plots.plot_intensity(shape, plotted_hw, routings, out / "intensity_vs_tokens.png"),
+        plots.plot_chunk_bytes(shape, rows, out / "expert_bytes_vs_chunk.png"),
+        plots.plot_active_experts(shape, routings, out / "active_experts_vs_batch.png"),
+    ]
+    print("plots written to " + str(out) + ":")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""The shape of a decoder-only (MoE) transformer, as the roofline model needs it.
+
+Design note. The cost model needs sizes, not weights: D, L, N, K, H, E, A (top-k), F,
+V, the dense MLP width, which layers are MoE, and the parameter dtype. `ModelShape`
+holds exactly that and is built from a Hugging Face config dict, accepting the dialects
+we serve:
+
+- Qwen3-MoE: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+  `decoder_sparse_step`, `mlp_only_layers` (layer i is MoE iff i is not in
+  `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0);
+- Qwen3 dense: no experts; every layer uses `intermediate_size`;
+- GPT-OSS / Mixtral: `num_local_experts` (or `experts_per_token`), expert width in
+  `intermediate_size`, optional `layer_types` with "sliding_attention" + `sliding_window`.
+
+`head_dim` may be absent, in which case it is hidden_size / num_attention_heads.
+Two built-in shapes serve the paper reproduction: Qwen3-30B-A3B and GPT-OSS-20B.
+GPT-OSS-20B keeps MXFP4 expert weights on disk; the built-in shape assumes bf16 serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+_DTYPE_BYTES = {
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float8_e4m3fn": 1,
+    "fp8": 1,
+    "int8": 1,
+}
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """Sizes of one model. Experts = 0 means a dense model (every layer has a dense MLP)."""
+
+    name: str
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_q_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    vocab_size: int  # V
+    num_experts: int = 0  # E
+    top_k: int = 0  # A
+    expert_width: int = 0  # F of each routed expert
+    dense_width: int = 0  # F of a dense MLP layer (0 if there is none)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts
+    sliding_layers: tuple[int, ...] = ()  # layers using sliding-window attention
+    sliding_window: int = 0
+    tie_word_embeddings: bool = False
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ModelShape.{field} must be >= 1")
+        if self.vocab_size < 1:
+            raise ValueError("ModelShape.vocab_size must be >= 1")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+        if self.num_experts < 0 or self.expert_width < 0 or self.dense_width < 0:
+            raise ValueError("expert / MLP sizes must be >= 0")
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"top_k must be in [1, num_experts], got {self.top_k}")
+            if self.expert_width < 1:
+                raise ValueError("an MoE model needs expert_width >= 1")
+        elif self.top_k:
+            raise ValueError("top_k must be 0 when num_experts is 0")
+        for field in ("dense_layers", "sliding_layers"):
+            layers = getattr(self, field)
+            if not isinstance(layers, tuple) or any(not 0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"ModelShape.{field} must be a tuple of layer indices")
+        if self.dense_layers_count and self.dense_width < 1:
+            raise ValueError("dense layers need dense_width >= 1")
+        if self.sliding_layers and self.sliding_window < 1:
+            raise ValueError("sliding_layers need sliding_window >= 1")
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ValueError("dtype_bytes must be 1, 2 or 4")
+
+    # ---- layer structure -------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        return self.is_moe and layer not in self.dense_layers
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        return layer in self.sliding_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
+
+    @property
+    def dense_layers_count(self) -> int:
+        return self.num_layers if not self.is_moe else len(self.dense_layers)
+
+    # ---- weight sizes ----------------------------------------------------------------
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert: gate, up and down projections, 3*D*F."""
+        return 3 * self.hidden_size * self.expert_width
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights."""
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def expert_bytes_per_layer(self) -> int:
+        """Bytes of all routed experts of one MoE layer: E * 3 * D * F * itemsize."""
+        return self.num_experts * self.expert_bytes
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of Q, K, V and O projections of one layer."""
+        d, h = self.hidden_size, self.head_dim
+        return d * (self.num_q_heads + 2 * self.num_kv_heads) * h + self.num_q_heads * h * d
+
+    # ---- construction ----------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Mapping, name: str | None = None) -> ModelShape:
+        """Build from a Hugging Face `config.json` dict (Qwen3-MoE, Qwen3, GPT-OSS)."""
+        cfg = dict(config)
+        hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        q_heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if hidden % q_heads:
+                raise ValueError("head_dim is absent and hidden_size % num_attention_heads != 0")
+            head_dim = hidden // q_heads
+        experts = int(
+            cfg.get("num_experts")
+            or cfg.get("num_local_experts")
+            or cfg.get("n_routed_experts")
+            or 0
+        )
+        top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
+        intermediate = int(cfg.get("intermediate_size") or 0)
+        if experts:
+            expert_width = int(cfg.get("moe_intermediate_size") or intermediate)
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            mlp_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+            dense_layers = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)
+            dense_width = intermediate if dense_layers else 0
+        else:
+            expert_width, top_k, dense_layers, dense_width = 0, 0, (), intermediate
+        layer_types = cfg.get("layer_types") or ()
+        sliding_layers = tuple(
+            i for i, kind in enumerate(layer_types) if str(kind).startswith("sliding")
+        )
+        window = int(cfg.get("sliding_window") or 0) if sliding_layers else 0
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").lower()
+        dtype = dtype.removeprefix("torch.")
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return cls(
+            name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_q_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            vocab_size=int(cfg["vocab_size"]),
+            num_experts=experts,
+            top_k=top_k,
+            expert_width=expert_width,
+            dense_width=dense_width,
+            dense_layers=dense_layers,
+            sliding_layers=sliding_layers,
+            sliding_window=window,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype_bytes=_DTYPE_BYTES[dtype],
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path, name: str | None = None) -> ModelShape:
+        """Build from a `config.json` file; the name defaults to the file's stem."""
+        path = Path(path)
+        with path.open() as f:
+            config = json.load(f)
+        return cls.from_hf_config(config, name=name or path.stem)
+
+
+QWEN3_30B_A3B = ModelShape(
+    # Qwen/Qwen3-30B-A3B config.json; decoder_sparse_step 1, no mlp_only_layers.
+    name="Qwen3-30B-A3B",
+    hidden_size=2048,
+    num_layers=48,
+    num_q_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    num_experts=128,
+    top_k=8,
+    expert_width=768,
+    tie_word_embeddings=False,
+    dtype_bytes=2,
+)
+
+GPT_OSS_20B = ModelShape(
+    # openai/gpt-oss-20b config.json: every layer MoE; even layers use a 128-token
+    # sliding window ("layer_types" alternates sliding / full, sliding first).
+    name="GPT-OSS-20B",
+    hidden_size=2880,
+    num_layers=24,
+    num_q_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    num_experts=32,
+    top_k=4,
+    expert_width=2880,
+    sliding_layers=tuple(range(0, 24, 2)),
+    sliding_window=128,
+    tie_word_embeddings=False,
+    dtype_bytes=2,
+)
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B)}
+
+
+def _norm(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def resolve_model(name_or_path: str | Path, config_dir: str | Path | None = None) -> ModelShape:
+    """A shape from a config path, a file in `checkpoints/configs/`, or a built-in name.
+
+    Order: an existing file path; `<config_dir>/<name>.json`; a built-in shape.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return ModelShape.from_json(path)
+    directory = Path(config_dir) if config_dir is not None else CONFIG_DIR
+    candidate = directory / f"{path.name}.json"
+    if candidate.is_file():
+        return ModelShape.from_json(candidate)
+    for shape in BUILTIN_SHAPES.values():
+        if _norm(shape.name) == _norm(str(name_or_path)):
+            return shape
+    raise KeyError(
+        f"no config for {name_or_path!r}: not a file, not in {directory}, not one of"
+        f" {sorted(BUILTIN_SHAPES)}"
+    )
