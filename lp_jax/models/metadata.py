@@ -31,9 +31,8 @@ class AttentionMetadata:
         return self.positions_T.shape[0]
 
     def token_mask(self) -> jax.Array:
-        import jax.numpy as jnp
-
-        return jnp.arange(self.num_tokens) < self.query_start_B1[self.num_seqs]
+        """Real tokens: every token with a KV slot. Padding rows may sit anywhere."""
+        return self.slots_T >= 0
 
 
 def build_metadata(

@@ -1,0 +1,64 @@
+"""Engine arguments: one frozen dataclass, validated once, vLLM-named where it can be."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    model: str | None = None  # Hugging Face directory; None: the embedded tiny model
+    scheduling: str = "layered"  # "orca", "chunked" or "layered"
+    max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # None: the policy's default
+    layer_groups: str | int = "paper"  # "paper", "pow2" or a fixed group count
+    max_layer_groups: int = 16
+    page_size: int = 16
+    kv_pages: int | None = None  # logical pages (per layer); None: from kv_memory_fraction
+    kv_memory_fraction: float = 0.5  # of free accelerator memory, when kv_pages is None
+    load_format: str = "auto"  # "auto", "safetensors", "dummy", "orbax"
+    mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
+    dtype: str | None = None  # None: the checkpoint's dtype
+    moe_backend: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Padded sizes the step is compiled for; None: powers of two (see model_runner.py).
+    prefill_buckets: tuple[int, ...] | None = None
+    decode_buckets: tuple[int, ...] | None = None
+    warmup: bool = True  # compile every reachable program at start-up
+    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+
+    def __post_init__(self):
+        if self.scheduling not in ("orca", "chunked", "layered"):
+            raise ValueError(
+                f"scheduling must be orca, chunked or layered, got {self.scheduling!r}")
+        for name in ("max_num_seqs", "max_layer_groups", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_pages"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        for name in ("prefill_buckets", "decode_buckets"):
+            v = getattr(self, name)
+            if v is not None:
+                v = tuple(sorted(set(int(b) for b in v)))
+                if not v or v[0] < 1:
+                    raise ValueError(f"{name} must be positive sizes, got {getattr(self, name)}")
+                object.__setattr__(self, name, v)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Like the constructor, but names the unknown argument instead of a TypeError."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"unknown engine arguments {unknown}; valid: {sorted(fields)}")
+        return cls(**kwargs)

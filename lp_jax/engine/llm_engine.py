@@ -1,0 +1,224 @@
+"""LLMEngine: requests in, streamed tokens out; the loop of schedule -> execute -> commit.
+
+The engine owns a `Scheduler` (pure Python policy and bookkeeping) and a
+`ModelRunner` (the compiled device step). Each `step()` asks the scheduler for a
+plan, has the runner execute it, commits the sampled tokens, and returns one
+`RequestOutput` per request that produced a token or finished, so a server can
+stream. Bad requests raise ValueError from `add_request` and change nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from lp_jax.config import ModelConfig
+from lp_jax.engine import compile_guard
+from lp_jax.engine.config import EngineConfig
+from lp_jax.engine.metrics import RequestMetrics
+from lp_jax.engine.model_runner import ModelRunner
+from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
+from lp_jax.engine.sequence import Sequence
+from lp_jax.models.qwen3_moe import KernelBackends
+from lp_jax.sharding import make_mesh, parse_mesh_shape
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    new_token_ids: list[int]  # produced by the last step
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    text: str | None = None
+    new_text: str | None = None
+    expert_bytes: int = field(default=0)
+
+
+def _default_model_dir():
+    from checkpoints.make_tiny import ensure_tiny
+
+    return ensure_tiny()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, log=print):
+        from lp_jax.loader import load_model
+
+        compile_guard.install()
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        self.config = config
+        self.log = log or (lambda *_: None)
+        model_dir = config.model or _default_model_dir()
+        self.model_dir = model_dir
+        model_cfg = ModelConfig.from_pretrained(model_dir)
+        self.model_config = model_cfg
+        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
+        model = load_model(model_dir, config=model_cfg, load_format=config.load_format,
+                           mesh=self.mesh, dtype=config.dtype)
+        self.tokenizer = _load_tokenizer(model_dir)
+        max_model_len = config.max_model_len or min(model_cfg.max_position_embeddings, 4096)
+        num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
+        sched_cfg = SchedulerConfig(
+            policy=config.scheduling, num_layers=model_cfg.num_hidden_layers,
+            max_model_len=max_model_len, page_size=config.page_size, num_pages=num_pages,
+            vocab_size=model_cfg.vocab_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
+            eos_token_id=model_cfg.eos_token_id,
+        )
+        self.scheduler = Scheduler(sched_cfg)
+        self.runner = ModelRunner(
+            model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
+            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+            max_prefill_tokens=sched_cfg.max_num_batched_tokens, policy=config.scheduling,
+            layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
+            backends=KernelBackends(moe=config.moe_backend, attention=config.attention_backend),
+            seed=config.seed, prefill_buckets=config.prefill_buckets,
+            decode_buckets=config.decode_buckets,
+        )
+        self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        self._batch_bytes: dict[int, int] = {}
+        self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0}
+        if config.warmup:
+            self.runner.warmup(log=self.log)
+        self._compiles_while_serving = 0  # any backend compile inside step()
+
+    def _default_kv_pages(self, model, max_model_len: int) -> int:
+        """Enough pages for max_num_seqs full-length sequences, capped by free memory."""
+        cfg, S = self.model_config, self.config.page_size
+        want = self.config.max_num_seqs * math.ceil(max_model_len / S)
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if limit:
+            free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
+            page_bytes = (cfg.num_hidden_layers * S * 2 * cfg.num_key_value_heads * cfg.head_dim
+                          * np.dtype(model.dtype).itemsize)
+            want = min(want, int(free // page_bytes))
+        return max(want, 1)
+
+    # -------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None) -> int:
+        """Queues a request and returns its id; raises ValueError for bad input."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; the model has none")
+            token_ids = self.tokenizer.encode(prompt).ids
+        else:
+            token_ids = list(prompt)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
+        seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+        self.scheduler.add(seq)  # validates; raises before any state changes
+        self._seqs[seq.seq_id] = seq
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        seq = self.scheduler.abort(request_id, now=time.perf_counter())
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        compiles_before = compile_guard.compilations()
+        try:
+            return self._step()
+        finally:
+            self._compiles_while_serving += compile_guard.compilations() - compiles_before
+
+    def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(t0)
+        if plan.phase == "idle":
+            self.scheduler.commit(plan, {}, time.perf_counter())
+            return self._drain_finished([])
+        before = {s.seq_id: s.num_output_tokens for s in plan.sampling_seqs}
+        t1 = time.perf_counter()
+        sampled, counts, build_seconds = self.runner.execute(plan)  # waits for the tokens
+        t2 = time.perf_counter()
+        experts = sum(int(c.sum()) for c in counts)
+        bytes_loaded = experts * self.model_config.expert_bytes
+        self._counters["expert_bytes_loaded"] += bytes_loaded
+        if plan.prefill:
+            mixed = counts[1] if plan.decode else counts[0]
+            bid = plan.prefill_batch_id
+            self._batch_bytes[bid] = (self._batch_bytes.get(bid, 0)
+                                      + int(mixed.sum()) * self.model_config.expert_bytes)
+        now = time.perf_counter()
+        self.scheduler.commit(plan, sampled, now)
+        outputs = []
+        for seq in plan.sampling_seqs:
+            new = seq.token_ids[seq.num_prompt_tokens + before[seq.seq_id]:]
+            if new or seq.is_finished:
+                outputs.append(self._output(seq, new))
+        t3 = time.perf_counter()
+        self._counters["host_seconds"] += (t1 - t0) + build_seconds + (t3 - t2)
+        self._counters["device_seconds"] += t2 - t1 - build_seconds
+        return self._drain_finished(outputs)
+
+    def _drain_finished(self, outputs):
+        """Also reports requests that finished without sampling (aborted), once."""
+        reported = {o.request_id for o in outputs}
+        for sid in [sid for sid, s in self._seqs.items() if s.is_finished]:
+            seq = self._seqs.pop(sid)
+            if sid not in reported:
+                outputs.append(self._output(seq, []))
+        return outputs
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        tok = self.tokenizer
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            new_token_ids=list(new),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics(),
+            text=tok.decode(seq.output_token_ids) if tok and seq.is_finished else None,
+            new_text=tok.decode(new) if tok and new else None,
+        )
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        s = dict(self.scheduler.stats())
+        c = self._counters
+        total = c["host_seconds"] + c["device_seconds"]
+        s.update(
+            compilations=len(self.runner.programs),
+            compile_seconds=round(self.runner.compile_seconds, 3),
+            compilations_after_warmup=self._compiles_while_serving,
+            expert_bytes_loaded=c["expert_bytes_loaded"],
+            expert_bytes_per_prefill_batch=dict(self._batch_bytes),
+            host_seconds=c["host_seconds"],
+            device_seconds=c["device_seconds"],
+            host_overhead_fraction=(c["host_seconds"] / total) if total else 0.0,
+            free_pages=self.scheduler.block_manager.num_free_pages,
+            total_pages=self.scheduler.config.num_pages,
+        )
+        return s
+
+
+def _load_tokenizer(model_dir):
+    from pathlib import Path
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

@@ -1,0 +1,288 @@
+"""The executor: turns a `StepPlan` into one compiled device step.
+
+One step function serves every policy. For a plan whose prefill chunks run through
+layers [a, b) it does, in one program:
+
+    decode rows : embed -> layers [0, a) ------+                +-> layers [b, L) -> logits
+                                               |                |
+    prefill rows: embed (a == 0) or carried ---+-> layers [a, b)+-> carried hidden (b < L)
+                  hidden states (a > 0)          (both row sets)     or logits (b == L)
+
+so the designated group reads each MoE layer's experts once for prefill and decode
+together, and all other layers see decode rows only. Orca and chunked plans are the
+case a = 0, b = L; a decode-only plan has no prefill rows.
+
+Programs are specialised per (layer range, prefill-token bucket, decode bucket) and
+compiled ahead of time into `self.programs`. Reachable programs:
+
+    decode-only:  one per decode bucket
+    with prefill: for each prefill bucket, for each group count G reachable with a
+                  token count in that bucket, the G ranges of split_layers(L, G),
+                  each with every decode bucket and with no decode rows.
+
+Orca and chunked reach a single range (0, L). `warmup()` compiles all of them; the
+persistent compilation cache makes restarts cheap. The KV pool is donated to every
+step, so its update is in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lp_jax.engine.layer_groups import num_layer_groups, split_layers
+from lp_jax.engine.plan import StepPlan
+from lp_jax.engine.sampler import sample
+from lp_jax.models.metadata import build_metadata
+from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
+from lp_jax.sharding import named_sharding
+
+_MIN_BUCKET = 16
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to hi, with hi itself as the last bucket."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return (*out, hi)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest compiled bucket {buckets[-1]}")
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3MoeForCausalLM, *, mesh, num_pages: int, page_size: int,
+                 max_model_len: int, max_num_seqs: int, max_prefill_tokens: int,
+                 policy: str, layer_groups, max_layer_groups: int,
+                 backends: KernelBackends, seed: int = 0,
+                 prefill_buckets=None, decode_buckets=None):
+        self.cfg = model.config
+        self.dtype = model.dtype
+        self.L = self.cfg.num_hidden_layers
+        self.graphdef, self.state = nnx.split(model)
+        self.page_size = page_size
+        self.pages_per_seq = math.ceil(max_model_len / page_size)
+        self.policy, self.layer_groups = policy, layer_groups
+        self.max_layer_groups = max_layer_groups
+        self.backends = backends
+        self.seed = seed
+        self.decode_buckets = decode_buckets or pow2_buckets(1, max_num_seqs)
+        self.prefill_buckets = prefill_buckets or pow2_buckets(
+            min(_MIN_BUCKET, max_prefill_tokens), max_prefill_tokens)
+        self.max_prefill_seqs = max_num_seqs
+        kv_shape_axes = ("kv_pages", None, "kv_combined_heads", None)
+        kv_shape = (self.L * num_pages, page_size, 2 * self.cfg.num_key_value_heads,
+                    self.cfg.head_dim)
+        self.kv_pages = init_kv_cache(self.cfg, num_pages, page_size, model.dtype,
+                                      sharding=named_sharding(kv_shape_axes, kv_shape, mesh))
+        self.programs: dict[tuple, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.hidden: dict[int, jax.Array] = {}  # layered batch id -> prefill hidden states
+
+    # ------------------------------------------------------------ programs
+    def reachable_keys(self) -> list[tuple[int, int, int, int]]:
+        """Every (a, b, prefill bucket, decode bucket) a plan can map to."""
+        keys = [(0, 0, 0, B) for B in self.decode_buckets]
+        prev = 0
+        for T in self.prefill_buckets:
+            if self.policy == "layered":
+                gs = sorted({num_layer_groups(n, self.layer_groups,
+                                              max_layer_groups=self.max_layer_groups,
+                                              num_layers=self.L)
+                             for n in (prev + 1, T)})
+                gs = range(gs[0], gs[-1] + 1)
+                ranges = sorted({r for g in gs for r in split_layers(self.L, g)})
+            else:
+                ranges = [(0, self.L)]
+            for a, b in ranges:
+                keys += [(a, b, T, B) for B in (0, *self.decode_buckets)]
+            prev = T
+        return keys
+
+    def warmup(self, log=print):
+        keys = self.reachable_keys()
+        t0 = time.perf_counter()
+        for key in keys:
+            self._program(key)
+        if log:
+            log(f"compiled {len(keys)} programs in {time.perf_counter() - t0:.1f} s")
+
+    def _program(self, key):
+        prog = self.programs.get(key)
+        if prog is None:
+            a, b, T, B = key
+            t0 = time.perf_counter()
+            fn = jax.jit(functools.partial(self._step, a=a, b=b, T=T, B=B),
+                         donate_argnums=(1,))
+            example = self._inputs(T, B, a, b, [], [], [])
+            prog = fn.lower(self.state, self.kv_pages, example).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self.programs[key] = prog
+        return prog
+
+    # ----------------------------------------------------------- the step
+    def _step(self, state, kv_pages, inputs, *, a, b, T, B):
+        model = nnx.merge(self.graphdef, state)
+        L, D = self.L, self.cfg.hidden_size
+        backends = self.backends
+        counts = []
+        if B:
+            dec_meta = inputs["dec_meta"]
+            x_dec = model.embed(inputs["dec_tokens"])
+            x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, 0, a,
+                                                  decode_only=True, backends=backends)
+            counts.append(c)
+        out = {}
+        if T:
+            x_pre = model.embed(inputs["pre_tokens"]) if a == 0 else inputs["hidden"]
+            if B:
+                x_mix = jnp.zeros((T + B, D), x_pre.dtype)
+                x_mix = x_mix.at[inputs["pre_rows"]].set(x_pre, mode="drop")
+                x_mix = x_mix.at[inputs["dec_rows"]].set(x_dec, mode="drop")
+            else:
+                x_mix = x_pre
+            x_mix, kv_pages, c = model.run_layers(x_mix, kv_pages, inputs["mix_meta"], a, b,
+                                                  backends=backends)
+            counts.append(c)
+            if B:
+                x_pre = x_mix[jnp.minimum(inputs["pre_rows"], T + B - 1)]
+                x_dec = x_mix[inputs["dec_rows"]]
+            else:
+                x_pre = x_mix
+            if b < L:
+                out["hidden"] = x_pre
+        if B:
+            x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, b if T else 0, L,
+                                                  decode_only=True, backends=backends)
+            counts.append(c)
+        rows = []
+        if B:
+            rows.append(model.compute_logits(x_dec))
+        if T and b == L:
+            rows.append(model.compute_logits(x_pre[inputs["sample_rows"]]))
+        if rows:
+            s = inputs["sampling"]
+            out["tokens"] = sample(jnp.concatenate(rows), s["temperature"], s["top_k"],
+                                   s["top_p"], s["seed"], s["position"])
+        out["experts_activated"] = counts
+        return kv_pages, out
+
+    # ------------------------------------------------------- host inputs
+    def _inputs(self, T, B, a, b, decode, chunks, sample_chunks, hidden=None):
+        """numpy inputs for the step; `decode`: seqs, `chunks`: (seq, start, end)."""
+        S, C, Bp = self.page_size, self.pages_per_seq, min(self.max_prefill_seqs, max(T, 1))
+        inputs = {}
+        sampling_rows = []
+        if B:
+            dec = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
+            inputs["dec_meta"] = build_metadata(dec, page_size=S, num_tokens=B, num_seqs=B,
+                                                pages_per_seq=C)
+            toks = np.zeros(B, np.int32)
+            toks[: len(decode)] = [s.last_token for s in decode]
+            inputs["dec_tokens"] = toks
+            sampling_rows += [(s, s.num_tokens) for s in decode] + [None] * (B - len(decode))
+        if T:
+            pre = [(start, end - start, s.page_ids) for s, start, end in chunks]
+            n_pre = sum(end - start for _, start, end in chunks)
+            if B:
+                mix = pre + [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
+                rows = np.full(T, T + B, np.int32)  # padding rows: out of range, dropped
+                rows[:n_pre] = np.arange(n_pre)
+                inputs["pre_rows"] = rows
+                dec_rows = np.full(B, T + B - 1, np.int32)
+                dec_rows[: len(decode)] = n_pre + np.arange(len(decode))
+                inputs["dec_rows"] = dec_rows
+            else:
+                mix = pre
+            inputs["mix_meta"] = build_metadata(mix, page_size=S, num_tokens=T + B,
+                                                num_seqs=Bp + B, pages_per_seq=C)
+            if a == 0:
+                toks = np.zeros(T, np.int32)
+                offset = 0
+                for s, start, end in chunks:
+                    toks[offset : offset + end - start] = s.token_ids[start:end]
+                    offset += end - start
+                inputs["pre_tokens"] = toks
+            else:
+                inputs["hidden"] = (hidden if hidden is not None else
+                                    jnp.zeros((T, self.cfg.hidden_size), self.dtype))
+            if b == self.L:
+                sample_rows = np.zeros(Bp, np.int32)
+                offset, j = 0, 0
+                for s, start, end in chunks:
+                    offset += end - start
+                    if (s, start, end) in sample_chunks:
+                        sample_rows[j] = offset - 1
+                        j += 1
+                inputs["sample_rows"] = sample_rows
+                sampling_rows += [(s, s.num_tokens) for s, _, _ in sample_chunks]
+                sampling_rows += [None] * (Bp - len(sample_chunks))
+        if sampling_rows:
+            inputs["sampling"] = self._sampling_inputs(sampling_rows)
+        return inputs
+
+    def _sampling_inputs(self, rows):
+        n = len(rows)
+        temperature = np.zeros(n, np.float32)
+        top_k = np.zeros(n, np.int32)
+        top_p = np.ones(n, np.float32)
+        seed = np.zeros(n, np.int32)
+        position = np.zeros(n, np.int32)
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            seq, pos = row
+            p = seq.sampling_params
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            # Unseeded requests draw from a stream fixed by the engine seed and request id.
+            seed[i] = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) & 0x7FFFFFFF
+            position[i] = pos
+        return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                "position": position}
+
+    # ------------------------------------------------------------ execute
+    def execute(self, plan: StepPlan):
+        """Runs the plan.
+
+        Returns ({seq_id: token}, experts activated per layer for each layer segment
+        run, host seconds spent building inputs).
+        """
+        t0 = time.perf_counter()
+        for sid in plan.preempted:
+            self.hidden.pop(sid, None)
+        decode = list(plan.decode)
+        chunks = [(c.seq, c.start, c.end) for c in plan.prefill]
+        sample_chunks = ([(c.seq, c.start, c.end) for c in plan.prefill if c.samples]
+                         if plan.is_last_group else [])
+        B = bucket_for(len(decode), self.decode_buckets) if decode else 0
+        T = bucket_for(plan.num_prefill_tokens, self.prefill_buckets) if chunks else 0
+        a, b = (plan.layer_start, plan.layer_end) if chunks else (0, 0)
+        hidden = None
+        if chunks and a > 0:
+            hidden = self.hidden.pop(plan.prefill_batch_id)
+        inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden)
+        prog = self._program((a, b, T, B))
+        build_seconds = time.perf_counter() - t0
+        self.kv_pages, out = prog(self.state, self.kv_pages, inputs)
+        if "hidden" in out:
+            self.hidden[plan.prefill_batch_id] = out["hidden"]
+        sampled = {}
+        if "tokens" in out:
+            tokens = np.asarray(out["tokens"])
+            seqs = decode + [s for s, _, _ in sample_chunks]
+            rows = list(range(len(decode))) + [B + j for j in range(len(sample_chunks))]
+            sampled = {s.seq_id: int(tokens[r]) for s, r in zip(seqs, rows, strict=True)}
+        counts = [np.asarray(c) for c in out["experts_activated"]]
+        return sampled, counts, build_seconds

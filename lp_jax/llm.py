@@ -1,0 +1,51 @@
+"""The offline API, shaped like vLLM's: `LLM(model, ...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from lp_jax.engine.config import EngineConfig
+from lp_jax.engine.llm_engine import LLMEngine, RequestOutput
+from lp_jax.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        log = engine_args.pop("log", print)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), log=log)
+
+    def generate(self, prompts: list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Runs the requests to completion; outputs come back in input order.
+
+        Exactly one of `prompts` (text; needs a tokenizer) and `prompt_token_ids`.
+        A request that fails validation raises before any request is queued.
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts and prompt_token_ids")
+        inputs = list(prompts if prompts is not None else prompt_token_ids)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(inputs):
+                raise ValueError(
+                    f"{len(sampling_params)} sampling params for {len(inputs)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(inputs)
+        ids = []
+        try:
+            for prompt, p in zip(inputs, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:  # all or nothing
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        done: dict[int, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
