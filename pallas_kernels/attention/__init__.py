@@ -1,0 +1,131 @@
+"""Paged attention over the shared KV-cache layout (see ref.py) with a backend switch.
+
+Entry points: `write_kv`, `ragged_paged_attention` (prefill and decode tokens of a
+ragged batch), `decode_attention` (one token per sequence). Backends:
+
+* "xla": the plain-JAX reference (ref.py), also the CPU path;
+* "tpu": JAX's shipped Pallas Mosaic ragged paged attention (tpu.py), which reads
+  our [P, S, 2K, H] layout directly; decode runs through it too;
+* "gpu": our Pallas Triton kernels (gpu.py) that read the same layout in place;
+* "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`jax.default_backend()`).
+
+A kernel backend raises ValueError, naming the failed constraint, for inputs it
+does not support (e.g. TPU needs head_dim % 128 == 0, GPU needs power-of-two
+head_dim and page size); it never falls back silently. Asking for "tpu" or "gpu"
+on another platform is an error unless interpret mode is on.
+
+Interpret mode (tests, CPU debugging): inside `with interpret_mode():` (or after
+`set_interpret_mode(True)`, or with LP_JAX_PALLAS_INTERPRET=1 in the environment)
+the "tpu" and "gpu" backends run their Pallas kernels in the Pallas interpreter
+on whatever platform is present: GPU kernels via `interpret=True`, TPU via
+`pltpu.force_tpu_interpret_mode()`. The flag is read when the entry point is
+traced, so enter it before tracing (jit) a caller. "auto" still resolves by
+platform, so on CPU it stays "xla"; name the backend to interpret a kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import jax
+
+from pallas_kernels.attention import gpu as _gpu
+from pallas_kernels.attention import tpu as _tpu
+from pallas_kernels.attention.ref import (
+    ref_decode_attention,
+    ref_ragged_paged_attention,
+    write_kv,
+)
+
+BACKENDS = ("auto", "xla", "tpu", "gpu")
+
+_INTERPRET = contextvars.ContextVar(
+    "lp_jax_pallas_interpret",
+    default=os.environ.get("LP_JAX_PALLAS_INTERPRET", "0").lower() in ("1", "true", "yes"),
+)
+
+
+@contextlib.contextmanager
+def interpret_mode(enabled: bool = True):
+    """Runs the "tpu"/"gpu" attention kernels in the Pallas interpreter inside the block."""
+    token = _INTERPRET.set(enabled)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def set_interpret_mode(enabled: bool) -> None:
+    """Process-wide (current context) version of `interpret_mode`."""
+    _INTERPRET.set(enabled)
+
+
+def interpret_enabled() -> bool:
+    return _INTERPRET.get()
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "xla"
+
+
+def _kernel_backend(backend: str) -> tuple[str, bool]:
+    """(resolved backend, interpret); raises if a kernel cannot run on this platform."""
+    resolved = resolve_backend(backend)
+    interpret = interpret_enabled()
+    if resolved == "xla" or interpret:
+        return resolved, interpret
+    platform = jax.default_backend()
+    wanted = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[resolved]
+    if platform not in wanted:
+        raise ValueError(
+            f"attention backend {resolved!r} needs a {resolved.upper()} but the default JAX "
+            f"backend is {platform!r}; use backend='xla', or interpret_mode() to run the "
+            "kernel in the Pallas interpreter")
+    return resolved, interpret
+
+
+def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
+                           num_seqs, *, sm_scale, backend="auto"):
+    """Causal attention of a ragged batch's tokens to their paged context (ref.py)."""
+    resolved, interpret = _kernel_backend(backend)
+    args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
+    if resolved == "tpu":
+        return _tpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    if resolved == "gpu":
+        return _gpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return ref_ragged_paged_attention(*args, sm_scale=sm_scale)
+
+
+def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
+                     backend="auto"):
+    """One query token per sequence; seq_len 0 sequences return zeros."""
+    resolved, interpret = _kernel_backend(backend)
+    args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
+    if resolved == "tpu":
+        return _tpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    if resolved == "gpu":
+        return _gpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return ref_decode_attention(*args, sm_scale=sm_scale)
+
+
+__all__ = [
+    "BACKENDS",
+    "write_kv",
+    "ragged_paged_attention",
+    "decode_attention",
+    "resolve_backend",
+    "interpret_mode",
+    "set_interpret_mode",
+    "interpret_enabled",
+]

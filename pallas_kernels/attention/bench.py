@@ -1,0 +1,129 @@
+"""Decode-attention bandwidth benchmark: achieved GB/s against the chip's HBM bandwidth.
+
+Decode attention is memory-bound: each step reads every cached K/V row of every
+sequence once. The useful traffic is sum(seq_lens) * 2K * H * itemsize plus q and
+the output; GB/s = useful bytes / best time. The peak comes from the roofline table
+(lp_jax.roofline.hardware) when the device is in it, else from a measured copy.
+
+    python -m pallas_kernels.attention.bench --small          # CPU, seconds
+    python -m pallas_kernels.attention.bench                  # GPU/TPU, Qwen3-MoE shapes
+
+`bench_decode_attention` is the importable piece (launch/bench_kernels.py may call it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import attention
+
+
+def decode_inputs(*, batch, context, num_heads, num_kv_heads, head_dim, page_size, dtype,
+                  seed=0):
+    """Random decode batch: every sequence has `context` tokens on scattered pages."""
+    pages_per_seq = -(-context // page_size)
+    P = batch * pages_per_seq + 1
+    rng = np.random.default_rng(seed)
+    page_table = rng.permutation(P)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    key_q, key_kv = jax.random.split(jax.random.PRNGKey(seed))
+    q = jax.random.normal(key_q, (batch, num_heads, head_dim), jnp.float32).astype(dtype)
+    kv = jax.random.normal(key_kv, (P, page_size, 2 * num_kv_heads, head_dim),
+                           jnp.float32).astype(dtype)
+    seq_lens = jnp.full((batch,), context, jnp.int32)
+    return q, kv, seq_lens, jnp.asarray(page_table, jnp.int32)
+
+
+def useful_bytes(*, batch, context, num_heads, num_kv_heads, head_dim, dtype) -> int:
+    item = jnp.dtype(dtype).itemsize
+    kv = batch * context * 2 * num_kv_heads * head_dim * item
+    return kv + 2 * batch * num_heads * head_dim * item  # + q read + o written
+
+
+def _best_seconds(fn, repeats):
+    jax.block_until_ready(fn())  # compile + warm up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_decode_attention(*, batch, context, num_heads=32, num_kv_heads=4, head_dim=128,
+                           page_size=16, dtype=jnp.bfloat16, backend="auto", repeats=5,
+                           peak_bw=None):
+    """Times one decode-attention call; returns a dict with seconds, bytes, GB/s and
+    the fraction of `peak_bw` (B/s; omitted when None)."""
+    q, kv, seq_lens, page_table = decode_inputs(
+        batch=batch, context=context, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, dtype=dtype)
+    sm_scale = head_dim**-0.5
+    fn = jax.jit(lambda q, kv, l, pt: attention.decode_attention(
+        q, kv, l, pt, sm_scale=sm_scale, backend=backend))
+    seconds = _best_seconds(lambda: fn(q, kv, seq_lens, page_table), repeats)
+    nbytes = useful_bytes(batch=batch, context=context, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    row = dict(backend=attention.resolve_backend(backend), batch=batch, context=context,
+               seconds=seconds, bytes=nbytes, gbps=nbytes / seconds / 1e9)
+    if peak_bw:
+        row["fraction_of_peak"] = nbytes / seconds / peak_bw
+    return row
+
+
+def peak_bandwidth(hardware_name=None):
+    """(name, B/s): the roofline-table entry named, or the one matching the device kind
+    ("NVIDIA H200" -> H200 SXM, "TPU v6 lite" -> TPU v6e), else a measured copy."""
+    from lp_jax.roofline import hardware
+
+    if hardware_name:
+        hw = hardware.get_hardware(hardware_name)
+        return hw.name, hw.hbm_bw
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    for name in [kind, kind.replace(" lite", "e"), *kind.split()]:
+        try:
+            hw = hardware.get_hardware(name)
+            return hw.name, hw.hbm_bw
+        except KeyError:
+            continue
+    hw = hardware.measure_current_device()
+    return hw.name, hw.hbm_bw
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--backend", default="auto", choices=attention.BACKENDS)
+    p.add_argument("--hardware", default=None, help="roofline table entry for the peak")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    if args.small:
+        shapes = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+        points = [(4, 256), (16, 512)]
+    else:  # Qwen3-30B-A3B attention: 32 query heads, 4 KV heads, head_dim 128
+        shapes = dict(num_heads=32, num_kv_heads=4, head_dim=128, page_size=16)
+        points = [(1, 8192), (8, 4096), (32, 2048), (64, 4096), (256, 1024), (256, 4096)]
+    name, peak = peak_bandwidth(args.hardware)
+    print(f"decode attention, backend={attention.resolve_backend(args.backend)}, {dtype.name}, "
+          f"peak {peak / 1e9:.0f} GB/s ({name})")
+    print(f"{'batch':>6} {'context':>8} {'ms':>9} {'GB/s':>9} {'% peak':>7}")
+    rows = []
+    for batch, context in points:
+        row = bench_decode_attention(batch=batch, context=context, dtype=dtype,
+                                     backend=args.backend, repeats=args.repeats,
+                                     peak_bw=peak, **shapes)
+        rows.append(row)
+        print(f"{batch:>6} {context:>8} {row['seconds'] * 1e3:>9.3f} {row['gbps']:>9.1f} "
+              f"{100 * row['fraction_of_peak']:>6.1f}%")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""Pallas GPU (Triton-lowered) paged attention that reads the shared KV cache in place.
+
+JAX ships a Triton paged-attention kernel (jax.experimental.pallas.ops.gpu.paged_attention),
+but it wants separate K and V pools laid out [K, P, S, H]; our cache is one
+[P, S, 2K, H] pool (see ref.py). Transposing per call would read and write the
+whole cache for every decode step, so these kernels index our layout directly:
+the K (V) operand of KV head k is the same pool viewed through a BlockSpec that
+squeezes the J axis at element 2k (2k + 1); inside the kernel the ref is
+[P, S, H] and a page-table gather `k_ref[pages]` loads `pages_per_block` pages.
+JAX ships no paged prefill kernel with a query offset, hence `ragged_paged_attention`.
+
+Both kernels run a flash-attention online softmax over blocks of pages and fold the
+G = N / K query heads of a KV head into the rows of one matmul (GQA reads each
+K/V page once per KV head, not once per query head).
+
+* `decode_attention`: grid (B, K, splits). Long contexts at small batch are split
+  over the page axis ("flash decoding"); the per-split (acc, max, sum) are merged
+  in XLA. Rows = G padded to >= 16 (tl.dot's minimum M).
+* `ragged_paged_attention`: causal attention of a ragged batch's new tokens to
+  their cached prefix plus themselves (query i of sequence b sits at position
+  seq_len_b - q_len_b + i). The wrapper cuts every sequence into blocks of
+  `block_q` tokens (a block never spans two sequences) and the grid is
+  (max blocks, K); rows = block_q * G.
+
+Constraints (checked with a ValueError naming the failed one): head_dim a power of
+two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
+tl.dot needs K >= 16); q and the cache of one dtype in {float32, bfloat16,
+float16} (tl.dot needs equal operand types); N divisible by K. float32 matmuls ask
+for IEEE precision (Triton's default would be TF32, too coarse for 1e-5).
+
+Interpret mode: `interpret=True` runs the pallas_calls in Pallas' generic HLO
+interpreter on any backend (CPU tests). (`plgpu.force_gpu_interpret_mode()` from
+jax.experimental.pallas.mosaic_gpu is the Mosaic GPU interpreter, not for these
+Triton-style kernels.) Out-of-range dynamic slices would be clamped there, so every
+slice the kernels take is in bounds by construction (queries are padded by one
+block, page tables to whole blocks).
+
+jax 0.11.2 marks the Pallas Triton backend deprecated (a DeprecationWarning at
+lowering); it still lowers and runs. A Mosaic GPU port is the way forward if it goes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention.ref import MASK_VALUE
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def check_constraints(q_xNH, kv_pages_PSJH, page_table_BC) -> None:
+    """Raises ValueError naming the first GPU-kernel constraint the inputs fail."""
+    _, N, H = q_xNH.shape
+    _, S, J, H_kv = kv_pages_PSJH.shape
+    if J % 2:
+        raise ValueError(f"gpu attention: cache axis J={J} must be 2K (K and V interleaved)")
+    K = J // 2
+    if H_kv != H:
+        raise ValueError(f"gpu attention: q head_dim {H} != cache head_dim {H_kv}")
+    if N % K:
+        raise ValueError(f"gpu attention: query heads N={N} not divisible by KV heads K={K}")
+    if not (_is_pow2(H) and H >= 16):
+        raise ValueError(f"gpu attention: head_dim H={H} must be a power of two >= 16 "
+                         "(Triton block shapes are powers of two; tl.dot needs K >= 16)")
+    if not _is_pow2(S):
+        raise ValueError(f"gpu attention: page_size S={S} must be a power of two "
+                         "(Triton block shapes are powers of two)")
+    if q_xNH.dtype != kv_pages_PSJH.dtype:
+        raise ValueError(f"gpu attention: q dtype {q_xNH.dtype} != cache dtype "
+                         f"{kv_pages_PSJH.dtype} (tl.dot needs equal operand types)")
+    if q_xNH.dtype not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+        raise ValueError(f"gpu attention: dtype {q_xNH.dtype} not supported; "
+                         "use float32, bfloat16 or float16")
+    if page_table_BC.ndim != 2:
+        raise ValueError(f"gpu attention: page table must be [B, C], got {page_table_BC.shape}")
+
+
+def _kv_specs(P, S, H):
+    """BlockSpecs viewing the pool as the K (J = 2k) and V (J = 2k + 1) pages of KV head k
+    (grid axis 1 is the KV head in both kernels)."""
+
+    def k_map(*ids):
+        k = ids[1]
+        return 0, 0, 2 * k, 0
+
+    def v_map(*ids):
+        k = ids[1]
+        return 0, 0, 2 * k + 1, 0
+
+    return pl.BlockSpec((P, S, None, H), k_map), pl.BlockSpec((P, S, None, H), v_map)
+
+
+def _load_kv_block(k_ref, v_ref, pages_X, block_k):
+    H = k_ref.shape[-1]
+    k_XH = k_ref[pages_X].reshape(block_k, H)
+    v_XH = v_ref[pages_X].reshape(block_k, H)
+    return k_XH, v_XH
+
+
+def _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale):
+    """One flash step: rows R of queries against X keys; returns the new (acc, m, l)."""
+    acc_RH, m_R, l_R = carry
+    # allow_tf32=False: Triton's default precision runs float32 dots in TF32.
+    s_RX = plgpu.dot(q_RH, k_XH, trans_b=True, allow_tf32=False) * sm_scale
+    s_RX = jnp.where(visible_RX, s_RX, MASK_VALUE)
+    m_new = jnp.maximum(m_R, jnp.max(s_RX, axis=1))
+    p_RX = jnp.exp(s_RX - m_new[:, None])
+    p_RX = jnp.where(visible_RX, p_RX, 0.0)
+    alpha_R = jnp.exp(m_R - m_new)
+    l_new = alpha_R * l_R + jnp.sum(p_RX, axis=1)
+    # Slots past seq_len hold stale data (maybe NaN): zero them, 0 * NaN is NaN.
+    v_XH = jnp.where(key_ok_X[:, None], v_XH, jnp.zeros_like(v_XH))
+    acc_new = alpha_R[:, None] * acc_RH + plgpu.dot(p_RX.astype(v_XH.dtype), v_XH,
+                                                    allow_tf32=False)
+    return acc_new, m_new, l_new
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _decode_kernel(seq_len_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   sm_scale, pages_per_block, pages_per_split, page_size):
+    block_k = pages_per_block * page_size
+    split = pl.program_id(2)
+    seq_len = seq_len_ref[0]
+    num_pages = pl.cdiv(seq_len, page_size)
+    first_page = split * pages_per_split
+    # pages_per_split is a multiple of pages_per_block: a block never leaves its split.
+    n_pages = jnp.clip(num_pages - first_page, 0, pages_per_split)
+    num_blocks = pl.cdiv(n_pages, pages_per_block)
+    q_GH = q_ref[...]
+    Gp, H = q_GH.shape
+
+    def body(i, carry):
+        page0 = first_page + i * pages_per_block
+        page_ids = pages_ref[pl.ds(page0, pages_per_block)]
+        page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
+        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
+        key_ok_X = page0 * page_size + jnp.arange(block_k) < seq_len
+        visible_GX = jnp.broadcast_to(key_ok_X[None, :], (Gp, block_k))
+        return _online_softmax_step(q_GH, k_XH, v_XH, visible_GX, key_ok_X, carry, sm_scale)
+
+    init = (jnp.zeros((Gp, H), jnp.float32), jnp.full((Gp,), MASK_VALUE, jnp.float32),
+            jnp.zeros((Gp,), jnp.float32))
+    acc_GH, m_G, l_G = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = acc_GH
+    m_ref[...] = m_G
+    l_ref[...] = l_G
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_block", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
+                     pages_per_block=None, num_splits=None, num_warps=4, num_stages=2,
+                     interpret=False):
+    """One query token per sequence over paged KV; seq_len 0 rows return zeros.
+
+    pages_per_block: pages per flash step (default: 64 tokens' worth). num_splits:
+    partitions of the page axis (default: enough for ~256 programs).
+    """
+    check_constraints(q_BNH, kv_pages_PSJH, page_table_BC)
+    B, N, H = q_BNH.shape
+    P, S, J, _ = kv_pages_PSJH.shape
+    K = J // 2
+    G = N // K
+    Gp = max(16, _next_pow2(G))
+    C = page_table_BC.shape[1]
+    ppb = pages_per_block or max(1, 64 // S)
+    if not _is_pow2(ppb):
+        raise ValueError(f"gpu decode: pages_per_block={ppb} must be a power of two")
+    total_blocks = pl.cdiv(C, ppb)
+    splits = num_splits or max(1, min(total_blocks, pl.cdiv(DECODE_TARGET_PROGRAMS, B * K)))
+    blocks_per_split = pl.cdiv(total_blocks, splits)
+    splits = pl.cdiv(total_blocks, blocks_per_split)
+    pages_per_split = blocks_per_split * ppb
+    C_pad = splits * pages_per_split
+    page_table_BC = jnp.pad(page_table_BC.astype(jnp.int32), ((0, 0), (0, C_pad - C)))
+    seq_lens_B = seq_lens_B.astype(jnp.int32)
+    q_BKGH = q_BNH.reshape(B, K, G, H)
+    if Gp != G:
+        q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+
+    k_spec, v_spec = _kv_specs(P, S, H)
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, pages_per_block=ppb,
+                               pages_per_split=pages_per_split, page_size=S)
+    o_BKXGH, m_BKXG, l_BKXG = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, k, s: (b,)),
+            pl.BlockSpec((None, C_pad), lambda b, k, s: (b, 0)),
+            pl.BlockSpec((None, None, Gp, H), lambda b, k, s: (b, k, 0, 0)),
+            k_spec,
+            v_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Gp, H), lambda b, k, s: (b, k, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="lp_paged_decode_attention",
+    )(seq_lens_B, page_table_BC, q_BKGH, kv_pages_PSJH, kv_pages_PSJH)
+
+    # Merge the splits (empty ones carry m = MASK_VALUE, l = 0).
+    m_BKG = jnp.max(m_BKXG, axis=2)
+    w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
+    l_BKG = jnp.sum(l_BKXG * w_BKXG, axis=2)
+    o_BKGH = jnp.sum(o_BKXGH * w_BKXG[..., None], axis=2)
+    o_BKGH = o_BKGH / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
+    return o_BKGH[:, :, :G].reshape(B, N, H).astype(q_BNH.dtype)
+
+
+# ---------------------------------------------------------------------------- prefill
+
+
+def _prefill_kernel(meta_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale, block_q,
+                    pages_per_block, page_size):
+    block_k = pages_per_block * page_size
+    seq, t0, n_rows, pos0, kv_len = (meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3],
+                                     meta_ref[4])
+    _, Gp, H = q_ref.shape
+    R = block_q * Gp
+    q_RH = q_ref[pl.ds(t0, block_q)].reshape(R, H)
+    q_pos_R = pos0 + jnp.arange(R) // Gp
+    kv_stop = jnp.where(n_rows > 0, jnp.minimum(kv_len, pos0 + n_rows), 0)
+    num_blocks = pl.cdiv(kv_stop, block_k)
+    num_pages = pl.cdiv(kv_len, page_size)
+
+    def body(j, carry):
+        page0 = j * pages_per_block
+        page_ids = pages_ref[seq, pl.ds(page0, pages_per_block)]
+        page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
+        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
+        key_pos_X = page0 * page_size + jnp.arange(block_k)
+        key_ok_X = key_pos_X < kv_len
+        visible_RX = (key_pos_X[None, :] <= q_pos_R[:, None]) & key_ok_X[None, :]
+        return _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale)
+
+    init = (jnp.zeros((R, H), jnp.float32), jnp.full((R,), MASK_VALUE, jnp.float32),
+            jnp.zeros((R,), jnp.float32))
+    acc_RH, _, l_R = jax.lax.fori_loop(0, num_blocks, body, init)
+    o_RH = acc_RH / jnp.where(l_R == 0.0, 1.0, l_R)[:, None]
+    row_ok = jnp.broadcast_to((jnp.arange(block_q) < n_rows)[:, None, None], (block_q, Gp, H))
+    plgpu.store(o_ref.at[pl.ds(t0, block_q)], o_RH.reshape(block_q, Gp, H).astype(o_ref.dtype),
+                mask=row_ok)
+
+
+def _query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks):
+    """Cuts each sequence's tokens into blocks: [max_blocks, 8] int32 rows of
+    (seq, first token, valid rows, position of row 0, kv_len, 0, 0, 0)."""
+    B = seq_lens_B.shape[0]
+    active_B = jnp.arange(B) < num_seqs
+    q_len_B = jnp.where(active_B, query_start_B1[1:] - query_start_B1[:-1], 0)
+    nblk_B = pl.cdiv(q_len_B, block_q)
+    cum_B = jnp.cumsum(nblk_B)
+    i_M = jnp.arange(max_blocks, dtype=jnp.int32)
+    seq_M = jnp.minimum(jnp.searchsorted(cum_B, i_M, side="right"), B - 1).astype(jnp.int32)
+    local_M = i_M - (cum_B[seq_M] - nblk_B[seq_M])
+    valid_M = i_M < cum_B[-1]
+    t0_M = query_start_B1[seq_M] + local_M * block_q
+    rows_M = jnp.where(valid_M, jnp.minimum(block_q, query_start_B1[seq_M + 1] - t0_M), 0)
+    pos0_M = seq_lens_B[seq_M] - q_len_B[seq_M] + local_M * block_q
+    zero = jnp.zeros_like(i_M)
+    meta = jnp.stack([seq_M, jnp.where(valid_M, t0_M, 0), rows_M,
+                      jnp.where(valid_M, pos0_M, 0), jnp.where(valid_M, seq_lens_B[seq_M], 0),
+                      zero, zero, zero], axis=1)
+    return meta.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_rows", "pages_per_block",
+                                             "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
+                           num_seqs, *, sm_scale, block_rows=128, pages_per_block=None,
+                           num_warps=8, num_stages=2, interpret=False):
+    """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
+
+    block_rows: query rows per program, block_q * G (block_q = block_rows // G tokens,
+    at least 1; rows are raised to 16). pages_per_block: pages per flash step
+    (default: 64 tokens' worth). The defaults (128 x 64 tiles, 8 warps) are the usual
+    Triton flash-attention forward tiles for head_dim 128, not yet tuned on hardware.
+    Tokens past query_start_B1[num_seqs] return zeros.
+    """
+    check_constraints(q_TNH, kv_pages_PSJH, page_table_BC)
+    T, N, H = q_TNH.shape
+    P, S, J, _ = kv_pages_PSJH.shape
+    K = J // 2
+    G = N // K
+    Gp = _next_pow2(G)
+    block_q = max(1, _next_pow2(max(block_rows, 16)) // Gp)
+    if block_q * Gp < 16:
+        block_q = 16 // Gp
+    ppb = pages_per_block or max(1, 64 // S)
+    if not _is_pow2(ppb):
+        raise ValueError(f"gpu prefill: pages_per_block={ppb} must be a power of two")
+    B, C = page_table_BC.shape
+    C_pad = pl.cdiv(C, ppb) * ppb
+    page_table_BC = jnp.pad(page_table_BC.astype(jnp.int32), ((0, 0), (0, C_pad - C)))
+    query_start_B1 = query_start_B1.astype(jnp.int32)
+    seq_lens_B = seq_lens_B.astype(jnp.int32)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    max_blocks = pl.cdiv(T, block_q) + B
+    meta_M8 = _query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks)
+
+    T_pad = T + block_q  # every block's [t0, t0 + block_q) slice stays in bounds
+    q_TKGH = q_TNH.reshape(T, K, G, H)
+    q_TKGH = jnp.pad(q_TKGH, ((0, T_pad - T), (0, 0), (0, Gp - G), (0, 0)))
+
+    k_spec, v_spec = _kv_specs(P, S, H)
+    kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, block_q=block_q,
+                               pages_per_block=ppb, page_size=S)
+    o_TKGH = pl.pallas_call(
+        kernel,
+        grid=(max_blocks, K),
+        in_specs=[
+            pl.BlockSpec((None, 8), lambda i, k: (i, 0)),
+            pl.BlockSpec((B, C_pad), lambda i, k: (0, 0)),
+            pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
+            k_spec,
+            v_spec,
+        ],
+        out_specs=pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((T_pad, K, Gp, H), q_TNH.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="lp_paged_prefill_attention",
+    )(meta_M8, page_table_BC, q_TKGH, kv_pages_PSJH, kv_pages_PSJH)
+
+    o_TNH = o_TKGH[:T, :, :G].reshape(T, N, H)
+    valid_T = jnp.arange(T) < query_start_B1[num_seqs]
+    return jnp.where(valid_T[:, None, None], o_TNH, jnp.zeros_like(o_TNH))
