@@ -1,0 +1,184 @@
+"""Prefill policies: what goes into the prefill half of each plan.
+
+A policy sees the scheduler core (queues, admission through `admit_head`, batch
+ids) and returns a `PrefillPart`. Everything else a plan holds, decodes,
+preemptions and bookkeeping, is the core's (scheduler.py). Adding a policy is a
+subclass plus an entry in `POLICIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lp_jax.engine.layer_groups import num_layer_groups, split_layers
+from lp_jax.engine.plan import PrefillChunk, StepPlan
+from lp_jax.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
+
+@dataclass(frozen=True, slots=True)
+class PrefillPart:
+    """The prefill half of a plan, as a policy decides it."""
+
+    chunks: tuple[PrefillChunk, ...]
+    batch_id: int | None
+    layer_start: int = 0
+    layer_end: int | None = None  # None: all layers
+    group_index: int = 0
+    num_groups: int = 1
+
+
+class Policy:
+    """Chooses prefill chunks; admission goes through `Scheduler.admit_head`."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        """Default max_num_batched_tokens."""
+        raise NotImplementedError
+
+    @staticmethod
+    def check(cfg: SchedulerConfig) -> None:
+        """Policy-specific config checks."""
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        raise NotImplementedError
+
+    def on_commit(self, plan: StepPlan) -> None:
+        """Called at the end of every commit."""
+
+    def in_flight(self) -> tuple[Sequence, ...]:
+        """Sequences of a prefill batch that spans iterations and has not completed."""
+        return ()
+
+    def _whole_stack(self, chunks: list[PrefillChunk]) -> PrefillPart:
+        return PrefillPart(tuple(chunks), self.sched.new_batch_id() if chunks else None)
+
+    def _continue_partials(self, left: int) -> tuple[list[PrefillChunk], int]:
+        """Next chunks of admitted, partially prefilled sequences within `left` tokens."""
+        chunks = []
+        for seq in self.sched.prefilling:
+            if left == 0:
+                break
+            start = seq.num_computed_tokens
+            n = min(seq.prefill_target - start, left)
+            chunks.append(PrefillChunk(seq, start, start + n))
+            left -= n
+        return chunks, left
+
+
+class OrcaPolicy(Policy):
+    """Whole prompts while they fit the budget; always at least one."""
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return cfg.max_model_len
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        s, left, chunks = self.sched, self.sched.config.max_num_batched_tokens, []
+        while admit and s.waiting and not (chunks and s.waiting[0].prefill_target > left):
+            seq = s.admit_head()
+            if seq is None:
+                break
+            chunks.append(PrefillChunk(seq, 0, seq.prefill_target))
+            left -= seq.prefill_target
+        return self._whole_stack(chunks)
+
+
+class ChunkedPolicy(Policy):
+    """Decodes, then in-flight partial prefills, then new requests, within one token budget."""
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return 512
+
+    @staticmethod
+    def check(cfg: SchedulerConfig) -> None:
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ValueError(
+                f"chunked prefill needs max_num_batched_tokens ({cfg.max_num_batched_tokens}) "
+                f">= max_num_seqs ({cfg.max_num_seqs}) so all decodes fit the budget"
+            )
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        s = self.sched
+        chunks, left = self._continue_partials(s.config.max_num_batched_tokens - num_decode)
+        while admit and left > 0 and (seq := s.admit_head()) is not None:
+            n = min(seq.prefill_target, left)
+            chunks.append(PrefillChunk(seq, 0, n))
+            left -= n
+        return self._whole_stack(chunks)
+
+
+@dataclass(slots=True)
+class _LayeredBatch:
+    batch_id: int
+    chunks: tuple[PrefillChunk, ...]
+    groups: tuple[tuple[int, int], ...]
+    index: int = 0  # the group the next plan runs
+
+
+class LayeredPolicy(Policy):
+    """One prefill batch in flight; iteration g of the batch runs layer group g."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(sched)
+        self._batch: _LayeredBatch | None = None
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return 8192
+
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        if self._batch is None:
+            self._batch = self._form_batch(admit)
+        b = self._batch
+        if b is None:
+            return PrefillPart((), None)
+        start, end = b.groups[b.index]
+        return PrefillPart(b.chunks, b.batch_id, start, end, b.index, len(b.groups))
+
+    def _form_batch(self, admit: bool) -> _LayeredBatch | None:
+        s, cfg = self.sched, self.sched.config
+        # The rest of a prompt cut by the previous batch goes first.
+        chunks, left = self._continue_partials(cfg.max_num_batched_tokens)
+        # Whole prompts while they fit; a prompt longer than the budget opens a batch alone.
+        while admit and left > 0 and s.waiting:
+            if chunks and s.waiting[0].prefill_target > left:
+                break
+            seq = s.admit_head()
+            if seq is None:
+                break
+            n = min(seq.prefill_target, left)
+            chunks.append(PrefillChunk(seq, 0, n))
+            left -= n
+        if not chunks:
+            return None
+        g = num_layer_groups(
+            sum(c.num_tokens for c in chunks),
+            cfg.layer_groups,
+            max_layer_groups=cfg.max_layer_groups,
+            num_layers=cfg.num_layers,
+        )
+        return _LayeredBatch(s.new_batch_id(), tuple(chunks), split_layers(cfg.num_layers, g))
+
+    def on_commit(self, plan: StepPlan) -> None:
+        b = self._batch
+        if b is not None and plan.prefill_batch_id == b.batch_id:
+            b.index += 1
+            if b.index == len(b.groups):
+                self._batch = None
+
+    def in_flight(self) -> tuple[Sequence, ...]:
+        return tuple(c.seq for c in self._batch.chunks) if self._batch else ()
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "orca": OrcaPolicy,
+    "chunked": ChunkedPolicy,
+    "layered": LayeredPolicy,
+}
