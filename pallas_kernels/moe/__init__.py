@@ -1,0 +1,95 @@
+"""MoE feed-forward: one entry point, `moe_ffn`, with a backend switch.
+
+Backends:
+  "xla"  sort + jax.lax.ragged_dot (`ref.ref_moe_ffn`): the reference and the CPU path.
+  "tpu"  Pallas Mosaic TPU (`tpu.py`): fused-gather gate/up kernel with the SwiGLU
+         epilogue, then JAX's megablox `gmm` for the down projection.
+  "gpu"  Pallas Mosaic GPU for Hopper (`gpu.py`): a tile-list grouped matmul (WGMMA),
+         gate/up with the SwiGLU epilogue fused, then the same kernel for down.
+  "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla otherwise.
+
+All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
+(`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
+(`layout.py`) and never read the weights of an expert with no rows.
+
+Interpret mode (run the Pallas kernels on CPU, for tests): pass `interpret=True`, or
+set the environment variable LP_JAX_PALLAS_INTERPRET=1 (read at trace time) to make
+`interpret=None` (the default) mean True. TPU kernels then run under
+`pltpu.InterpretParams()`, GPU kernels under `plgpu.InterpretGPUParams()`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from pallas_kernels.moe.ref import ref_moe_ffn
+
+BACKENDS = ("auto", "xla", "tpu", "gpu")
+INTERPRET_ENV = "LP_JAX_PALLAS_INTERPRET"
+
+
+def _is_hopper() -> bool:
+    try:
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+    except RuntimeError:
+        return False
+    return cc is not None and str(cc).split(".")[0] == "9"
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform == "gpu" and _is_hopper():
+        return "gpu"
+    return "xla"
+
+
+def resolve_interpret(interpret):
+    """None -> $LP_JAX_PALLAS_INTERPRET; a bool or an interpreter params object passes."""
+    if interpret is not None:
+        return interpret
+    return os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def moe_ffn(
+    x_TD: jax.Array,
+    router_logits_TE: jax.Array,
+    w_gate_up_EDF2: jax.Array,
+    w_down_EFD: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    backend: str = "auto",
+    token_mask_T: jax.Array | None = None,
+    interpret=None,
+):
+    """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
+
+    token_mask_T marks real tokens (padding rows activate no expert and return 0).
+    stats: tokens_per_expert [E], experts_activated, expert_bytes_loaded.
+    interpret: run the Pallas backends in interpret mode: True/False, None (default:
+      $LP_JAX_PALLAS_INTERPRET), or a `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`
+      for the tpu / gpu backend. Ignored by xla.
+    """
+    auto = backend == "auto"
+    backend = resolve_backend(backend)
+    if auto and backend == "gpu" and w_gate_up_EDF2.dtype.itemsize != 2:
+        backend = "xla"  # the Hopper kernel takes 16-bit weights only
+    kwargs = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T)
+    args = (x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD)
+    if backend == "xla":
+        return ref_moe_ffn(*args, **kwargs)
+    if backend == "tpu":
+        from pallas_kernels.moe.tpu import moe_ffn_tpu
+
+        return moe_ffn_tpu(*args, **kwargs, interpret=resolve_interpret(interpret))
+    from pallas_kernels.moe.gpu import moe_ffn_gpu
+
+    return moe_ffn_gpu(*args, **kwargs, interpret=resolve_interpret(interpret))
