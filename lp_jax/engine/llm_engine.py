@@ -150,14 +150,14 @@ class LLMEngine:
         t1 = time.perf_counter()
         sampled, counts, build_seconds = self.runner.execute(plan)  # waits for the tokens
         t2 = time.perf_counter()
-        experts = sum(int(c.sum()) for c in counts)
+        experts = sum(counts)
         bytes_loaded = experts * self.model_config.expert_bytes
         self._counters["expert_bytes_loaded"] += bytes_loaded
         if plan.prefill:
             mixed = counts[1] if plan.decode else counts[0]
             bid = plan.prefill_batch_id
             self._batch_bytes[bid] = (self._batch_bytes.get(bid, 0)
-                                      + int(mixed.sum()) * self.model_config.expert_bytes)
+                                      + mixed * self.model_config.expert_bytes)
         now = time.perf_counter()
         self.scheduler.commit(plan, sampled, now)
         outputs = []

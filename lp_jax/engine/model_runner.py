@@ -12,13 +12,19 @@ so the designated group reads each MoE layer's experts once for prefill and deco
 together, and all other layers see decode rows only. Orca and chunked plans are the
 case a = 0, b = L; a decode-only plan has no prefill rows.
 
-Programs are specialised per (layer range, prefill-token bucket, decode bucket) and
-compiled ahead of time into `self.programs`. Reachable programs:
+Programs are specialised per layer group and compiled ahead of time into
+`self.programs`, keyed by (group start, group size, prefill bucket, decode bucket).
+A group's *size* is always static. Its start is static for the first group (which
+embeds the prompt), the last (which samples) and whole-stack plans; for a middle
+group of a model whose layers are all of one kind the start is a runtime scalar,
+so every middle group of a size shares one program (key start None). Without that,
+layered prefill with G up to 16 would compile sum(G) ~ 136 range variants per
+bucket pair. Reachable programs:
 
     decode-only:  one per decode bucket
     with prefill: for each prefill bucket, for each group count G reachable with a
-                  token count in that bucket, the G ranges of split_layers(L, G),
-                  each with every decode bucket and with no decode rows.
+                  token count in that bucket, the distinct keys of the G groups of
+                  split_layers(L, G), each with every decode bucket and with none.
 
 Orca and chunked reach a single range (0, L). `warmup()` compiles all of them; the
 persistent compilation cache makes restarts cheap. The KV pool is donated to every
@@ -70,6 +76,7 @@ class ModelRunner:
                  prefill_buckets=None, decode_buckets=None):
         self.cfg = model.config
         self.dtype = model.dtype
+        self.uniform = model.uniform_layers
         self.L = self.cfg.num_hidden_layers
         self.graphdef, self.state = nnx.split(model)
         self.page_size = page_size
@@ -92,8 +99,13 @@ class ModelRunner:
         self.hidden: dict[int, jax.Array] = {}  # layered batch id -> prefill hidden states
 
     # ------------------------------------------------------------ programs
-    def reachable_keys(self) -> list[tuple[int, int, int, int]]:
-        """Every (a, b, prefill bucket, decode bucket) a plan can map to."""
+    def program_key(self, a: int, b: int, T: int, B: int) -> tuple:
+        """(static start or None, size, T, B) for prefill rows in layers [a, b)."""
+        static = a == 0 or b == self.L or not self.uniform
+        return (a if static else None, b - a, T, B)
+
+    def reachable_keys(self) -> list[tuple]:
+        """Every program key a plan can map to."""
         keys = [(0, 0, 0, B) for B in self.decode_buckets]
         prev = 0
         for T in self.prefill_buckets:
@@ -107,9 +119,9 @@ class ModelRunner:
             else:
                 ranges = [(0, self.L)]
             for a, b in ranges:
-                keys += [(a, b, T, B) for B in (0, *self.decode_buckets)]
+                keys += [self.program_key(a, b, T, B) for B in (0, *self.decode_buckets)]
             prev = T
-        return keys
+        return list(dict.fromkeys(keys))
 
     def warmup(self, log=print):
         keys = self.reachable_keys()
@@ -122,20 +134,26 @@ class ModelRunner:
     def _program(self, key):
         prog = self.programs.get(key)
         if prog is None:
-            a, b, T, B = key
+            a, size, T, B = key
             t0 = time.perf_counter()
-            fn = jax.jit(functools.partial(self._step, a=a, b=b, T=T, B=B),
+            fn = jax.jit(functools.partial(self._step, a=a, size=size, T=T, B=B),
                          donate_argnums=(1,))
-            example = self._inputs(T, B, a, b, [], [], [])
+            a_ex = 1 if a is None else a  # any middle start will do: it is traced
+            example = self._inputs(T, B, a_ex, a_ex + size, [], [], [], traced_start=a is None)
             prog = fn.lower(self.state, self.kv_pages, example).compile()
             self.compile_seconds += time.perf_counter() - t0
             self.programs[key] = prog
         return prog
 
     # ----------------------------------------------------------- the step
-    def _step(self, state, kv_pages, inputs, *, a, b, T, B):
+    def _step(self, state, kv_pages, inputs, *, a, size, T, B):
         model = nnx.merge(self.graphdef, state)
         L, D = self.L, self.cfg.hidden_size
+        first = a == 0
+        last = a is not None and a + size == L
+        if a is None:
+            a = inputs["layer_start"]
+        b = a + size
         backends = self.backends
         counts = []
         if B:
@@ -146,7 +164,7 @@ class ModelRunner:
             counts.append(c)
         out = {}
         if T:
-            x_pre = model.embed(inputs["pre_tokens"]) if a == 0 else inputs["hidden"]
+            x_pre = model.embed(inputs["pre_tokens"]) if first else inputs["hidden"]
             if B:
                 x_mix = jnp.zeros((T + B, D), x_pre.dtype)
                 x_mix = x_mix.at[inputs["pre_rows"]].set(x_pre, mode="drop")
@@ -161,7 +179,7 @@ class ModelRunner:
                 x_dec = x_mix[inputs["dec_rows"]]
             else:
                 x_pre = x_mix
-            if b < L:
+            if not last:
                 out["hidden"] = x_pre
         if B:
             x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, b if T else 0, L,
@@ -170,7 +188,7 @@ class ModelRunner:
         rows = []
         if B:
             rows.append(model.compute_logits(x_dec))
-        if T and b == L:
+        if T and last:
             rows.append(model.compute_logits(x_pre[inputs["sample_rows"]]))
         if rows:
             s = inputs["sampling"]
@@ -180,10 +198,13 @@ class ModelRunner:
         return kv_pages, out
 
     # ------------------------------------------------------- host inputs
-    def _inputs(self, T, B, a, b, decode, chunks, sample_chunks, hidden=None):
+    def _inputs(self, T, B, a, b, decode, chunks, sample_chunks, hidden=None, *,
+                traced_start=False):
         """numpy inputs for the step; `decode`: seqs, `chunks`: (seq, start, end)."""
         S, C, Bp = self.page_size, self.pages_per_seq, min(self.max_prefill_seqs, max(T, 1))
         inputs = {}
+        if traced_start:
+            inputs["layer_start"] = np.int32(a)
         sampling_rows = []
         if B:
             dec = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
@@ -256,8 +277,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan):
         """Runs the plan.
 
-        Returns ({seq_id: token}, experts activated per layer for each layer segment
-        run, host seconds spent building inputs).
+        Returns ({seq_id: token}, experts activated in each layer span the step ran
+        (decode [0, a), prefill+decode [a, b), decode [b, L), those present), host
+        seconds spent building inputs).
         """
         t0 = time.perf_counter()
         for sid in plan.preempted:
@@ -272,8 +294,10 @@ class ModelRunner:
         hidden = None
         if chunks and a > 0:
             hidden = self.hidden.pop(plan.prefill_batch_id)
-        inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden)
-        prog = self._program((a, b, T, B))
+        key = self.program_key(a, b, T, B)
+        inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden,
+                              traced_start=key[0] is None)
+        prog = self._program(key)
         build_seconds = time.perf_counter() - t0
         self.kv_pages, out = prog(self.state, self.kv_pages, inputs)
         if "hidden" in out:
@@ -284,5 +308,5 @@ class ModelRunner:
             seqs = decode + [s for s, _, _ in sample_chunks]
             rows = list(range(len(decode))) + [B + j for j in range(len(sample_chunks))]
             sampled = {s.seq_id: int(tokens[r]) for s, r in zip(seqs, rows, strict=True)}
-        counts = [np.asarray(c) for c in out["experts_activated"]]
+        counts = [int(c) for c in out["experts_activated"]]
         return sampled, counts, build_seconds

@@ -3,15 +3,16 @@
 Module and parameter names follow the Hugging Face checkpoint
 (`model.layers.self_attn.q_proj`, `model.layers.mlp.experts.gate_up_proj`, ...), so
 loading is name matching. Unlike the checkpoint, layer parameters are *stacked*
-along a leading layer axis: `run_layers(x, kv, meta, start, end)` scans any layer
-range [start, end), which is what layered prefill needs (one layer group per
-iteration for the prefill tokens, all layers for decode tokens).
+along a leading layer axis: `run_layers(x, kv, meta, start, end)` loops over any
+layer range [start, end), which is what layered prefill needs (one layer group per
+iteration for the prefill tokens, all layers for decode tokens). The bounds may be
+traced scalars, so one compiled program can serve every group of the same size.
 
 Layers differ in their feed-forward block: MoE layers stack their router and
 experts in `mlp` (leading axis = MoE layers), dense layers (`mlp_only_layers`,
 `decoder_sparse_step`) stack a SwiGLU MLP in `dense_mlp`. A layer range is cut
-into runs of one kind and each run is one `lax.scan`, so an all-MoE model compiles
-one layer body.
+into runs of one kind and each run is one loop, so an all-MoE model compiles one
+layer body per loop.
 
 Linear weights are stored [in, out] (the transpose of torch's [out, in]). Expert
 weights use the kernel layout: `gate_up_proj` [E, D, 2F] (gate in [..., :F], up
@@ -211,51 +212,64 @@ class Qwen3MoeForCausalLM(nnx.Module):
         return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j])
 
     # ------------------------------------------------------------- layer range
+    @property
+    def uniform_layers(self) -> bool:
+        """True when every layer has the same kind (all MoE or all dense)."""
+        return not (self.config.moe_layers and self.config.dense_layers)
+
     def run_layers(
         self,
         x_TD: jax.Array,
         kv_pages_PSJH: jax.Array,
         meta: AttentionMetadata,
-        start: int,
-        end: int,
+        start,
+        end,
         *,
         decode_only: bool = False,
         backends: KernelBackends = KernelBackends(),
     ):
         """Runs decoder layers [start, end) on x_TD.
 
-        Returns (x_TD, kv_pages_PSJH, experts_activated_L) where the last holds, per
-        layer of the range, how many experts the real tokens activated (0 for dense
-        layers). `start`, `end` and `decode_only` are static.
+        Returns (x_TD, kv_pages_PSJH, experts_activated): the last is the number of
+        experts the real tokens activated, summed over the MoE layers of the range.
+        `start` and `end` may be Python ints or traced int32 scalars; traced bounds
+        need a model whose layers are all of one kind, so that one loop body serves
+        every layer and a program can run any layer range it is given.
         """
         cfg = self.config
-        if not 0 <= start <= end <= cfg.num_hidden_layers:
-            raise ValueError(f"layer range [{start}, {end}) outside [0, {cfg.num_hidden_layers})")
         token_mask_T = meta.token_mask()
-        counts = []
-        for kind_is_moe, seg_start, seg_end in self._segments(start, end):
-            first_j = self._stack_index[seg_start]
 
-            def body(carry, offset, kind_is_moe=kind_is_moe, seg_start=seg_start,
-                     first_j=first_j):
-                x, kv = carry
-                x, kv = self._attention(seg_start + offset, x, kv, meta, decode_only,
-                                        backends.attention)
-                h = rms_norm(x, self.model.layers.post_attention_layernorm[
-                    seg_start + offset], cfg.rms_norm_eps)
-                if kind_is_moe:
-                    y, activated = self._moe(first_j + offset, h, token_mask_T, backends.moe)
-                else:
-                    y, activated = self._dense_mlp(first_j + offset, h), jnp.int32(0)
-                return (x + y, kv), activated
+        def layer(i, j, x, kv, is_moe):
+            """Layer i; j is its index in its kind's stack."""
+            x, kv = self._attention(i, x, kv, meta, decode_only, backends.attention)
+            h = rms_norm(x, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
+            if is_moe:
+                y, activated = self._moe(j, h, token_mask_T, backends.moe)
+            else:
+                y, activated = self._dense_mlp(j, h), jnp.int32(0)
+            return x + y, kv, activated
 
-            offsets = jnp.arange(seg_end - seg_start, dtype=jnp.int32)
-            (x_TD, kv_pages_PSJH), seg_counts = jax.lax.scan(body, (x_TD, kv_pages_PSJH), offsets)
-            counts.append(seg_counts)
-        experts_activated_L = (
-            jnp.concatenate(counts) if counts else jnp.zeros((0,), jnp.int32)
-        )
-        return x_TD, kv_pages_PSJH, experts_activated_L
+        def loop(lo, hi, stack_offset, is_moe, carry):
+            def body(i, c):
+                x, kv, n = c
+                x, kv, activated = layer(i, i - stack_offset, x, kv, is_moe)
+                return x, kv, n + activated
+
+            return jax.lax.fori_loop(lo, hi, body, carry)
+
+        carry = (x_TD, kv_pages_PSJH, jnp.int32(0))
+        if isinstance(start, int) and isinstance(end, int):
+            if not 0 <= start <= end <= cfg.num_hidden_layers:
+                raise ValueError(
+                    f"layer range [{start}, {end}) outside [0, {cfg.num_hidden_layers})")
+            for is_moe, s, e in self._segments(start, end):
+                carry = loop(s, e, s - self._stack_index[s], is_moe, carry)
+        else:
+            if not self.uniform_layers:
+                raise ValueError("traced layer bounds need layers of one kind; "
+                                 f"{cfg.model_type} mixes dense and MoE layers")
+            carry = loop(start, end, 0, bool(cfg.moe_layers), carry)
+        return carry
 
     def _segments(self, start: int, end: int):
         """Maximal runs of same-kind layers inside [start, end): (is_moe, s, e)."""
@@ -266,7 +280,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 segs[-1][2] = i + 1
             else:
                 segs.append([kind, i, i + 1])
-        return [tuple(s) for s in segs]
+        return [tuple(seg) for seg in segs]
 
 
 def init_kv_cache(cfg: ModelConfig, pages_per_layer: int, page_size: int, dtype=None,
