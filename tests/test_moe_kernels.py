@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import moe
 from pallas_kernels.moe import gpu, layout, tpu
 from pallas_kernels.moe.ref import ref_moe_ffn, ref_moe_ffn_dense, route
+from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
 
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 D, F, E = 32, 32, 8
@@ -39,7 +40,7 @@ TM = 8
 TPU_TILING = tpu.TpuTiling(tm=TM, tk=16, tn=16, down_tk=16, down_tn=16)
 GPU_TILING = gpu.GpuTiling(tm=TM, bk=16, gate_up_bn=16, down_bn=16, stages=2)
 GPU_SMS = 8
-BACKENDS = ("tpu", "tpu_gmm", "gpu")
+BACKENDS = ("xla_tiles", "tpu", "tpu_gmm", "gpu")
 
 
 def rel_err(x, y):
@@ -62,6 +63,8 @@ def _runner(backend: str, top_k: int, interpret=True):
         if backend == "gpu":
             return gpu.moe_ffn_gpu(x, logits, wgu, wd, **kw, tiling=GPU_TILING,
                                    num_sms=GPU_SMS, interpret=interpret)
+        if backend == "xla_tiles":
+            return moe_ffn_xla_tiles(x, logits, wgu, wd, **kw, tm=8)
         assert backend == "xla"
         return ref_moe_ffn(x, logits, wgu, wd, **kw)
 
@@ -311,8 +314,8 @@ def _layout_jit(ids, mask, tm):
 
 
 def test_moe_ffn_entry_point(monkeypatch):
-    assert moe.BACKENDS == ("auto", "xla", "tpu", "gpu")
-    assert moe.resolve_backend("auto") == "xla"  # CPU
+    assert moe.BACKENDS == ("auto", "xla", "xla_tiles", "tpu", "gpu")
+    assert moe.resolve_backend("auto") == "xla_tiles"  # CPU
     with pytest.raises(ValueError, match="unknown MoE backend"):
         moe.resolve_backend("cuda")
     monkeypatch.delenv(moe.INTERPRET_ENV, raising=False)
@@ -323,7 +326,7 @@ def test_moe_ffn_entry_point(monkeypatch):
     case = CASES[3]
     y_ref, _ = ref_moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs())
     y_auto, _ = moe.moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs())
-    np.testing.assert_array_equal(np.asarray(y_auto, np.float32), np.asarray(y_ref, np.float32))
+    assert rel_err(y_auto, y_ref) < TOL[case.dtype]
     # Default tilings (tm=128 / tm=64) through the public entry point, interpret via env.
     for backend in ("tpu", "gpu"):
         y, _ = moe.moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs(),

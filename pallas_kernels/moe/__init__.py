@@ -1,12 +1,15 @@
 """MoE feed-forward: one entry point, `moe_ffn`, with a backend switch.
 
 Backends:
-  "xla"  sort + jax.lax.ragged_dot (`ref.ref_moe_ffn`): the reference and the CPU path.
+  "xla"  sort + jax.lax.ragged_dot (`ref.ref_moe_ffn`): the reference.
+  "xla_tiles"  plain XLA over the kernels' tile layout (`xla_tiles.py`): the CPU path,
+         whose cost follows the routing (XLA:CPU runs ragged_dot densely).
   "tpu"  Pallas Mosaic TPU (`tpu.py`): fused-gather gate/up kernel with the SwiGLU
          epilogue, then JAX's megablox `gmm` for the down projection.
   "gpu"  Pallas Mosaic GPU for Hopper (`gpu.py`): a tile-list grouped matmul (WGMMA),
          gate/up with the SwiGLU epilogue fused, then the same kernel for down.
-  "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla otherwise.
+  "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla_tiles on
+         CPU, xla otherwise.
 
 All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
@@ -25,8 +28,9 @@ import os
 import jax
 
 from pallas_kernels.moe.ref import ref_moe_ffn
+from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
 
-BACKENDS = ("auto", "xla", "tpu", "gpu")
+BACKENDS = ("auto", "xla", "xla_tiles", "tpu", "gpu")
 INTERPRET_ENV = "LP_JAX_PALLAS_INTERPRET"
 
 
@@ -48,7 +52,7 @@ def resolve_backend(backend: str) -> str:
         return "tpu"
     if platform == "gpu" and _is_hopper():
         return "gpu"
-    return "xla"
+    return "xla_tiles" if platform == "cpu" else "xla"
 
 
 def resolve_interpret(interpret):
@@ -86,6 +90,8 @@ def moe_ffn(
     args = (x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)
+    if backend == "xla_tiles":
+        return moe_ffn_xla_tiles(*args, **kwargs)
     if backend == "tpu":
         from pallas_kernels.moe.tpu import moe_ffn_tpu
 
