@@ -266,7 +266,9 @@ class ModelRunner:
                 continue
             seq, pos = row
             p = seq.sampling_params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            # top_k past the vocabulary is no limit at all (and may not fit int32).
+            top_k[i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
+            temperature[i], top_p[i] = p.temperature, p.top_p
             # Unseeded requests draw from a stream fixed by the engine seed and request id.
             seed[i] = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) & 0x7FFFFFFF
             position[i] = pos

@@ -1,0 +1,193 @@
+"""lp-bench: replay a workload against an OpenAI-compatible endpoint; TTFT, ITL, goodput.
+
+    lp-bench --base-url http://127.0.0.1:8000 --workload sharegpt --num-requests 200 \\
+        --request-rate 2,4,8 --ttft-slo 1.0 --itl-slo 0.1 --output-dir results/sharegpt
+
+writes results.json, summary.png and TensorBoard scalars (tb/) to --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from lp_jax.bench import report
+from lp_jax.bench.client import run_requests
+from lp_jax.bench.progress import ProgressBar
+from lp_jax.bench.workload import LENGTH_MODELS, build_workload, load_trace
+from lp_jax.serve import HelpFormatter
+
+
+def _rates(s: str) -> list[float]:
+    try:
+        rates = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {s!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 (inf allowed), got {s!r}")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lp-bench", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default="http://127.0.0.1:8000")
+    t.add_argument("--model", default=None, help="model name to send [default: the server's "
+                   "first, from /v1/models]")
+    t.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    t.add_argument("--api-key", default=None)
+    t.add_argument("--extra-body", type=json.loads, default=None,
+                   help="JSON object merged into every request body")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=LENGTH_MODELS, default="sharegpt",
+                   help="length model (ignored with --trace)")
+    w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp (optional), "
+                   "prompt_len, output_len")
+    w.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace timestamps (0.5 replays twice as fast)")
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="[default: 100, or the whole trace]")
+    w.add_argument("--request-rate", type=_rates, default=[1.0],
+                   help="requests/s; comma-separated for a sweep; inf sends all at once")
+    w.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape")
+    w.add_argument("--prompt-len", type=int, default=128, help="--workload fixed")
+    w.add_argument("--output-len", type=int, default=128, help="--workload fixed")
+    w.add_argument("--max-prompt-len", type=int, default=None,
+                   help="fit prompt lengths under this (see --length-mode)")
+    w.add_argument("--max-output-len", type=int, default=None)
+    w.add_argument("--length-mode", choices=("scale", "clip"), default="scale")
+    w.add_argument("--prompt-kind", choices=("token-ids", "text"), default="token-ids")
+    w.add_argument("--vocab-size", type=int, default=500,
+                   help="random token ids are drawn from [0, vocab-size)")
+    w.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or its directory) for text prompts of exact length")
+    w.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (outputs may end early)")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("run and results")
+    r.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
+    r.add_argument("--itl-slo", type=float, default=0.1, help="max inter-token latency, s")
+    r.add_argument("--max-concurrency", type=int, default=None)
+    r.add_argument("--request-timeout", type=float, default=600.0)
+    r.add_argument("--output-dir", default=None, help="results.json, summary.png, tb/")
+    r.add_argument("--no-plot", dest="plot", action="store_false")
+    r.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    r.add_argument("--no-progress", dest="progress", action="store_false")
+    r.add_argument("--scrape-metrics", action="store_true",
+                   help="read the server's /metrics after each run into the results")
+    return p
+
+
+async def _get_json(url: str, api_key: str | None, timeout: float = 10.0):
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as s, s.get(
+            url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        resp.raise_for_status()
+        return await (resp.json() if "json" in resp.content_type else resp.text())
+
+
+def _load_tokenizer(path):
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+
+async def run(args) -> dict:
+    base = args.base_url.rstrip("/")
+    model = args.model
+    if model is None:
+        try:
+            model = (await _get_json(f"{base}/v1/models", args.api_key))["data"][0]["id"]
+        except Exception as exc:  # noqa: BLE001 - the user can name the model instead
+            raise SystemExit(f"lp-bench: cannot list models at {base}/v1/models ({exc}); "
+                             "pass --model") from None
+    if args.endpoint == "chat" and args.prompt_kind != "text":
+        raise SystemExit("lp-bench: --endpoint chat needs --prompt-kind text")
+    trace = load_trace(args.trace) if args.trace else None
+    tokenizer = _load_tokenizer(args.tokenizer)
+    runs = []
+    for rate in args.request_rate:
+        specs = build_workload(
+            num_requests=args.num_requests, rate=rate, seed=args.seed,
+            length_model=args.workload, trace=trace, process=args.arrival,
+            burstiness=args.burstiness, time_scale=args.time_scale,
+            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+            length_mode=args.length_mode, prompt_len=args.prompt_len,
+            output_len=args.output_len, prompt_kind=args.prompt_kind,
+            vocab_size=args.vocab_size, tokenizer=tokenizer)
+        bar = ProgressBar(len(specs), desc=f"rate {rate:g} ", enabled=args.progress)
+        records, duration = await run_requests(
+            specs, base_url=base, model=model, endpoint=args.endpoint, api_key=args.api_key,
+            ignore_eos=args.ignore_eos, temperature=args.temperature,
+            max_concurrency=args.max_concurrency, timeout=args.request_timeout,
+            extra_body=args.extra_body, on_done=lambda rec, bar=bar: bar.update(rec.ok))
+        bar.close()
+        summary = report.summarize_run(records, duration, args.ttft_slo, args.itl_slo)
+        run_out = {"request_rate": rate, "summary": summary, "records": records}
+        if args.scrape_metrics:
+            try:
+                from lp_jax.server.prometheus import parse_text
+
+                text = await _get_json(f"{base}/metrics", None)
+                run_out["server_metrics"] = {k: v for k, v in parse_text(text).items()
+                                             if "_bucket{" not in k}
+            except Exception as exc:  # noqa: BLE001 - optional
+                run_out["server_metrics_error"] = str(exc)
+        print(f"== rate {rate:g} req/s", file=sys.stderr)
+        print(report.format_summary(summary), file=sys.stderr)
+        failed = [r for r in records if not r.ok]
+        if failed:
+            print(f"first error: {failed[0].error}", file=sys.stderr)
+        runs.append(run_out)
+    return {"model": model, "base_url": base, "endpoint": args.endpoint,
+            "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                     for k, v in vars(args).items()},
+            "started": time.time(), "runs": runs}
+
+
+def write_outputs(results: dict, output_dir) -> dict[str, str]:
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": str(out / "results.json")}
+    serial = dict(results)
+    serial["runs"] = [{**r, "records": [rec.to_dict() for rec in r["records"]]}
+                      for r in results["runs"]]
+    report.write_json(paths["json"], serial)
+    if results["args"].get("plot", True):
+        paths["png"] = str(out / "summary.png")
+        report.write_plot(paths["png"], results["runs"])
+    if results["args"].get("tensorboard", True):
+        paths["tensorboard"] = str(out / "tb")
+        report.write_tensorboard(paths["tensorboard"], results["runs"])
+    return paths
+
+
+def run_cli(argv=None) -> dict:
+    """Parses `argv`, runs the benchmark, writes the outputs; returns the results."""
+    args = build_parser().parse_args(argv)
+    results = asyncio.run(run(args))
+    if args.output_dir:
+        paths = write_outputs(results, args.output_dir)
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return results
+
+
+def main(argv=None) -> None:
+    run_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""`lp-serve`: the OpenAI-compatible server (see lp_jax/server/__init__.py for the API).
+
+Engine flags are named as vLLM names them where the meaning is the same
+(`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--load-format`,
+`--dtype`, `--seed`); the rest are lp_jax's own (`--scheduling`, `--layer-groups`, ...).
+
+    lp-serve --model /path/to/Qwen3-30B-A3B --scheduling layered --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _int_tuple(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+
+
+def _layer_groups(s: str):
+    return int(s) if s.isdigit() else s
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        if action.default is None and "[default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lp-serve", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use [default: --model, or 'tiny']")
+    s.add_argument("--max-waiting", type=_positive_int, default=None,
+                   help="requests allowed to wait for admission; beyond it: 503 + Retry-After")
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    s.add_argument("--mock-engine", action="store_true",
+                   help="serve a JAX-free engine that generates instantly (times the HTTP "
+                        "layer; tokenizer and chat template from --model or the tiny model)")
+    e = p.add_argument_group("engine (EngineConfig)")
+    e.add_argument("--model", default=None,
+                   help="Hugging Face model directory [default: the embedded tiny model]")
+    e.add_argument("--scheduling", choices=("orca", "chunked", "layered"), default="layered")
+    e.add_argument("--max-model-len", type=_positive_int, default=None)
+    e.add_argument("--max-num-seqs", type=_positive_int, default=32)
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    e.add_argument("--layer-groups", type=_layer_groups, default="paper",
+                   help="'paper', 'pow2' or a fixed group count")
+    e.add_argument("--max-layer-groups", type=_positive_int, default=16)
+    e.add_argument("--page-size", type=_positive_int, default=16, help="KV page (block) size")
+    e.add_argument("--kv-pages", type=_positive_int, default=None)
+    e.add_argument("--kv-memory-fraction", type=float, default=0.5)
+    e.add_argument("--load-format", choices=("auto", "safetensors", "dummy", "orbax"),
+                   default="auto")
+    e.add_argument("--mesh-shape", type=_int_tuple, default=None,
+                   help="'expert,tensor' or 'data,expert,tensor'")
+    e.add_argument("--dtype", default=None)
+    e.add_argument("--moe-backend", default="auto")
+    e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--prefill-buckets", type=_int_tuple, default=None)
+    e.add_argument("--decode-buckets", type=_int_tuple, default=None)
+    e.add_argument("--no-warmup", dest="warmup", action="store_false")
+    e.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA cache [default: ~/.cache/lp_jax/jax_cache]; '' for none")
+    return p
+
+
+ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
+                "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
+                "moe_backend", "attention_backend", "seed", "prefill_buckets",
+                "decode_buckets", "warmup")
+
+
+def engine_config(args):
+    from lp_jax.engine.config import EngineConfig
+
+    kwargs = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    if args.compilation_cache_dir is not None:
+        kwargs["compilation_cache_dir"] = args.compilation_cache_dir or None
+    return EngineConfig(**kwargs)
+
+
+def build_engine(args, log=print):
+    if args.mock_engine:
+        from checkpoints.make_tiny import ensure_tiny
+        from lp_jax.server.mock import MockEngine
+
+        return MockEngine(model_dir=args.model or ensure_tiny(preset="tiny"),
+                          max_model_len=args.max_model_len or 4096,
+                          max_num_seqs=max(args.max_num_seqs, 256))
+    from lp_jax.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(args), log=log)
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("lp_jax.serve")
+    try:
+        config = None if args.mock_engine else engine_config(args)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"lp-serve: bad engine arguments: {exc}") from None
+    log.info("engine config: %s", config or "mock engine")
+    engine = build_engine(args, log=log.info)
+    from lp_jax.server import OpenAIServer, serve
+
+    names = args.served_model_name or [args.model or "tiny"]
+    server = OpenAIServer(engine, served_model_names=names, api_key=args.api_key,
+                          max_waiting=args.max_waiting)
+    try:
+        asyncio.run(serve(server, args.host, args.port, access_log=args.access_log))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

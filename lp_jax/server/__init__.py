@@ -1,0 +1,41 @@
+"""OpenAI-compatible HTTP server for the lp_jax engine (aiohttp, server-sent events).
+
+Start it with `lp-serve` (or `python -m lp_jax.serve`); `lp-serve --help` lists the flags.
+
+Endpoints
+
+| method and path | what |
+| --- | --- |
+| `POST /v1/completions` | text completion; `prompt` is a string or a list of token ids |
+| `POST /v1/chat/completions` | chat; `messages` rendered with the model's chat template |
+| `GET /v1/models` | the served model name(s), with `max_model_len` |
+| `GET /health` | 200 `{"status": "ok"}`; 503 once the engine thread has died |
+| `GET /metrics` | Prometheus text format; names in lp_jax/server/metrics.py |
+
+Request fields: `model` (optional; if given it must be a served name, else 404),
+`max_tokens` (chat: also `max_completion_tokens`; default: the rest of the context;
+`prompt + max_tokens > max_model_len` is a 400), `temperature` (0 is greedy, at most 100),
+`top_p`, `top_k` (-1 or 0 disable it), `seed`, `stop` (a string or up to 16 strings: matched
+on the detokenized text, the output is cut before the match and `finish_reason` is "stop"),
+`stop_token_ids` (as vLLM), `stream`, `stream_options.include_usage`, `n` (1 only),
+and the extensions `priority` (int, lower is served first) and `ignore_eos` (bool).
+`logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools` and non-text `response_format`
+are rejected with 400 and a message naming the field. Unknown fields are ignored.
+
+Usage: every response carries `usage` (prompt_tokens, completion_tokens, total_tokens).
+When streaming, the last chunk before `data: [DONE]` always carries it: the chunk with the
+`finish_reason` does, or, with `stream_options: {"include_usage": true}`, a final chunk with
+empty `choices` and `usage`, as OpenAI sends it. Streams send one chunk per generated token
+(its text may be empty while a multi-byte character or a possible stop string is held back).
+
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
+malformed JSON and bad fields, 401 for a missing or wrong API key (`--api-key`; only /v1
+routes need it), 404 for an unknown model or path, 413 for bodies over 32 MiB, 503 with
+`Retry-After` when `--max-waiting` requests already wait for admission, and 500 when the
+engine has failed. A stream that fails after its first chunk ends with an error event and
+`[DONE]`.
+"""
+
+from lp_jax.server.app import OpenAIServer, ServerThread, serve
+
+__all__ = ["OpenAIServer", "ServerThread", "serve"]

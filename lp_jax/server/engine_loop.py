@@ -1,0 +1,336 @@
+"""The engine thread: the only thread that touches the engine.
+
+HTTP handlers live on an asyncio event loop. They never call the engine: they put commands
+(add, abort, call) on a deque guarded by a condition variable and await the answer. The
+engine thread takes all pending commands, runs one `engine.step()` if there is work, and
+hands each request's new tokens to its asyncio queue with `loop.call_soon_threadsafe`,
+batched per step. With no work it sleeps on the condition until a command arrives.
+
+    handler --add/abort/call--> deque + Condition --> engine thread --step()--> engine
+    handler <--Delta per step-- asyncio.Queue <--call_soon_threadsafe-- engine thread
+
+An abort (client gone, handler cancelled, stop string seen) drops the request's queue at
+once and calls `engine.abort`, which frees its KV pages (or frees them after the in-flight
+step, for a request a device step is still writing). If the engine raises, the thread marks
+itself dead, fails every pending command and every open request with `EngineDeadError`,
+and refuses new work; /health then reports unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("lp_jax.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (crashed or shut down); no request can complete."""
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests are waiting for admission (`max_waiting`)."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """New output tokens of one request from one engine step."""
+
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: object  # RequestMetrics of the request so far
+
+
+class RequestHandle:
+    """The asyncio side of one engine request: an async iterator of `Delta`s."""
+
+    def __init__(self, loop_: EngineLoop, num_prompt_tokens: int):
+        self._engine_loop = loop_
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id: int | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop generating (idempotent); the engine frees the request's pages."""
+        if not self.finished and self.request_id is not None:
+            self.finished = True
+            self._engine_loop.abort(self.request_id)
+
+
+class _Sink:
+    __slots__ = ("loop", "handle", "started")
+
+    def __init__(self, loop, handle):
+        self.loop = loop
+        self.handle = handle
+        self.started = False
+
+
+class EngineLoop:
+    """Runs `engine` on a dedicated thread; see the module docstring.
+
+    `max_waiting` bounds the requests accepted but not yet admitted by the scheduler
+    (None: unbounded); beyond it `add` raises OverloadedError. `metrics` (a ServerMetrics)
+    gets the queue-time histogram and the token counters.
+    """
+
+    def __init__(self, engine, *, max_waiting: int | None = None, metrics=None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._cmds: collections.deque = collections.deque()
+        self._sinks: dict[int, _Sink] = {}
+        self._unscheduled: dict[int, float] = {}  # request id -> arrival time
+        self._unadmitted = 0  # add commands queued + requests not yet admitted
+        self._dead = False
+        self._stopping = False
+        self.error: str | None = None
+        self.last_stats: dict = {}
+        self.last_counts = (0, 0)  # (running, waiting)
+        self._thread = threading.Thread(target=self._run, name="lp-engine", daemon=True)
+
+    # ------------------------------------------------------------- any thread
+    @property
+    def healthy(self) -> bool:
+        return not self._dead and self._thread.is_alive()
+
+    @property
+    def num_unadmitted(self) -> int:
+        return self._unadmitted
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def abort(self, request_id: int) -> None:
+        """Fire and forget; safe from any thread."""
+        with self._cv:
+            if self._dead:
+                return
+            self._cmds.append(("abort", request_id))
+            self._cv.notify()
+
+    # ------------------------------------------------------------ event loop
+    async def add(self, prompt_token_ids: list[int], sampling_params, *, priority: int = 0,
+                  arrival_time: float | None = None) -> RequestHandle:
+        """Queue a request; raises ValueError (bad request), OverloadedError, EngineDeadError."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        handle = RequestHandle(self, len(prompt_token_ids))
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        with self._cv:
+            if self._dead or self._stopping:
+                raise EngineDeadError(self.error or "the engine is not running")
+            if self.max_waiting is not None and self._unadmitted >= self.max_waiting:
+                raise OverloadedError(
+                    f"{self._unadmitted} requests are waiting (limit {self.max_waiting})")
+            self._unadmitted += 1
+            self._cmds.append(("add", (prompt_token_ids, sampling_params, priority, arrival,
+                                       loop, fut, handle)))
+            self._cv.notify()
+        handle.request_id = await fut  # cancelled: _resolve aborts the request
+        return handle
+
+    async def call(self, fn, timeout: float | None = None):
+        """Runs `fn(engine)` on the engine thread between steps and returns its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            if self._dead or self._stopping:
+                raise EngineDeadError(self.error or "the engine is not running")
+            self._cmds.append(("call", (fn, loop, fut)))
+            self._cv.notify()
+        return await asyncio.wait_for(fut, timeout)
+
+    # ---------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        empty_steps = last_idle = 0
+        try:
+            self._refresh_stats()
+            while True:
+                with self._cv:
+                    while not self._cmds and not self._stopping and not engine.has_unfinished():
+                        self._refresh_stats()
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    if empty_steps > 64 and not self._cmds:
+                        # Work that makes no progress (a stuck mock, say): poll, don't spin.
+                        self._cv.wait(min(0.05, 0.001 * 2 ** min(empty_steps - 64, 6)))
+                    cmds = list(self._cmds)
+                    self._cmds.clear()
+                for cmd in cmds:
+                    self._apply(cmd)
+                if not engine.has_unfinished():
+                    continue
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                if outputs:
+                    empty_steps = 0
+                else:  # only idle iterations count: a long chunked prefill is progress
+                    idle = engine.scheduler.stats().get("iterations_idle", 0)
+                    empty_steps = empty_steps + 1 if idle != last_idle else 0
+                    last_idle = idle
+                if self._unscheduled:
+                    self._note_admissions(t0)
+                self._dispatch(outputs)
+            self._fail(EngineDeadError("the server is shutting down"))
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
+            log.error("engine thread crashed:\n%s", traceback.format_exc())
+            self._fail(EngineDeadError(f"engine failed: {type(exc).__name__}: {exc}"))
+
+    def _apply(self, cmd) -> None:
+        kind, payload = cmd
+        if kind == "add":
+            ids, params, priority, arrival, loop, fut, handle = payload
+            try:
+                rid = self.engine.add_request(ids, params, priority=priority,
+                                              arrival_time=arrival)
+            except Exception as exc:  # noqa: BLE001 - ValueError is a bad request
+                with self._cv:
+                    self._unadmitted -= 1
+                if not isinstance(exc, ValueError):
+                    log.error("add_request failed:\n%s", traceback.format_exc())
+                    exc = RuntimeError(f"internal error: {type(exc).__name__}: {exc}")
+                loop.call_soon_threadsafe(_resolve, fut, None, exc, self)
+                return
+            self._sinks[rid] = _Sink(loop, handle)
+            self._unscheduled[rid] = arrival
+            loop.call_soon_threadsafe(_resolve, fut, rid, None, self)
+        elif kind == "abort":
+            rid = payload
+            self._sinks.pop(rid, None)
+            if self._unscheduled.pop(rid, None) is not None:
+                with self._cv:
+                    self._unadmitted -= 1
+            self.engine.abort(rid)
+        elif kind == "call":
+            fn, loop, fut = payload
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, exc = None, e
+            loop.call_soon_threadsafe(_resolve, fut, result, exc, None)
+
+    def _note_admissions(self, step_start: float) -> None:
+        """Requests that left the waiting queue in the last step were admitted at its start."""
+        waiting = {s.seq_id for s in self.engine.scheduler.waiting}
+        done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
+        for rid, arrival in done:
+            del self._unscheduled[rid]
+            if self.metrics is not None:
+                self.metrics.queue.observe(max(0.0, step_start - arrival))
+        if done:
+            with self._cv:
+                self._unadmitted -= len(done)
+
+    def _dispatch(self, outputs) -> None:
+        by_loop: dict[object, list] = {}
+        prompt_tokens = gen_tokens = 0
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                if self._unscheduled.pop(out.request_id, None) is not None:
+                    with self._cv:
+                        self._unadmitted -= 1
+            if sink is None:
+                continue
+            new = list(out.new_token_ids)
+            if new and not sink.started:
+                sink.started = True
+                prompt_tokens += len(out.prompt_token_ids)
+            gen_tokens += len(new)
+            delta = Delta(new, out.finished, out.finish_reason, out.metrics)
+            by_loop.setdefault(sink.loop, []).append((sink.handle.queue, delta))
+        if self.metrics is not None:
+            if prompt_tokens:
+                self.metrics.prompt_tokens.inc(prompt_tokens)
+            if gen_tokens:
+                self.metrics.generation_tokens.inc(gen_tokens)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: its requests are gone
+                pass
+
+    def _refresh_stats(self) -> None:
+        sched = self.engine.scheduler
+        self.last_counts = (len(sched.running) + len(sched.prefilling), len(sched.waiting))
+        self.last_stats = self.engine.stats()
+
+    def snapshot(self) -> tuple[dict, int, int]:
+        """Engine thread only (use through `call`): fresh stats and queue lengths."""
+        self._refresh_stats()
+        return self.last_stats, *self.last_counts
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._dead = True
+            self.error = str(exc)
+            cmds = list(self._cmds)
+            self._cmds.clear()
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+        if self.metrics is not None:
+            self.metrics.healthy.set(0)
+        for kind, payload in cmds:
+            if kind in ("add", "call"):
+                loop, fut = payload[-3:-1] if kind == "add" else payload[1:]
+                _threadsafe(loop, _resolve, fut, None, exc, None)
+        for sink in sinks:
+            _threadsafe(sink.loop, _deliver, [(sink.handle.queue, exc)])
+
+
+def _threadsafe(loop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # loop closed
+        pass
+
+
+def _resolve(fut: asyncio.Future, result, exc, engine_loop: EngineLoop | None) -> None:
+    """On the event loop: complete `fut`, or abort the new request if nobody waits for it."""
+    if fut.cancelled():
+        if engine_loop is not None and exc is None and result is not None:
+            engine_loop.abort(result)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _deliver(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

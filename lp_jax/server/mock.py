@@ -1,0 +1,182 @@
+"""A stand-in engine with LLMEngine's interface, for tests and for timing the HTTP layer.
+
+It imports no JAX. Each `step()` admits waiting requests (up to `max_num_seqs`, if their
+pages fit) and gives every running request one token, so it "generates" as fast as the
+server can drain it. Knobs: `step_delay` (seconds slept per step), `progress=False` (never
+admits anything: requests wait forever), `fail_at_step` (step() raises there), and a
+tokenizer from a model directory (the tiny model's, typically) for text prompts and chat.
+Pages are counted like the real block manager's, so abort tests can watch them come back.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from lp_jax.engine.metrics import RequestMetrics
+from lp_jax.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class MockOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    text: str | None = None
+    new_text: str | None = None
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    out: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    pages: int = 0
+    finish_reason: str | None = None
+
+
+class MockEngine:
+    def __init__(self, *, model_dir=None, vocab_size: int = 512, eos_token_id: int | None = None,
+                 max_model_len: int = 4096, max_num_seqs: int = 256, page_size: int = 16,
+                 num_pages: int | None = None, step_delay: float = 0.0, progress: bool = True,
+                 fail_at_step: int | None = None, token_fn=None):
+        self.model_dir = str(model_dir) if model_dir is not None else None
+        self.tokenizer = None
+        if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.model_config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id,
+                                            max_position_embeddings=max_model_len)
+        self.page_size = page_size
+        self.num_pages = num_pages or max_num_seqs * math.ceil(max_model_len / page_size)
+        self.free_pages = self.num_pages
+        self.max_num_seqs = max_num_seqs
+        self.step_delay = step_delay
+        self.progress = progress
+        self.fail_at_step = fail_at_step
+        # Output tokens: printable single-byte tokens by default, never eos.
+        self.token_fn = token_fn or (lambda seq_id, i: 65 + (seq_id + i) % 26)
+        self.scheduler = SimpleNamespace(
+            waiting=[], running=[], prefilling=[],
+            config=SimpleNamespace(max_model_len=max_model_len),
+            stats=self._sched_stats,
+        )
+        self._next_id = 0
+        self._done: list[_Seq] = []
+        self._stats = {"iterations": 0, "iterations_decode": 0, "iterations_prefill": 0,
+                       "iterations_hybrid": 0, "iterations_idle": 0, "prefill_tokens": 0,
+                       "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+
+    def _sched_stats(self) -> dict:
+        return dict(self._stats)
+
+    def add_request(self, prompt, sampling_params=None, *, priority=0, arrival_time=None) -> int:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            prompt = self.tokenizer.encode(prompt).ids
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) > self.scheduler.config.max_model_len:
+            raise ValueError("prompt longer than max_model_len")
+        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
+               for t in prompt):
+            raise ValueError("token id out of range")
+        params = sampling_params or SamplingParams()
+        seq = _Seq(self._next_id, prompt, params, priority,
+                   time.perf_counter() if arrival_time is None else arrival_time)
+        self._next_id += 1
+        self.scheduler.waiting.append(seq)
+        self.scheduler.waiting.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> bool:
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            for seq in queue:
+                if seq.seq_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    self._stats["aborted"] += 1
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._done)
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self.free_pages += seq.pages
+        seq.pages = 0
+        seq.finish_reason = reason
+        self._done.append(seq)
+
+    def _output(self, seq: _Seq, new: list[int]) -> MockOutput:
+        return MockOutput(seq.seq_id, seq.prompt, list(seq.out), new,
+                          seq.finish_reason is not None, seq.finish_reason,
+                          RequestMetrics(seq.arrival_time, token_times=tuple(seq.times)))
+
+    def step(self) -> list[MockOutput]:
+        if self.fail_at_step is not None and self._stats["iterations"] >= self.fail_at_step:
+            raise RuntimeError("mock engine failure")
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        sched = self.scheduler
+        outputs = [self._output(s, []) for s in self._done]  # aborted since the last step
+        self._done = []
+        if not self.progress:
+            self._stats["iterations"] += 1
+            self._stats["iterations_idle"] += 1
+            return outputs
+        while sched.waiting and len(sched.running) < self.max_num_seqs:
+            seq = sched.waiting[0]
+            need = math.ceil((len(seq.prompt) + seq.params.max_tokens) / self.page_size)
+            if need > self.free_pages:
+                break
+            sched.waiting.pop(0)
+            seq.pages = need
+            self.free_pages -= need
+            sched.running.append(seq)
+            self._stats["prefill_tokens"] += len(seq.prompt)
+        now = time.perf_counter()
+        for seq in list(sched.running):
+            tok = self.token_fn(seq.seq_id, len(seq.out))
+            seq.out.append(tok)
+            seq.times.append(now)
+            p = seq.params
+            reason = None
+            if tok in p.stop_token_ids or (not p.ignore_eos
+                                           and tok == self.model_config.eos_token_id):
+                reason = "stop"
+            elif (len(seq.out) >= p.max_tokens
+                  or len(seq.prompt) + len(seq.out) >= sched.config.max_model_len):
+                reason = "length"
+            if reason:
+                sched.running.remove(seq)
+                self.free_pages += seq.pages
+                seq.pages = 0
+                seq.finish_reason = reason
+                self._stats["finished"] += 1
+            outputs.append(self._output(seq, [tok]))
+        self._stats["iterations"] += 1
+        self._stats["iterations_decode" if sched.running or outputs else "iterations_idle"] += 1
+        self._stats["decode_tokens"] += len(outputs)
+        return outputs
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s.update(compilations=0, compilations_after_warmup=0, expert_bytes_loaded=0,
+                 free_pages=self.free_pages, total_pages=self.num_pages,
+                 host_overhead_fraction=0.0)
+        return s

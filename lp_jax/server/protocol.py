@@ -1,0 +1,271 @@
+"""OpenAI request validation and response bodies.
+
+Every field is checked here with its type and range, so a bad request becomes a 4xx with an
+OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
+well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
+servers do; fields the engine cannot honour (n > 1, logprobs, penalties, logit_bias, echo,
+suffix, tools, non-text response formats) are rejected with a message that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from lp_jax.engine.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 512
+_INT64 = 2 ** 63
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a dict; 400 for anything else (NaN/Infinity included)."""
+    def no_constants(name):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise bad(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (isinstance(x, int | float) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def get_int(body, name, default=None, lo=None, hi=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer() and abs(v) < _INT64:
+        v = int(v)  # 5.0 is an int to JSON
+    if not _is_int(v):
+        raise bad(f"'{name}' must be an integer, got {json.dumps(v)[:80]}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise bad(f"'{name}' must be in {rng}, got {v}", name)
+    return v
+
+
+def get_num(body, name, default, lo=None, hi=None, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad(f"'{name}' must be a finite number, got {json.dumps(v)[:80]}", name)
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        left = "(" if lo_open else "["
+        raise bad(f"'{name}' must be in {left}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def get_bool(body, name, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean, got {json.dumps(v)[:80]}", name)
+    return v
+
+
+def unsupported(name: str, what: str) -> APIError:
+    return bad(f"'{name}' is not supported by this server: {what}", name)
+
+
+@dataclass
+class GenerationRequest:
+    """A validated completion or chat request, prompt not yet tokenized."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict] | None = None  # chat
+    add_generation_prompt: bool = True
+    max_tokens: int | None = None  # None: fill the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    priority: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        top_k = -1 if self.top_k == 0 or self.top_k >= vocab_size else self.top_k
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_k=top_k, top_p=self.top_p, seed=self.seed,
+                max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+
+
+def _common(body: dict, req: GenerationRequest) -> None:
+    for name in ("n", "best_of"):
+        n = get_int(body, name, 1)
+        if n != 1:
+            raise unsupported(name, f"only 1 choice per request (got {n})")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get_num(body, name, 0.0) != 0.0:
+            raise unsupported(name, "penalties are not implemented")
+    if get_num(body, "repetition_penalty", 1.0) != 1.0:
+        raise unsupported("repetition_penalty", "penalties are not implemented")
+    if body.get("logit_bias") not in (None, {}):
+        raise unsupported("logit_bias", "logit biases are not implemented")
+    req.temperature = get_num(body, "temperature", 1.0, lo=0.0, hi=100.0)
+    req.top_p = get_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
+    req.top_k = get_int(body, "top_k", -1, lo=-1, hi=_INT64 - 1)
+    req.seed = get_int(body, "seed", None, lo=-_INT64, hi=_INT64 - 1)
+    req.priority = get_int(body, "priority", 0, lo=-(2 ** 31), hi=2 ** 31 - 1)
+    req.ignore_eos = get_bool(body, "ignore_eos", False)
+    req.stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("'stream_options' must be an object", "stream_options")
+        if not req.stream:
+            raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        req.include_usage = get_bool(opts, "include_usage", False)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+                or len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop)):
+            raise bad(f"'stop' must be a non-empty string or a list of at most "
+                      f"{MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LEN} "
+                      "characters", "stop")
+        req.stop = tuple(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < _INT64 for t in ids):
+            raise bad("'stop_token_ids' must be a list of non-negative integers",
+                      "stop_token_ids")
+        req.stop_token_ids = tuple(ids)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
+    req.model = model or ""
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
+        raise bad("'user' must be a string", "user")
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    req = GenerationRequest(kind="completion", model="")
+    _common(body, req)
+    if "prompt" not in body:
+        raise bad("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        pass
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise unsupported("prompt", "one prompt per request (got a batch of "
+                          f"{len(prompt)})")
+    else:
+        raise bad("'prompt' must be a non-empty string or a non-empty list of token ids",
+                  "prompt")
+    req.prompt = prompt
+    req.max_tokens = get_int(body, "max_tokens", None, lo=1)
+    lp = body.get("logprobs")
+    if lp is not None:
+        raise unsupported("logprobs", "the engine does not return log-probabilities")
+    if get_bool(body, "echo", False):
+        raise unsupported("echo", "echoing the prompt is not implemented")
+    if body.get("suffix") not in (None, ""):
+        raise unsupported("suffix", "insertion is not implemented")
+    return req
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    req = GenerationRequest(kind="chat", model="")
+    _common(body, req)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"messages[{i}].role must be a non-empty string", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if (not isinstance(part, dict) or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)):
+                    raise unsupported("messages", f"messages[{i}]: only text content parts")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts",
+                      "messages")
+        msg = {"role": role, "content": content}
+        name = m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
+        out.append(msg)
+    req.messages = out
+    req.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    mct = get_int(body, "max_completion_tokens", None, lo=1)
+    mt = get_int(body, "max_tokens", None, lo=1)
+    req.max_tokens = mct if mct is not None else mt
+    if get_bool(body, "logprobs", False):
+        raise unsupported("logprobs", "the engine does not return log-probabilities")
+    if body.get("top_logprobs") is not None:
+        raise unsupported("top_logprobs", "the engine does not return log-probabilities")
+    if body.get("tools") not in (None, []):
+        raise unsupported("tools", "tool calling is not implemented")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise unsupported("response_format", "only {'type': 'text'}")
+    return req
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
