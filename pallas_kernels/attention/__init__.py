@@ -41,10 +41,8 @@ from pallas_kernels.attention.ref import (
 
 BACKENDS = ("auto", "xla", "tpu", "gpu")
 
-_INTERPRET = contextvars.ContextVar(
-    "lp_jax_pallas_interpret",
-    default=os.environ.get("LP_JAX_PALLAS_INTERPRET", "0").lower() in ("1", "true", "yes"),
-)
+# None: follow $LP_JAX_PALLAS_INTERPRET, read at trace time (as pallas_kernels.moe does).
+_INTERPRET = contextvars.ContextVar("lp_jax_pallas_interpret", default=None)
 
 
 @contextlib.contextmanager
@@ -63,7 +61,12 @@ def set_interpret_mode(enabled: bool) -> None:
 
 
 def interpret_enabled() -> bool:
-    return _INTERPRET.get()
+    enabled = _INTERPRET.get()
+    if enabled is None:
+        from pallas_kernels.moe import resolve_interpret
+
+        return bool(resolve_interpret(None))
+    return enabled
 
 
 def resolve_backend(backend: str) -> str:
