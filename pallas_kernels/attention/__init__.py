@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import jax
 
