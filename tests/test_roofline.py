@@ -279,10 +279,13 @@ def test_default_moe_capacity_matches_dropless_ragged():
 
     shape = default_moe_shape(4)
     # capacity factor E/k gives every expert room for all T rows: nothing is dropped.
-    cap = make_default_moe(shape, capacity_factor=shape.num_experts / shape.top_k)
+    cap = make_default_moe(shape, impl="capacity",
+                           capacity_factor=shape.num_experts / shape.top_k)
     ragged = make_default_moe(shape, impl="ragged")
+    engine = make_default_moe(shape, impl="engine")
     x_TD = jax.random.normal(jax.random.PRNGKey(3), (16, shape.hidden_size), jnp.float32)
     np.testing.assert_allclose(cap(x_TD), ragged(x_TD), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(engine(x_TD), ragged(x_TD), rtol=2e-4, atol=2e-5)
 
 
 def test_cli_writes_three_plots(tmp_path, capsys):

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         knee = measure_moe_knee()
         print(
             report.render(
-                f"Measured MoE knee on {knee.device} (default tiny MoE): knee at"
+                f"Measured MoE knee on {knee.device} (the engine's moe_ffn, small shape): knee at"
                 f" T={knee.knee_tokens} ({100 * knee.threshold:.0f}% of max FLOP/s)",
                 report.knee_table(knee),
             )

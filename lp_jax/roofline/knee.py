@@ -89,11 +89,14 @@ def make_default_moe(
     *,
     dtype: str = "float32",
     seed: int = 0,
-    impl: str = "capacity",
+    impl: str = "engine",
     capacity_factor: float = 1.25,
 ) -> Callable:
     """A jnp top-k SwiGLU MoE layer with random weights: x_TD -> y_TD.
 
+    impl="engine" (default): the engine's own layer, `pallas_kernels.moe.moe_ffn` with
+    the platform's backend (Pallas on TPU/GPU, `xla_tiles` on CPU), so the knee is the
+    one the engine meets.
     impl="capacity": GShard-style dispatch; each expert computes C = ceil(cf * k * T / E)
     slots (rounded up to 8) with one batched einsum, overflow rows are dropped. Its work
     is ~cf x the useful work on every backend. impl="ragged": dropless, rows sorted by
@@ -103,8 +106,8 @@ def make_default_moe(
     import jax
     import jax.numpy as jnp
 
-    if impl not in ("capacity", "ragged"):
-        raise ValueError(f"impl must be 'capacity' or 'ragged', got {impl!r}")
+    if impl not in ("engine", "capacity", "ragged"):
+        raise ValueError(f"impl must be 'engine', 'capacity' or 'ragged', got {impl!r}")
     d, f, e, k = shape.hidden_size, shape.expert_width, shape.num_experts, shape.top_k
     key_router, key_up, key_down = jax.random.split(jax.random.PRNGKey(seed), 3)
     scale = 1.0 / math.sqrt(d)
@@ -149,7 +152,15 @@ def make_default_moe(
         y_RD = y_flat[flat_R] * gate_TA.reshape(-1)[:, None].astype(y_flat.dtype)
         return y_RD.reshape(t, k, d).sum(axis=1)
 
-    return capacity if impl == "capacity" else ragged
+    def engine(x_TD):
+        from pallas_kernels.moe import moe_ffn
+
+        logits_TE = (x_TD @ w_router_DE).astype(jnp.float32)
+        y_TD, _ = moe_ffn(x_TD, logits_TE, w_gate_up_EDF2, w_down_EFD, top_k=k,
+                          norm_topk_prob=True)
+        return y_TD
+
+    return {"engine": engine, "capacity": capacity, "ragged": ragged}[impl]
 
 
 def measure_moe_knee(
