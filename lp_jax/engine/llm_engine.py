@@ -12,7 +12,8 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -28,6 +29,8 @@ from lp_jax.engine.sequence import Sequence
 from lp_jax.models.qwen3_moe import KernelBackends
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 
+_KEEP_BATCHES = 256
+
 
 @dataclass
 class RequestOutput:
@@ -40,7 +43,6 @@ class RequestOutput:
     metrics: RequestMetrics
     text: str | None = None
     new_text: str | None = None
-    expert_bytes: int = field(default=0)
 
 
 def _default_model_dir():
@@ -88,7 +90,8 @@ class LLMEngine:
         )
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
-        self._batch_bytes: dict[int, int] = {}
+        # Expert bytes of the most recent prefill batches (bounded: servers run for days).
+        self._batch_bytes: OrderedDict[int, int] = OrderedDict()
         self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0}
         if config.warmup:
             self.runner.warmup(log=self.log)
@@ -158,6 +161,8 @@ class LLMEngine:
             bid = plan.prefill_batch_id
             self._batch_bytes[bid] = (self._batch_bytes.get(bid, 0)
                                       + mixed * self.model_config.expert_bytes)
+            while len(self._batch_bytes) > _KEEP_BATCHES:
+                self._batch_bytes.popitem(last=False)
         now = time.perf_counter()
         self.scheduler.commit(plan, sampled, now)
         outputs = []
