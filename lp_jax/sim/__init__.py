@@ -1,0 +1,77 @@
+"""Paper-scale discrete-event simulator for lp_jax's scheduler.
+
+The real `lp_jax.engine.scheduler.Scheduler` (every policy, unchanged) is driven by a
+roofline cost model instead of the JAX executor:
+
+- `executor`    -- `CostModelExecutor`: StepPlan -> seconds, FLOPs, HBM bytes, expert bytes;
+- `calibration` -- `Calibration` efficiency factors and overheads, least-squares `fit`;
+- `energy`      -- `EnergyModel`: static W + J/FLOP + J/byte, documented constants, `fit`;
+- `workload`    -- Poisson / gamma arrivals, ShareGPT-8k, arXiv and Azure length models,
+                   CSV / JSONL traces loaded through grain;
+- `simulator`   -- `SimConfig`, `Simulator.run(requests) -> SimResult`;
+- `slo`         -- attainment and the sustainable-rate search.
+
+`launch/reproduce_paper.py` reproduces the layered-prefill paper's comparison with it and
+`launch/sim_fidelity.py` checks it against the real engine on CPU.
+"""
+
+from lp_jax.sim.calibration import GPU_PRIOR, Calibration, StepFeatures, prior_calibration
+from lp_jax.sim.energy import EnergyModel, energy_model_for
+from lp_jax.sim.executor import CostModelExecutor, StepCost
+from lp_jax.sim.simulator import (
+    SimConfig,
+    SimResult,
+    Simulator,
+    derive_num_pages,
+    kv_bytes_per_token,
+    simulate,
+    weight_bytes,
+)
+from lp_jax.sim.slo import RateSearch, attainment, sustainable_rate
+from lp_jax.sim.workload import (
+    ARXIV_PAPER,
+    SHAREGPT_8K,
+    EmpiricalLengths,
+    LognormalLengths,
+    QuantileLengths,
+    Request,
+    TraceRow,
+    arrival_times,
+    length_model,
+    load_trace,
+    synthesize,
+    trace_requests,
+)
+
+__all__ = [
+    "ARXIV_PAPER",
+    "GPU_PRIOR",
+    "SHAREGPT_8K",
+    "Calibration",
+    "CostModelExecutor",
+    "EmpiricalLengths",
+    "EnergyModel",
+    "LognormalLengths",
+    "QuantileLengths",
+    "RateSearch",
+    "Request",
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "StepCost",
+    "StepFeatures",
+    "TraceRow",
+    "arrival_times",
+    "attainment",
+    "derive_num_pages",
+    "energy_model_for",
+    "kv_bytes_per_token",
+    "length_model",
+    "load_trace",
+    "prior_calibration",
+    "simulate",
+    "sustainable_rate",
+    "synthesize",
+    "trace_requests",
+    "weight_bytes",
+]

@@ -1,0 +1,277 @@
+"""Cost-model executor: a `StepPlan` in, predicted seconds, FLOPs, bytes and expert traffic out.
+
+Design note. It stands where the JAX `ModelRunner` stands: the scheduler hands it a plan and
+it says what the step costs, using `lp_jax.roofline.cost_model` for every op. A plan splits
+the decoder stack in two layer sets:
+
+- layers [layer_start, layer_end) of a plan with prefill run the prefill chunks and the
+  decodes together, T = prefill tokens + decodes rows; the MoE loads the experts that the
+  union of rows activates, E_act(T) from the routing model;
+- every other layer runs the decodes alone (T = decodes); with no decodes it does not run.
+
+Per layer the token-linear ops (qkv_proj, o_proj, router, experts or dense_mlp) depend only
+on T and the layer kind (MoE or dense, sliding or full attention), so they are cached per
+(kind, T). Attention is linear in each sequence's visible context, so decode attention is
+one multiply-add on the summed context (min(context, window) for sliding layers); prefill
+attention is cached per (kind, chunk length, cached prefix). The lm_head runs on the rows
+that sample. Each op's time is `Calibration.op_seconds(compute_s, memory_s)`; a step adds the
+calibration's per-iteration and per-layer overheads.
+
+Expert traffic uses the engine's definition: per MoE layer per step, activated experts times
+one expert's bytes (whole model, not per device). FLOPs and HBM bytes are summed over the
+tp * ep devices, for the energy model.
+
+Optional `prefill_buckets` / `decode_buckets` mimic the engine's padding of token counts to
+compiled sizes (used when calibrating against the real engine).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from lp_jax.engine.plan import StepPlan
+from lp_jax.roofline.cost_model import StepTokens, layer_cost, lm_head_cost
+from lp_jax.roofline.hardware import Hardware
+from lp_jax.roofline.model_shape import ModelShape
+from lp_jax.roofline.routing import MeasuredRouting, Routing, ZipfRouting, expected_active
+from lp_jax.sim.calibration import Calibration, StepFeatures
+
+_ATTENTION_OPS = ("attn_prefill", "attn_decode")
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    seconds: float
+    flops: float  # summed over devices, tile padding included
+    hbm_bytes: float  # summed over devices
+    expert_bytes: float  # activated experts x expert bytes, over MoE layers (engine's count)
+    layers: int  # decoder layers executed
+
+
+@dataclass(frozen=True, slots=True)
+class _Ops:
+    """Per-layer ops: (compute_s, memory_s) pairs at peak, FLOPs and bytes per device."""
+
+    terms: tuple[tuple[float, float], ...]
+    flops: float
+    bytes: float
+
+
+class CostModelExecutor:
+    def __init__(
+        self,
+        shape: ModelShape,
+        hardware: Hardware,
+        *,
+        tp: int = 1,
+        ep: int = 1,
+        routing: Routing | None = None,
+        tile: int = 1,
+        calibration: Calibration | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
+        decode_buckets: tuple[int, ...] | None = None,
+    ) -> None:
+        self.shape, self.hardware = shape, hardware
+        self.tp, self.ep, self.tile = tp, ep, tile
+        self.devices = tp * ep
+        self.calibration = calibration or Calibration()
+        self.routing = routing or ZipfRouting()
+        self._prefill_buckets = tuple(sorted(prefill_buckets)) if prefill_buckets else None
+        self._decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
+        if shape.is_moe:  # solve the routing model once; layer_cost then reads a fixed table
+            p_E = self.routing.probs_E(shape.num_experts, shape.top_k)
+            self._fixed_routing: Routing = MeasuredRouting(tuple(float(p) for p in p_E))
+        else:
+            self._fixed_routing = self.routing
+        L = shape.num_layers
+        keys = [(shape.is_moe_layer(i), shape.is_sliding_layer(i)) for i in range(L)]
+        self._kinds = sorted(set(keys))
+        self._rep = [keys.index(k) for k in self._kinds]  # first layer of each kind
+        kind_of = [self._kinds.index(k) for k in keys]
+        # prefix[k][i]: layers of kind k among layers [0, i)
+        self._prefix = [[0] * (L + 1) for _ in self._kinds]
+        for k in range(len(self._kinds)):
+            for i in range(L):
+                self._prefix[k][i + 1] = self._prefix[k][i] + (kind_of[i] == k)
+        self._all = tuple(p[L] for p in self._prefix)
+        self._window = shape.sliding_window
+        self._attn_dec = [self._decode_attention_coeffs(k) for k in range(len(self._kinds))]
+        self._lin_cache: dict[tuple[int, int], _Ops] = {}
+        self._pre_cache: dict[tuple[int, int, int], tuple[float, float, float, float]] = {}
+        self._head_cache: dict[int, tuple[float, float, float, float]] = {}
+        self._experts_cache: dict[int, float] = {}
+        self._range_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ public
+    def with_calibration(self, calibration: Calibration) -> CostModelExecutor:
+        """A new executor with other factors (caches hold peak seconds, so they carry over)."""
+        other = object.__new__(CostModelExecutor)
+        for name in vars(self):
+            setattr(other, name, getattr(self, name))
+        other.calibration = calibration
+        return other
+
+    def features(self, plan: StepPlan) -> StepFeatures:
+        terms, _, _, _, layers = self._terms(plan)
+        compute = tuple(n * c for n, c, _ in terms)
+        memory = tuple(n * m for n, _, m in terms)
+        return StepFeatures(compute, memory, layers)
+
+    def run(self, plan: StepPlan) -> StepCost:
+        terms, flops, nbytes, expert_bytes, layers = self._terms(plan)
+        cal = self.calibration
+        ic, ib = 1.0 / cal.compute_efficiency, 1.0 / cal.bandwidth_efficiency
+        seconds = sum(n * max(c * ic, m * ib) for n, c, m in terms)
+        if layers:
+            seconds += cal.overhead_s + cal.layer_overhead_s * layers
+        d = self.devices
+        return StepCost(seconds, flops * d, nbytes * d, expert_bytes, layers)
+
+    # ----------------------------------------------------------------- the plan
+    def _terms(self, plan: StepPlan):
+        """(count, compute_s, memory_s) terms, per-device FLOPs and bytes, expert bytes."""
+        decode, chunks = plan.decode, plan.prefill
+        B = len(decode)
+        terms: list[tuple[int, float, float]] = []
+        flops = nbytes = expert_bytes = 0.0
+        ctx = slide = 0
+        if B:
+            lens = [s.num_tokens for s in decode]  # KV length with the new token
+            ctx = sum(lens)
+            if self._window:
+                w = self._window
+                slide = sum(n if n < w else w for n in lens)
+        b_time = self._bucket(B, self._decode_buckets) if B else 0
+        if chunks:
+            a, b = plan.layer_start, plan.layer_end
+            mixed = self._range_counts(a, b)
+            n_pre = sum(c.end - c.start for c in chunks)
+            t_mix = self._bucket(n_pre, self._prefill_buckets) + b_time
+            pre = [(c.end - c.start, c.start) for c in chunks]
+        else:
+            mixed, n_pre, t_mix, pre = None, 0, 0, []
+        layers = 0
+        for k in range(len(self._kinds)):
+            n_mix = mixed[k] if mixed else 0
+            n_dec = (self._all[k] - n_mix) if B else 0
+            for count, t_time, t_real, with_pre in (
+                (n_dec, b_time, B, False),
+                (n_mix, t_mix, n_pre + B, True),
+            ):
+                if not count:
+                    continue
+                layers += count
+                ops = self._lin(k, t_time)
+                terms += [(count, c, m) for c, m in ops.terms]
+                flops += count * ops.flops
+                nbytes += count * ops.bytes
+                if self._kinds[k][0]:
+                    expert_bytes += count * self._expert_bytes(t_real)
+                if B:
+                    f1, f0, b1, b0 = self._attn_dec[k]
+                    vis = slide if self._kinds[k][1] else ctx
+                    fl, by = f1 * vis + f0 * B, b1 * vis + b0 * B
+                    terms.append((count, fl / self._peak, by / self._bw))
+                    flops += count * fl
+                    nbytes += count * by
+                if with_pre:
+                    c_sum = m_sum = 0.0
+                    for n, past in pre:
+                        c, m, fl, by = self._prefill_attention(k, n, past)
+                        c_sum, m_sum = c_sum + c, m_sum + m
+                        flops += count * fl
+                        nbytes += count * by
+                    terms.append((count, c_sum, m_sum))
+        rows = B + (sum(c.samples for c in chunks) if plan.is_last_group else 0)
+        if rows:
+            c, m, fl, by = self._lm_head(rows)
+            terms.append((1, c, m))
+            flops += fl
+            nbytes += by
+        return terms, flops, nbytes, expert_bytes, layers
+
+    # ------------------------------------------------------------------ caches
+    @property
+    def _peak(self) -> float:
+        return self.hardware.peak_flops
+
+    @property
+    def _bw(self) -> float:
+        return self.hardware.hbm_bw
+
+    def _seconds(self, op) -> tuple[float, float]:
+        hw = self.hardware
+        compute = (op.flops + op.pad_flops) / hw.peak_flops
+        memory = op.bytes / hw.hbm_bw
+        if op.comm_bytes > 0 and hw.interconnect_bw > 0:
+            memory = max(memory, op.comm_bytes / (0.5 * hw.interconnect_bw))
+        return compute, memory
+
+    def _layer(self, k: int, step: StepTokens):
+        return layer_cost(
+            self.shape, step, layer=self._rep[k], tp=self.tp, ep=self.ep,
+            routing=self._fixed_routing, tile=self.tile,
+        )  # fmt: skip
+
+    def _lin(self, k: int, tokens: int) -> _Ops:
+        key = (k, tokens)
+        ops = self._lin_cache.get(key)
+        if ops is None:
+            lc = self._layer(k, StepTokens(decode_seqs=tokens, decode_context=1))
+            kept = [op for op in lc.ops if op.name not in _ATTENTION_OPS]
+            ops = _Ops(
+                tuple(self._seconds(op) for op in kept),
+                sum(op.flops + op.pad_flops for op in kept),
+                sum(op.bytes for op in kept),
+            )
+            self._lin_cache[key] = ops
+        return ops
+
+    def _decode_attention_coeffs(self, k: int) -> tuple[float, float, float, float]:
+        """attn_decode FLOPs = f1 * context + f0 * seqs, bytes = b1 * context + b0 * seqs."""
+        one = self._layer(k, StepTokens(decode_seqs=1, decode_context=1)).op("attn_decode")
+        two = self._layer(k, StepTokens(decode_seqs=1, decode_context=2)).op("attn_decode")
+        f1, b1 = two.flops - one.flops, two.bytes - one.bytes
+        return f1, one.flops - f1, b1, one.bytes - b1
+
+    def _prefill_attention(self, k: int, n: int, past: int):
+        key = (k, n, past)
+        hit = self._pre_cache.get(key)
+        if hit is None:
+            step = StepTokens(prefill_tokens=n, prefill_seqs=1, prefill_past=past)
+            op = self._layer(k, step).op("attn_prefill")
+            hit = (*self._seconds(op), op.flops, op.bytes)
+            self._pre_cache[key] = hit
+        return hit
+
+    def _lm_head(self, rows: int):
+        hit = self._head_cache.get(rows)
+        if hit is None:
+            op = lm_head_cost(self.shape, rows, tp=self.tp, ep=self.ep)
+            hit = (*self._seconds(op), op.flops, op.bytes)
+            self._head_cache[rows] = hit
+        return hit
+
+    def _expert_bytes(self, tokens: int) -> float:
+        hit = self._experts_cache.get(tokens)
+        if hit is None:
+            s = self.shape
+            active = expected_active(self._fixed_routing, s.num_experts, s.top_k, tokens)
+            hit = float(active) * s.expert_bytes
+            self._experts_cache[tokens] = hit
+        return hit
+
+    def _range_counts(self, a: int, b: int) -> tuple[int, ...]:
+        hit = self._range_cache.get((a, b))
+        if hit is None:
+            hit = tuple(p[b] - p[a] for p in self._prefix)
+            self._range_cache[(a, b)] = hit
+        return hit
+
+    @staticmethod
+    def _bucket(n: int, buckets: tuple[int, ...] | None) -> int:
+        if not buckets or n == 0:
+            return n
+        i = bisect.bisect_left(buckets, n)
+        return buckets[i] if i < len(buckets) else n
