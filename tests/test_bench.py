@@ -15,6 +15,7 @@ from lp_jax.bench import report, workload
 from lp_jax.bench.__main__ import run_cli
 from lp_jax.bench.client import RequestRecord, _is_token_event
 from lp_jax.bench.progress import ProgressBar
+from lp_jax.sim import workload as sim_workload
 
 
 def rec(i, send, times, ok=True, tokens=None):
@@ -62,8 +63,10 @@ def test_token_events():
 
 
 def test_sharegpt_lengths_follow_the_quantiles():
-    rng = np.random.default_rng(0)
-    p, o, pmax, omax = workload.sample_lengths("sharegpt", 20000, rng)
+    model = workload.resolve_length_model("sharegpt")
+    assert model is sim_workload.SHAREGPT_8K  # one quantile table
+    p, o = model.sample(20000, np.random.default_rng(0))
+    pmax, omax = model.max_lengths
     assert np.median(p) == pytest.approx(1730, rel=0.05)
     assert np.percentile(p, 90) == pytest.approx(5696, rel=0.05)
     assert np.median(o) == pytest.approx(415, rel=0.05)
@@ -75,9 +78,23 @@ def test_sharegpt_lengths_follow_the_quantiles():
 
 
 def test_arxiv_lengths():
-    p, o, _, _ = workload.sample_lengths("arxiv", 5000, np.random.default_rng(1))
-    assert p.min() >= 6000 and p.max() <= 8000
-    assert o.min() >= 100 and o.max() <= 300 and abs(o.mean() - 200) < 5
+    # The simulator's ARXIV_PAPER: prompts lognormal(median 7000, sigma 0.3) clipped to
+    # [2048, 16384], outputs lognormal(median 200, sigma 0.35) clipped to [32, 512].
+    model = workload.resolve_length_model("arxiv")
+    assert model is sim_workload.ARXIV_PAPER
+    p, o = model.sample(20000, np.random.default_rng(1))
+    assert model.max_lengths == (16384, 512)
+    assert p.min() >= 2048 and p.max() <= 16384 and o.min() >= 32 and o.max() <= 512
+    assert np.median(p) == pytest.approx(7000, rel=0.03)
+    assert np.percentile(p, [5, 95]) == pytest.approx([7000 * math.exp(-1.645 * 0.3),
+                                                       7000 * math.exp(1.645 * 0.3)], rel=0.04)
+    assert np.median(o) == pytest.approx(200, rel=0.03)
+    assert 25 < p.mean() / o.mean() < 45  # the paper's "about 40x"
+    fixed = workload.resolve_length_model("fixed", prompt_len=12, output_len=4)
+    assert [a.tolist() for a in fixed.sample(3, np.random.default_rng(0))] == [[12] * 3, [4] * 3]
+    assert fixed.max_lengths == (12, 4)
+    with pytest.raises(ValueError, match="unknown length model"):
+        workload.resolve_length_model("nope")
 
 
 @pytest.mark.parametrize("process,burst", [("poisson", 1.0), ("gamma", 0.25), ("gamma", 4.0)])
@@ -85,9 +102,26 @@ def test_arrivals(process, burst):
     t = workload.arrival_times(20000, 5.0, np.random.default_rng(2), process=process,
                                burstiness=burst)
     gaps = np.diff(t)
+    assert t[0] == 0.0
     assert gaps.mean() == pytest.approx(0.2, rel=0.05)
     assert (gaps.std() / gaps.mean()) ** 2 == pytest.approx(1 / burst, rel=0.1)
     assert np.all(workload.arrival_times(5, math.inf, np.random.default_rng(0)) == 0)
+    # one arrival process: the simulator's, with CV 1 / sqrt(burstiness)
+    sim_t = sim_workload.arrival_times(20000, 5.0, np.random.default_rng(2),
+                                       workload.arrival_cv(process, burst))
+    assert np.array_equal(t, sim_t)
+
+
+def test_build_workload_matches_the_simulator():
+    specs = workload.build_workload(num_requests=50, rate=3.0, seed=7, length_model="arxiv",
+                                    process="gamma", burstiness=0.25)
+    reqs = sim_workload.synthesize("arxiv", 50, 3.0, cv=2.0, seed=7)
+    assert [(s.arrival, s.prompt_len, s.output_len) for s in specs] == [
+        (r.arrival, r.prompt_len, r.output_len) for r in reqs]
+    burst = workload.build_workload(num_requests=50, rate=math.inf, seed=7,
+                                    length_model="arxiv", max_prompt_len=1024)
+    assert all(s.arrival == 0.0 for s in burst)
+    assert [s.prompt_len for s in burst] == [round(r.prompt_len * 1024 / 16384) for r in reqs]
 
 
 def test_trace_files(tmp_path):
@@ -108,8 +142,20 @@ def test_trace_files(tmp_path):
     assert isinstance(specs[0].prompt, str) and len(specs[0].prompt.split()) == 4
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b\n1,2\n")
-    with pytest.raises(ValueError, match="columns"):
+    with pytest.raises(ValueError, match="no prompt length column"):
         workload.load_trace(bad)
+    # OpenAI usage names, rows out of time order, --num-requests; and no zero lengths
+    usage = tmp_path / "usage.jsonl"
+    usage.write_text("\n".join(json.dumps({"arrival_time": t, "prompt_tokens": p,
+                                           "completion_tokens": 2})
+                               for t, p in ((3.0, 8), (1.0, 6), (2.0, 4))))
+    specs = workload.build_workload(num_requests=2, rate=1.0, trace=usage)
+    assert [(s.arrival, s.prompt_len, s.output_len) for s in specs] == [(0.0, 6, 2),
+                                                                         (1.0, 4, 2)]
+    zero = tmp_path / "zero.csv"
+    zero.write_text("prompt_len,output_len\n5,0\n")
+    with pytest.raises(ValueError, match=">= 1"):
+        workload.load_trace(zero)
 
 
 def test_shared_traces_load():
@@ -117,9 +163,9 @@ def test_shared_traces_load():
     if not d.is_dir():
         pytest.skip("shared traces not present")
     conv = workload.load_trace(d / "splitwise_conv.csv")
-    assert conv.timestamps is not None and len(conv.prompt_lens) > 1000
+    assert all(r.timestamp is not None for r in conv) and len(conv) > 1000
     arxiv = workload.load_trace(d / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv")
-    assert arxiv.timestamps is None and arxiv.prompt_lens.max() <= 4096
+    assert all(r.timestamp is None for r in arxiv) and max(r.prompt_len for r in arxiv) <= 4096
 
 
 def test_progress_bar():

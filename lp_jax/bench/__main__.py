@@ -19,7 +19,7 @@ from pathlib import Path
 from lp_jax.bench import report
 from lp_jax.bench.client import run_requests
 from lp_jax.bench.progress import ProgressBar
-from lp_jax.bench.workload import LENGTH_MODELS, build_workload, load_trace
+from lp_jax.bench.workload import LENGTH_MODELS, build_workload, load_trace, resolve_length_model
 from lp_jax.serve import HelpFormatter
 
 
@@ -46,9 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into every request body")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=LENGTH_MODELS, default="sharegpt",
-                   help="length model (ignored with --trace)")
+                   help="length model (ignored with --trace): sharegpt = ShareGPT-8k "
+                   "quantiles; arxiv = whole articles, lognormal prompts (median 7000, "
+                   "2048-16384) and outputs (median 200, 32-512); arxiv-4k / azure-conv = "
+                   "lengths resampled from the bundled traces; fixed = --prompt-len / "
+                   "--output-len")
     w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp (optional), "
-                   "prompt_len, output_len")
+                   "prompt_len, output_len (aliases: lp_jax.sim.workload.load_trace)")
     w.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply trace timestamps (0.5 replays twice as fast)")
     w.add_argument("--num-requests", type=int, default=None,
@@ -56,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=_rates, default=[1.0],
                    help="requests/s; comma-separated for a sweep; inf sends all at once")
     w.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape")
+    w.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: gap CV 1/sqrt(burstiness), < 1 burstier than poisson")
     w.add_argument("--prompt-len", type=int, default=128, help="--workload fixed")
     w.add_argument("--output-len", type=int, default=128, help="--workload fixed")
     w.add_argument("--max-prompt-len", type=int, default=None,
@@ -117,12 +122,14 @@ async def run(args) -> dict:
     if args.endpoint == "chat" and args.prompt_kind != "text":
         raise SystemExit("lp-bench: --endpoint chat needs --prompt-kind text")
     trace = load_trace(args.trace) if args.trace else None
+    lengths = None if trace is not None else resolve_length_model(  # loaded once for every rate
+        args.workload, prompt_len=args.prompt_len, output_len=args.output_len)
     tokenizer = _load_tokenizer(args.tokenizer)
     runs = []
     for rate in args.request_rate:
         specs = build_workload(
             num_requests=args.num_requests, rate=rate, seed=args.seed,
-            length_model=args.workload, trace=trace, process=args.arrival,
+            length_model=lengths, trace=trace, process=args.arrival,
             burstiness=args.burstiness, time_scale=args.time_scale,
             max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
             length_mode=args.length_mode, prompt_len=args.prompt_len,

@@ -22,6 +22,9 @@ Length models:
 
 `load_trace` reads any CSV or JSONL trace through grain (`grain.MapDataset.source` over the
 file's lines, then `.map` to parse), so users can replay their own traces.
+
+`lp_jax.bench.workload` (the lp-bench load generator) is a thin layer over this module: the
+same length models, arrival process and trace loader, plus prompts and length fitting.
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ AZURE_CONV_CSV = DATA_DIR / "splitwise_conv.csv"
 
 _TIME_COLUMNS = ("timestamp", "arrived_at", "arrival_time", "arrival", "time")
 _PROMPT_COLUMNS = ("prompt_len", "num_prefill_tokens", "input_len", "prompt_tokens")
-_OUTPUT_COLUMNS = ("output_len", "num_decode_tokens", "output_tokens", "max_tokens")
+_OUTPUT_COLUMNS = (
+    "output_len",
+    "num_decode_tokens",
+    "output_tokens",
+    "max_tokens",
+    "completion_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +72,12 @@ class TraceRow:
     prompt_len: int
     output_len: int
 
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(
+                f"trace lengths must be >= 1, got {self.prompt_len}, {self.output_len}"
+            )
+
 
 class LengthModel(Protocol):
     @property
@@ -72,6 +87,8 @@ class LengthModel(Protocol):
 
 
 # ----- length models ---------------------------------------------------------------------
+# The concrete models also have `max_lengths`: the largest (prompt, output) `sample` can
+# return (lp-bench scales lengths by it to fit a small model's context).
 _Q5 = tuple(range(0, 101, 5))
 
 
@@ -97,6 +114,10 @@ class QuantileLengths:
         p_N = np.interp(u_N[0], self.quantiles, self.prompt)
         o_N = np.interp(u_N[1], self.quantiles, self.output)
         return _as_lengths(p_N), _as_lengths(o_N)
+
+    @property
+    def max_lengths(self) -> tuple[int, int]:
+        return max(1, round(self.prompt[-1])), max(1, round(self.output[-1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +148,10 @@ class LognormalLengths:
         )
         return _as_lengths(p_N), _as_lengths(o_N)
 
+    @property
+    def max_lengths(self) -> tuple[int, int]:
+        return self.prompt_max, self.output_max
+
 
 @dataclass(frozen=True, slots=True)
 class EmpiricalLengths:
@@ -148,6 +173,10 @@ class EmpiricalLengths:
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         idx_N = rng.integers(0, len(self.prompt), n)
         return np.asarray(self.prompt)[idx_N], np.asarray(self.output)[idx_N]
+
+    @property
+    def max_lengths(self) -> tuple[int, int]:
+        return max(self.prompt), max(self.output)
 
 
 def _as_lengths(x_N: np.ndarray) -> np.ndarray:
@@ -240,7 +269,7 @@ def load_trace(path: str | Path) -> list[TraceRow]:
     Columns (first match wins): time from timestamp / arrived_at / arrival_time / arrival /
     time (optional, seconds); prompt length from prompt_len / num_prefill_tokens / input_len
     / prompt_tokens; output length from output_len / num_decode_tokens / output_tokens /
-    max_tokens.
+    max_tokens / completion_tokens. Lengths must be >= 1.
     """
     import grain
 
