@@ -1,0 +1,170 @@
+"""Chunked prefill against layered prefill, side by side in one process.
+
+A small MoE (8 layers, 32 experts, top-4, hidden 512; random weights) serves the
+same Poisson workload of long prompts under `chunked` (512-token budget) and
+`layered` (8192-token budget, paper groups). Reported per policy: TTFT p50/p99,
+max-ITL p99, E2E, expert bytes loaded, host overhead per iteration. Then one
+8192-token prompt alone, whose expert-bytes ratio layered : chunked is ideally 1/16.
+
+Finally the device's ridge point (measured) against the MoE's arithmetic
+intensity at a 512-token chunk: on a CPU the MoE is compute-bound already, so the
+byte savings do not turn into time savings there. The GPU validation measures time.
+
+    python launch/bench_policies.py [--requests 10] [--rate 0.25] [--out runs/bench_policies]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+SMALL_MOE = {
+    "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 8192, "hidden_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 32,
+    "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "eos_token_id": 0,
+}
+POLICIES = {
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=512, prefill_buckets=(512,)),
+    "layered": dict(scheduling="layered", max_num_batched_tokens=8192,
+                    prefill_buckets=(512, 1024, 2048, 4096, 8192)),
+}
+
+
+def workload(n, rate, lo, hi, out_len, seed):
+    from lp_jax.sim.workload import arrival_times
+
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times(n, rate, rng)  # Poisson
+    prompts = [rng.integers(1, SMALL_MOE["vocab_size"], int(rng.integers(lo, hi + 1))).tolist()
+               for _ in range(n)]
+    return list(zip(arrivals.tolist(), prompts, strict=True)), out_len
+
+
+def serve(llm, requests, out_len):
+    """Feeds requests at their wall-clock arrival times; returns finished outputs."""
+    from lp_jax import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    pending, done = list(requests), []
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            t, prompt = pending.pop(0)
+            eng.add_request(prompt, params, arrival_time=t0 + t)
+        if eng.has_unfinished():
+            done += [o for o in eng.step() if o.finished]
+        elif pending:
+            time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
+    return done
+
+
+def summarize(outs, stats):
+    from lp_jax.engine.metrics import summarize as summ
+
+    s = summ([o.metrics for o in outs])
+    iters = max(stats["iterations"], 1)
+    return {
+        "ttft_p50_s": s["ttft_p50"], "ttft_p99_s": s["ttft_p99"],
+        "max_itl_p99_s": s["max_itl_p99"], "e2e_p50_s": s["e2e_p50"],
+        "e2e_mean_s": float(np.mean([o.metrics.e2e for o in outs])),
+        "expert_bytes": stats["expert_bytes_loaded"], "iterations": stats["iterations"],
+        "host_ms_per_iter": 1e3 * stats["host_seconds"] / iters,
+        "device_ms_per_iter": 1e3 * stats["device_seconds"] / iters,
+        "host_overhead_fraction": stats["host_overhead_fraction"],
+        "compile_s": stats["compile_seconds"], "programs": stats["compilations"],
+        "compilations_after_warmup": stats["compilations_after_warmup"],
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--rate", type=float, default=0.25, help="Poisson arrivals per second")
+    ap.add_argument("--prompt-min", type=int, default=1024)
+    ap.add_argument("--prompt-max", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--single", type=int, default=8192, help="single-prompt length (0: skip)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/bench_policies")
+    args = ap.parse_args(argv)
+
+    from lp_jax import LLM, SamplingParams
+    from lp_jax.roofline.hardware import measure_current_device
+
+    out = Path(args.out)
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(SMALL_MOE, indent=1))
+    requests, out_len = workload(args.requests, args.rate, args.prompt_min, args.prompt_max,
+                                 args.output_len, args.seed)
+    print(f"workload: {args.requests} requests, Poisson {args.rate}/s, prompts "
+          f"{args.prompt_min}-{args.prompt_max} tokens, {out_len} output tokens")
+
+    results, single = {}, {}
+    for name, kw in POLICIES.items():
+        t = time.perf_counter()
+        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
+                  max_model_len=args.single + 64 if args.single else 8192,
+                  decode_buckets=(8,), **kw)
+        print(f"[{name}] engine ready in {time.perf_counter() - t:.1f} s")
+        outs = serve(llm, requests, out_len)
+        results[name] = summarize(outs, llm.stats())
+        print(f"[{name}] {json.dumps(results[name])}")
+        if args.single:
+            before = llm.stats()["expert_bytes_loaded"]
+            prompt = np.random.default_rng(1).integers(1, 8192, args.single).tolist()
+            t = time.perf_counter()
+            llm.generate(prompt_token_ids=[prompt],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=1,
+                                                        ignore_eos=True))
+            single[name] = {"expert_bytes": llm.stats()["expert_bytes_loaded"] - before,
+                            "seconds": time.perf_counter() - t}
+            print(f"[{name}] single {args.single}-token prompt: {single[name]}")
+        del llm
+
+    hw = measure_current_device()
+    E, k = SMALL_MOE["num_experts"], SMALL_MOE["num_experts_per_tok"]
+    rows_per_expert = 512 * k / E  # tokens per expert in a 512-token chunk
+    intensity = 2 * rows_per_expert / 4  # FLOP per weight byte, float32 weights
+    report = {
+        "date": date.today().isoformat(), "machine": f"{platform.machine()} CPU, "
+        f"{platform.processor() or 'unknown'}", "command": "python launch/bench_policies.py "
+        + " ".join(argv or []), "args": vars(args), "policies": results, "single_prompt": single,
+        "cpu_ridge_flop_per_byte": hw.ridge_point, "cpu_peak_flops": hw.peak_flops,
+        "cpu_bandwidth": hw.hbm_bw, "moe_intensity_chunk512": intensity,
+    }
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+
+    c, lay = results["chunked"], results["layered"]
+    print("\n| metric | chunked-512 | layered | layered / chunked |\n|---|---|---|---|")
+    for key in ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "expert_bytes",
+                "iterations", "host_ms_per_iter", "host_overhead_fraction"):
+        ratio = lay[key] / c[key] if c[key] else float("nan")
+        print(f"| {key} | {c[key]:.4g} | {lay[key]:.4g} | {ratio:.3f} |")
+    if single:
+        r = single["layered"]["expert_bytes"] / single["chunked"]["expert_bytes"]
+        print(f"\nsingle {args.single}-token prompt: expert bytes layered : chunked = {r:.4f} "
+              f"(1/{1 / r:.1f}; ideal 1/16); time {single['layered']['seconds']:.2f} s vs "
+              f"{single['chunked']['seconds']:.2f} s")
+    print(f"\nCPU: {hw.peak_flops / 1e9:.1f} GFLOP/s, {hw.hbm_bw / 1e9:.1f} GB/s, ridge "
+          f"{hw.ridge_point:.1f} FLOP/B; MoE at a 512-token chunk: {rows_per_expert:.0f} rows "
+          f"per expert = {intensity:.0f} FLOP/B (float32) -> "
+          f"{'compute' if intensity > hw.ridge_point else 'memory'}-bound")
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
