@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -192,6 +194,30 @@ def param_shardings(abstract_state, mesh: Mesh):
     )
 
 
+def _dummy_param(path, var, sharding, key):
+    """Random weights of the model's init scale, made on device in the target sharding.
+
+    Stacked parameters are drawn one leading slice at a time (`lax.map`), so a 30B
+    model needs temporaries of one layer's slice, not float32 copies of everything.
+    Norm weights are ones, as at init.
+    """
+    shape, dtype = var.shape, var.dtype
+    if path[-1].endswith("norm"):
+        return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
+    fan_in = shape[-1] if path[-1] == "embed_tokens" else shape[-2]
+    std = 1.0 / math.sqrt(fan_in)
+
+    def draw(k, shp):
+        return (jax.random.normal(k, shp, jnp.float32) * std).astype(dtype)
+
+    def init(k):
+        if len(shape) < 3:
+            return draw(k, shape)
+        return jax.lax.map(lambda ki: draw(ki, shape[1:]), jax.random.split(k, shape[0]))
+
+    return jax.jit(init, out_shardings=sharding)(key)
+
+
 def _with_values(abstract_state, make_value):
     """Replaces each abstract Variable's value by make_value(path, variable)."""
     flat = nnx.to_flat_state(abstract_state)
@@ -231,11 +257,10 @@ def load_model(
     graphdef, abstract = abstract_model(config, dtype)
     shardings = param_shardings(abstract, mesh)
     if load_format == "dummy":
-        def init():
-            return nnx.state(Qwen3MoeForCausalLM(config, rngs=nnx.Rngs(seed), dtype=dtype))
-
-        state = jax.jit(init, out_shardings=shardings)()
-        return nnx.merge(graphdef, state)
+        flat_shardings = dict(nnx.to_flat_state(shardings))
+        keys = iter(jax.random.split(jax.random.key(seed), len(flat_shardings)))
+        return nnx.merge(graphdef, _with_values(
+            abstract, lambda p, v: _dummy_param(p, v, flat_shardings[p], next(keys))))
 
     ckpt = HFCheckpoint(model_dir)
     sources = hf_sources(config)
