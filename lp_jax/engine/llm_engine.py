@@ -13,7 +13,6 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -32,17 +31,62 @@ from lp_jax.sharding import make_mesh, parse_mesh_shape
 _KEEP_BATCHES = 256
 
 
-@dataclass
 class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    new_token_ids: list[int]  # produced by the last step
-    finished: bool
-    finish_reason: str | None
-    metrics: RequestMetrics
-    text: str | None = None
-    new_text: str | None = None
+    """A request's state after a step: what it streamed now, and snapshots of the rest.
+
+    `new_token_ids` is this step's delta. `token_ids` (all outputs so far),
+    `prompt_token_ids`, `metrics`, `text` and `new_text` are computed on access from
+    the sequence, cut at the output count of this step, so they are exact snapshots
+    while a streaming step costs O(1) per request instead of copying whole prompts,
+    token times and decoded text.
+    """
+
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "_seq",
+                 "_num_out", "_metrics", "_tokenizer")
+
+    def __init__(self, seq: Sequence, new_token_ids: list[int], *, tokenizer=None):
+        self.request_id = seq.seq_id
+        self.new_token_ids = new_token_ids
+        self.finished = seq.is_finished
+        self.finish_reason = seq.finish_reason
+        self._seq = seq
+        self._num_out = seq.num_output_tokens
+        self._metrics = None
+        self._tokenizer = tokenizer
+
+    @property
+    def text(self) -> str | None:
+        """The whole output decoded (None without a tokenizer)."""
+        return self._tokenizer.decode(self.token_ids) if self._tokenizer else None
+
+    @property
+    def new_text(self) -> str | None:
+        """This step's tokens decoded on their own (a multi-byte character split across
+        steps decodes badly; a server should detokenize incrementally instead)."""
+        if not self._tokenizer or not self.new_token_ids:
+            return None
+        return self._tokenizer.decode(self.new_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._seq.prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self._seq.num_prompt_tokens
+        return self._seq.token_ids[start : start + self._num_out]
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        if self._metrics is None:
+            seq = self._seq
+            self._metrics = RequestMetrics(seq.arrival_time,
+                                           token_times=tuple(seq.token_times[: self._num_out]))
+        return self._metrics
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(id={self.request_id}, tokens={self._num_out}, "
+                f"finished={self.finished}, reason={self.finish_reason})")
 
 
 def _default_model_dir():
@@ -89,7 +133,7 @@ class LLMEngine:
             decode_buckets=config.decode_buckets,
         )
         self._ids = itertools.count()
-        self._seqs: dict[int, Sequence] = {}
+        self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
         # Expert bytes of the most recent prefill batches (bounded: servers run for days).
         self._batch_bytes: OrderedDict[int, int] = OrderedDict()
         self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0}
@@ -125,11 +169,12 @@ class LLMEngine:
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
         self.scheduler.add(seq)  # validates; raises before any state changes
-        self._seqs[seq.seq_id] = seq
         return seq.seq_id
 
     def abort(self, request_id: int) -> bool:
         seq = self.scheduler.abort(request_id, now=time.perf_counter())
+        if seq is not None:
+            self._aborted.append(seq)
         return seq is not None
 
     def has_unfinished(self) -> bool:
@@ -148,55 +193,38 @@ class LLMEngine:
         plan = self.scheduler.schedule(t0)
         if plan.phase == "idle":
             self.scheduler.commit(plan, {}, time.perf_counter())
-            return self._drain_finished([])
-        before = {s.seq_id: s.num_output_tokens for s in plan.sampling_seqs}
+            return self._take_aborted([])
         t1 = time.perf_counter()
         sampled, counts, build_seconds = self.runner.execute(plan)  # waits for the tokens
         t2 = time.perf_counter()
-        experts = sum(counts)
-        bytes_loaded = experts * self.model_config.expert_bytes
-        self._counters["expert_bytes_loaded"] += bytes_loaded
-        if plan.prefill:
-            mixed = counts[1] if plan.decode else counts[0]
-            bid = plan.prefill_batch_id
-            self._batch_bytes[bid] = (self._batch_bytes.get(bid, 0)
-                                      + mixed * self.model_config.expert_bytes)
-            while len(self._batch_bytes) > _KEEP_BATCHES:
-                self._batch_bytes.popitem(last=False)
-        now = time.perf_counter()
-        self.scheduler.commit(plan, sampled, now)
-        outputs = []
-        for seq in plan.sampling_seqs:
-            new = seq.token_ids[seq.num_prompt_tokens + before[seq.seq_id]:]
-            if new or seq.is_finished:
-                outputs.append(self._output(seq, new))
+        self._count_expert_bytes(plan, counts)
+        # Sequences aborted since schedule() drop their token in commit.
+        alive = [s for s in plan.sampling_seqs if not s.is_finished]
+        self.scheduler.commit(plan, sampled, time.perf_counter())
+        outputs = [self._output(s, [sampled[s.seq_id]]) for s in alive]
         t3 = time.perf_counter()
         self._counters["host_seconds"] += (t1 - t0) + build_seconds + (t3 - t2)
         self._counters["device_seconds"] += t2 - t1 - build_seconds
-        return self._drain_finished(outputs)
+        return self._take_aborted(outputs)
 
-    def _drain_finished(self, outputs):
-        """Also reports requests that finished without sampling (aborted), once."""
-        reported = {o.request_id for o in outputs}
-        for sid in [sid for sid, s in self._seqs.items() if s.is_finished]:
-            seq = self._seqs.pop(sid)
-            if sid not in reported:
-                outputs.append(self._output(seq, []))
+    def _count_expert_bytes(self, plan, counts):
+        per_expert = self.model_config.expert_bytes
+        self._counters["expert_bytes_loaded"] += sum(counts) * per_expert
+        if plan.prefill:
+            mixed = counts[1] if plan.decode else counts[0]  # the designated group's span
+            bid = plan.prefill_batch_id
+            self._batch_bytes[bid] = self._batch_bytes.get(bid, 0) + mixed * per_expert
+            while len(self._batch_bytes) > _KEEP_BATCHES:
+                self._batch_bytes.popitem(last=False)
+
+    def _take_aborted(self, outputs):
+        """Adds one final output for each request aborted since the last step."""
+        outputs += [self._output(seq, []) for seq in self._aborted]
+        self._aborted.clear()
         return outputs
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        tok = self.tokenizer
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            new_token_ids=list(new),
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            metrics=seq.metrics(),
-            text=tok.decode(seq.output_token_ids) if tok and seq.is_finished else None,
-            new_text=tok.decode(new) if tok and new else None,
-        )
+        return RequestOutput(seq, new, tokenizer=self.tokenizer)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -45,7 +45,7 @@ from flax import nnx
 from lp_jax.engine.layer_groups import num_layer_groups, split_layers
 from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.sampler import sample
-from lp_jax.models.metadata import build_metadata
+from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
 from lp_jax.sharding import named_sharding
 
@@ -207,9 +207,9 @@ class ModelRunner:
             inputs["layer_start"] = np.int32(a)
         sampling_rows = []
         if B:
-            dec = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
-            inputs["dec_meta"] = build_metadata(dec, page_size=S, num_tokens=B, num_seqs=B,
-                                                pages_per_seq=C)
+            inputs["dec_meta"] = build_decode_metadata(
+                [s.num_tokens - 1 for s in decode], [s.page_ids for s in decode],
+                page_size=S, num_seqs=B, pages_per_seq=C)
             toks = np.zeros(B, np.int32)
             toks[: len(decode)] = [s.last_token for s in decode]
             inputs["dec_tokens"] = toks

@@ -231,11 +231,11 @@ class OpenAIServer:
         created = int(time.time())
         model = req.model or self.model_name
         asm = TextAssembler(self.tokenizer, ids, req.stop)
-        state = {"metrics": None, "reason": None, "sent": False}
+        state = {"delta": None, "reason": None, "sent": False}
         resp: web.StreamResponse | None = None
         try:
             async for delta in handle:
-                state["metrics"] = delta.metrics
+                state["delta"] = delta
                 text = asm.push(delta.new_token_ids)
                 reason = None
                 if asm.stopped:
@@ -266,7 +266,9 @@ class OpenAIServer:
             reason = state["reason"]
             if reason is None:  # cancelled, disconnected or failed: stop the request
                 handle.abort()
-            self.metrics.observe_finished(reason=reason or "abort", metrics=state["metrics"],
+            last = state["delta"]  # its metrics are read (and built) only here, once
+            self.metrics.observe_finished(reason=reason or "abort",
+                                          metrics=last.metrics if last else None,
                                           num_tokens=asm.num_tokens,
                                           num_prompt_tokens=len(ids))
         usage = protocol.usage(len(ids), asm.num_tokens)

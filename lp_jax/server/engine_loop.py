@@ -44,7 +44,13 @@ class Delta:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    metrics: object  # RequestMetrics of the request so far
+    output: object  # the engine's RequestOutput
+
+    @property
+    def metrics(self):
+        """RequestMetrics of the request so far (built on first access, off the engine
+        thread: the engine's outputs snapshot them lazily)."""
+        return self.output.metrics
 
 
 class RequestHandle:
@@ -271,7 +277,7 @@ class EngineLoop:
                 sink.started = True
                 prompt_tokens += len(out.prompt_token_ids)
             gen_tokens += len(new)
-            delta = Delta(new, out.finished, out.finish_reason, out.metrics)
+            delta = Delta(new, out.finished, out.finish_reason, out)
             by_loop.setdefault(sink.loop, []).append((sink.handle.queue, delta))
         if self.metrics is not None:
             if prompt_tokens:
