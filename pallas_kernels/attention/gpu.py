@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.ref import MASK_VALUE
+from pallas_kernels.attention.ref import MASK_VALUE, check_layout
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
@@ -66,13 +66,7 @@ def check_constraints(q_xNH, kv_pages_PSJH, page_table_BC) -> None:
     """Raises ValueError naming the first GPU-kernel constraint the inputs fail."""
     _, N, H = q_xNH.shape
     _, S, J, H_kv = kv_pages_PSJH.shape
-    if J % 2:
-        raise ValueError(f"gpu attention: cache axis J={J} must be 2K (K and V interleaved)")
-    K = J // 2
-    if H_kv != H:
-        raise ValueError(f"gpu attention: q head_dim {H} != cache head_dim {H_kv}")
-    if N % K:
-        raise ValueError(f"gpu attention: query heads N={N} not divisible by KV heads K={K}")
+    check_layout("gpu attention", q_xNH, kv_pages_PSJH)
     if not (_is_pow2(H) and H >= 16):
         raise ValueError(f"gpu attention: head_dim H={H} must be a power of two >= 16 "
                          "(Triton block shapes are powers of two; tl.dot needs K >= 16)")

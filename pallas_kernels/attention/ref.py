@@ -27,6 +27,20 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def check_layout(name: str, q_xNH: jax.Array, kv_pages_PSJH: jax.Array) -> int:
+    """The layout rules every backend shares; returns K. `name` prefixes the error."""
+    _, N, H = q_xNH.shape
+    _, _, J, H_kv = kv_pages_PSJH.shape
+    if J % 2:
+        raise ValueError(f"{name}: cache axis J={J} must be 2K (K and V interleaved)")
+    K = J // 2
+    if H_kv != H:
+        raise ValueError(f"{name}: q head_dim {H} != cache head_dim {H_kv}")
+    if N % K:
+        raise ValueError(f"{name}: query heads N={N} not divisible by KV heads K={K}")
+    return K
+
+
 def write_kv(kv_pages_PSJH: jax.Array, k_TKH: jax.Array, v_TKH: jax.Array,
              slots_T: jax.Array) -> jax.Array:
     """Scatters new K/V rows into physical slots (page * S + offset); slot < 0 is skipped."""

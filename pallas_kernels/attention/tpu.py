@@ -41,6 +41,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as _rpa_kernel
 
+from pallas_kernels.attention.ref import check_layout
+
 # Module attribute so tests can swap in a stand-in (the kernel does not interpret on CPU).
 _shipped_rpa = _rpa_kernel.ragged_paged_attention
 
@@ -60,13 +62,7 @@ def check_constraints(q_xNH, kv_pages_PSJH) -> None:
     """Raises ValueError naming the first TPU-kernel constraint the inputs fail."""
     _, N, H = q_xNH.shape
     _, S, J, H_kv = kv_pages_PSJH.shape
-    if J % 2:
-        raise ValueError(f"tpu attention: cache axis J={J} must be 2K (K and V interleaved)")
-    K = J // 2
-    if H_kv != H:
-        raise ValueError(f"tpu attention: q head_dim {H} != cache head_dim {H_kv}")
-    if N % K:
-        raise ValueError(f"tpu attention: query heads N={N} not divisible by KV heads K={K}")
+    check_layout("tpu attention", q_xNH, kv_pages_PSJH)
     if H % 128:
         raise ValueError(f"tpu attention: head_dim H={H} must be a multiple of 128 "
                          "(Mosaic lane tiling)")
