@@ -220,3 +220,19 @@ def test_generate_argument_errors():
     assert s["free_pages"] == s["total_pages"]
     with pytest.raises(TypeError, match="unknown engine arguments"):
         LLM(max_num_seq=3)
+
+
+def test_buckets_must_cover_the_budget():
+    with pytest.raises(ValueError, match="prefill_buckets"):
+        LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=128,
+            prefill_buckets=(64,), warmup=False)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        LLM(**{**BASE, "max_model_len": 256, "decode_buckets": (2,)}, scheduling="chunked",
+            max_num_batched_tokens=64, prefill_buckets=(64,), warmup=False)
+
+
+def test_orca_runs_a_prompt_longer_than_its_budget(expected):
+    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="orca", max_num_batched_tokens=16,
+              prefill_buckets=(16, 256))
+    out = llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)[0]
+    assert out.token_ids == expected[1]

@@ -126,7 +126,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            max_prefill_tokens=sched_cfg.max_num_batched_tokens, policy=config.scheduling,
+            # Orca admits a prompt longer than its budget alone, so it may run any prompt.
+            max_prefill_tokens=(max(sched_cfg.max_num_batched_tokens, max_model_len)
+                                if config.scheduling == "orca"
+                                else sched_cfg.max_num_batched_tokens),
+            policy=config.scheduling,
             layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
             backends=KernelBackends(moe=config.moe_backend, attention=config.attention_backend),
             seed=config.seed, prefill_buckets=config.prefill_buckets,

@@ -89,6 +89,12 @@ class ModelRunner:
         self.prefill_buckets = prefill_buckets or pow2_buckets(
             min(_MIN_BUCKET, max_prefill_tokens), max_prefill_tokens)
         self.max_prefill_seqs = max_num_seqs
+        if self.prefill_buckets[-1] < max_prefill_tokens:
+            raise ValueError(f"prefill_buckets {self.prefill_buckets} must reach the "
+                             f"{max_prefill_tokens} prefill tokens a plan may hold")
+        if self.decode_buckets[-1] < max_num_seqs:
+            raise ValueError(f"decode_buckets {self.decode_buckets} must reach "
+                             f"max_num_seqs={max_num_seqs}")
         kv_shape_axes = ("kv_pages", None, "kv_combined_heads", None)
         kv_shape = (self.L * num_pages, page_size, 2 * self.cfg.num_key_value_heads,
                     self.cfg.head_dim)
