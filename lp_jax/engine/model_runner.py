@@ -290,8 +290,8 @@ class ModelRunner:
         seconds spent building inputs).
         """
         t0 = time.perf_counter()
-        for sid in plan.preempted:
-            self.hidden.pop(sid, None)
+        # plan.preempted needs nothing here: device state is per layered batch, and the
+        # scheduler never preempts a member of the batch in flight.
         decode = list(plan.decode)
         chunks = [(c.seq, c.start, c.end) for c in plan.prefill]
         sample_chunks = ([(c.seq, c.start, c.end) for c in plan.prefill if c.samples]
