@@ -3,6 +3,10 @@
 Each row carries its own parameters, so one compiled sampler serves any mix of
 requests. Randomness is keyed by (seed, position): a seeded request draws the same
 tokens whatever it is batched with, and recompute after preemption reproduces it.
+
+Sorting the vocabulary (151,936 entries for Qwen3) for top-k/top-p costs more than
+the rest of sampling, so it runs only when some row asks for it (`lax.cond`), and an
+all-greedy batch skips randomness entirely.
 """
 
 from __future__ import annotations
@@ -11,13 +15,9 @@ import jax
 import jax.numpy as jnp
 
 
-def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R):
-    """Returns int32 tokens [R]. temperature 0 means greedy; top_k <= 0 disables top-k."""
-    logits_RV = logits_RV.astype(jnp.float32)
-    V = logits_RV.shape[-1]
-    greedy_R = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
-
-    scaled_RV = logits_RV / jnp.maximum(temperature_R, 1e-6)[:, None]
+def _filter_top_k_top_p(scaled_RV, top_k_R, top_p_R):
+    """Masks logits outside each row's top-k and top-p (nucleus) sets with -inf."""
+    V = scaled_RV.shape[-1]
     sorted_RV = -jnp.sort(-scaled_RV, axis=-1)
     k_R = jnp.where(top_k_R <= 0, V, jnp.minimum(top_k_R, V))
     kth_R = jnp.take_along_axis(sorted_RV, (k_R - 1)[:, None], axis=-1)[:, 0]
@@ -29,11 +29,25 @@ def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R):
     num_keep_R = jnp.maximum(jnp.sum(keep_RV, axis=-1), 1)
     cutoff_R = jnp.take_along_axis(sorted_RV, (num_keep_R - 1)[:, None], axis=-1)[:, 0]
     threshold_R = jnp.maximum(kth_R, cutoff_R)
-    masked_RV = jnp.where(scaled_RV >= threshold_R[:, None], scaled_RV, -jnp.inf)
+    return jnp.where(scaled_RV >= threshold_R[:, None], scaled_RV, -jnp.inf)
 
-    def draw(seed, position, row):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
-        return jax.random.categorical(key, row)
 
-    sampled_R = jax.vmap(draw)(seed_R, position_R, masked_RV).astype(jnp.int32)
-    return jnp.where(temperature_R <= 0.0, greedy_R, sampled_R)
+def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R):
+    """Returns int32 tokens [R]. temperature 0 means greedy; top_k <= 0 disables top-k."""
+    logits_RV = logits_RV.astype(jnp.float32)
+    greedy_R = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        scaled_RV = logits_RV / jnp.maximum(temperature_R, 1e-6)[:, None]
+        needs_filter = jnp.any((top_k_R > 0) | (top_p_R < 1.0))
+        masked_RV = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x,
+                                 scaled_RV, top_k_R, top_p_R)
+
+        def draw(seed, position, row):
+            key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
+            return jax.random.categorical(key, row)
+
+        sampled_R = jax.vmap(draw)(seed_R, position_R, masked_RV).astype(jnp.int32)
+        return jnp.where(temperature_R <= 0.0, greedy_R, sampled_R)
+
+    return jax.lax.cond(jnp.all(temperature_R <= 0.0), lambda _: greedy_R, stochastic, None)
