@@ -1,8 +1,8 @@
 """MoE in plain XLA that costs what the routing costs: the CPU execution path.
 
 `jax.lax.ragged_dot` is the reference, but XLA:CPU lowers it to a dense matmul
-against every expert (measured ~20x slower than the real work at E=32), which would
-make CPU timings blind to routing. This path uses the kernels' tile layout
+against every expert (E/k times the real work; BENCHMARKS.md has the measurement),
+which would make CPU timings blind to routing. This path uses the kernels' tile layout
 (`layout.py`): rows sorted by expert and padded to `tm`-row tiles, then a loop over
 the tiles in use only, each tile multiplying by its own expert's weights. Work and
 weight reads scale with the rows and the activated experts, as on an accelerator.
