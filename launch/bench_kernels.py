@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -36,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.moe import moe_ffn, resolve_backend  # noqa: E402
 from pallas_kernels.moe.ref import dispatch, route  # noqa: E402
+from pallas_kernels.timing import time_call  # noqa: E402
 
 QWEN3_30B_A3B = dict(D=2048, F=768, E=128, top_k=8)
 SMALL = dict(D=128, F=64, E=16, top_k=4)
@@ -43,14 +42,7 @@ SMALL = dict(D=128, F=64, E=16, top_k=4)
 
 def _time(fn, *args, iters: int, warmup: int = 2) -> float:
     """Median wall time of fn(*args) in seconds (fn jitted, outputs blocked on)."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_call(fn, *args, iters=iters, warmup=warmup).median
 
 
 def _is_hopper() -> bool:

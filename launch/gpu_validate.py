@@ -224,14 +224,9 @@ def _err(e: BaseException) -> str:
 
 def _timeit(fn, *args, iters: int, warmup: int):
     """(best, median) seconds of fn(*args), outputs blocked on."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+    from pallas_kernels.timing import time_call
+
+    return tuple(time_call(fn, *args, iters=iters, warmup=warmup))
 
 
 def _compile(fn, *args):

@@ -21,7 +21,6 @@ Where a number is uncertain, or derived rather than printed, the source says so.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,13 +271,9 @@ def get_hardware(name: str) -> Hardware:
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # compile and warm up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    from pallas_kernels.timing import time_call
+
+    return time_call(fn, iters=repeats).best
 
 
 def measure_current_device(

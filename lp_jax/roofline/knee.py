@@ -19,7 +19,6 @@ Local axis letter (beyond docs/glossary.md): Z = capacity slots per expert.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,17 +199,14 @@ def measure_moe_knee(
     if not token_counts or any(t < 1 for t in token_counts):
         raise ValueError("tokens must be positive")
 
+    from pallas_kernels.timing import time_call
+
     run = jax.jit(moe_fn)
     key = jax.random.PRNGKey(seed + 1)
     points = []
     for t in token_counts:
         x_TD = jax.random.normal(key, (t, shape.hidden_size)).astype(dtype)
-        jax.block_until_ready(run(x_TD))  # compile and warm up
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(x_TD))
-            best = min(best, time.perf_counter() - start)
+        best = time_call(run, x_TD, iters=repeats).best
         flops, weight_bytes, act_bytes = expert_traffic(shape, t, routing=routing)
         moved = float(weight_bytes + act_bytes)
         points.append(

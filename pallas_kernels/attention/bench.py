@@ -14,14 +14,13 @@ the output; GB/s = useful bytes / best time. The peak comes from the roofline ta
 from __future__ import annotations
 
 import argparse
-import math
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import attention
+from pallas_kernels.timing import time_call
 
 
 def decode_inputs(*, batch, context, num_heads, num_kv_heads, head_dim, page_size, dtype,
@@ -46,13 +45,7 @@ def useful_bytes(*, batch, context, num_heads, num_kv_heads, head_dim, dtype) ->
 
 
 def _best_seconds(fn, repeats):
-    jax.block_until_ready(fn())  # compile + warm up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
+    return time_call(fn, iters=repeats).best
 
 
 def bench_decode_attention(*, batch, context, num_heads=32, num_kv_heads=4, head_dim=128,
