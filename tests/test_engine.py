@@ -236,3 +236,36 @@ def test_orca_runs_a_prompt_longer_than_its_budget(expected):
               prefill_buckets=(16, 256))
     out = llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)[0]
     assert out.token_ids == expected[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workload_with_aborts_matches_chunked(seed):
+    """Random prompt lengths, arrival steps and aborts through the layered engine (with
+    small budget: chunks cross groups while others arrive and leave); the survivors'
+    tokens equal a clean chunked run's, nothing compiles, and every page comes back."""
+    rng = np.random.default_rng(seed)
+    n = 8
+    prompts = [rng.integers(0, 509, int(rng.integers(1, 300))).tolist() for _ in range(n)]
+    arrive = sorted(int(x) for x in rng.integers(0, 12, n))
+    abort_at = {i: int(arrive[i] + rng.integers(0, 6)) for i in range(n) if rng.random() < 0.3}
+    params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 8)),
+                            ignore_eos=True)
+
+    eng = engine("layered-small").engine
+    ids, outs, step = {}, {}, 0
+    while len(outs) < n:
+        for i in range(n):
+            if arrive[i] == step:
+                ids[i] = eng.add_request(prompts[i], params)
+            if abort_at.get(i) == step and i in ids:
+                eng.abort(ids[i])
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out
+        step += 1
+    survivors = [i for i in range(n) if outs[ids[i]].finish_reason != "abort"]
+    clean = engine("chunked").generate(prompt_token_ids=[prompts[i] for i in survivors],
+                                       sampling_params=params)
+    assert [outs[ids[i]].token_ids for i in survivors] == [o.token_ids for o in clean]
+    s = engine("layered-small").stats()
+    assert s["free_pages"] == s["total_pages"] and s["compilations_after_warmup"] == 0
