@@ -79,9 +79,7 @@ class RequestOutput:
     @property
     def metrics(self) -> RequestMetrics:
         if self._metrics is None:
-            seq = self._seq
-            self._metrics = RequestMetrics(seq.arrival_time,
-                                           token_times=tuple(seq.token_times[: self._num_out]))
+            self._metrics = self._seq.metrics(self._num_out)
         return self._metrics
 
     def __repr__(self) -> str:

@@ -116,5 +116,6 @@ class Sequence:
         """Queue order: priority, then arrival, then id (lowest first)."""
         return (self.priority, self.arrival_time, self.seq_id)
 
-    def metrics(self) -> RequestMetrics:
-        return RequestMetrics(self.arrival_time, token_times=tuple(self.token_times))
+    def metrics(self, num_tokens: int | None = None) -> RequestMetrics:
+        """Latency metrics of the first `num_tokens` output tokens (default: all)."""
+        return RequestMetrics(self.arrival_time, token_times=tuple(self.token_times[:num_tokens]))

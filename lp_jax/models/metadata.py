@@ -26,10 +26,6 @@ class AttentionMetadata:
     page_table_BC: jax.Array  # int32 logical page ids
     num_seqs: jax.Array  # int32 scalar: real sequences
 
-    @property
-    def num_tokens(self) -> int:
-        return self.positions_T.shape[0]
-
     def token_mask(self) -> jax.Array:
         """Real tokens: every token with a KV slot. Padding rows may sit anywhere."""
         return self.slots_T >= 0

@@ -79,16 +79,7 @@ def sustainable_rate(
         extensions += 1
     if hi is None:
         return RateSearch(lo, True, points)
-    if lo == 0.0:  # the lowest rate already fails: bisect below it
-        lo_edge = 0.0
-        for _ in range(bisect_steps):
-            mid = 0.5 * (lo_edge + hi)
-            if ev(mid) >= target:
-                lo_edge = mid
-            else:
-                hi = mid
-        return RateSearch(lo_edge, False, points)
-    for _ in range(bisect_steps):
+    for _ in range(bisect_steps):  # lo may be 0: the lowest rate already failed
         mid = 0.5 * (lo + hi)
         if ev(mid) >= target:
             lo = mid
