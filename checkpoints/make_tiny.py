@@ -92,6 +92,9 @@ PRESETS: dict[str, dict] = {
         "num_key_value_heads": 1,
     },
     "tiny-dense": {**_TINY, "model_type": "qwen3", "num_hidden_layers": 4},
+    # TPU-shaped attention (head_dim 128, lane-aligned) with GQA 4, for the Pallas TPU
+    # attention kernel end to end.
+    "tiny-h128": {**_TINY, "num_hidden_layers": 4, "head_dim": 128, "num_attention_heads": 8},
 }
 
 _EXPERT_KEYS = (

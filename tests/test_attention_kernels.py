@@ -6,10 +6,12 @@ are tiny: the Pallas interpreter runs on CPU.
 
 * GPU (Triton) kernels: numerics in the Pallas HLO interpreter, plus a check that
   they lower to Triton IR for an H200 (no GPU needed for lowering).
-* TPU (JAX's shipped ragged paged attention): in jax 0.11.2 it does not run in
-  either Pallas interpreter (see pallas_kernels/attention/tpu.py), so its numeric
-  test skips with the reason; the argument adaptation is checked against the
-  kernel's own input validators, and the call must lower to Mosaic for a TPU v6.
+* TPU (our Mosaic kernel): numerics in the TPU interpreter (NaN-filled fresh
+  buffers, DMA race detector on), plus a check that it lowers to Mosaic for a v6e.
+* TPU (JAX's shipped ragged paged attention, backend "tpu_jax"): in jax 0.11.2 it
+  does not run in either Pallas interpreter (see tpu_jax.py), so only its argument
+  adaptation is checked, against the kernel's own input validators, and the call
+  must lower to Mosaic for a TPU v6.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import attention
-from pallas_kernels.attention import gpu, tpu
+from pallas_kernels.attention import gpu, tpu, tpu_jax
 from pallas_kernels.attention.ref import (
     ref_attention_dense,
     ref_decode_attention,
@@ -305,24 +307,94 @@ def test_gpu_kernels_lower_to_triton(G, dtype, monkeypatch):
 # ------------------------------------------------------------------------------ TPU
 
 
-def test_tpu_kernel_interpret():
-    b = make_batch(MIXED, S=16, K=2, G=4, H=128, dtype=jnp.float32, T=40, B=6)
-    try:
-        out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale,
-                                         num_kv_pages_per_block=1, num_queries_per_block=8,
-                                         interpret=True)
-        out = np.asarray(out)
-    except Exception as e:  # noqa: BLE001 - only the known interpreter limitation skips
-        from jax.experimental.pallas import tpu as pltpu
+TPU_CASES = [(G, dtype) for dtype in (jnp.float32, jnp.bfloat16) for G in (1, 4, 8)]
 
-        pltpu.reset_tpu_interpret_mode_state()
-        if "ReshapeTransform" in str(e):
-            pytest.skip("jax 0.11.2 TPU interpret mode cannot read through the reshaped "
-                        "VMEM ref in the shipped ragged_paged_attention kernel "
-                        "('ReshapeTransform' object has no attribute 'indices'); "
-                        "verify compiled on a TPU")
-        raise
+
+def _tpu_interpret():
+    """Interpreter settings: fresh buffers are NaN, DMAs land only at their wait, and
+    the happens-before race detector watches every DMA and buffer access."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait",
+                                 uninitialized_memory="nan")
+
+
+def _assert_no_races():
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    assert ipc.races is not None and not ipc.races.races_found
+
+
+@pytest.mark.parametrize("G,dtype", TPU_CASES)
+def test_tpu_ragged_interpret(G, dtype):
+    b = make_batch(MIXED, S=8, K=2, G=G, H=128, dtype=dtype, T=40, B=6)
+    # 8-token items: the 20-token prefill spans three, one ending mid-item; two-page
+    # key blocks: prefixes end mid-block and mid-page.
+    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, block_q=8,
+                                     pages_per_block=2, interpret=_tpu_interpret())
+    _assert_no_races()
+    assert out.dtype == dtype
+    assert rel_err(out, b.expected_TNH) < TOL[dtype]
+    assert not np.asarray(out[32:], np.float32).any()
+
+
+@pytest.mark.parametrize("G,dtype", [(4, jnp.float32), (8, jnp.bfloat16)])
+def test_tpu_decode_interpret(G, dtype):
+    # one-token context, mid-page ends, a 4-page context, padding in the middle and end
+    b = decode_batch([1, 27, 0, 8, 13, 0], S=8, K=2, G=G, H=128, dtype=dtype, C=5)
+    out = tpu.decode_attention(b.q_TNH, b.kv_pages_PSJH, b.seq_lens_B, b.page_table_BC,
+                               sm_scale=b.sm_scale, pages_per_block=1,
+                               interpret=_tpu_interpret())
+    _assert_no_races()
+    assert rel_err(out, b.expected_TNH) < TOL[dtype]
+    assert not np.asarray(out[2], np.float32).any() and not np.asarray(out[5], np.float32).any()
+
+
+def test_tpu_single_token_and_default_blocks_interpret():
+    b = make_batch([(0, 1)], S=16, K=1, G=4, H=128, dtype=jnp.float32)
+    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, interpret=True)
     assert rel_err(out, b.expected_TNH) < 1e-5
+    # default block sizes on a long prefix: several key blocks per item
+    b = make_batch([(300, 9), (0, 3)], S=16, K=1, G=2, H=128, dtype=jnp.float32)
+    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, interpret=True)
+    assert rel_err(out, b.expected_TNH) < 1e-5
+
+
+def test_tpu_no_real_sequences_gives_zeros():
+    b = make_batch([(0, 0)], S=8, K=1, G=2, H=128, dtype=jnp.float32, T=4, B=2)
+    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, interpret=True)
+    assert np.isfinite(np.asarray(out)).all() and not np.asarray(out).any()
+
+
+def test_tpu_constraints_raise():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tpu.check_constraints(jnp.zeros((2, 4, 64)), jnp.zeros((4, 16, 4, 64)))
+    with pytest.raises(ValueError, match="page_size S=12"):
+        tpu.check_constraints(jnp.zeros((2, 4, 128)), jnp.zeros((4, 12, 4, 128)))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        tpu.check_constraints(jnp.zeros((2, 4, 128), jnp.float16),
+                              jnp.zeros((4, 16, 4, 128), jnp.float16))
+
+
+def _export_for_v6e(fn, *args):
+    dev = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+
+
+def _qwen3_moe_shapes(dtype):
+    sd = jax.ShapeDtypeStruct
+    K, N, H, S, P, B, T, C = 4, 32, 128, 16, 64, 8, 64, 16
+    return (sd((T, N, H), dtype), sd((P, S, 2 * K, H), dtype), sd((B + 1,), jnp.int32),
+            sd((B,), jnp.int32), sd((B, C), jnp.int32), sd((), jnp.int32))
+
+
+def test_tpu_kernel_lowers_to_mosaic():
+    """Our kernel lowers for a TPU v6e at Qwen3-30B-A3B attention shapes, in bf16."""
+    m = _export_for_v6e(lambda q, kv, qs, l, pt, n: tpu.ragged_paged_attention(
+        q, kv, qs, l, pt, n, sm_scale=0.1), *_qwen3_moe_shapes(jnp.bfloat16))
+    assert "tpu_custom_call" in m and "lp_tpu_ragged_paged_attention" in m
 
 
 def _validating_stand_in(calls):
@@ -346,42 +418,33 @@ def _validating_stand_in(calls):
     return fake
 
 
-def test_tpu_wrapper_arguments(monkeypatch):
+def test_tpu_jax_wrapper_arguments(monkeypatch):
     calls = []
-    monkeypatch.setattr(tpu, "_shipped_rpa", _validating_stand_in(calls))
+    monkeypatch.setattr(tpu_jax, "_shipped_rpa", _validating_stand_in(calls))
     b = make_batch(MIXED, S=16, K=2, G=4, H=128, dtype=jnp.bfloat16, T=40, B=6)
-    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale)
+    out = tpu_jax.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale)
     assert rel_err(out, b.expected_TNH) < 2e-2
     assert not np.asarray(out[32:], np.float32).any()
     # decode with padding sequences in the middle: kv_len 0 must not reach the kernel
     d = decode_batch([1, 0, 27, 0], S=16, K=2, G=4, H=128, dtype=jnp.float32)
-    out = tpu.decode_attention(d.q_TNH, d.kv_pages_PSJH, d.seq_lens_B, d.page_table_BC,
-                               sm_scale=d.sm_scale)
+    out = tpu_jax.decode_attention(d.q_TNH, d.kv_pages_PSJH, d.seq_lens_B, d.page_table_BC,
+                                   sm_scale=d.sm_scale)
     assert rel_err(out, d.expected_TNH) < 1e-5
     assert calls[0]["num_kv_pages_per_block"] and calls[0]["num_queries_per_block"]
 
 
-def test_tpu_constraints_raise():
+def test_tpu_jax_constraints_raise():
     with pytest.raises(ValueError, match="multiple of 128"):
-        tpu.check_constraints(jnp.zeros((2, 4, 64)), jnp.zeros((4, 16, 4, 64)))
+        tpu_jax.check_constraints(jnp.zeros((2, 4, 64)), jnp.zeros((4, 16, 4, 64)))
     with pytest.raises(ValueError, match="not fully tiled"):
-        tpu.check_constraints(jnp.zeros((2, 6, 128), jnp.bfloat16),
-                              jnp.zeros((4, 16, 6, 128), jnp.bfloat16))
+        tpu_jax.check_constraints(jnp.zeros((2, 6, 128), jnp.bfloat16),
+                                  jnp.zeros((4, 16, 6, 128), jnp.bfloat16))
 
 
-def test_tpu_kernel_lowers_to_mosaic():
+def test_tpu_jax_kernel_lowers_to_mosaic():
     """The shipped kernel, called the way we call it, lowers for a TPU v6e."""
-    dev = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    sd = jax.ShapeDtypeStruct
-    K, N, H, S, P, B, T, C = 4, 32, 128, 16, 64, 8, 64, 16
-    f = jax.jit(lambda q, kv, qs, l, pt, n: tpu.ragged_paged_attention(
-        q, kv, qs, l, pt, n, sm_scale=0.1))
-    with jax.sharding.use_abstract_mesh(mesh):
-        m = jax.export.export(f, platforms=["tpu"])(
-            sd((T, N, H), jnp.bfloat16), sd((P, S, 2 * K, H), jnp.bfloat16),
-            sd((B + 1,), jnp.int32), sd((B,), jnp.int32), sd((B, C), jnp.int32),
-            sd((), jnp.int32)).mlir_module()
+    m = _export_for_v6e(lambda q, kv, qs, l, pt, n: tpu_jax.ragged_paged_attention(
+        q, kv, qs, l, pt, n, sm_scale=0.1), *_qwen3_moe_shapes(jnp.bfloat16))
     assert "tpu_custom_call" in m
 
 

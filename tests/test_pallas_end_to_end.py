@@ -1,21 +1,59 @@
 """The model with each Pallas backend (interpret mode on CPU) reproduces the golden
-Hugging Face greedy tokens. TPU attention cannot run in JAX's interpreters (see
-test_attention_kernels.py), so the TPU MoE kernel runs beside the XLA attention."""
+Hugging Face greedy tokens. The TPU attention kernel needs head_dim % 128 == 0, so
+the TPU backends run on the `tiny-h128` preset; the GPU and XLA ones on `tiny`."""
 
 import numpy as np
 import pytest
 
+from checkpoints.make_tiny import ensure_tiny
+from lp_jax.loader import load_model
 from lp_jax.models import KernelBackends
 from lp_jax.models.simple import greedy_generate
 
-NEW_TOKENS = 8  # interpret mode runs ~1 s per decode step on this model
+NEW_TOKENS = 8  # interpret mode runs ~1 s per decode step on these models
 
 
-@pytest.mark.parametrize("moe,attention", [("tpu", "xla"), ("gpu", "gpu"), ("xla", "xla")])
-def test_pallas_backends_match_golden(monkeypatch, tiny_model, moe, attention):
+@pytest.mark.parametrize("preset,moe,attention", [
+    ("tiny-h128", "tpu", "tpu"),
+    ("tiny", "gpu", "gpu"),
+    ("tiny", "xla", "xla"),
+])
+def test_pallas_backends_match_golden(monkeypatch, preset, moe, attention):
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
-    golden = np.load("tests/golden/tiny.npz")
+    golden = np.load(f"tests/golden/{preset}.npz")
     prompt, want = golden["prompt_1"].tolist(), golden["greedy_1"].tolist()
-    tokens = greedy_generate(tiny_model, prompt, NEW_TOKENS,
+    model = load_model(ensure_tiny(preset=preset))
+    tokens = greedy_generate(model, prompt, NEW_TOKENS,
                              backends=KernelBackends(moe=moe, attention=attention))
     assert tokens == want[:NEW_TOKENS]
+
+
+def test_engine_with_tpu_kernels_matches_xla(monkeypatch):
+    """The serving engine (layered prefill: ragged batches mixing prefill chunks and
+    decode tokens over several sequences) with both TPU kernels in interpret mode
+    gives the plain XLA model's greedy tokens, and frees every page."""
+    from lp_jax import LLM, SamplingParams
+
+    monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
+    path = ensure_tiny(preset="tiny-h128")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 509, n).tolist() for n in (5, 70, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(model=str(path), scheduling="layered", layer_groups=2, max_num_seqs=4,
+              max_model_len=256, max_num_batched_tokens=64, prefill_buckets=(64,),
+              decode_buckets=(4,), moe_backend="tpu", attention_backend="tpu",
+              compilation_cache_dir=None, log=None)
+    eng = llm.engine
+    ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[:2])}
+    outs, step = {}, 0
+    while len(outs) < len(prompts):
+        if step == 2:  # later arrivals join running decodes and a half-done prefill
+            ids.update({eng.add_request(p, params): i + 2 for i, p in enumerate(prompts[2:])})
+        for out in eng.step():
+            if out.finished:
+                outs[ids[out.request_id]] = out.token_ids
+        step += 1
+    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+    model = load_model(path)
+    for i, p in enumerate(prompts):
+        assert outs[i] == greedy_generate(model, p, 4), f"prompt {i}"

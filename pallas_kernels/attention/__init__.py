@@ -4,8 +4,11 @@ Entry points: `write_kv`, `ragged_paged_attention` (prefill and decode tokens of
 ragged batch), `decode_attention` (one token per sequence). Backends:
 
 * "xla": the plain-JAX reference (ref.py), also the CPU path;
-* "tpu": JAX's shipped Pallas Mosaic ragged paged attention (tpu.py), which reads
-  our [P, S, 2K, H] layout directly; decode runs through it too;
+* "tpu": our Pallas Mosaic TPU kernel (tpu.py), one ragged kernel for prefill,
+  decode and mixed batches, reading the [P, S, 2K, H] pool in place;
+* "tpu_jax": JAX's shipped Pallas Mosaic ragged paged attention (tpu_jax.py), for
+  A/B runs on a TPU; it cannot run in jax 0.11.2's interpreter, so it is checked
+  here only for its arguments and its lowering, never numerically;
 * "gpu": our Pallas Triton kernels (gpu.py) that read the same layout in place;
 * "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`jax.default_backend()`).
 
@@ -17,8 +20,8 @@ on another platform is an error unless interpret mode is on.
 Interpret mode (tests, CPU debugging): inside `with interpret_mode():` (or after
 `set_interpret_mode(True)`, or with LP_JAX_PALLAS_INTERPRET=1 in the environment)
 the "tpu" and "gpu" backends run their Pallas kernels in the Pallas interpreter
-on whatever platform is present: GPU kernels via `interpret=True`, TPU via
-`pltpu.force_tpu_interpret_mode()`. The flag is read when the entry point is
+on whatever platform is present: GPU kernels in the HLO interpreter, the TPU
+kernel in the TPU interpreter (`pltpu.InterpretParams()`). The flag is read when the entry point is
 traced, so enter it before tracing (jit) a caller. "auto" still resolves by
 platform, so on CPU it stays "xla"; name the backend to interpret a kernel.
 """
@@ -32,13 +35,14 @@ import jax
 
 from pallas_kernels.attention import gpu as _gpu
 from pallas_kernels.attention import tpu as _tpu
+from pallas_kernels.attention import tpu_jax as _tpu_jax
 from pallas_kernels.attention.ref import (
     ref_decode_attention,
     ref_ragged_paged_attention,
     write_kv,
 )
 
-BACKENDS = ("auto", "xla", "tpu", "gpu")
+BACKENDS = ("auto", "xla", "tpu", "tpu_jax", "gpu")
 
 # None: follow $LP_JAX_PALLAS_INTERPRET, read at trace time (as pallas_kernels.moe does).
 _INTERPRET = contextvars.ContextVar("lp_jax_pallas_interpret", default=None)
@@ -88,10 +92,10 @@ def _kernel_backend(backend: str) -> tuple[str, bool]:
     if resolved == "xla" or interpret:
         return resolved, interpret
     platform = jax.default_backend()
-    wanted = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[resolved]
+    wanted = {"tpu": ("tpu",), "tpu_jax": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[resolved]
     if platform not in wanted:
         raise ValueError(
-            f"attention backend {resolved!r} needs a {resolved.upper()} but the default JAX "
+            f"attention backend {resolved!r} needs a {wanted[0].upper()} but the default JAX "
             f"backend is {platform!r}; use backend='xla', or interpret_mode() to run the "
             "kernel in the Pallas interpreter")
     return resolved, interpret
@@ -104,6 +108,8 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
     if resolved == "tpu":
         return _tpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    if resolved == "tpu_jax":
+        return _tpu_jax.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
     if resolved == "gpu":
         return _gpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
     return ref_ragged_paged_attention(*args, sm_scale=sm_scale)
@@ -116,6 +122,8 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
     args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
     if resolved == "tpu":
         return _tpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    if resolved == "tpu_jax":
+        return _tpu_jax.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
     if resolved == "gpu":
         return _gpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
     return ref_decode_attention(*args, sm_scale=sm_scale)

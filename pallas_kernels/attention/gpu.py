@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.ref import MASK_VALUE, check_layout
+from pallas_kernels.attention.ref import MASK_VALUE, check_layout, query_blocks
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
@@ -260,28 +260,6 @@ def _prefill_kernel(meta_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale
                 mask=row_ok)
 
 
-def _query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks):
-    """Cuts each sequence's tokens into blocks: [max_blocks, 8] int32 rows of
-    (seq, first token, valid rows, position of row 0, kv_len, 0, 0, 0)."""
-    B = seq_lens_B.shape[0]
-    active_B = jnp.arange(B) < num_seqs
-    q_len_B = jnp.where(active_B, query_start_B1[1:] - query_start_B1[:-1], 0)
-    nblk_B = pl.cdiv(q_len_B, block_q)
-    cum_B = jnp.cumsum(nblk_B)
-    i_M = jnp.arange(max_blocks, dtype=jnp.int32)
-    seq_M = jnp.minimum(jnp.searchsorted(cum_B, i_M, side="right"), B - 1).astype(jnp.int32)
-    local_M = i_M - (cum_B[seq_M] - nblk_B[seq_M])
-    valid_M = i_M < cum_B[-1]
-    t0_M = query_start_B1[seq_M] + local_M * block_q
-    rows_M = jnp.where(valid_M, jnp.minimum(block_q, query_start_B1[seq_M + 1] - t0_M), 0)
-    pos0_M = seq_lens_B[seq_M] - q_len_B[seq_M] + local_M * block_q
-    zero = jnp.zeros_like(i_M)
-    meta = jnp.stack([seq_M, jnp.where(valid_M, t0_M, 0), rows_M,
-                      jnp.where(valid_M, pos0_M, 0), jnp.where(valid_M, seq_lens_B[seq_M], 0),
-                      zero, zero, zero], axis=1)
-    return meta.astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_rows", "pages_per_block",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
@@ -314,7 +292,7 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     seq_lens_B = seq_lens_B.astype(jnp.int32)
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     max_blocks = pl.cdiv(T, block_q) + B
-    meta_M8 = _query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks)
+    meta_M8, _ = query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks)
 
     T_pad = T + block_q  # every block's [t0, t0 + block_q) slice stays in bounds
     q_TKGH = q_TNH.reshape(T, K, G, H)

@@ -64,6 +64,34 @@ def token_positions(query_start_B1: jax.Array, seq_lens_B: jax.Array, num_seqs: 
     return seq_T, jnp.where(valid_T, pos_T, -1), valid_T
 
 
+def query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q: int, max_blocks: int):
+    """Cuts every sequence's new tokens into work items of at most `block_q` tokens (an
+    item never spans two sequences), as the Pallas kernels schedule them.
+
+    Returns (meta_M8, first_block_B): int32 rows of (seq, first token, valid rows,
+    position of row 0, kv_len, 0, 0, 0) for `max_blocks` items (unused items have 0
+    valid rows), and the index of each sequence's first item. Sequence b's token
+    t0 + i lands in item first_block_B[b] + i // block_q, row i % block_q.
+    """
+    B = seq_lens_B.shape[0]
+    active_B = jnp.arange(B) < num_seqs
+    q_len_B = jnp.where(active_B, query_start_B1[1:] - query_start_B1[:-1], 0)
+    nblk_B = (q_len_B + block_q - 1) // block_q
+    cum_B = jnp.cumsum(nblk_B)
+    i_M = jnp.arange(max_blocks, dtype=jnp.int32)
+    seq_M = jnp.minimum(jnp.searchsorted(cum_B, i_M, side="right"), B - 1).astype(jnp.int32)
+    local_M = i_M - (cum_B[seq_M] - nblk_B[seq_M])
+    valid_M = i_M < cum_B[-1]
+    t0_M = query_start_B1[seq_M] + local_M * block_q
+    rows_M = jnp.where(valid_M, jnp.minimum(block_q, query_start_B1[seq_M + 1] - t0_M), 0)
+    pos0_M = seq_lens_B[seq_M] - q_len_B[seq_M] + local_M * block_q
+    zero = jnp.zeros_like(i_M)
+    meta = jnp.stack([seq_M, jnp.where(valid_M, t0_M, 0), rows_M,
+                      jnp.where(valid_M, pos0_M, 0), jnp.where(valid_M, seq_lens_B[seq_M], 0),
+                      zero, zero, zero], axis=1)
+    return meta.astype(jnp.int32), (cum_B - nblk_B).astype(jnp.int32)
+
+
 def ref_ragged_paged_attention(
     q_TNH: jax.Array,
     kv_pages_PSJH: jax.Array,

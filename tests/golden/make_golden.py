@@ -4,7 +4,7 @@ Runs in its own Python 3.11 venv with CPU torch, outside the repo, never under p
 
     python3 -m venv /tmp/hfref
     /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
-    /tmp/hfref/bin/python tests/golden/make_golden.py          # from the repo root
+    /tmp/hfref/bin/python tests/golden/make_golden.py [preset ...]   # from the repo root
 
 It loads checkpoints/make_tiny.py by path (that module needs no jax), writes each preset
 to a temporary directory, loads it with AutoModelForCausalLM in float32 with eager
@@ -148,7 +148,7 @@ def main() -> None:
     torch.set_num_threads(1)
     make_tiny = load_make_tiny()
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in make_tiny.PRESETS:
+        for preset in sys.argv[1:] or make_tiny.PRESETS:
             rec = make_preset(make_tiny, preset, Path(tmp))
             for i in range(len(PROMPT_LENS)):
                 g = rec[f"greedy_{i}"]
