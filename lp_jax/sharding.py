@@ -34,6 +34,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_combined_heads": "tensor",  # J = 2K axis of the KV cache
 }
 
+# Logical axes whose shards must hold whole groups of this many entries: the KV pool's
+# J axis interleaves K and V of each head, and a shard needs both.
+SHARD_UNITS: dict[str, int] = {"kv_combined_heads": 2}
+
 
 def make_mesh(data: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> Mesh:
     """A (data, expert, tensor) mesh over the first data*expert*tensor devices."""
@@ -65,13 +69,15 @@ def parse_mesh_shape(shape) -> dict[str, int]:
 
 
 def partition_spec(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """Logical axes -> PartitionSpec, replicating dims the mesh axis does not divide."""
+    """Logical axes -> PartitionSpec, replicating dims the mesh axis does not divide
+    (into whole SHARD_UNITS groups)."""
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical axes {logical_axes} do not match shape {shape}")
     spec, used = [], set()
     for name, size in zip(logical_axes, shape, strict=True):
         axis = LOGICAL_RULES.get(name) if name is not None else None
-        if axis is None or axis in used or size % mesh.shape[axis] != 0:
+        unit = SHARD_UNITS.get(name, 1)
+        if axis is None or axis in used or size % (mesh.shape[axis] * unit) != 0:
             spec.append(None)
         else:
             spec.append(axis)

@@ -31,8 +31,15 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.metadata import AttentionMetadata
-from pallas_kernels.attention import decode_attention, ragged_paged_attention, write_kv
-from pallas_kernels.moe import moe_ffn
+from lp_jax.models.sharded_kernels import (
+    is_pallas_attention,
+    is_pallas_moe,
+    kernel_mesh,
+    sharded_decode_attention,
+    sharded_moe_ffn,
+    sharded_ragged_paged_attention,
+)
+from pallas_kernels.attention import write_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +191,16 @@ class Qwen3MoeForCausalLM(nnx.Module):
         kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T)
         page_table_BC = meta.page_table_BC + page_offset
         sm_scale = H**-0.5
+        # A Pallas kernel on a multi-device mesh runs per head shard (GSPMD would
+        # gather the whole pool onto every device); see sharded_kernels.
+        mesh = kernel_mesh(attn.q_proj[...]) if is_pallas_attention(backend) else None
         if decode_only:
-            o_TNH = decode_attention(q_TNH, kv_pages_PSJH, meta.seq_lens_B, page_table_BC,
-                                     sm_scale=sm_scale, backend=backend)
+            o_TNH = sharded_decode_attention(mesh, q_TNH, kv_pages_PSJH, meta.seq_lens_B,
+                                             page_table_BC, sm_scale=sm_scale, backend=backend)
         else:
-            o_TNH = ragged_paged_attention(
-                q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B, page_table_BC,
-                meta.num_seqs, sm_scale=sm_scale, backend=backend,
+            o_TNH = sharded_ragged_paged_attention(
+                mesh, q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
+                page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend,
             )
         x_TD = x_TD + _dot(o_TNH.reshape(T, N * H), attn.o_proj[i])
         return x_TD, kv_pages_PSJH
@@ -198,10 +208,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
     def _moe(self, j, h_TD, token_mask_T, backend):
         cfg, mlp = self.config, self.model.layers.mlp
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
-        y_TD, stats = moe_ffn(
-            h_TD, logits_TE, mlp.experts_gate_up_proj[j], mlp.experts_down_proj[j],
-            top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-            backend=backend, token_mask_T=token_mask_T,
+        w_gate_up_EDF2, w_down_EFD = mlp.experts_gate_up_proj[j], mlp.experts_down_proj[j]
+        # A Pallas kernel on a multi-device mesh runs per expert shard; see sharded_kernels.
+        mesh = kernel_mesh(w_gate_up_EDF2) if is_pallas_moe(backend) else None
+        y_TD, stats = sharded_moe_ffn(
+            mesh, h_TD, logits_TE, w_gate_up_EDF2, w_down_EFD, top_k=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
         )
         return y_TD, stats["experts_activated"]
 

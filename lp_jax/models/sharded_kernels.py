@@ -1,0 +1,186 @@
+"""Run a Pallas kernel per shard of the mesh: `jax.shard_map` wrappers for the model.
+
+GSPMD cannot partition a `pallas_call`: given sharded operands it gathers them whole
+onto every device (the KV pool, the expert weights) and runs the kernel replicated.
+Under a multi-device mesh the model therefore calls its Pallas kernels through these
+wrappers, which run the per-device kernel inside `jax.shard_map` on the shards the
+operands already have. The "xla" backends stay under GSPMD and never come here.
+
+Where the mesh comes from. The model holds no mesh, and its callers (`ModelRunner`,
+`simple.greedy_generate`) jit it without a mesh context: the mesh lives in the
+NamedShardings the loader gave the parameters. In jax 0.11 a traced array's type
+keeps the mesh of its sharding (`jax.typeof(w).sharding.mesh`, an AbstractMesh, also
+for Auto axes), and `jax.shard_map` accepts an AbstractMesh inside jit. So
+`kernel_mesh(w)` reads the mesh off the weight a kernel is about to use: no caller
+has to enter `jax.set_mesh` (without which `jax.sharding.get_abstract_mesh()` is
+empty), and the mesh cannot disagree with where the weights are. An array on one
+device has an empty mesh, which means "call the kernel directly".
+
+Specs follow `sharding.LOGICAL_RULES`, so they match the shardings the loader and
+the runner give the operands, and entering the shard_map moves no data:
+
+* attention: the query heads of q_TNH and the J axis of kv_pages_PSJH [P, S, 2K, H]
+  split over the heads' mesh axis ("tensor", t devices). Contiguous shards stay
+  consistent: K and V of KV head k sit at J = 2k, 2k + 1 and query head n reads KV
+  head n // G, so shard d holds query heads [d N/t, (d+1) N/t) and exactly the KV
+  heads they read. A kernel needs whole (K, V) pairs, so heads are split only when
+  t divides K; otherwise the kernel runs replicated. Page tables and lengths are
+  replicated. `write_kv` stays under GSPMD: its scatter keeps the pool's sharding.
+* MoE: expert weights [E, D, 2F] / [E, F, D] split over "expert" (when it divides
+  E; otherwise replicated); see `sharded_moe_ffn`.
+
+Every shard_map runs with check_vma=False: the kernels declare their outputs with
+plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
+(it wants their varying mesh axes spelled out).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+
+from lp_jax.sharding import LOGICAL_RULES
+from pallas_kernels import attention, moe
+from pallas_kernels.moe.ref import combine, moe_stats, route
+
+PALLAS_MOE_BACKENDS = ("tpu", "gpu")
+
+
+def kernel_mesh(x: jax.Array) -> Mesh | AbstractMesh | None:
+    """The mesh x is sharded over (read from its type, so also under jit) when it
+    spans more than one device; None otherwise."""
+    mesh = jax.typeof(x).sharding.mesh
+    return mesh if mesh.size > 1 else None
+
+
+def is_pallas_attention(backend: str) -> bool:
+    return attention.resolve_backend(backend) != "xla"
+
+
+def is_pallas_moe(backend: str) -> bool:
+    return moe.resolve_backend(backend) in PALLAS_MOE_BACKENDS
+
+
+def _axis_dividing(logical: str, size: int, mesh) -> str | None:
+    """The mesh axis LOGICAL_RULES maps `logical` to, if it divides `size`; else None."""
+    axis = LOGICAL_RULES[logical]
+    return axis if axis is not None and size % mesh.shape[axis] == 0 else None
+
+
+# ------------------------------------------------------------------ attention
+def _head_specs(mesh, kv_pages_PSJH: jax.Array) -> tuple[P, P]:
+    """(spec of q and of the output, spec of the KV pool)."""
+    heads = _axis_dividing("kv_combined_heads", kv_pages_PSJH.shape[2] // 2, mesh)
+    return P(None, heads, None), P(None, None, heads, None)
+
+
+def sharded_ragged_paged_attention(mesh, q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B,
+                                   page_table_BC, num_seqs, *, sm_scale, backend):
+    """`attention.ragged_paged_attention` run on each head shard of `mesh` (called
+    directly when `mesh` is None)."""
+    kernel = functools.partial(attention.ragged_paged_attention, sm_scale=sm_scale,
+                               backend=backend)
+    if mesh is None:
+        return kernel(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
+                      num_seqs)
+    q_spec, kv_spec = _head_specs(mesh, kv_pages_PSJH)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, P(), P(), P(), P()),
+                         out_specs=q_spec, check_vma=False)(
+        q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
+        jnp.asarray(num_seqs, jnp.int32))
+
+
+def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *,
+                             sm_scale, backend):
+    """`attention.decode_attention` run on each head shard of `mesh` (called directly
+    when `mesh` is None)."""
+    kernel = functools.partial(attention.decode_attention, sm_scale=sm_scale, backend=backend)
+    if mesh is None:
+        return kernel(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
+    q_spec, kv_spec = _head_specs(mesh, kv_pages_PSJH)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, P(), P()),
+                         out_specs=q_spec, check_vma=False)(
+        q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
+
+
+# ------------------------------------------------------------------------ MoE
+def _local_experts_moe(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, expert_offset, *,
+                       top_k, norm_topk_prob, token_mask_T, backend, interpret):
+    """The part of `moe.moe_ffn` computed by one shard's experts.
+
+    The weights hold the shard's E_local experts, global ids [expert_offset,
+    expert_offset + E_local); router_logits_TE covers all experts. Routing runs over
+    all of them with `moe.ref.route`, as in moe_ffn, so every shard agrees on each
+    token's experts and weights. Each (token, slot) pair then becomes one row,
+    routed top-1 to its expert's local index (logit 0 there and -inf elsewhere, so
+    its weight is exactly 1); rows whose expert lives on another shard, and rows of
+    padding tokens, are masked out, so the kernel reads only the weights of local
+    experts that have rows. The rows are combined back to tokens with the routing
+    weights in float32.
+
+    Returns (this shard's part of y_TD in float32, tokens_per_expert [E_local]).
+    """
+    T = x_TD.shape[0]
+    E_local = w_gate_up_EDF2.shape[0]
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    local_ids_TA = expert_ids_TA - expert_offset
+    mine_TA = (local_ids_TA >= 0) & (local_ids_TA < E_local) & token_mask_T[:, None]
+    # Rows of other shards point at local expert 0; they are masked out anyway.
+    local_ids_R = jnp.where(mine_TA, local_ids_TA, 0).reshape(T * top_k)
+    local_logits_RE = jnp.where(local_ids_R[:, None] == jnp.arange(E_local), 0.0, -jnp.inf)
+    y_RD, stats = moe.moe_ffn(
+        jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up_EDF2, w_down_EFD,
+        top_k=1, norm_topk_prob=False, backend=backend,
+        token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret,
+    )
+    weights_TA = jnp.where(mine_TA, weights_TA, 0.0)
+    y_TD = combine(y_RD, jnp.arange(T * top_k, dtype=jnp.int32), weights_TA, T)
+    return y_TD, stats["tokens_per_expert"]
+
+
+def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k,
+                    norm_topk_prob, backend, token_mask_T=None, interpret=None):
+    """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
+    directly when `mesh` is None).
+
+    Returns moe_ffn's (y_TD, stats), stats as global figures: the shards'
+    tokens_per_expert are concatenated in expert order, and the rest is derived
+    from them by `moe_stats`, as moe_ffn does.
+
+    Tokens (and router logits) are replicated over "expert": every device routes
+    all T tokens, runs its local experts on the rows routed to them
+    (`_local_experts_moe`) and the partial outputs are psum'ed (T x D float32).
+    The next step is expert parallelism proper: an all-to-all that sends each
+    device only the rows routed to its experts and returns their outputs, which
+    feeds the row-per-(token, slot) form the kernel already runs in here.
+    """
+    if mesh is None:
+        return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, top_k=top_k,
+                           norm_topk_prob=norm_topk_prob, backend=backend,
+                           token_mask_T=token_mask_T, interpret=interpret)
+    T = x_TD.shape[0]
+    experts = _axis_dividing("experts", w_gate_up_EDF2.shape[0], mesh)
+    if token_mask_T is None:
+        token_mask_T = jnp.ones((T,), bool)
+
+    def per_shard(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, token_mask_T):
+        E_local = w_gate_up_EDF2.shape[0]
+        offset = 0 if experts is None else jax.lax.axis_index(experts) * E_local
+        y_TD, tokens_per_expert_E = _local_experts_moe(
+            x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, offset, top_k=top_k,
+            norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T, backend=backend,
+            interpret=interpret)
+        if experts is not None:
+            y_TD = jax.lax.psum(y_TD, experts)
+        return y_TD.astype(x_TD.dtype), tokens_per_expert_E
+
+    w_spec = P(experts, None, None)
+    y_TD, tokens_per_expert_E = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=(P(), P(), w_spec, w_spec, P()),
+        out_specs=(P(), P(experts)), check_vma=False,
+    )(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, token_mask_T)
+    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up_EDF2, w_down_EFD)
