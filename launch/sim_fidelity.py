@@ -60,20 +60,21 @@ BUDGET = {"chunked": 64, "layered": 64, "orca": 256}
 
 
 class TimedEngine:
-    """Wraps an LLMEngine: times each step() and keeps the cost model's features of its plan."""
+    """Wraps an LLMEngine: times each step() and keeps the cost model's features of its plan.
+    The engine runs with async_scheduling=False, so one step() is one plan, as simulated."""
 
     def __init__(self, engine, executor: CostModelExecutor) -> None:
         self.engine, self.executor = engine, executor
         self.steps: list[tuple[object, float]] = []  # (features, seconds)
         self._plan_features = None
         runner = engine.runner
-        execute = runner.execute
+        dispatch = runner.dispatch
 
-        def traced(plan):
+        def traced(plan, prev=None):
             self._plan_features = executor.features(plan)  # before commit mutates the seqs
-            return execute(plan)
+            return dispatch(plan, prev)
 
-        runner.execute = traced  # instance attribute on our own engine object
+        runner.dispatch = traced  # instance attribute on our own engine object
 
     def step(self):
         self._plan_features = None
@@ -95,6 +96,7 @@ def build_engine(policy: str, model_dir: str):
         scheduling=policy,
         max_num_batched_tokens=BUDGET[policy],
         layer_groups=2,
+        async_scheduling=False,
         log=None,
         **ENGINE,
     )

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill-buckets", type=_int_tuple, default=None)
     e.add_argument("--decode-buckets", type=_int_tuple, default=None)
     e.add_argument("--no-warmup", dest="warmup", action="store_false")
+    e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="commit each step before planning the next")
     e.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache [default: ~/.cache/lp_jax/jax_cache]; '' for none")
     return p
@@ -89,7 +91,7 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
                 "moe_backend", "attention_backend", "seed", "prefill_buckets",
-                "decode_buckets", "warmup")
+                "decode_buckets", "warmup", "async_scheduling")
 
 
 def engine_config(args):

@@ -5,6 +5,8 @@ Engines are expensive to build (their programs compile at start-up), so each
 configuration is built once per module and shared.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -269,3 +271,43 @@ def test_random_workload_with_aborts_matches_chunked(seed):
     assert [outs[ids[i]].token_ids for i in survivors] == [o.token_ids for o in clean]
     s = engine("layered-small").stats()
     assert s["free_pages"] == s["total_pages"] and s["compilations_after_warmup"] == 0
+
+
+def test_overlapped_scheduling_matches_synchronous_steps():
+    """Async scheduling (the default: decode steps planned and dispatched while the
+    previous one runs, their tokens read on device) gives exactly the tokens of
+    one-step-at-a-time scheduling, for seeded sampling, stop tokens, lengths and
+    aborts, and frees every page."""
+    sync = LLM(**BASE, **CONFIGS["chunked"], async_scheduling=False)
+    prompts = _prompts()[:4]
+    rng = np.random.default_rng(11)
+    params = [SamplingParams(temperature=1.0, top_k=40, seed=int(rng.integers(1 << 30)),
+                             max_tokens=int(rng.integers(3, 12)), ignore_eos=True)
+              for _ in prompts]
+
+    def run(llm):
+        eng = llm.engine
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        outs, step = {}, 0
+        while eng.has_unfinished():
+            if step == 4:
+                eng.abort(ids[2])  # mid-decode
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            step += 1
+        s = llm.stats()
+        assert s["free_pages"] == s["total_pages"]
+        return [(outs[i].token_ids, outs[i].finish_reason) for i in ids], s
+
+    base, s_sync = run(sync)
+    # stop on a token the seeded run emits mid-stream: an overlapped step was already
+    # dispatched past it, and its token must be dropped
+    stop = base[0][0][1]
+    params[0] = dataclasses.replace(params[0], stop_token_ids=(stop,))
+    base, s_sync = run(sync)
+    over, s_async = run(engine("chunked"))
+    assert over == base
+    assert base[0][1] == "stop" and base[2][1] == "abort"
+    assert s_sync["overlapped_steps"] == 0 and s_async["overlapped_steps"] > 0
+    assert s_async["compilations_after_warmup"] == 0

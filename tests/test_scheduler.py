@@ -14,7 +14,7 @@ from lp_jax.engine.metrics import RequestMetrics, percentile, slo_pass, summariz
 from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
-from lp_jax.engine.sequence import Sequence, SequenceStatus
+from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 VOCAB = 1000
 POLICIES = ("orca", "chunked", "layered")
@@ -62,7 +62,11 @@ class FakeExecutor:
             self.kv = {k: v for k, v in self.kv.items() if v[0] != sid}
         assert not set(plan.preempted) & {c.seq.seq_id for c in plan.prefill}
         for seq in plan.decode:
-            assert seq.status is RUNNING and seq.num_computed_tokens == seq.num_tokens - 1
+            # (a decode planned over an uncommitted one ends in a placeholder whose KV
+            # the earlier plan, already run, wrote)
+            pending = seq.num_pending_tokens
+            assert seq.status is RUNNING
+            assert seq.num_computed_tokens == seq.num_tokens - 1 - pending
             self._check_kv(seq, seq.num_tokens - 1)
             self.kv[self._slot(seq, seq.num_tokens - 1)] = (seq.seq_id, seq.num_tokens - 1)
         for c in plan.prefill:
@@ -102,7 +106,7 @@ def check_invariants(sched):
         assert s.status is RUNNING and s.num_computed_tokens < s.prefill_target
         assert len(s.page_ids) == bm.pages_for(s.prefill_target)
     for s in sched._zombies:
-        assert s.status is SequenceStatus.FINISHED_ABORTED
+        assert s.is_finished
 
 
 def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20_000):
@@ -132,6 +136,40 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
     assert sched.block_manager.num_free_pages == sched.config.num_pages
     for key, layers in ex.layers.items():
         assert layers == list(range(sched.config.num_layers)), key
+    return ex
+
+
+def drive_overlapped(sched, requests=(), *, ex=None, before=None, during=None,
+                     max_steps=20_000):
+    """`drive` the way the engine overlaps steps: a decode-only plan stays uncommitted
+    while the next plan is scheduled and run, and is committed after it."""
+    ex = ex or FakeExecutor(sched)
+    pending = sorted(requests, key=lambda s: (s.arrival_time, s.seq_id))
+    step, inflight, overlapped = 0, None, 0
+    while pending or sched.has_unfinished() or inflight:
+        while pending and pending[0].arrival_time <= step:
+            sched.add(pending.pop(0))
+        if before:
+            before(step, sched)
+        plan = sched.schedule(float(step))
+        sampled = ex.run(plan)
+        if during:
+            during(step, sched, plan)
+        if inflight is not None:
+            sched.commit(*inflight, float(step))
+            overlapped += 1
+            inflight = None
+        if plan.decode and not plan.prefill:
+            inflight = (plan, sampled)
+        else:
+            sched.commit(plan, sampled, float(step + 1))
+        check_invariants(sched)
+        step += 1
+        assert step < max_steps, "no progress"
+    assert sched.block_manager.num_free_pages == sched.config.num_pages
+    for key, layers in ex.layers.items():
+        assert layers == list(range(sched.config.num_layers)), key
+    ex.overlapped = overlapped
     return ex
 
 
@@ -423,6 +461,44 @@ def test_higher_priority_arrival_overtakes_the_queue():
 
 
 # ----- preemption -----
+@pytest.mark.parametrize("policy", POLICIES)
+def test_overlapped_scheduling_gives_the_same_tokens(policy):
+    reqs = mixed_workload()
+    ex = drive_overlapped(Scheduler(make_cfg(policy)), reqs)
+    assert ex.overlapped > 10
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r, 4096)
+        assert len(r.token_times) == r.num_output_tokens
+
+
+def test_overlapped_speculation_stops_at_length_and_drops_tokens_after_a_stop():
+    # seq 0 stops on a stop token at its 3rd output; seq 1 ends by max_tokens
+    stop = fake_token(0, 5 + 2)
+    reqs = [req(0, 5, 10, stop_token_ids=[stop]), req(1, 5, 4)]
+    sched = Scheduler(make_cfg("chunked", max_model_len=64))
+    ex = drive_overlapped(sched, reqs)
+    assert reqs[0].finish_reason == "stop" and reqs[0].output_token_ids[-1] == stop
+    assert reqs[0].num_output_tokens == 3 and reqs[1].num_output_tokens == 4
+    decodes = [[s.seq_id for s in p.decode] for p in ex.plans]
+    # seq 0 ran one wasted decode after its stop token; seq 1 none after its last token
+    assert sum(0 in d for d in decodes) == 3 and sum(1 in d for d in decodes) == 3
+    assert PENDING_TOKEN not in reqs[0].token_ids + reqs[1].token_ids
+
+
+def test_only_a_decode_only_plan_may_stay_in_flight():
+    sched = Scheduler(make_cfg("chunked"))
+    sched.add(req(0, 8, 3))
+    first = sched.schedule(0.0)  # a prefill
+    with pytest.raises(RuntimeError, match="decode-only"):
+        sched.schedule(1.0)
+    sched.commit(first, FakeExecutor(sched).run(first), 1.0)
+    decode = sched.schedule(1.0)
+    sched.schedule(2.0)  # allowed: `decode` is decode-only
+    with pytest.raises(RuntimeError, match="commit"):
+        sched.schedule(3.0)
+    assert decode.decode and sched.running[0].num_pending_tokens == 1
+
+
 def max_kv_pages(r, max_model_len, page_size):
     """Pages for every token the request can hold KV for (all but its last)."""
     n = r.num_prompt_tokens
@@ -450,6 +526,10 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(kw):
     sched = Scheduler(make_cfg(page_size=2, num_pages=pages, **kw))
     ex = drive(sched, tight)
     assert outputs(tight) == outputs(free)
+    overlapped = workload()
+    ex_o = drive_overlapped(Scheduler(make_cfg(page_size=2, num_pages=pages, **kw)), overlapped)
+    assert outputs(overlapped) == outputs(free) and ex_o.overlapped > 0
+    assert any(p.preempted for p in ex_o.plans)
     assert sched.stats()["preemptions"] > 0
     assert any(p.preempted for p in ex.plans)
     assert sum(r.num_preemptions for r in tight) == sched.stats()["preemptions"]
@@ -644,7 +724,7 @@ def test_commit_and_schedule_misuse():
     with pytest.raises(RuntimeError, match="commit"):
         sched.schedule(0.0)
     other = StepPlan(step_id=plan.step_id, num_layers=8)
-    with pytest.raises(RuntimeError, match="last schedule"):
+    with pytest.raises(RuntimeError, match="oldest plan"):
         sched.commit(other, {}, 1.0)
     for sampled, match in [
         ({}, "no sampled token"),
@@ -785,12 +865,14 @@ def workloads(draw, policy):
     return SchedulerConfig(**cfg), reqs, aborts
 
 
+@pytest.mark.parametrize("driver", [drive, drive_overlapped])
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_random_workloads(policy, data):
+def test_random_workloads(policy, driver, data):
     """Random arrivals, lengths, pools and aborts: no page leak, every request finishes with
-    the policy-independent token stream, every chunk crosses every layer exactly once."""
+    the policy-independent token stream, every chunk crosses every layer exactly once;
+    with plans scheduled one step ahead of their commit too."""
     cfg, reqs, aborts = data.draw(workloads(policy))
     sched = Scheduler(cfg)
     token_fn = lambda sid, pos: fake_token(sid, pos, 32)
@@ -805,7 +887,7 @@ def test_random_workloads(policy, data):
         return fire
 
     ex = FakeExecutor(sched, token_fn)
-    drive(sched, reqs, ex=ex, before=hook(False), during=hook(True))
+    driver(sched, reqs, ex=ex, before=hook(False), during=hook(True))
     for r in reqs:
         want = expected_output(r, cfg.max_model_len, cfg.eos_token_id, token_fn)
         assert r.is_finished
@@ -823,4 +905,5 @@ def test_random_workloads(policy, data):
     event(f"preempted={bool(st_['preemptions'])}")
     event(f"aborted={bool(aborted)}")
     event(f"multi-group batches={any(p.num_groups > 1 for p in ex.plans)}")
+    event(f"overlapped={getattr(ex, 'overlapped', 0) > 0}")
     assert sched.block_manager.num_free_pages == cfg.num_pages

@@ -30,6 +30,8 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] | None = None
     decode_buckets: tuple[int, ...] | None = None
     warmup: bool = True  # compile every reachable program at start-up
+    # Plan and dispatch the next step while a decode-only step runs (llm_engine.py).
+    async_scheduling: bool = True
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
 
     def __post_init__(self):

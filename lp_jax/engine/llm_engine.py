@@ -5,6 +5,14 @@ The engine owns a `Scheduler` (pure Python policy and bookkeeping) and a
 plan, has the runner execute it, commits the sampled tokens, and returns one
 `RequestOutput` per request that produced a token or finished, so a server can
 stream. Bad requests raise ValueError from `add_request` and change nothing.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): a
+decode-only step is left in flight when `step()` returns. The next `step()` plans
+and dispatches step k+1 first (its decodes read step k's tokens on device), and
+only then waits for step k and commits it, so the host work of one step runs while
+the device computes the other. Steps with prefill rows are committed before the
+next plan (their progress decides it). Each `step()` still returns the tokens of
+the step that completed in it.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from lp_jax.config import ModelConfig
 from lp_jax.engine import compile_guard
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.model_runner import ModelRunner
+from lp_jax.engine.model_runner import ModelRunner, StepHandle
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import Sequence
@@ -138,7 +146,9 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
         # Expert bytes of the most recent prefill batches (bounded: servers run for days).
         self._batch_bytes: OrderedDict[int, int] = OrderedDict()
-        self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0}
+        self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0,
+                          "overlapped_host_seconds": 0.0, "overlapped_steps": 0}
+        self._inflight: StepHandle | None = None  # a dispatched decode-only step
         if config.warmup:
             self.runner.warmup(log=self.log)
         self._compiles_while_serving = 0  # any backend compile inside step()
@@ -180,7 +190,7 @@ class LLMEngine:
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -192,22 +202,43 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
         plan = self.scheduler.schedule(t0)
-        if plan.phase == "idle":
-            self.scheduler.commit(plan, {}, time.perf_counter())
-            return self._take_aborted([])
+        handle = self.runner.dispatch(plan, prev) if plan.phase != "idle" else None
         t1 = time.perf_counter()
-        sampled, counts, build_seconds = self.runner.execute(plan)  # waits for the tokens
-        t2 = time.perf_counter()
+        host = t1 - t0
+        if prev is not None:  # planned and launched while `prev` ran
+            self._counters["overlapped_host_seconds"] += host
+            self._counters["overlapped_steps"] += 1
+        # prev's commit runs while `handle`'s step computes
+        outputs = self._complete(prev, overlapped=handle is not None) if prev else []
+        if handle is None:
+            self.scheduler.commit(plan, {}, time.perf_counter())
+        elif self.config.async_scheduling and plan.decode and not plan.prefill:
+            self._inflight = handle
+        else:
+            outputs += self._complete(handle)
+        self._counters["host_seconds"] += host
+        return self._take_aborted(outputs)
+
+    def _complete(self, handle: StepHandle, overlapped: bool = False) -> list[RequestOutput]:
+        """Waits for a dispatched step and commits it; one output per sampled token.
+        `overlapped`: a later step is running, so the commit's host time is hidden."""
+        t0 = time.perf_counter()
+        sampled, counts, _ = self.runner.collect(handle)
+        t1 = time.perf_counter()
+        plan = handle.plan
         self._count_expert_bytes(plan, counts)
-        # Sequences aborted since schedule() drop their token in commit.
+        # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
         self.scheduler.commit(plan, sampled, time.perf_counter())
         outputs = [self._output(s, [sampled[s.seq_id]]) for s in alive]
-        t3 = time.perf_counter()
-        self._counters["host_seconds"] += (t1 - t0) + build_seconds + (t3 - t2)
-        self._counters["device_seconds"] += t2 - t1 - build_seconds
-        return self._take_aborted(outputs)
+        t2 = time.perf_counter()
+        self._counters["device_seconds"] += t1 - t0
+        self._counters["host_seconds"] += t2 - t1
+        if overlapped:
+            self._counters["overlapped_host_seconds"] += t2 - t1
+        return outputs
 
     def _count_expert_bytes(self, plan, counts):
         per_expert = self.model_config.expert_bytes
@@ -232,7 +263,8 @@ class LLMEngine:
     def stats(self) -> dict:
         s = dict(self.scheduler.stats())
         c = self._counters
-        total = c["host_seconds"] + c["device_seconds"]
+        exposed = c["host_seconds"] - c["overlapped_host_seconds"]
+        total = exposed + c["device_seconds"]
         s.update(
             compilations=len(self.runner.programs),
             compile_seconds=round(self.runner.compile_seconds, 3),
@@ -240,8 +272,10 @@ class LLMEngine:
             expert_bytes_loaded=c["expert_bytes_loaded"],
             expert_bytes_per_prefill_batch=dict(self._batch_bytes),
             host_seconds=c["host_seconds"],
+            overlapped_host_seconds=c["overlapped_host_seconds"],
+            overlapped_steps=c["overlapped_steps"],
             device_seconds=c["device_seconds"],
-            host_overhead_fraction=(c["host_seconds"] / total) if total else 0.0,
+            host_overhead_fraction=(exposed / total) if total else 0.0,
             free_pages=self.scheduler.block_manager.num_free_pages,
             total_pages=self.scheduler.config.num_pages,
         )

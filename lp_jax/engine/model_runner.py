@@ -29,10 +29,19 @@ bucket pair. Reachable programs:
 Orca and chunked reach a single range (0, L). `warmup()` compiles all of them; the
 persistent compilation cache makes restarts cheap. The KV pool is donated to every
 step, so its update is in place.
+
+`dispatch(plan, prev)` launches a step without waiting for it and returns a
+`StepHandle`; `collect(handle)` waits for its tokens. Every program returns its
+sampled tokens in one fixed-size array, and every decode program takes the previous
+step's array plus a row per decode: a decode whose last token is still a placeholder
+(its step was planned before the step sampling that token was committed; see
+scheduler.py) reads it on device from `prev`, so the engine can plan and dispatch
+step k+1 while step k runs, with no host round trip for the token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -47,7 +56,7 @@ from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.sampler import sample
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
-from lp_jax.sharding import named_sharding
+from lp_jax.sharding import named_sharding, replicated
 
 _MIN_BUCKET = 16
 
@@ -59,6 +68,18 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHandle:
+    """A dispatched step: its plan, the device arrays it will fill, and where each
+    sampling sequence's token sits in `tokens_R`."""
+
+    plan: StepPlan
+    tokens_R: jax.Array | None
+    counts: list
+    rows: dict[int, int]  # seq_id -> row of tokens_R
+    build_seconds: float
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -100,6 +121,11 @@ class ModelRunner:
                     self.cfg.head_dim)
         self.kv_pages = init_kv_cache(self.cfg, num_pages, page_size, model.dtype,
                                       sharding=named_sharding(kv_shape_axes, kv_shape, mesh))
+        # Sampled tokens of any program, padded to one size: decode rows, then prefill rows.
+        self.num_token_rows = self.decode_buckets[-1] + self.max_prefill_seqs
+        self._no_prev_tokens = jax.device_put(np.zeros(self.num_token_rows, np.int32),
+                                              replicated(mesh))
+        self._token_sharding = replicated(mesh)
         self.programs: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.hidden: dict[int, jax.Array] = {}  # layered batch id -> prefill hidden states
@@ -164,7 +190,10 @@ class ModelRunner:
         counts = []
         if B:
             dec_meta = inputs["dec_meta"]
-            x_dec = model.embed(inputs["dec_tokens"])
+            prev_B = inputs["dec_prev_rows"]  # -1: the token is in dec_tokens
+            tokens_B = jnp.where(prev_B >= 0, inputs["prev_tokens"][jnp.maximum(prev_B, 0)],
+                                 inputs["dec_tokens"])
+            x_dec = model.embed(tokens_B)
             x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, 0, a,
                                                   decode_only=True, backends=backends)
             counts.append(c)
@@ -198,15 +227,18 @@ class ModelRunner:
             rows.append(model.compute_logits(x_pre[inputs["sample_rows"]]))
         if rows:
             s = inputs["sampling"]
-            out["tokens"] = sample(jnp.concatenate(rows), s["temperature"], s["top_k"],
-                                   s["top_p"], s["seed"], s["position"])
+            tokens = sample(jnp.concatenate(rows), s["temperature"], s["top_k"],
+                            s["top_p"], s["seed"], s["position"])
+            tokens = jnp.pad(tokens, (0, self.num_token_rows - tokens.shape[0]))
+            out["tokens"] = jax.lax.with_sharding_constraint(tokens, self._token_sharding)
         out["experts_activated"] = counts
         return kv_pages, out
 
     # ------------------------------------------------------- host inputs
     def _inputs(self, T, B, a, b, decode, chunks, sample_chunks, hidden=None, *,
-                traced_start=False):
-        """numpy inputs for the step; `decode`: seqs, `chunks`: (seq, start, end)."""
+                traced_start=False, prev: StepHandle | None = None):
+        """numpy inputs for the step; `decode`: seqs, `chunks`: (seq, start, end);
+        `prev`: the uncommitted step whose tokens placeholder-ending decodes read."""
         S, C, Bp = self.page_size, self.pages_per_seq, min(self.max_prefill_seqs, max(T, 1))
         inputs = {}
         if traced_start:
@@ -217,8 +249,15 @@ class ModelRunner:
                 [s.num_tokens - 1 for s in decode], [s.page_ids for s in decode],
                 page_size=S, num_seqs=B, pages_per_seq=C)
             toks = np.zeros(B, np.int32)
-            toks[: len(decode)] = [s.last_token for s in decode]
+            prev_rows = np.full(B, -1, np.int32)
+            for i, s in enumerate(decode):
+                if s.num_pending_tokens:
+                    prev_rows[i] = prev.rows[s.seq_id]
+                else:
+                    toks[i] = s.last_token
             inputs["dec_tokens"] = toks
+            inputs["dec_prev_rows"] = prev_rows
+            inputs["prev_tokens"] = prev.tokens_R if prev is not None else self._no_prev_tokens
             sampling_rows += [(s, s.num_tokens) for s in decode] + [None] * (B - len(decode))
         if T:
             pre = [(start, end - start, s.page_ids) for s, start, end in chunks]
@@ -283,12 +322,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------ execute
     def execute(self, plan: StepPlan):
-        """Runs the plan.
+        """Runs the plan and waits for it: `collect(dispatch(plan))`."""
+        return self.collect(self.dispatch(plan))
 
-        Returns ({seq_id: token}, experts activated in each layer span the step ran
-        (decode [0, a), prefill+decode [a, b), decode [b, L), those present), host
-        seconds spent building inputs).
-        """
+    def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
+        """Launches the plan's step and returns without waiting for the device. `prev`:
+        the dispatched, uncommitted step whose tokens this plan's placeholders stand for."""
         t0 = time.perf_counter()
         # plan.preempted needs nothing here: device state is per layered batch, and the
         # scheduler never preempts a member of the batch in flight.
@@ -304,17 +343,25 @@ class ModelRunner:
             hidden = self.hidden.pop(plan.prefill_batch_id)
         key = self.program_key(a, b, T, B)
         inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden,
-                              traced_start=key[0] is None)
+                              traced_start=key[0] is None, prev=prev)
         prog = self._program(key)
         build_seconds = time.perf_counter() - t0
         self.kv_pages, out = prog(self.state, self.kv_pages, inputs)
         if "hidden" in out:
             self.hidden[plan.prefill_batch_id] = out["hidden"]
+        rows = {s.seq_id: i for i, s in enumerate(decode)}
+        rows.update({s.seq_id: B + j for j, (s, _, _) in enumerate(sample_chunks)})
+        return StepHandle(plan, out.get("tokens"), out["experts_activated"], rows,
+                          build_seconds)
+
+    def collect(self, handle: StepHandle):
+        """Waits for a dispatched step. Returns ({seq_id: token} for the plan's sampling
+        sequences, experts activated in each layer span the step ran (decode [0, a),
+        prefill+decode [a, b), decode [b, L), those present), host seconds spent
+        building its inputs)."""
         sampled = {}
-        if "tokens" in out:
-            tokens = np.asarray(out["tokens"])
-            seqs = decode + [s for s, _, _ in sample_chunks]
-            rows = list(range(len(decode))) + [B + j for j in range(len(sample_chunks))]
-            sampled = {s.seq_id: int(tokens[r]) for s, r in zip(seqs, rows, strict=True)}
-        counts = [int(c) for c in out["experts_activated"]]
-        return sampled, counts, build_seconds
+        if handle.tokens_R is not None:
+            tokens = np.asarray(handle.tokens_R)
+            sampled = {sid: int(tokens[r]) for sid, r in handle.rows.items()}
+        counts = [int(c) for c in handle.counts]
+        return sampled, counts, handle.build_seconds

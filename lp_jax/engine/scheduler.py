@@ -10,10 +10,17 @@ only decides the prefill part of each plan:
 - `LayeredPolicy`: the paper's layered prefill; one batch of prompt tokens crosses one group of
   layers per iteration, so every layer sees each prompt token once and decodes never stall.
 
-Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`; exactly one
-plan is outstanding at a time. Every admitted request holds the pages for its whole prefill
-target; a decode that needs a page and finds none preempts from the tail of the running decodes
-(lowest priority, latest arrival), possibly itself. Pages of a sequence aborted while a device
+Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`. Plans
+are committed in the order they were made. At most two are outstanding, and only when the
+older one is decode-only (overlapped scheduling: the engine plans and dispatches step k+1
+while the device runs step k). Its decodes' tokens are then not known yet: each such
+sequence gets a `PENDING_TOKEN` placeholder, which the older plan's commit fills in, and
+a sequence that the older plan's token might finish by length is held out of the new
+plan (one that stops on a stop token wastes one speculative decode, dropped at commit).
+
+Every admitted request holds the pages for its whole prefill target; a decode that needs a
+page and finds none preempts from the tail of the running decodes (lowest priority, latest
+arrival), possibly itself. Pages of a sequence that finishes or is aborted while a planned
 step may still write its KV are freed only when that step (or layered batch) completes.
 """
 
@@ -27,7 +34,7 @@ from lp_jax.engine.block_manager import BlockManager
 from lp_jax.engine.layer_groups import LayerGroupMode, check_mode
 from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.policies import POLICIES, Policy
-from lp_jax.engine.sequence import Sequence, SequenceStatus
+from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 _POSITIVE_FIELDS = (
     "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
@@ -80,7 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # decoding
         self._zombies: list[Sequence] = []  # aborted, pages held until their step completes
         self._live: dict[int, Sequence] = {}
-        self._pending: StepPlan | None = None
+        self._pending: list[StepPlan] = []  # scheduled, not committed; oldest first
         self._next_step = 0
         self._next_batch = 0
         self._now = 0.0
@@ -144,11 +151,10 @@ class Scheduler:
                 break
         seq.status = SequenceStatus.FINISHED_ABORTED
         seq.finish_time = now
-        if seq.page_ids:
-            if seq.seq_id in self._busy_ids():
-                self._zombies.append(seq)  # the executor may still write its KV
-            else:
-                self.block_manager.free(seq)
+        if seq.num_pending_tokens:  # its token is dropped at commit
+            del seq.token_ids[-1]
+            seq.num_pending_tokens = 0
+        self._release(seq)
         self._stats["aborted"] += 1
         return seq
 
@@ -162,10 +168,15 @@ class Scheduler:
 
     # ----- one iteration -----
     def schedule(self, now: float) -> StepPlan:
-        if self._pending is not None:
-            raise RuntimeError(f"commit plan {self._pending.step_id} before scheduling another")
+        held: set[int] = set()
+        if self._pending:
+            prev = self._pending[-1]
+            if len(self._pending) > 1 or prev.prefill:
+                raise RuntimeError(f"commit plan {prev.step_id} before scheduling another "
+                                   "(only a decode-only plan may stay in flight)")
+            held = self._speculate(prev)
         self._now = now
-        decode, preempted = self._schedule_decodes()
+        decode, preempted = self._schedule_decodes(held)
         # After a preemption, admit nothing this iteration unless nothing else would run.
         part = self.policy.schedule_prefill(len(decode), admit=not (preempted and decode))
         plan = StepPlan(
@@ -181,13 +192,13 @@ class Scheduler:
             preempted=tuple(s.seq_id for s in preempted),
         )
         self._next_step += 1
-        self._pending = plan
+        self._pending.append(plan)
         return plan
 
     def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> list[Sequence]:
         """Apply the executor's sampled tokens; returns the sequences that finished."""
-        if plan is not self._pending:
-            raise RuntimeError("commit expects the plan returned by the last schedule()")
+        if not self._pending or plan is not self._pending[0]:
+            raise RuntimeError("commit expects the oldest plan schedule() returned")
         expect = {s.seq_id: s for s in plan.sampling_seqs}
         extra = set(sampled) - set(expect)
         if extra:
@@ -202,12 +213,14 @@ class Scheduler:
                 raise ValueError(
                     f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
                 )
-        self._pending = None
+        self._pending.pop(0)
         finished: list[Sequence] = []
         for seq in plan.decode:
-            if not seq.is_finished:
-                seq.num_computed_tokens = seq.num_tokens
-                self._append_token(seq, sampled[seq.seq_id], now, finished)
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING:  # not preempted since
+                seq.num_computed_tokens = seq.num_tokens - seq.num_pending_tokens
+            self._append_token(seq, sampled[seq.seq_id], now, finished)
         if plan.is_last_group:
             for chunk in plan.prefill:
                 seq = chunk.seq
@@ -236,7 +249,7 @@ class Scheduler:
         if not self.waiting or len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
-        if not self.block_manager.can_allocate(seq.prefill_target):
+        if seq.num_pending_tokens or not self.block_manager.can_allocate(seq.prefill_target):
             return None
         self.waiting.pop(0)
         self.block_manager.allocate(seq, seq.prefill_target)
@@ -251,9 +264,29 @@ class Scheduler:
         return self._next_batch - 1
 
     # ----- internals -----
-    def _schedule_decodes(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Give every running decode room for one more token, preempting from the tail."""
-        queue = sorted(self.running, key=_key)  # head first; queue[-1] is the tail
+    def _speculate(self, prev: StepPlan) -> set[int]:
+        """Placeholders for the tokens the in-flight decode-only plan `prev` samples.
+
+        Returns the ids of sequences that token may finish by length: they sit out the
+        next plan (their commit decides). A stop token cannot be foreseen; a sequence
+        it stops has one wasted decode in the next plan, whose token commit drops.
+        """
+        held = set()
+        for seq in prev.decode:
+            if seq.is_finished:
+                continue
+            if (seq.num_output_tokens + 1 < seq.sampling_params.max_tokens
+                    and seq.num_tokens + 1 < self.config.max_model_len):
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens = 1
+            else:
+                held.add(seq.seq_id)
+        return held
+
+    def _schedule_decodes(self, held: set[int]) -> tuple[list[Sequence], list[Sequence]]:
+        """Give every running decode not `held` room for one more token, preempting from
+        the tail."""
+        queue = sorted((s for s in self.running if s.seq_id not in held), key=_key)
         decode: list[Sequence] = []
         preempted: list[Sequence] = []
         while queue:
@@ -281,7 +314,11 @@ class Scheduler:
         self._stats["preemptions"] += 1
 
     def _append_token(self, seq: Sequence, tok: int, now: float, finished: list[Sequence]) -> None:
-        seq.token_ids.append(tok)
+        if seq.num_pending_tokens:
+            seq.token_ids[-1] = tok
+            seq.num_pending_tokens = 0
+        else:
+            seq.token_ids.append(tok)
         seq.token_times.append(now)
         sp = seq.sampling_params
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.config.eos_token_id):
@@ -290,20 +327,30 @@ class Scheduler:
             status = SequenceStatus.FINISHED_LENGTH
         else:
             return
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+        # A preempted decode whose token arrives after its preemption waits in `waiting`.
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = status
         seq.finish_time = now
+        self._release(seq)
         del self._live[seq.seq_id]
         self._stats["finished"] += 1
         finished.append(seq)
 
+    def _release(self, seq: Sequence) -> None:
+        """Free a finished sequence's pages, or hold them while a planned step writes them."""
+        if not seq.page_ids:
+            return
+        if seq.seq_id in self._busy_ids():
+            self._zombies.append(seq)
+        else:
+            self.block_manager.free(seq)
+
     def _busy_ids(self) -> set[int]:
-        """Sequences whose KV a device step may still be writing."""
+        """Sequences whose KV a planned, uncommitted step may still be writing."""
         ids = {s.seq_id for s in self.policy.in_flight()}
-        if self._pending is not None:
-            ids.update(s.seq_id for s in self._pending.decode)
-            ids.update(c.seq.seq_id for c in self._pending.prefill)
+        for plan in self._pending:
+            ids.update(s.seq_id for s in plan.decode)
+            ids.update(c.seq.seq_id for c in plan.prefill)
         return ids
 
 

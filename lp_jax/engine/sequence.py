@@ -8,6 +8,10 @@ metrics. It knows nothing about devices.
 admission, or every token so far (prompt + outputs) after a recompute preemption. The prefill
 writes KV for positions [0, prefill_target) and samples the token at position
 `prefill_target`; each decode step writes KV for its last token and samples the next one.
+
+Under overlapped scheduling a decode may be planned before the step that samples its
+last token has been committed: `token_ids` then ends in `PENDING_TOKEN`, a placeholder
+the commit of that step replaces (`num_pending_tokens` counts them, 0 or 1).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from enum import Enum, auto
 
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.sampling_params import SamplingParams
+
+
+PENDING_TOKEN = -1  # stands for a token a dispatched step samples, until its commit
 
 
 class SequenceStatus(Enum):
@@ -49,6 +56,7 @@ class Sequence:
         "token_times",
         "finish_time",
         "num_preemptions",
+        "num_pending_tokens",
     )
 
     def __init__(
@@ -74,6 +82,7 @@ class Sequence:
         self.token_times: list[float] = []  # one per output token
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        self.num_pending_tokens = 0  # placeholders at the end of token_ids (0 or 1)
 
     def __repr__(self) -> str:
         return (
