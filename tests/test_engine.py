@@ -91,7 +91,8 @@ def test_layered_uses_several_groups_and_fewer_expert_bytes():
         after = llm.stats()
         bytes_[name] = after["expert_bytes_loaded"] - before["expert_bytes_loaded"]
         if name == "layered-paper":  # 1024 tokens -> G = 2 iterations before the token
-            assert after["iterations"] - before["iterations"] == 2
+            busy = after["iterations"] - after["iterations_idle"]
+            assert busy - (before["iterations"] - before["iterations_idle"]) == 2
     # chunk 256 reads each layer's experts 4 times, layered once
     assert bytes_["layered-paper"] < 0.5 * bytes_["chunked"]
 
@@ -307,7 +308,11 @@ def test_overlapped_scheduling_matches_synchronous_steps():
     params[0] = dataclasses.replace(params[0], stop_token_ids=(stop,))
     base, s_sync = run(sync)
     over, s_async = run(engine("chunked"))
-    assert over == base
-    assert base[0][1] == "stop" and base[2][1] == "abort"
+    # an abort cuts the stream where it finds it: with overlap, tokens are reported one
+    # step later, so the aborted request may hold fewer
+    assert [o for i, o in enumerate(over) if i != 2] == [b for i, b in enumerate(base) if i != 2]
+    assert over[2][1] == base[2][1] == "abort"
+    assert over[2][0] == base[2][0][: len(over[2][0])]
+    assert base[0][1] == "stop"
     assert s_sync["overlapped_steps"] == 0 and s_async["overlapped_steps"] > 0
     assert s_async["compilations_after_warmup"] == 0

@@ -62,11 +62,8 @@ class FakeExecutor:
             self.kv = {k: v for k, v in self.kv.items() if v[0] != sid}
         assert not set(plan.preempted) & {c.seq.seq_id for c in plan.prefill}
         for seq in plan.decode:
-            # (a decode planned over an uncommitted one ends in a placeholder whose KV
-            # the earlier plan, already run, wrote)
-            pending = seq.num_pending_tokens
-            assert seq.status is RUNNING
-            assert seq.num_computed_tokens == seq.num_tokens - 1 - pending
+            # (planned over an uncommitted plan, its last token is still a placeholder)
+            assert seq.status is RUNNING and seq.num_computed_tokens == seq.num_tokens - 1
             self._check_kv(seq, seq.num_tokens - 1)
             self.kv[self._slot(seq, seq.num_tokens - 1)] = (seq.seq_id, seq.num_tokens - 1)
         for c in plan.prefill:
@@ -141,8 +138,8 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
 
 def drive_overlapped(sched, requests=(), *, ex=None, before=None, during=None,
                      max_steps=20_000):
-    """`drive` the way the engine overlaps steps: a decode-only plan stays uncommitted
-    while the next plan is scheduled and run, and is committed after it."""
+    """`drive` the way the engine overlaps steps: each plan stays uncommitted while the
+    next plan is scheduled and run, and is committed after it."""
     ex = ex or FakeExecutor(sched)
     pending = sorted(requests, key=lambda s: (s.arrival_time, s.seq_id))
     step, inflight, overlapped = 0, None, 0
@@ -159,10 +156,10 @@ def drive_overlapped(sched, requests=(), *, ex=None, before=None, during=None,
             sched.commit(*inflight, float(step))
             overlapped += 1
             inflight = None
-        if plan.decode and not plan.prefill:
-            inflight = (plan, sampled)
-        else:
+        if plan.phase == "idle":
             sched.commit(plan, sampled, float(step + 1))
+        else:
+            inflight = (plan, sampled)
         check_invariants(sched)
         step += 1
         assert step < max_steps, "no progress"
@@ -485,18 +482,21 @@ def test_overlapped_speculation_stops_at_length_and_drops_tokens_after_a_stop():
     assert PENDING_TOKEN not in reqs[0].token_ids + reqs[1].token_ids
 
 
-def test_only_a_decode_only_plan_may_stay_in_flight():
-    sched = Scheduler(make_cfg("chunked"))
-    sched.add(req(0, 8, 3))
-    first = sched.schedule(0.0)  # a prefill
-    with pytest.raises(RuntimeError, match="decode-only"):
-        sched.schedule(1.0)
-    sched.commit(first, FakeExecutor(sched).run(first), 1.0)
-    decode = sched.schedule(1.0)
-    sched.schedule(2.0)  # allowed: `decode` is decode-only
-    with pytest.raises(RuntimeError, match="commit"):
-        sched.schedule(3.0)
-    assert decode.decode and sched.running[0].num_pending_tokens == 1
+def test_at_most_two_plans_outstanding_and_the_newer_continues_the_older():
+    sched = Scheduler(make_cfg("chunked", max_num_batched_tokens=16))
+    sched.add(req(0, 20, 3))
+    ex = FakeExecutor(sched)
+    first = sched.schedule(0.0)  # prefill chunk [0, 16)
+    sampled = ex.run(first)
+    second = sched.schedule(1.0)  # planned before `first` commits: the next chunk
+    with pytest.raises(RuntimeError, match="at most two"):
+        sched.schedule(2.0)
+    assert chunk_view(first) == [(0, 0, 16)] and chunk_view(second) == [(0, 16, 20)]
+    sched.commit(first, sampled, 1.0)
+    ex.run(second)
+    third = sched.schedule(2.0)  # `second` finished the prompt: its token is pending
+    seq = sched.running[0]
+    assert [s.seq_id for s in third.decode] == [0] and seq.num_pending_tokens == 1
 
 
 def max_kv_pages(r, max_model_len, page_size):
@@ -721,8 +721,6 @@ def test_commit_and_schedule_misuse():
     sched = Scheduler(make_cfg("chunked"))
     sched.add(req(0, 8, 3))
     plan = sched.schedule(0.0)
-    with pytest.raises(RuntimeError, match="commit"):
-        sched.schedule(0.0)
     other = StepPlan(step_id=plan.step_id, num_layers=8)
     with pytest.raises(RuntimeError, match="oldest plan"):
         sched.commit(other, {}, 1.0)

@@ -6,13 +6,12 @@ plan, has the runner execute it, commits the sampled tokens, and returns one
 `RequestOutput` per request that produced a token or finished, so a server can
 stream. Bad requests raise ValueError from `add_request` and change nothing.
 
-Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): a
-decode-only step is left in flight when `step()` returns. The next `step()` plans
-and dispatches step k+1 first (its decodes read step k's tokens on device), and
-only then waits for step k and commits it, so the host work of one step runs while
-the device computes the other. Steps with prefill rows are committed before the
-next plan (their progress decides it). Each `step()` still returns the tokens of
-the step that completed in it.
+Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): a step is
+left in flight when `step()` returns. The next `step()` plans and dispatches step
+k+1 first (its decodes read step k's tokens on device; prefill progress and layered
+groups advance at planning, see scheduler.py), and only then waits for step k and
+commits it, so the host work of one step runs while the device computes the other.
+Each `step()` returns the tokens of the step that completed in it.
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ class LLMEngine:
         self._batch_bytes: OrderedDict[int, int] = OrderedDict()
         self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0,
                           "overlapped_host_seconds": 0.0, "overlapped_steps": 0}
-        self._inflight: StepHandle | None = None  # a dispatched decode-only step
+        self._inflight: StepHandle | None = None  # a dispatched, uncommitted step
         if config.warmup:
             self.runner.warmup(log=self.log)
         self._compiles_while_serving = 0  # any backend compile inside step()
@@ -214,7 +213,7 @@ class LLMEngine:
         outputs = self._complete(prev, overlapped=handle is not None) if prev else []
         if handle is None:
             self.scheduler.commit(plan, {}, time.perf_counter())
-        elif self.config.async_scheduling and plan.decode and not plan.prefill:
+        elif self.config.async_scheduling:
             self._inflight = handle
         else:
             outputs += self._complete(handle)

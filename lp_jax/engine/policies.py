@@ -48,8 +48,9 @@ class Policy:
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
         raise NotImplementedError
 
-    def on_commit(self, plan: StepPlan) -> None:
-        """Called at the end of every commit."""
+    def on_advance(self, plan: StepPlan) -> None:
+        """Called once per plan, when the scheduler applies its token-independent
+        effects (at the next schedule() or at its commit, whichever comes first)."""
 
     def in_flight(self) -> tuple[Sequence, ...]:
         """Sequences of a prefill batch that spans iterations and has not completed."""
@@ -166,7 +167,7 @@ class LayeredPolicy(Policy):
         )
         return _LayeredBatch(s.new_batch_id(), tuple(chunks), split_layers(cfg.num_layers, g))
 
-    def on_commit(self, plan: StepPlan) -> None:
+    def on_advance(self, plan: StepPlan) -> None:
         b = self._batch
         if b is not None and plan.prefill_batch_id == b.batch_id:
             b.index += 1

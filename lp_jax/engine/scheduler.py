@@ -11,12 +11,15 @@ only decides the prefill part of each plan:
   layers per iteration, so every layer sees each prompt token once and decodes never stall.
 
 Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`. Plans
-are committed in the order they were made. At most two are outstanding, and only when the
-older one is decode-only (overlapped scheduling: the engine plans and dispatches step k+1
-while the device runs step k). Its decodes' tokens are then not known yet: each such
-sequence gets a `PENDING_TOKEN` placeholder, which the older plan's commit fills in, and
-a sequence that the older plan's token might finish by length is held out of the new
-plan (one that stops on a stop token wastes one speculative decode, dropped at commit).
+are committed in the order they were made, and at most two are outstanding (overlapped
+scheduling: the engine plans and dispatches step k+1 while the device runs step k).
+A plan's effects split in two. Those its tokens do not decide (prefill progress, a
+finished prefill joining the decodes, the layered batch moving to its next group) are
+applied by `_advance`: at the next `schedule()` if that comes first, else at commit.
+Each sequence the plan samples for then ends in a `PENDING_TOKEN` placeholder, which
+`commit` fills with the sampled token before applying stop conditions. A sequence whose
+pending token may finish it by length is held out of the next plan; one that stops on a
+stop token has one wasted decode in it, whose token commit drops.
 
 Every admitted request holds the pages for its whole prefill target; a decode that needs a
 page and finds none preempts from the tail of the running decodes (lowest priority, latest
@@ -88,6 +91,7 @@ class Scheduler:
         self._zombies: list[Sequence] = []  # aborted, pages held until their step completes
         self._live: dict[int, Sequence] = {}
         self._pending: list[StepPlan] = []  # scheduled, not committed; oldest first
+        self._advanced: set[int] = set()  # step ids of pending plans already advanced
         self._next_step = 0
         self._next_batch = 0
         self._now = 0.0
@@ -170,11 +174,10 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         held: set[int] = set()
         if self._pending:
-            prev = self._pending[-1]
-            if len(self._pending) > 1 or prev.prefill:
-                raise RuntimeError(f"commit plan {prev.step_id} before scheduling another "
-                                   "(only a decode-only plan may stay in flight)")
-            held = self._speculate(prev)
+            if len(self._pending) > 1:
+                raise RuntimeError(f"commit plan {self._pending[0].step_id} before scheduling "
+                                   "another (at most two plans are outstanding)")
+            held = self._advance(self._pending[0])
         self._now = now
         decode, preempted = self._schedule_decodes(held)
         # After a preemption, admit nothing this iteration unless nothing else would run.
@@ -213,27 +216,17 @@ class Scheduler:
                 raise ValueError(
                     f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
                 )
+        if plan.step_id not in self._advanced:
+            self._advance(plan)
+        self._advanced.discard(plan.step_id)
         self._pending.pop(0)
         finished: list[Sequence] = []
-        for seq in plan.decode:
-            if seq.is_finished:
-                continue
-            if seq.status is SequenceStatus.RUNNING:  # not preempted since
-                seq.num_computed_tokens = seq.num_tokens - seq.num_pending_tokens
-            self._append_token(seq, sampled[seq.seq_id], now, finished)
+        for seq in plan.sampling_seqs:
+            if not seq.is_finished:
+                self._append_token(seq, sampled[seq.seq_id], now, finished)
         if plan.is_last_group:
-            for chunk in plan.prefill:
-                seq = chunk.seq
-                if seq.is_finished:
-                    continue
-                seq.num_computed_tokens = chunk.end
-                if chunk.samples:
-                    self.prefilling.remove(seq)
-                    self.running.append(seq)
-                    self._append_token(seq, sampled[seq.seq_id], now, finished)
             self._stats["prefill_tokens"] += plan.num_prefill_tokens
             self._stats["prefill_batches"] += bool(plan.prefill)
-        self.policy.on_commit(plan)
         busy = self._busy_ids()
         for seq in [z for z in self._zombies if z.seq_id not in busy]:
             self._zombies.remove(seq)
@@ -264,22 +257,38 @@ class Scheduler:
         return self._next_batch - 1
 
     # ----- internals -----
-    def _speculate(self, prev: StepPlan) -> set[int]:
-        """Placeholders for the tokens the in-flight decode-only plan `prev` samples.
+    def _advance(self, plan: StepPlan) -> set[int]:
+        """Applies what `plan` does regardless of its tokens, once, before its commit.
 
-        Returns the ids of sequences that token may finish by length: they sit out the
-        next plan (their commit decides). A stop token cannot be foreseen; a sequence
-        it stops has one wasted decode in the next plan, whose token commit drops.
+        Decodes now hold KV for all their tokens; a last-group plan's chunks are
+        prefilled, and the sequences whose prompt they finish join the decodes; the
+        policy moves on. Every sequence the plan samples for gets a placeholder for the
+        token. Returns the ids of those the token may finish by length: they sit out a
+        plan scheduled before the commit.
         """
+        self._advanced.add(plan.step_id)
+        sampling = []
+        for seq in plan.decode:
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens
+                sampling.append(seq)
+        if plan.is_last_group:
+            for chunk in plan.prefill:
+                seq = chunk.seq
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens = chunk.end
+                if chunk.samples:
+                    self.prefilling.remove(seq)
+                    self.running.append(seq)
+                    sampling.append(seq)
+        self.policy.on_advance(plan)
         held = set()
-        for seq in prev.decode:
-            if seq.is_finished:
-                continue
-            if (seq.num_output_tokens + 1 < seq.sampling_params.max_tokens
-                    and seq.num_tokens + 1 < self.config.max_model_len):
-                seq.token_ids.append(PENDING_TOKEN)
-                seq.num_pending_tokens = 1
-            else:
+        for seq in sampling:
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending_tokens = 1
+            if (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                    or seq.num_tokens >= self.config.max_model_len):
                 held.add(seq.seq_id)
         return held
 
@@ -314,11 +323,9 @@ class Scheduler:
         self._stats["preemptions"] += 1
 
     def _append_token(self, seq: Sequence, tok: int, now: float, finished: list[Sequence]) -> None:
-        if seq.num_pending_tokens:
-            seq.token_ids[-1] = tok
-            seq.num_pending_tokens = 0
-        else:
-            seq.token_ids.append(tok)
+        """Fills the placeholder `_advance` left for the token, then applies stop rules."""
+        seq.token_ids[-1] = tok
+        seq.num_pending_tokens = 0
         seq.token_times.append(now)
         sp = seq.sampling_params
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.config.eos_token_id):
