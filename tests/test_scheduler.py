@@ -106,12 +106,17 @@ def check_invariants(sched):
         assert s.is_finished
 
 
-def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20_000):
-    """schedule / execute / commit until done; step i is scheduled at time i."""
+def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20_000,
+          overlap=False):
+    """schedule / execute / commit until done; step i is scheduled at time i.
+
+    overlap: as the engine overlaps steps, each plan stays uncommitted while the next
+    one is scheduled and run, and is committed after it (ex.overlapped counts these).
+    """
     ex = ex or FakeExecutor(sched)
     pending = sorted(requests, key=lambda s: (s.arrival_time, s.seq_id))
-    step = 0
-    while pending or sched.has_unfinished():
+    step, inflight, ex.overlapped = 0, None, 0
+    while pending or sched.has_unfinished() or inflight:
         while pending and pending[0].arrival_time <= step:
             sched.add(pending.pop(0))
         if before:
@@ -120,54 +125,31 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
         plan = sched.schedule(float(step))
         if plan.preempted:  # victims come from the tail of the running decodes
             victims = [s for s in running_before if s.seq_id in plan.preempted]
-            assert min(v.sort_key for v in victims) > max(
+            assert min((v.sort_key for v in victims), default=(99, 0.0, 0)) > max(
                 (s.sort_key for s in plan.decode), default=(-1, 0.0, -1)
             )
         sampled = ex.run(plan)
         if during:
             during(step, sched, plan)
-        sched.commit(plan, sampled, float(step + 1))
-        check_invariants(sched)
-        step += 1
-        assert step < max_steps, "no progress"
-    assert sched.block_manager.num_free_pages == sched.config.num_pages
-    for key, layers in ex.layers.items():
-        assert layers == list(range(sched.config.num_layers)), key
-    return ex
-
-
-def drive_overlapped(sched, requests=(), *, ex=None, before=None, during=None,
-                     max_steps=20_000):
-    """`drive` the way the engine overlaps steps: each plan stays uncommitted while the
-    next plan is scheduled and run, and is committed after it."""
-    ex = ex or FakeExecutor(sched)
-    pending = sorted(requests, key=lambda s: (s.arrival_time, s.seq_id))
-    step, inflight, overlapped = 0, None, 0
-    while pending or sched.has_unfinished() or inflight:
-        while pending and pending[0].arrival_time <= step:
-            sched.add(pending.pop(0))
-        if before:
-            before(step, sched)
-        plan = sched.schedule(float(step))
-        sampled = ex.run(plan)
-        if during:
-            during(step, sched, plan)
         if inflight is not None:
             sched.commit(*inflight, float(step))
-            overlapped += 1
+            ex.overlapped += 1
             inflight = None
-        if plan.phase == "idle":
-            sched.commit(plan, sampled, float(step + 1))
-        else:
+        if overlap and plan.phase != "idle":
             inflight = (plan, sampled)
+        else:
+            sched.commit(plan, sampled, float(step + 1))
         check_invariants(sched)
         step += 1
         assert step < max_steps, "no progress"
     assert sched.block_manager.num_free_pages == sched.config.num_pages
     for key, layers in ex.layers.items():
         assert layers == list(range(sched.config.num_layers)), key
-    ex.overlapped = overlapped
     return ex
+
+
+def drive_overlapped(sched, requests=(), **kw):
+    return drive(sched, requests, overlap=True, **kw)
 
 
 def expected_output(seq, max_model_len, eos=None, token_fn=fake_token):
@@ -903,5 +885,5 @@ def test_random_workloads(policy, driver, data):
     event(f"preempted={bool(st_['preemptions'])}")
     event(f"aborted={bool(aborted)}")
     event(f"multi-group batches={any(p.num_groups > 1 for p in ex.plans)}")
-    event(f"overlapped={getattr(ex, 'overlapped', 0) > 0}")
+    event(f"overlapped={ex.overlapped > 0}")
     assert sched.block_manager.num_free_pages == cfg.num_pages
