@@ -10,12 +10,18 @@ Finally the device's ridge point (measured) against the MoE's arithmetic
 intensity at a 512-token chunk: on a CPU the MoE is compute-bound already, so the
 byte savings do not turn into time savings there. The GPU validation measures time.
 
-    python launch/bench_policies.py [--requests 10] [--rate 0.25] [--out runs/bench_policies]
+`--modes sync,async` also serves the workload with each engine mode (one step at a
+time, and overlapped scheduling, the default), interleaved in the same process, and
+prints async : sync per policy.
+
+    python launch/bench_policies.py [--requests 10] [--rate 0.25] [--modes async]
+                                    [--out runs/bench_policies]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -71,19 +77,26 @@ def serve(llm, requests, out_len):
     return done
 
 
-def summarize(outs, stats):
+def summarize(outs, stats, before):
+    """Latency metrics of `outs`, and the engine counters accrued since `before`."""
     from lp_jax.engine.metrics import summarize as summ
 
     s = summ([o.metrics for o in outs])
-    iters = max(stats["iterations"], 1)
+
+    def delta(key):
+        return stats[key] - before[key]
+
+    iters = max(delta("iterations") - delta("iterations_idle"), 1)
+    host = delta("host_seconds")
+    exposed = host - delta("overlapped_host_seconds")
     return {
         "ttft_p50_s": s["ttft_p50"], "ttft_p99_s": s["ttft_p99"],
         "max_itl_p99_s": s["max_itl_p99"], "e2e_p50_s": s["e2e_p50"],
         "e2e_mean_s": float(np.mean([o.metrics.e2e for o in outs])),
-        "expert_bytes": stats["expert_bytes_loaded"], "iterations": stats["iterations"],
-        "host_ms_per_iter": 1e3 * stats["host_seconds"] / iters,
-        "device_ms_per_iter": 1e3 * stats["device_seconds"] / iters,
-        "host_overhead_fraction": stats["host_overhead_fraction"],
+        "expert_bytes": delta("expert_bytes_loaded"), "iterations": iters,
+        "host_ms_per_iter": 1e3 * host / iters,
+        "device_ms_per_iter": 1e3 * delta("device_seconds") / iters,
+        "host_overhead_fraction": exposed / max(exposed + delta("device_seconds"), 1e-12),
         "compile_s": stats["compile_seconds"], "programs": stats["compilations"],
         "compilations_after_warmup": stats["compilations_after_warmup"],
     }
@@ -99,7 +112,13 @@ def main(argv=None):
     ap.add_argument("--single", type=int, default=8192, help="single-prompt length (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_policies")
+    ap.add_argument("--modes", default="async",
+                    help="engine modes, comma-separated: async (overlapped, the default), "
+                         "sync (one step at a time)")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"sync", "async"}:
+        ap.error(f"--modes takes sync and/or async, got {args.modes!r}")
 
     from lp_jax import LLM, SamplingParams
     from lp_jax.roofline.hardware import measure_current_device
@@ -113,16 +132,20 @@ def main(argv=None):
     print(f"workload: {args.requests} requests, Poisson {args.rate}/s, prompts "
           f"{args.prompt_min}-{args.prompt_max} tokens, {out_len} output tokens")
 
-    results, single = {}, {}
+    results, single = {m: {} for m in modes}, {}
     for name, kw in POLICIES.items():
         t = time.perf_counter()
         llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
                   max_model_len=args.single + 64 if args.single else 8192,
                   decode_buckets=(8,), **kw)
         print(f"[{name}] engine ready in {time.perf_counter() - t:.1f} s")
-        outs = serve(llm, requests, out_len)
-        results[name] = summarize(outs, llm.stats())
-        print(f"[{name}] {json.dumps(results[name])}")
+        for mode in modes:
+            llm.engine.config = dataclasses.replace(llm.engine.config,
+                                                    async_scheduling=mode == "async")
+            before = llm.stats()
+            outs = serve(llm, requests, out_len)
+            results[mode][name] = summarize(outs, llm.stats(), before)
+            print(f"[{name}, {mode}] {json.dumps(results[mode][name])}")
         if args.single:
             before = llm.stats()["expert_bytes_loaded"]
             prompt = np.random.default_rng(1).integers(1, 8192, args.single).tolist()
@@ -148,12 +171,21 @@ def main(argv=None):
     }
     (out / "results.json").write_text(json.dumps(report, indent=1))
 
-    c, lay = results["chunked"], results["layered"]
-    print("\n| metric | chunked-512 | layered | layered / chunked |\n|---|---|---|---|")
-    for key in ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "expert_bytes",
-                "iterations", "host_ms_per_iter", "host_overhead_fraction"):
-        ratio = lay[key] / c[key] if c[key] else float("nan")
-        print(f"| {key} | {c[key]:.4g} | {lay[key]:.4g} | {ratio:.3f} |")
+    keys = ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "expert_bytes",
+            "iterations", "host_ms_per_iter", "host_overhead_fraction")
+    for mode in modes:
+        c, lay = results[mode]["chunked"], results[mode]["layered"]
+        print(f"\n{mode}:\n| metric | chunked-512 | layered | layered / chunked |\n"
+              "|---|---|---|---|")
+        for key in keys:
+            ratio = lay[key] / c[key] if c[key] else float("nan")
+            print(f"| {key} | {c[key]:.4g} | {lay[key]:.4g} | {ratio:.3f} |")
+    if len(modes) == 2:
+        print("\n| metric | chunked async / sync | layered async / sync |\n|---|---|---|")
+        for key in keys:
+            r = [results["async"][p][key] / results["sync"][p][key]
+                 if results["sync"][p][key] else float("nan") for p in POLICIES]
+            print(f"| {key} | {r[0]:.3f} | {r[1]:.3f} |")
     if single:
         r = single["layered"]["expert_bytes"] / single["chunked"]["expert_bytes"]
         print(f"\nsingle {args.single}-token prompt: expert bytes layered : chunked = {r:.4f} "

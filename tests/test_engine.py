@@ -177,7 +177,8 @@ def test_abort_in_every_state_frees_all_pages():
     eng.step()  # now decoding
     in_flight = eng.add_request(p[3][:1024], long_params)  # a 2-group layered batch
     waiting = eng.add_request(p[2], long_params)
-    eng.step()  # batch in flight (group 0 of 2)
+    while not eng.scheduler.policy.in_flight():
+        eng.step()  # until the batch is in flight (group 0 of 2)
     assert eng.abort(in_flight) and eng.abort(waiting) and eng.abort(decoding)
     assert not eng.abort(12345)
     finished = {}
@@ -187,6 +188,15 @@ def test_abort_in_every_state_frees_all_pages():
     assert {finished[r].finish_reason for r in (in_flight, waiting, decoding)} == {"abort"}
     s = llm.stats()
     assert s["free_pages"] == s["total_pages"]
+
+
+def test_an_abort_is_reported_even_when_nothing_else_runs():
+    eng = engine("chunked").engine
+    rid = eng.add_request(_prompts()[0], GREEDY)
+    assert eng.abort(rid) and eng.has_unfinished()
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    assert not eng.has_unfinished()
 
 
 def test_preemption_under_kv_pressure_keeps_outputs(reference_model):

@@ -121,6 +121,12 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
             sched.add(pending.pop(0))
         if before:
             before(step, sched)
+        if inflight is not None and not sched.can_plan_ahead():
+            sched.commit(*inflight, float(step))  # as the engine: a commit-only step
+            inflight = None
+            check_invariants(sched)
+            step += 1
+            continue
         running_before = list(sched.running)
         plan = sched.schedule(float(step))
         if plan.preempted:  # victims come from the tail of the running decodes
@@ -479,6 +485,25 @@ def test_at_most_two_plans_outstanding_and_the_newer_continues_the_older():
     third = sched.schedule(2.0)  # `second` finished the prompt: its token is pending
     seq = sched.running[0]
     assert [s.seq_id for s in third.decode] == [0] and seq.num_pending_tokens == 1
+
+
+def test_layered_does_not_plan_ahead_when_the_next_plan_may_form_a_batch():
+    sched = Scheduler(make_cfg("layered", layer_groups=2))
+    sched.add(req(0, 40, 3))
+    ex = FakeExecutor(sched)
+    g0 = sched.schedule(0.0)  # group 0 of 2
+    ex.run(g0)
+    assert sched.can_plan_ahead()  # group 1 follows whatever arrives
+    sched.add(req(1, 8, 3))
+    assert sched.can_plan_ahead()
+    g1 = sched.schedule(1.0)
+    sched.commit(g0, {}, 1.0)
+    sampled = ex.run(g1)
+    # g1 ends the batch and seq 1 waits: the next plan forms a batch, which a request
+    # arriving while g1 runs must be able to join
+    assert not sched.can_plan_ahead()
+    sched.commit(g1, sampled, 2.0)
+    assert sched.can_plan_ahead()  # nothing outstanding
 
 
 def max_kv_pages(r, max_model_len, page_size):

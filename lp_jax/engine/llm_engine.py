@@ -11,7 +11,10 @@ left in flight when `step()` returns. The next `step()` plans and dispatches ste
 k+1 first (its decodes read step k's tokens on device; prefill progress and layered
 groups advance at planning, see scheduler.py), and only then waits for step k and
 commits it, so the host work of one step runs while the device computes the other.
-Each `step()` returns the tokens of the step that completed in it.
+Each `step()` returns the tokens of the step that completed in it. Where planning
+ahead would change the policy's decision (layered: the next plan may form a batch
+from waiting requests, and one arriving meanwhile would wait a whole batch), that
+`step()` only waits and commits, and the next plans with fresh state.
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ class LLMEngine:
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """True while a request is live, a step is in flight, or an abort is unreported."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._aborted)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -200,17 +204,21 @@ class LLMEngine:
             self._compiles_while_serving += compile_guard.compilations() - compiles_before
 
     def _step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
+        if prev is not None and not self.scheduler.can_plan_ahead():
+            # The next plan may form a batch: this step only commits, so the caller can
+            # add the requests that arrived meanwhile before it is made.
+            return self._take_aborted(self._complete(prev))
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(t0)
         handle = self.runner.dispatch(plan, prev) if plan.phase != "idle" else None
         t1 = time.perf_counter()
         host = t1 - t0
-        if prev is not None:  # planned and launched while `prev` ran
-            self._counters["overlapped_host_seconds"] += host
+        outputs = []
+        if prev is not None:  # planned and launched while `prev` ran; its commit runs
+            self._counters["overlapped_host_seconds"] += host  # while `handle` computes
             self._counters["overlapped_steps"] += 1
-        # prev's commit runs while `handle`'s step computes
-        outputs = self._complete(prev, overlapped=handle is not None) if prev else []
+            outputs = self._complete(prev, overlapped=handle is not None)
         if handle is None:
             self.scheduler.commit(plan, {}, time.perf_counter())
         elif self.config.async_scheduling:

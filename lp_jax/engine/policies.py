@@ -56,6 +56,12 @@ class Policy:
         """Sequences of a prefill batch that spans iterations and has not completed."""
         return ()
 
+    def can_plan_ahead(self, pending: StepPlan) -> bool:
+        """May the next plan be made before `pending` commits? Planning ahead decides
+        without the requests that arrive while `pending` runs; a policy that admits
+        every step only delays those by one step, so the default is yes."""
+        return True
+
     def _whole_stack(self, chunks: list[PrefillChunk]) -> PrefillPart:
         return PrefillPart(tuple(chunks), self.sched.new_batch_id() if chunks else None)
 
@@ -176,6 +182,15 @@ class LayeredPolicy(Policy):
 
     def in_flight(self) -> tuple[Sequence, ...]:
         return tuple(c.seq for c in self._batch.chunks) if self._batch else ()
+
+    def can_plan_ahead(self, pending: StepPlan) -> bool:
+        """Not when the next plan may form a batch from waiting requests: a request
+        arriving while `pending` runs would miss it and wait a whole batch (G
+        iterations), where a step-by-step engine would have taken it in."""
+        b = self._batch
+        ends_batch = b is None or (pending.prefill_batch_id == b.batch_id
+                                   and b.index + 1 == len(b.groups))
+        return not (ends_batch and self.sched.waiting)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -171,6 +171,13 @@ class Scheduler:
         return {k: self._stats[k] for k in _STAT_KEYS}
 
     # ----- one iteration -----
+    def can_plan_ahead(self) -> bool:
+        """Whether schedule() may run now, before the outstanding plan commits, without
+        changing what the policy would decide (see Policy.can_plan_ahead)."""
+        if not self._pending:
+            return True
+        return len(self._pending) == 1 and self.policy.can_plan_ahead(self._pending[0])
+
     def schedule(self, now: float) -> StepPlan:
         held: set[int] = set()
         if self._pending:
