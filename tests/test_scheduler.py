@@ -504,6 +504,14 @@ def test_layered_does_not_plan_ahead_when_the_next_plan_may_form_a_batch():
     assert not sched.can_plan_ahead()
     sched.commit(g1, sampled, 2.0)
     assert sched.can_plan_ahead()  # nothing outstanding
+    # paper groups: a batch of <= 512 tokens is one group, and missing it costs one step
+    sched = Scheduler(make_cfg("layered", layer_groups="paper"))
+    sched.add(req(0, 40, 3))
+    sampled = FakeExecutor(sched).run(sched.schedule(0.0))  # a one-group batch, in flight
+    sched.add(req(1, 500, 3))
+    assert sched.can_plan_ahead()
+    sched.add(req(2, 100, 3))  # 600 waiting tokens: the next batch would be two groups
+    assert not sched.can_plan_ahead()
 
 
 def max_kv_pages(r, max_model_len, page_size):

@@ -13,8 +13,8 @@ groups advance at planning, see scheduler.py), and only then waits for step k an
 commits it, so the host work of one step runs while the device computes the other.
 Each `step()` returns the tokens of the step that completed in it. Where planning
 ahead would change the policy's decision (layered: the next plan may form a batch
-from waiting requests, and one arriving meanwhile would wait a whole batch), that
-`step()` only waits and commits, and the next plans with fresh state.
+of several groups from waiting requests, and one arriving meanwhile would wait all
+of it), that `step()` only waits and commits, and the next plans with fresh state.
 """
 
 from __future__ import annotations

@@ -184,13 +184,24 @@ class LayeredPolicy(Policy):
         return tuple(c.seq for c in self._batch.chunks) if self._batch else ()
 
     def can_plan_ahead(self, pending: StepPlan) -> bool:
-        """Not when the next plan may form a batch from waiting requests: a request
-        arriving while `pending` runs would miss it and wait a whole batch (G
-        iterations), where a step-by-step engine would have taken it in."""
+        """Not when the next plan may form a batch of several groups from waiting
+        requests: a request arriving while `pending` runs would miss it and wait all
+        G iterations, where a step-by-step engine would have taken it in. (Missing a
+        one-group batch costs one step, as a late admission does under chunked.)"""
         b = self._batch
         ends_batch = b is None or (pending.prefill_batch_id == b.batch_id
                                    and b.index + 1 == len(b.groups))
-        return not (ends_batch and self.sched.waiting)
+        if not ends_batch or not self.sched.waiting:
+            return True
+        s, cfg = self.sched, self.sched.config
+        done = {c.seq.seq_id: c.end for c in pending.prefill}  # once `pending` ends
+        tokens = sum(q.prefill_target - done.get(q.seq_id, q.num_computed_tokens)
+                     for q in s.prefilling)
+        tokens += sum(q.prefill_target for q in s.waiting)
+        groups = num_layer_groups(min(tokens, cfg.max_num_batched_tokens), cfg.layer_groups,
+                                  max_layer_groups=cfg.max_layer_groups,
+                                  num_layers=cfg.num_layers)
+        return groups == 1
 
 
 POLICIES: dict[str, type[Policy]] = {
