@@ -43,6 +43,7 @@ from pallas_kernels.attention.ref import (
 )
 
 BACKENDS = ("auto", "xla", "tpu", "tpu_jax", "gpu")
+_KERNELS = {"tpu": _tpu, "tpu_jax": _tpu_jax, "gpu": _gpu}  # backend -> kernel module
 
 # None: follow $LP_JAX_PALLAS_INTERPRET, read at trace time (as pallas_kernels.moe does).
 _INTERPRET = contextvars.ContextVar("lp_jax_pallas_interpret", default=None)
@@ -106,13 +107,10 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     """Causal attention of a ragged batch's tokens to their paged context (ref.py)."""
     resolved, interpret = _kernel_backend(backend)
     args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
-    if resolved == "tpu":
-        return _tpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    if resolved == "tpu_jax":
-        return _tpu_jax.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    if resolved == "gpu":
-        return _gpu.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    return ref_ragged_paged_attention(*args, sm_scale=sm_scale)
+    if resolved == "xla":
+        return ref_ragged_paged_attention(*args, sm_scale=sm_scale)
+    kernels = _KERNELS[resolved]
+    return kernels.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
 
 
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
@@ -120,13 +118,9 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
     """One query token per sequence; seq_len 0 sequences return zeros."""
     resolved, interpret = _kernel_backend(backend)
     args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
-    if resolved == "tpu":
-        return _tpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    if resolved == "tpu_jax":
-        return _tpu_jax.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    if resolved == "gpu":
-        return _gpu.decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
-    return ref_decode_attention(*args, sm_scale=sm_scale)
+    if resolved == "xla":
+        return ref_decode_attention(*args, sm_scale=sm_scale)
+    return _KERNELS[resolved].decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
 
 
 __all__ = [
