@@ -845,7 +845,7 @@ def run_plans(runner, plans):
     c0 = runner.compile_seconds
     for p in plans:
         t0 = time.perf_counter()
-        _, counts, _ = runner.execute(p)  # returns after the device step
+        _, counts = runner.execute(p)  # returns after the device step
         times.append(time.perf_counter() - t0)
         experts += sum(counts)
     return times, experts, runner.compile_seconds - c0

@@ -232,7 +232,7 @@ class LLMEngine:
         """Waits for a dispatched step and commits it; one output per sampled token.
         `overlapped`: a later step is running, so the commit's host time is hidden."""
         t0 = time.perf_counter()
-        sampled, counts, _ = self.runner.collect(handle)
+        sampled, counts = self.runner.collect(handle)
         t1 = time.perf_counter()
         plan = handle.plan
         self._count_expert_bytes(plan, counts)

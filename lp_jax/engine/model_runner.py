@@ -79,7 +79,6 @@ class StepHandle:
     tokens_R: jax.Array | None
     counts: list
     rows: dict[int, int]  # seq_id -> row of tokens_R
-    build_seconds: float
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -123,9 +122,9 @@ class ModelRunner:
                                       sharding=named_sharding(kv_shape_axes, kv_shape, mesh))
         # Sampled tokens of any program, padded to one size: decode rows, then prefill rows.
         self.num_token_rows = self.decode_buckets[-1] + self.max_prefill_seqs
-        self._no_prev_tokens = jax.device_put(np.zeros(self.num_token_rows, np.int32),
-                                              replicated(mesh))
         self._token_sharding = replicated(mesh)
+        self._no_prev_tokens = jax.device_put(np.zeros(self.num_token_rows, np.int32),
+                                              self._token_sharding)
         self.programs: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.hidden: dict[int, jax.Array] = {}  # layered batch id -> prefill hidden states
@@ -328,7 +327,6 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Launches the plan's step and returns without waiting for the device. `prev`:
         the dispatched, uncommitted step whose tokens this plan's placeholders stand for."""
-        t0 = time.perf_counter()
         # plan.preempted needs nothing here: device state is per layered batch, and the
         # scheduler never preempts a member of the batch in flight.
         decode = list(plan.decode)
@@ -345,23 +343,20 @@ class ModelRunner:
         inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden,
                               traced_start=key[0] is None, prev=prev)
         prog = self._program(key)
-        build_seconds = time.perf_counter() - t0
         self.kv_pages, out = prog(self.state, self.kv_pages, inputs)
         if "hidden" in out:
             self.hidden[plan.prefill_batch_id] = out["hidden"]
         rows = {s.seq_id: i for i, s in enumerate(decode)}
         rows.update({s.seq_id: B + j for j, (s, _, _) in enumerate(sample_chunks)})
-        return StepHandle(plan, out.get("tokens"), out["experts_activated"], rows,
-                          build_seconds)
+        return StepHandle(plan, out.get("tokens"), out["experts_activated"], rows)
 
     def collect(self, handle: StepHandle):
         """Waits for a dispatched step. Returns ({seq_id: token} for the plan's sampling
         sequences, experts activated in each layer span the step ran (decode [0, a),
-        prefill+decode [a, b), decode [b, L), those present), host seconds spent
-        building its inputs)."""
+        prefill+decode [a, b), decode [b, L), those present))."""
         sampled = {}
         if handle.tokens_R is not None:
             tokens = np.asarray(handle.tokens_R)
             sampled = {sid: int(tokens[r]) for sid, r in handle.rows.items()}
         counts = [int(c) for c in handle.counts]
-        return sampled, counts, handle.build_seconds
+        return sampled, counts

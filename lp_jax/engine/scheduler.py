@@ -91,7 +91,6 @@ class Scheduler:
         self._zombies: list[Sequence] = []  # aborted, pages held until their step completes
         self._live: dict[int, Sequence] = {}
         self._pending: list[StepPlan] = []  # scheduled, not committed; oldest first
-        self._advanced: set[int] = set()  # step ids of pending plans already advanced
         self._next_step = 0
         self._next_batch = 0
         self._now = 0.0
@@ -223,9 +222,8 @@ class Scheduler:
                 raise ValueError(
                     f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
                 )
-        if plan.step_id not in self._advanced:
+        if len(self._pending) == 1:  # else the newer plan's schedule() advanced it
             self._advance(plan)
-        self._advanced.discard(plan.step_id)
         self._pending.pop(0)
         finished: list[Sequence] = []
         for seq in plan.sampling_seqs:
@@ -273,7 +271,6 @@ class Scheduler:
         token. Returns the ids of those the token may finish by length: they sit out a
         plan scheduled before the commit.
         """
-        self._advanced.add(plan.step_id)
         sampling = []
         for seq in plan.decode:
             if not seq.is_finished:

@@ -21,7 +21,6 @@ from enum import Enum, auto
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.sampling_params import SamplingParams
 
-
 PENDING_TOKEN = -1  # stands for a token a dispatched step samples, until its commit
 
 
