@@ -3,6 +3,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# libtpu (the `tpu` extra) lets the tests compile for real TPUs on this host.
+TEST_STAMP := $(VENV)/.installed-tpu
 
 .PHONY: demo test lint venv clean
 
@@ -18,8 +20,12 @@ $(STAMP): pyproject.toml launch/find_python.sh
 demo: $(STAMP)
 	$(PY) -m lp_jax.demo
 
-test: $(STAMP)
-	XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest tests
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,tpu]'
+	@touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,20 +5,29 @@ oracle `ref_moe_ffn_dense`, norm-relative, 1e-5 in float32 and 2e-2 in bfloat16,
 cases with an expert that gets no token, one token, group sizes not divisible by the
 tile, top-1/2/4 and masked padding tokens.
 
-* tpu:      our fused-gather gate/up kernel + megablox gmm (down), TPU interpreter.
-* tpu_gmm:  the fallback: megablox gmm for both matmuls on a materialised copy.
+* tpu:      our fused-gather gate/up kernel + our tile-grid kernel (down), TPU
+            interpreter.
+* tpu_gmm:  the fallback: the tile-grid kernel for gate/up too, on a materialised copy.
 * gpu:      our Mosaic GPU tile-list kernel (gate/up+SwiGLU, down), GPU interpreter.
 
 Tiles are tiny (tm=8, 16-wide K/N blocks) so that every kernel runs several tiles, K
 steps and N blocks. Shapes are shared between tests so the jitted interpreters compile
-once per (backend, shape). Both kernels are also lowered (no hardware needed) at
-Qwen3-30B-A3B shapes: to Mosaic TPU for a TPU v6e, and to Mosaic GPU (layout
-inference and the shared-memory budget included) for an H200.
+once per (backend, shape).
+
+Stacked weights: every backend given [L, E, ...] weights and a layer (a Python int,
+or traced in a fori_loop over the layers) equals the one-layer call on w[layer]. The
+kernels are also lowered (no hardware needed) at Qwen3-30B-A3B shapes with stacked
+weights and a traced layer: to Mosaic TPU for a TPU v6e, and to Mosaic GPU (layout
+inference and the shared-memory budget included) for an H200; the StableHLO shows
+that each kernel takes the stacked weights whole (no slice of a layer), and the
+lowered Mosaic GPU modules that every pipelined WGMMA loop waits for its WGMMAs
+before TMA refills their shared memory. Real TPU compiles: tests/test_tpu_compile.py.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +38,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import moe
+from pallas_kernels import compile_targets, moe
 from pallas_kernels.moe import gpu, layout, tpu
 from pallas_kernels.moe.ref import ref_moe_ffn, ref_moe_ffn_dense, route
 from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
@@ -50,23 +59,26 @@ def rel_err(x, y):
     return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
 
+def _call(backend, x, logits, wgu, wd, mask, *, top_k, layer=None, interpret=True):
+    kw = dict(layer=layer, top_k=top_k, norm_topk_prob=True, token_mask_T=mask)
+    if backend == "tpu":
+        return tpu.moe_ffn_tpu(x, logits, wgu, wd, **kw, tiling=TPU_TILING, interpret=interpret)
+    if backend == "tpu_gmm":
+        return tpu.moe_ffn_tpu(x, logits, wgu, wd, **kw, tiling=TPU_TILING,
+                               fused_gather=False, interpret=interpret)
+    if backend == "gpu":
+        return gpu.moe_ffn_gpu(x, logits, wgu, wd, **kw, tiling=GPU_TILING,
+                               num_sms=GPU_SMS, interpret=interpret)
+    if backend == "xla_tiles":
+        return moe_ffn_xla_tiles(x, logits, wgu, wd, **kw, tm=8)
+    assert backend == "xla"
+    return ref_moe_ffn(x, logits, wgu, wd, **kw)
+
+
 @functools.cache
 def _runner(backend: str, top_k: int, interpret=True):
     def f(x, logits, wgu, wd, mask):
-        kw = dict(top_k=top_k, norm_topk_prob=True, token_mask_T=mask)
-        if backend == "tpu":
-            return tpu.moe_ffn_tpu(x, logits, wgu, wd, **kw, tiling=TPU_TILING,
-                                   interpret=interpret)
-        if backend == "tpu_gmm":
-            return tpu.moe_ffn_tpu(x, logits, wgu, wd, **kw, tiling=TPU_TILING,
-                                   fused_gather=False, interpret=interpret)
-        if backend == "gpu":
-            return gpu.moe_ffn_gpu(x, logits, wgu, wd, **kw, tiling=GPU_TILING,
-                                   num_sms=GPU_SMS, interpret=interpret)
-        if backend == "xla_tiles":
-            return moe_ffn_xla_tiles(x, logits, wgu, wd, **kw, tm=8)
-        assert backend == "xla"
-        return ref_moe_ffn(x, logits, wgu, wd, **kw)
+        return _call(backend, x, logits, wgu, wd, mask, top_k=top_k, interpret=interpret)
 
     return jax.jit(f)
 
@@ -180,36 +192,37 @@ def test_all_tokens_masked(backend):
 
 
 def test_tpu_grids_visit_only_active_experts():
-    """Instrument the TPU interpreter: record every grid point the gate/up kernel runs
-    and map it to its expert; and check megablox's metadata for the down gmm."""
+    """Instrument the TPU interpreter: record every grid point the gate/up kernel and
+    the down kernel run and map it to its expert."""
     case = CASES[1]
     _, expert_ids = route(case.logits, case.top_k, True)
     lay = layout.make_tile_layout(expert_ids, E, case.mask, TM)
-    visited = []
-
-    def record(token, point, core):  # io_callback: threads the interpreter's token
-        visited.append(tuple(int(i) for i in point))
-        return token
-
-    params = pltpu.InterpretParams(grid_point_recorder=record)
-    h = tpu.gate_up_gather(case.x, case.wgu, lay.token_ids_P, lay.tile_group_M,
-                           lay.tile_rows_M, lay.num_tiles, tm=TM, tk=16, tn=16,
-                           interpret=params)
-    jax.block_until_ready(h)
     num_tiles = int(lay.num_tiles)
-    active = case.active_experts()
     sizes = np.asarray(lay.group_sizes_E)
     assert num_tiles == int(np.sum(-(-sizes // TM)))
-    assert len(visited) == num_tiles * (F // 16) * (D // 16)
-    assert {t for t, _, _ in visited} == set(range(num_tiles))
     tile_group = np.asarray(lay.tile_group_M)
-    assert {int(tile_group[t]) for t, _, _ in visited} == active
 
-    (_, group_ids, _), n_active = tpu._megablox.make_group_metadata(
-        group_sizes=lay.padded_sizes_E, m=lay.num_padded_rows, tm=TM,
-        start_group=jnp.int32(0), num_nonzero_groups=E, visit_empty_groups=False)
-    assert int(n_active) == num_tiles
-    assert set(np.asarray(group_ids)[:num_tiles].tolist()) == active
+    def visited_by(kernel):
+        visited = []
+
+        def record(token, point, core):  # io_callback: threads the interpreter's token
+            visited.append(tuple(int(i) for i in point))
+            return token
+
+        jax.block_until_ready(kernel(pltpu.InterpretParams(grid_point_recorder=record)))
+        return visited
+
+    gate_up = visited_by(lambda params: tpu.gate_up_gather(
+        case.x, case.wgu, lay.token_ids_P, lay.tile_group_M, lay.tile_rows_M, lay.num_tiles,
+        tm=TM, tk=16, tn=16, interpret=params))
+    h = jnp.zeros((lay.num_padded_rows, F), case.dtype)
+    down = visited_by(lambda params: tpu.tile_gmm(
+        h, case.wd, lay.tile_group_M, lay.num_tiles, swiglu=False, tm=TM, tk=16, tn=16,
+        interpret=params))
+    for visited, blocks in ((gate_up, (F // 16) * (D // 16)), (down, (D // 16) * (F // 16))):
+        assert len(visited) == num_tiles * blocks
+        assert {t for t, _, _ in visited} == set(range(num_tiles))
+        assert {int(tile_group[t]) for t, _, _ in visited} == case.active_experts()
 
 
 def _h_reference(case, lay):
@@ -342,48 +355,210 @@ def test_gpu_kernel_refuses_float32_on_hardware():
         gpu.tile_gmm(x, w, i, i, jnp.int32(1), swiglu=False, tm=64, bk=64, bn=64, stages=2)
 
 
+# ------------------------------------------------------------------- stacked weights
+STACK = 3  # layers in the stacked test weights
+
+
+def _stacked(case):
+    """[STACK, E, ...] weights: layer 1 is the case's own, the others are different."""
+    k1, k2 = jax.random.split(jax.random.key(99))
+    wgu = (jax.random.normal(k1, (STACK, E, D, 2 * F)) / np.sqrt(D)).astype(case.dtype)
+    wd = (jax.random.normal(k2, (STACK, E, F, D)) / np.sqrt(F)).astype(case.dtype)
+    return wgu.at[1].set(case.wgu), wd.at[1].set(case.wd)
+
+
+@pytest.mark.parametrize("backend", ("xla",) + BACKENDS)
+def test_stacked_weights_address_the_layer(backend):
+    """[3, E, ...] weights with layer=1 give the one-layer call on w[1], stats included
+    (bytes of one expert of one layer); a layer traced in a fori_loop over all three
+    layers gives the reference on each w[l]."""
+    case = CASES[1]
+    wgu, wd = _stacked(case)
+    args = (case.x, case.logits, wgu, wd, case.mask)
+    y, stats = jax.jit(lambda *a: _call(backend, *a, top_k=case.top_k, layer=1))(*args)
+    y_want, stats_want = run(backend, case)
+    np.testing.assert_allclose(y, y_want, rtol=1e-6, atol=1e-6)
+    for key in stats_want:
+        np.testing.assert_array_equal(stats[key], stats_want[key], err_msg=key)
+
+    def layer_loop(x, logits, wgu, wd, mask):
+        def body(layer, ys):
+            y, _ = _call(backend, x, logits, wgu, wd, mask, top_k=case.top_k, layer=layer)
+            return ys.at[layer].set(y)
+
+        return jax.lax.fori_loop(0, STACK, body, jnp.zeros((STACK, *x.shape), x.dtype))
+
+    ys = jax.jit(layer_loop)(*args)
+    for layer in range(STACK):
+        y_ref, _ = ref_moe_ffn(case.x, case.logits, wgu[layer], wd[layer], **case.kwargs())
+        assert rel_err(ys[layer], y_ref) < TOL[case.dtype], layer
+
+
+def test_stacked_weights_are_checked():
+    case = CASES[1]
+    wgu, wd = _stacked(case)
+    with pytest.raises(ValueError, match="layer=None takes"):
+        moe.moe_ffn(case.x, case.logits, wgu, wd, **case.kwargs(), backend="xla_tiles")
+    with pytest.raises(ValueError, match="stacked"):
+        moe.moe_ffn(case.x, case.logits, case.wgu, case.wd, layer=0, **case.kwargs())
+    with pytest.raises(IndexError, match="out of range"):
+        moe.moe_ffn(case.x, case.logits, wgu, wd, layer=STACK, **case.kwargs())
+
+
+def _result_dims(hlo_text: str) -> set[tuple[int, ...]]:
+    """Result shapes of every instruction in compiled HLO text, leading 1s dropped."""
+    dims = set()
+    for m in re.finditer(r"= \w+\[([\d,]*)\]", hlo_text):
+        shape = tuple(int(d) for d in m.group(1).split(",") if d)
+        while shape[:1] == (1,):
+            shape = shape[1:]
+        dims.add(shape)
+    return dims
+
+
+@pytest.mark.parametrize("backend,copies_a_layer", [("xla_tiles", False), ("xla", True)])
+def test_xla_paths_in_a_layer_loop_compiled(backend, copies_a_layer):
+    """The compiled CPU program of a layer loop: xla_tiles indexes one expert of one
+    layer per tile and never materialises a layer's [E, D, 2F] / [E, F, D] weights;
+    the xla reference slices them (the check can fail)."""
+    case = CASES[1]
+    wgu, wd = _stacked(case)
+
+    def layer_loop(x, logits, wgu, wd, mask):
+        def body(layer, acc):
+            return acc + _call(backend, x, logits, wgu, wd, mask, top_k=case.top_k,
+                               layer=layer)[0]
+
+        return jax.lax.fori_loop(0, STACK, body, jnp.zeros_like(x))
+
+    hlo = jax.jit(layer_loop).lower(case.x, case.logits, wgu, wd, case.mask).compile()
+    dims = _result_dims(hlo.as_text())
+    assert bool({(E, D, 2 * F), (E, F, D)} & dims) == copies_a_layer
+
+
 # --------------------------------------------------------------- lowering for hardware
 
-QWEN = dict(T=256, D=2048, F=768, E=128, A=8)
+QWEN = dict(T=256, D=2048, F=768, E=128, A=8, L=3)  # L=3: no stacked size equals a layer's
 
 
-def _export(fn, platform, device_kind, num_cores, disabled=()):
+def _qwen_args():
     sd = jax.ShapeDtypeStruct
-    T, D_, F_, E_ = QWEN["T"], QWEN["D"], QWEN["F"], QWEN["E"]
-    args = (sd((T, D_), jnp.bfloat16), sd((T, E_), jnp.float32),
-            sd((E_, D_, 2 * F_), jnp.bfloat16), sd((E_, F_, D_), jnp.bfloat16),
+    T, D_, F_, E_, L_ = QWEN["T"], QWEN["D"], QWEN["F"], QWEN["E"], QWEN["L"]
+    return (sd((T, D_), jnp.bfloat16), sd((T, E_), jnp.float32),
+            sd((L_, E_, D_, 2 * F_), jnp.bfloat16), sd((L_, E_, F_, D_), jnp.bfloat16),
             sd((T,), jnp.bool_))
-    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores,
-                                      platform="gpu" if platform == "cuda" else platform)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exp = jax.export.export(jax.jit(fn), platforms=[platform],
-                                disabled_checks=list(disabled))
-        return exp(*args).mlir_module()
+
+
+def _layer_loop(moe_fn, slice_first=False):
+    """A model's layer loop reduced to its MoE: fori_loop over the stacked layers, the
+    loop counter as the layer. slice_first: the wrong way, w[layer] sliced before the
+    kernel (to show that the check below catches it)."""
+    def f(x, logits, wgu, wd, mask):
+        def body(layer, acc):
+            if slice_first:
+                y, _ = moe_fn(x, logits, wgu[layer], wd[layer], mask, layer=None)
+            else:
+                y, _ = moe_fn(x, logits, wgu, wd, mask, layer=layer)
+            return acc + y
+
+        return jax.lax.fori_loop(0, QWEN["L"], body, jnp.zeros_like(x))
+
+    return f
+
+
+def _weight_slice_problems(stablehlo: str, target: str) -> list[str]:
+    """What shows that a kernel did not take the stacked weights whole."""
+    L_, E_, D_, F_ = QWEN["L"], QWEN["E"], QWEN["D"], QWEN["F"]
+    one_layer = {E_ * D_ * 2 * F_, E_ * F_ * D_}  # elements of a layer's gate/up, down
+    stacked = {L_ * n for n in one_layer}
+    calls = compile_targets.custom_call_operand_shapes(stablehlo, target)
+    operands = {compile_targets.num_elements(s) for call in calls for s in call}
+    sliced = {compile_targets.num_elements(s) for s in compile_targets.sliced_shapes(stablehlo)}
+    problems = []
+    if not stacked <= operands:
+        problems.append(f"the {target} calls do not take the stacked weights whole")
+    if one_layer & operands:
+        problems.append(f"a {target} call takes one layer's weights")
+    if one_layer & sliced:
+        problems.append("one layer's weights are sliced out of the stacked arrays")
+    return problems
+
+
+def _tpu_moe(fused_gather):
+    return lambda x, l, w1, w2, m, layer: tpu.moe_ffn_tpu(
+        x, l, w1, w2, layer=layer, top_k=QWEN["A"], norm_topk_prob=True, token_mask_T=m,
+        fused_gather=fused_gather)
+
+
+def _export_tpu(fn):
+    with compile_targets.tpu_target("v6e"):
+        return jax.export.export(jax.jit(fn), platforms=["tpu"])(*_qwen_args()).mlir_module()
 
 
 @pytest.mark.parametrize("fused_gather", [True, False])
-def test_tpu_kernels_lower_to_mosaic(fused_gather):
-    """Qwen3-30B-A3B expert shapes, default tiling, for a TPU v6e: our gate/up kernel
-    (or the megablox fallback) and megablox's down gmm become two Mosaic custom calls
-    (Mosaic's own compile needs a TPU)."""
-    fn = lambda x, l, w1, w2, m: tpu.moe_ffn_tpu(x, l, w1, w2, top_k=QWEN["A"],
-                                                norm_topk_prob=True, token_mask_T=m,
-                                                fused_gather=fused_gather)
-    mlir = _export(fn, "tpu", "TPU v6 lite", 1)
+def test_tpu_kernels_lower_to_mosaic_with_stacked_weights(fused_gather):
+    """Qwen3-30B-A3B expert shapes, default tiling, for a TPU v6e, in a layer loop:
+    the gate/up kernel (or its fallback) and the down kernel become two Mosaic custom
+    calls per layer that take the stacked weights whole; no layer slice exists."""
+    mlir = _export_tpu(_layer_loop(_tpu_moe(fused_gather)))
     assert mlir.count("stablehlo.custom_call @tpu_custom_call") == 2
+    assert _weight_slice_problems(mlir, "tpu_custom_call") == []
 
 
-def test_gpu_kernels_lower_to_mosaic_gpu():
-    """Qwen3-30B-A3B expert shapes, default tiling, for an H200: both kernels go
-    through Mosaic GPU lowering (layout inference, shared-memory budget); the PTX
-    compile and the run need the GPU."""
-    fn = lambda x, l, w1, w2, m: gpu.moe_ffn_gpu(x, l, w1, w2, top_k=QWEN["A"],
-                                                norm_topk_prob=True, token_mask_T=m,
-                                                num_sms=132)
-    checks = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]
-    mlir = _export(fn, "cuda", "NVIDIA H200", 132, checks)
-    assert mlir.count("custom_call @mosaic_gpu_v2") == 2
+def test_weight_slice_check_catches_a_sliced_layer():
+    mlir = _export_tpu(_layer_loop(_tpu_moe(True), slice_first=True))
+    assert len(_weight_slice_problems(mlir, "tpu_custom_call")) == 3
+
+
+@functools.cache
+def _gpu_export():
+    """StableHLO and the lowered Mosaic GPU modules of the gpu backend in a layer loop
+    at Qwen3-30B-A3B expert shapes, default tiling, for an H200."""
+    moe_fn = lambda x, l, w1, w2, m, layer: gpu.moe_ffn_gpu(
+        x, l, w1, w2, layer=layer, top_k=QWEN["A"], norm_topk_prob=True, token_mask_T=m,
+        num_sms=132)
+    with compile_targets.mosaic_gpu_modules() as modules:
+        exported = compile_targets.export_cuda(_layer_loop(moe_fn), _qwen_args())
+    return exported.mlir_module(), modules
+
+
+def test_gpu_kernels_lower_to_mosaic_gpu_with_stacked_weights():
+    """Both kernels go through Mosaic GPU lowering (layout inference, shared-memory
+    budget) and take the stacked weights whole; the PTX compile and the run need the
+    GPU."""
+    mlir, modules = _gpu_export()
+    assert mlir.count("custom_call @mosaic_gpu_v2") == 2 and len(modules) == 2
+    assert _weight_slice_problems(mlir, "mosaic_gpu_v2") == []
+
+
+def test_gpu_pipelines_wait_for_wgmma_before_refill():
+    """Issue 12, finding 1. With delay_release=1 the pipeline refills, after step s,
+    the shared-memory slot that step s-1's WGMMAs read; WGMMAs are asynchronous, so
+    the K loop must wait for them first. In both lowered kernels every loop that
+    issues WGMMAs has a wgmma.wait_group between its WGMMAs and its TMA refills."""
+    _, modules = _gpu_export()
+    for module in modules:
+        loops, unsafe = compile_targets.wgmma_refill_check(module)
+        assert loops > 0 and unsafe == 0
+
+
+def test_jax_ragged_dot_mgpu_refills_without_waiting():
+    """JAX 0.11.2's own ragged_dot_mgpu has the same pipeline without the wait (its K
+    loop refills a slot its last WGMMA may still read), so it is no safe fallback. If
+    this fails, JAX has fixed it: re-check before using it as one."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    sd = jax.ShapeDtypeStruct
+    M, K, N, G = 512, QWEN["D"], 2 * QWEN["F"], QWEN["E"]
+    fn = lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=sizes, block_m=64, block_n=128, block_k=64,
+        max_concurrent_steps=4, grid_block_n=1)
+    with compile_targets.mosaic_gpu_modules() as modules:
+        compile_targets.export_cuda(fn, (sd((M, K), jnp.bfloat16),
+                                         sd((G, K, N), jnp.bfloat16), sd((G,), jnp.int32)))
+    [module] = modules
+    loops, unsafe = compile_targets.wgmma_refill_check(module)
+    assert loops > 0 and unsafe > 0
 
 
 # ------------------------------------------------------------------------ in the model
@@ -403,3 +578,14 @@ def test_tiny_model_prefill_with_pallas_moe(tiny_model, monkeypatch):
                                        backends=KernelBackends(moe=b, attention="xla"))
     for b in ("tpu", "gpu"):
         assert rel_err(logits[b], logits["xla"]) < 1e-5, b
+
+
+@pytest.mark.parametrize("device_kind,platform,want", [
+    ("NVIDIA H200", "gpu", "gpu"), ("NVIDIA A100-SXM4-80GB", "gpu", "xla_tiles"),
+    ("TPU v6 lite", "tpu", "tpu"), ("cpu", "cpu", "xla_tiles")])
+def test_auto_never_picks_a_path_that_reads_every_expert(device_kind, platform, want):
+    """"auto" resolves for the target in context (an AOT compile's abstract device), and
+    on a GPU it is the Hopper kernel or xla_tiles, never ragged_dot (whose cuda lowering
+    carries a dense every-expert fallback)."""
+    with compile_targets.pallas_target(device_kind, platform=platform):
+        assert moe.resolve_backend("auto") == want

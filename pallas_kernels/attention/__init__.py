@@ -10,7 +10,8 @@ ragged batch), `decode_attention` (one token per sequence). Backends:
   A/B runs on a TPU; it cannot run in jax 0.11.2's interpreter, so it is checked
   here only for its arguments and its lowering, never numerically;
 * "gpu": our Pallas Triton kernels (gpu.py) that read the same layout in place;
-* "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`jax.default_backend()`).
+* "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`platform.target_platform()`:
+  the host's backend, or the target of an ahead-of-time compile).
 
 A kernel backend raises ValueError, naming the failed constraint, for inputs it
 does not support (e.g. TPU needs head_dim % 128 == 0, GPU needs power-of-two
@@ -31,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import jax
-
 from pallas_kernels.attention import gpu as _gpu
 from pallas_kernels.attention import tpu as _tpu
 from pallas_kernels.attention import tpu_jax as _tpu_jax
@@ -41,6 +40,7 @@ from pallas_kernels.attention.ref import (
     ref_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.platform import target_platform
 
 BACKENDS = ("auto", "xla", "tpu", "tpu_jax", "gpu")
 _KERNELS = {"tpu": _tpu, "tpu_jax": _tpu_jax, "gpu": _gpu}  # backend -> kernel module
@@ -78,12 +78,8 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "xla"
+    platform = target_platform()
+    return platform if platform in ("tpu", "gpu") else "xla"
 
 
 def _kernel_backend(backend: str) -> tuple[str, bool]:
@@ -92,13 +88,13 @@ def _kernel_backend(backend: str) -> tuple[str, bool]:
     interpret = interpret_enabled()
     if resolved == "xla" or interpret:
         return resolved, interpret
-    platform = jax.default_backend()
-    wanted = {"tpu": ("tpu",), "tpu_jax": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}[resolved]
-    if platform not in wanted:
+    platform = target_platform()
+    wanted = {"tpu": "tpu", "tpu_jax": "tpu", "gpu": "gpu"}[resolved]
+    if platform != wanted:
         raise ValueError(
-            f"attention backend {resolved!r} needs a {wanted[0].upper()} but the default JAX "
-            f"backend is {platform!r}; use backend='xla', or interpret_mode() to run the "
-            "kernel in the Pallas interpreter")
+            f"attention backend {resolved!r} needs a {wanted.upper()} but the target platform "
+            f"is {platform!r}; use backend='xla', or interpret_mode() to run the kernel in "
+            "the Pallas interpreter")
     return resolved, interpret
 
 

@@ -34,11 +34,10 @@ page_size a multiple of 8 (sublanes: [pages, S] merges into one key axis for fre
 q and cache in {float32, bfloat16}, N divisible by K.
 
 Status: passes the TPU interpreter tests (tests/test_attention_kernels.py, with the
-interpreter's NaN-filled fresh buffers and its DMA race detector) and lowers to Mosaic
-for a TPU v6e. It has not been compiled by Mosaic or run on a TPU. The step most at
-risk there is the per-head slice kv[:, 2k, :] of the [X, 2K, H] page block (a sublane
-gather); if Mosaic rejects it, a cache layout with K and V heads on a leading axis
-removes it.
+interpreter's NaN-filled fresh buffers and its DMA race detector), and compiles with
+the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e devices) at
+Qwen3-30B-A3B shapes, ragged and decode (tests/test_tpu_compile.py): Mosaic accepts
+the per-head slice kv[:, 2k, :] of the [X, 2K, H] page block. It has not run on a TPU.
 """
 
 from __future__ import annotations

@@ -5,11 +5,19 @@ Backends:
   "xla_tiles"  plain XLA over the kernels' tile layout (`xla_tiles.py`): the CPU path,
          whose cost follows the routing (XLA:CPU runs ragged_dot densely).
   "tpu"  Pallas Mosaic TPU (`tpu.py`): fused-gather gate/up kernel with the SwiGLU
-         epilogue, then JAX's megablox `gmm` for the down projection.
+         epilogue, then the same tile-grid kernel for the down projection.
   "gpu"  Pallas Mosaic GPU for Hopper (`gpu.py`): a tile-list grouped matmul (WGMMA),
          gate/up with the SwiGLU epilogue fused, then the same kernel for down.
-  "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla_tiles on
-         CPU, xla otherwise.
+  "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla_tiles
+         elsewhere. Never "xla": an export of `lax.ragged_dot` for cuda carries a dense
+         fallback body (every expert on every row) that XLA:GPU may pick at compile time,
+         so it stays out of "auto" until an H200 run measures it.
+
+Weights: one layer's [E, D, 2F] / [E, F, D] (layer=None), or a stacked model's
+[L, E, D, 2F] / [L, E, F, D] with `layer` (a Python int or an int32 scalar, traced
+inside a layer loop is fine). The kernel backends address the layer inside the whole
+arrays (`ref.stacked_experts`: the expert ids are offset by layer*E into the
+[L*E, ...] view), so a layer loop copies no weights; the xla reference slices.
 
 All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
@@ -29,12 +37,16 @@ import jax
 
 from pallas_kernels.moe.ref import ref_moe_ffn
 from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
+from pallas_kernels.platform import target_platform
 
 BACKENDS = ("auto", "xla", "xla_tiles", "tpu", "gpu")
 INTERPRET_ENV = "LP_JAX_PALLAS_INTERPRET"
 
 
 def _is_hopper() -> bool:
+    target = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if target is not None:  # an ahead-of-time compile for an absent device
+        return any(name in target.device_kind for name in ("H100", "H200", "H800", "GH200"))
     try:
         cc = getattr(jax.devices()[0], "compute_capability", None)
     except RuntimeError:
@@ -47,12 +59,12 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"unknown MoE backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
+    platform = target_platform()
     if platform == "tpu":
         return "tpu"
     if platform == "gpu" and _is_hopper():
         return "gpu"
-    return "xla_tiles" if platform == "cpu" else "xla"
+    return "xla_tiles"
 
 
 def resolve_interpret(interpret):
@@ -65,9 +77,10 @@ def resolve_interpret(interpret):
 def moe_ffn(
     x_TD: jax.Array,
     router_logits_TE: jax.Array,
-    w_gate_up_EDF2: jax.Array,
-    w_down_EFD: jax.Array,
+    w_gate_up_LEDF2: jax.Array,
+    w_down_LEFD: jax.Array,
     *,
+    layer=None,
     top_k: int,
     norm_topk_prob: bool,
     backend: str = "auto",
@@ -76,18 +89,21 @@ def moe_ffn(
 ):
     """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
 
+    w_gate_up_LEDF2 / w_down_LEFD: [E, D, 2F] / [E, F, D] with layer=None, else the
+      stacked [L, E, D, 2F] / [L, E, F, D] and the layer to run.
     token_mask_T marks real tokens (padding rows activate no expert and return 0).
-    stats: tokens_per_expert [E], experts_activated, expert_bytes_loaded.
+    stats: tokens_per_expert [E], experts_activated, expert_bytes_loaded (one layer).
     interpret: run the Pallas backends in interpret mode: True/False, None (default:
       $LP_JAX_PALLAS_INTERPRET), or a `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`
       for the tpu / gpu backend. Ignored by xla.
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
-    if auto and backend == "gpu" and w_gate_up_EDF2.dtype.itemsize != 2:
-        backend = "xla"  # the Hopper kernel takes 16-bit weights only
-    kwargs = dict(top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T)
-    args = (x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD)
+    if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
+        backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
+    kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                  token_mask_T=token_mask_T)
+    args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)
     if backend == "xla_tiles":

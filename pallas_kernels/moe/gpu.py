@@ -13,7 +13,19 @@ Work items are (tile, n) pairs for the `num_tiles` used tiles only (a dynamic lo
 bound read in the kernel), spread over the SMs by `plgpu.nd_loop`; every tile belongs
 to exactly one expert, so an expert with no rows is never read, every store is a whole
 tile (no masked or partial stores) and no two SMs write the same rows. The K loop is
-a TMA + WGMMA pipeline (`plgpu.emit_pipeline`).
+a TMA + WGMMA pipeline (`plgpu.emit_pipeline`) with delay_release=1: after step s it
+refills the shared-memory slots that step s-1's WGMMAs read. WGMMAs run
+asynchronously, so each step ends with `plgpu.wgmma_wait(n)` (n = this step's WGMMA
+groups, one per accumulator), which leaves only the current step's WGMMAs in flight,
+as JAX's Hopper matmul does; without it TMA could overwrite operands a WGMMA is still
+reading. The GPU interpreter runs WGMMAs synchronously (jax 0.11.2), so its race
+detector cannot see this; tests/test_moe_kernels.py checks the wait in the lowered
+Mosaic module instead.
+
+Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
+in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
+whole, reshaped (for free) to [L*E, ...], with layer*E added to the tile groups, so no
+per-layer copy of the weights is made.
 
 x is NOT gathered inside the kernel: Hopper's TMA has no row gather, and a TMA into
 the swizzled WGMMA operand layout needs a row offset that is a multiple of the 8-row
@@ -27,12 +39,15 @@ JAX's shipped `ragged_dot_mgpu` is not used inside `moe_ffn`: its grid covers
 cdiv(M, block_m) + G - 1 work items whatever the routing, and items that fall on no
 group or on an empty group starting mid-block still run the K pipeline over an
 expert's weights (expert 0 for the spare ones), i.e. it loads weights of experts with
-no tokens; it also unrolls a loop over all G groups per work item. It is timed next to
+no tokens; it also unrolls a loop over all G groups per work item. And in jax 0.11.2
+its K loop has the race described above (delay_release=1, no wgmma_wait; the same
+lowered-module check flags it), so it is no safe fallback either. It is timed next to
 this backend in `launch/bench_kernels.py`.
 
-Status: passes the GPU interpreter tests and goes through Mosaic GPU lowering (layout
-inference, shared-memory budget) for an H200 at Qwen3-30B-A3B shapes in
-tests/test_moe_kernels.py; the PTX compile, a run and the timings need the H200.
+Status: passes the GPU interpreter tests and goes through
+Mosaic GPU lowering (layout inference, shared-memory budget) for an H200 at
+Qwen3-30B-A3B shapes with stacked weights in tests/test_moe_kernels.py; the PTX
+compile, a run and the timings need the H200.
 """
 
 from __future__ import annotations
@@ -46,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route
+from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +106,7 @@ def _fit_block(dim: int, preferred: int) -> int:
 
 def tile_gmm(
     lhs_SK: jax.Array,
-    rhs_EKN2: jax.Array,
+    rhs_GKN2: jax.Array,
     tile_group_M: jax.Array,
     row_start_M: jax.Array,
     num_tiles: jax.Array,
@@ -108,18 +123,20 @@ def tile_gmm(
 ) -> jax.Array:
     """out[m*tm:(m+1)*tm] = f(lhs[row_start[m] : row_start[m]+tm] @ rhs[tile_group[m]]).
 
-    For m < num_tiles only. swiglu=False: f is the identity and out is [M*tm, N].
-    swiglu=True: rhs is [E, K, 2F], f(z) = SiLU(z[:, :F]) * z[:, F:], out is [M*tm, F].
+    For m < num_tiles only. rhs is [G, K, N] (G = E, or L*E for stacked layers with
+    the layer's offset already in tile_group). swiglu=False: f is the identity and out
+    is [M*tm, N]. swiglu=True: rhs is [G, K, 2F], f(z) = SiLU(z[:, :F]) * z[:, F:],
+    out is [M*tm, F].
     lhs must have row_start[m] + tm rows for every used tile; every row_start must be a
     multiple of row_align (8: the row tile of the swizzled operand layout).
     """
     S, K = lhs_SK.shape
-    E, K2, N2 = rhs_EKN2.shape
+    G, K2, N2 = rhs_GKN2.shape
     M = tile_group_M.shape[0]
     N = N2 // 2 if swiglu else N2
     out_dtype = lhs_SK.dtype if out_dtype is None else out_dtype
     if K != K2 or K % bk or N % bn:
-        raise ValueError(f"shapes: lhs {lhs_SK.shape} rhs {rhs_EKN2.shape}, bk={bk} bn={bn}")
+        raise ValueError(f"shapes: lhs {lhs_SK.shape} rhs {rhs_GKN2.shape}, bk={bk} bn={bn}")
     if jnp.dtype(lhs_SK.dtype).itemsize != 2 and not interpret:
         # The weights are [K, N] (N-major) in shared memory; WGMMA takes an N-major B
         # operand only for 16-bit types (tf32 needs K-major B).
@@ -129,8 +146,8 @@ def tile_gmm(
         )
     if tm % row_align:
         raise ValueError(f"tm={tm} must be a multiple of row_align={row_align}")
-    if lhs_SK.dtype != rhs_EKN2.dtype:
-        raise ValueError(f"lhs {lhs_SK.dtype} and rhs {rhs_EKN2.dtype} dtypes differ")
+    if lhs_SK.dtype != rhs_GKN2.dtype:
+        raise ValueError(f"lhs {lhs_SK.dtype} and rhs {rhs_GKN2.dtype} dtypes differ")
     grid_n, grid_k = N // bn, K // bk
     n_accs = 2 if swiglu else 1
     in_item, out_item = jnp.dtype(lhs_SK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
@@ -142,9 +159,8 @@ def tile_gmm(
         @plgpu.nd_loop((num_tiles_gmem[0], grid_n), collective_axes="sm")
         def _work(info: plgpu.NDLoopInfo):
             m, n = info.index
-            expert = tile_group_gmem[m]
             lhs_tile = lhs_gmem.at[pl.ds(pl.multiple_of(row_start_gmem[m], row_align), tm)]
-            rhs_expert = rhs_gmem.at[expert]
+            rhs_expert = rhs_gmem.at[tile_group_gmem[m]]  # a ref slice in global memory
             rhs_specs = [
                 plgpu.BlockSpec((bk, bn), lambda k, c=c: (k, n + c), delay_release=1)
                 for c in ((0, grid_n) if swiglu else (0,))
@@ -154,6 +170,10 @@ def tile_gmm(
                 def step(_, lhs_smem, *rhs_smems):
                     for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
                         plgpu.wgmma(acc, lhs_smem, rhs_smem)
+                    # delay_release=1: after this step the pipeline refills the slots
+                    # the previous step's WGMMAs read. At most this step's groups (one
+                    # per accumulator) may stay in flight: the previous ones are done.
+                    plgpu.wgmma_wait(n_accs)
 
                 plgpu.emit_pipeline(
                     step,
@@ -197,16 +217,17 @@ def tile_gmm(
         row_start_M.astype(jnp.int32),
         jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
         lhs_SK,
-        rhs_EKN2,
+        rhs_GKN2,
     )
 
 
 def moe_ffn_gpu(
     x_TD: jax.Array,
     router_logits_TE: jax.Array,
-    w_gate_up_EDF2: jax.Array,
-    w_down_EFD: jax.Array,
+    w_gate_up_LEDF2: jax.Array,
+    w_down_LEFD: jax.Array,
     *,
+    layer=None,
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
@@ -221,10 +242,12 @@ def moe_ffn_gpu(
     `moe_ffn(backend="auto")` sends float32 to xla.
     """
     D = x_TD.shape[1]
-    E, _, F2 = w_gate_up_EDF2.shape
-    F = F2 // 2
+    w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
+        w_gate_up_LEDF2, w_down_LEFD, layer)
+    E = w_gate_up_LEDF2.shape[-3]
+    F = w_down_GFD.shape[1]
     tm = tiling.tm
-    bk = tiling.bk or 128 // jnp.dtype(w_gate_up_EDF2.dtype).itemsize
+    bk = tiling.bk or 128 // jnp.dtype(w_gate_up_GDF2.dtype).itemsize
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
@@ -232,20 +255,20 @@ def moe_ffn_gpu(
     M = layout.tile_group_M.shape[0]
 
     # Expert-sorted copy of x, experts 8-row aligned (see the module docstring).
-    x_SD = x_TD.astype(w_gate_up_EDF2.dtype)[layout.token_ids_S]
+    x_SD = x_TD.astype(w_gate_up_GDF2.dtype)[layout.token_ids_S]
     common = dict(
-        tile_group_M=layout.tile_group_M, num_tiles=layout.num_tiles, tm=tm,
+        tile_group_M=layout.tile_group_M + group_offset, num_tiles=layout.num_tiles, tm=tm,
         stages=tiling.stages, num_sms=num_sms, interpret=interpret,
     )
     h_PF = tile_gmm(
-        x_SD, w_gate_up_EDF2, row_start_M=layout.tile_src_M, swiglu=True,
+        x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
         bk=_fit_block(D, bk), bn=_fit_block(F, tiling.gate_up_bn),
-        out_dtype=w_down_EFD.dtype, **common,
+        out_dtype=w_down_GFD.dtype, **common,
     )
     y_PD = tile_gmm(
-        h_PF, w_down_EFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
+        h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
         bk=_fit_block(F, bk), bn=_fit_block(D, tiling.down_bn),
         out_dtype=x_TD.dtype, **common,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_EDF2, w_down_EFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)

@@ -9,9 +9,18 @@ against. The steps are the ones the kernels fuse:
    then down [E, F, D]. Rows of masked-out (padding) tokens sort after every real
    group and are not counted, so they activate no expert.
 4. combine:  weighted sum of each token's A expert outputs back to [T, D].
+
+Weights come as one layer's [E, D, 2F] / [E, F, D] (layer=None), or as a stacked
+model's [L, E, D, 2F] / [L, E, F, D] plus a layer index. `stacked_experts` turns the
+stacked form into [L*E, ...] (a free reshape) and the offset layer*E that the kernels
+add to their expert ids, so they address the layer inside the whole array. This
+reference takes the slice w[layer] instead, a copy of one layer's experts: it is the
+oracle, not a path that has to be fast.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +53,38 @@ def dispatch(expert_ids_TA: jax.Array, num_experts: int, token_mask_T: jax.Array
     return sort_order_R, token_ids_R, group_sizes_E
 
 
-def moe_stats(group_sizes_E: jax.Array, w_gate_up_EDF2: jax.Array, w_down_EFD: jax.Array):
-    """Expert traffic of one call: experts with at least one row are read once, whole."""
+def stacked_experts(w_gate_up, w_down, layer):
+    """(w_gate_up_GDF2, w_down_GFD, group_offset) for kernels that index experts.
+
+    layer=None: the one-layer weights [E, D, 2F] / [E, F, D], offset 0. Otherwise the
+    stacked [L, E, D, 2F] / [L, E, F, D] reshaped to G = L*E groups (a bitcast, no
+    copy) and offset layer*E (int32; layer may be traced): group g = offset + expert.
+    """
+    if layer is None:
+        if w_gate_up.ndim != 3 or w_down.ndim != 3:
+            raise ValueError(f"layer=None takes [E, D, 2F] / [E, F, D] weights, got "
+                             f"{w_gate_up.shape} / {w_down.shape}")
+        return w_gate_up, w_down, 0
+    if w_gate_up.ndim != 4 or w_down.ndim != 4:
+        raise ValueError(f"layer= takes stacked [L, E, D, 2F] / [L, E, F, D] weights, got "
+                         f"{w_gate_up.shape} / {w_down.shape}")
+    L, E = w_gate_up.shape[:2]
+    if isinstance(layer, int) and not 0 <= layer < L:
+        raise IndexError(f"layer {layer} out of range for {L} stacked layers")
+    return (w_gate_up.reshape(L * E, *w_gate_up.shape[2:]),
+            w_down.reshape(L * E, *w_down.shape[2:]),
+            jnp.asarray(layer, jnp.int32) * E)
+
+
+def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array):
+    """Expert traffic of one call: experts with at least one row are read once, whole.
+
+    The weights are one layer's [E, ...] or the stacked [L, E, ...]: bytes per expert
+    are those of one expert of one layer, in the dtype the arrays have.
+    """
     experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
-    bytes_per_expert = (w_gate_up_EDF2[0].size + w_down_EFD[0].size) * w_down_EFD.dtype.itemsize
+    bytes_per_expert = (math.prod(w_gate_up.shape[-2:]) * w_gate_up.dtype.itemsize
+                        + math.prod(w_down.shape[-2:]) * w_down.dtype.itemsize)
     return {
         "tokens_per_expert": group_sizes_E,
         "experts_activated": experts_activated,
@@ -68,14 +105,24 @@ def combine(y_RD: jax.Array, sort_order_R: jax.Array, weights_TA: jax.Array, num
 def ref_moe_ffn(
     x_TD: jax.Array,
     router_logits_TE: jax.Array,
-    w_gate_up_EDF2: jax.Array,
-    w_down_EFD: jax.Array,
+    w_gate_up_LEDF2: jax.Array,
+    w_down_LEFD: jax.Array,
     *,
+    layer=None,
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
 ):
-    """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats)."""
+    """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats).
+
+    With `layer`, slices w[layer] out of the stacked weights: a copy of one layer's
+    experts, acceptable for the reference only (the kernels address the layer in place).
+    """
+    stacked_experts(w_gate_up_LEDF2, w_down_LEFD, layer)  # checks the shapes
+    if layer is None:
+        w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2, w_down_LEFD
+    else:
+        w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2[layer], w_down_LEFD[layer]
     T = x_TD.shape[0]
     E, _, F2 = w_gate_up_EDF2.shape
     F = F2 // 2

@@ -1,39 +1,56 @@
 """MoE feed-forward on TPU with Pallas Mosaic TPU.
 
-Two kernels over the padded-tile layout of `layout.py`:
+Two kernels over the padded-tile layout of `layout.py`, each a grid (tile, n block,
+k block) over the `num_tiles` used tiles only (a dynamic grid size), so the weights of
+an expert with no rows are never fetched:
 
-1. `gate_up_gather` (written here): fused gather + gate/up matmul + SiLU(gate)*up.
-   Grid (tile, f_block, d_block) over the `num_tiles` used tiles only (a dynamic grid
-   size), so the weights of an expert with no rows are never fetched: the weight
-   BlockSpecs index the expert through the scalar-prefetched tile_group_M. The x rows of
-   a tile are gathered straight from x_TD in HBM through the sorted token ids, one row
-   DMA per real row (pad rows are not fetched), into a double-buffered VMEM tile; the
-   next tile's rows are fetched while the current tile computes, and the token ids
-   themselves are DMA'd into SMEM one tile ahead of that (so no [P]-sized scalar
-   prefetch). Gate and up columns come from the one [E, D, 2F] array through two
-   BlockSpecs (block n and block n + F/tn). The epilogue SiLU(gate)*up runs on the
-   float32 accumulators; h is stored once in the activation dtype.
-2. down projection: JAX's shipped megablox `gmm` on h in the padded layout with the
-   padded group sizes. Every group starts on a tile boundary, so megablox's group
-   metadata maps its grid only to tiles of non-empty experts (visit_empty_groups=False).
+1. `gate_up_gather`: fused gather + gate/up matmul + SiLU(gate)*up. The x rows of a
+   tile are DMA'd straight from x in HBM, one DMA per real row (pad rows are not
+   fetched), into a double-buffered VMEM tile: the next tile's rows arrive while the
+   current tile computes, and the token ids themselves are DMA'd into SMEM one tile
+   ahead of that (no [P]-sized scalar prefetch). The epilogue SiLU(gate)*up runs on
+   the float32 accumulators; h is stored once in the activation dtype.
+2. `tile_gmm`: the same grid with the lhs rows read by BlockSpec from an array already
+   in tile order: the down projection h_PF @ Wd, and the gate/up fallback
+   (`fused_gather=False`, on a materialised copy x_PD = x_TD[token_ids_P], which
+   writes and reads [P, D] extra; P is the layout's static bound, up to R + E*(tm-1)
+   rows for R routed rows).
+
+Weights and layers. The kernels take weights [G, D, 2F] / [G, F, D] and scalar-
+prefetched tile groups; the weight BlockSpecs index the group through them. A stacked
+model's [L, E, ...] arrays reach the kernels whole, reshaped (for free) to
+[L*E, ...], with layer*E added to the tile groups: the index maps fetch the layer's
+expert blocks straight from the stacked array, and no per-layer slice is made. Gate
+and up columns come from the one [G, D, 2F] array through two BlockSpecs (block n and
+block n + F/tn). (JAX's megablox `gmm`, which took the down projection before, cannot
+do this: its group_offset shifts which lhs row groups a call computes and indexes
+rhs from 0, so a layer of [L*E, ...] needs a slice or group sizes over all L*E
+groups in its scalar-prefetched metadata.)
+
+Row gather and Mosaic's tiling rule. A DMA into or out of VMEM must start on a tile
+boundary of the two minor dims (8 sublanes of 32-bit words); one bfloat16 row at
+row r of a [tm, D] buffer does not, and the TPU compiler rejects it ("Offsets along
+tiled dimensions must be aligned to tiles ... divisible by the tile dimension 8").
+So a token row travels as one index of an untiled leading dim, in 32-bit words: XLA
+packs x into words [T, 1, D/pack] (`pack_rows`, a copy of x itself: pack = 2 for
+bfloat16, 1 for float32), and each row DMA fills row r of the VMEM tile
+[tm, 1, D/pack]. Word j of a bfloat16 row holds x[j] in its low half and x[D/2 + j]
+in its high half; each half moved into the high 16 bits is that value as a float32,
+exactly. The gate/up weights are viewed as [G, pack, D/pack, 2F] to match (free), so
+the two halves are two dots.
 
 Combine is `layout.combine_padded` (XLA gather + weighted sum in float32).
 
-`fused_gather=False` swaps kernel 1 for megablox `gmm` on a materialised padded copy
-x_PD = x_TD[token_ids_P] followed by an elementwise SiLU*up (kept as a fallback and as
-a comparison point; it writes and reads [P, 2F] and [P, D] extra).
-
-Status: both paths pass the TPU interpreter tests and lower to Mosaic for a TPU v6e
-(tests/test_moe_kernels.py); neither has been compiled or run on a TPU. The riskiest
-part for Mosaic's compiler is the single-row DMA into a bfloat16 VMEM tile at an
-arbitrary row (sublane) offset; if Mosaic rejects it, use fused_gather=False.
+Status: both gate/up paths and the down kernel pass the TPU interpreter tests, and
+compile with the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e
+devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py).
+None has run on a TPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +58,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route
+from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
 
-# `megablox.gmm` the attribute is the custom-vjp op; the module holds the raw kernel.
-_megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+GATHER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuTiling:
     """Tile sizes. tm: rows per tile (experts are padded to it). tk/tn: D and F blocks
     of the gate/up kernel (None: whole D; the largest divisor of F that is a multiple of
-    128 and <= 1024, or F). down_tk/down_tn: F and D blocks of the megablox down gmm."""
+    128 and <= 1024, or F). down_tk/down_tn: F and D blocks of the down kernel (None:
+    the largest such divisor <= 2048)."""
 
     tm: int = 128
     tk: int | None = None
@@ -75,12 +92,73 @@ def _interpret_arg(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _gate_up_kernel(
+def _row_pack(dtype) -> int:
+    """Elements of one 32-bit word: rows are gathered as [pack, D/pack] words."""
+    if jnp.dtype(dtype) not in GATHER_DTYPES:
+        raise NotImplementedError(f"fused gather takes bfloat16 or float32 x, got {dtype}")
+    return 4 // jnp.dtype(dtype).itemsize
+
+
+def pack_rows(x_TD: jax.Array) -> jax.Array:
+    """x as 32-bit words [T, D/pack]. bfloat16: word j of row t holds x[t, j] in its
+    low and x[t, D/2 + j] in its high 16 bits; float32: the value's own bits."""
+    T, D = x_TD.shape
+    pack = _row_pack(x_TD.dtype)
+    if pack == 1:
+        return jax.lax.bitcast_convert_type(x_TD, jnp.uint32)
+    halves_TWP = jnp.swapaxes(x_TD.reshape(T, pack, D // pack), 1, 2)
+    return jax.lax.bitcast_convert_type(halves_TWP, jnp.uint32)
+
+
+def _unpack_words(words, pack: int, part: int):
+    """The x values of part `part` (< pack) of each 32-bit word, as float32 (exact)."""
+    if pack == 1:
+        return pltpu.bitcast(words, jnp.float32)
+    high = words if part == 1 else words << 16  # a bfloat16 is a float32's high half
+    return pltpu.bitcast(high & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def _compiler_params(semantics, vmem_bytes: int):
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics,
+        vmem_limit_bytes=max(32 << 20, int(vmem_bytes * 1.5)),
+    )
+
+
+def _accumulate_and_store(k, tiles_k: int, dots, acc_refs, out_ref, swiglu: bool):
+    """Adds this k block's dots into the accumulators; at the last k block stores
+    SiLU(gate) * up (swiglu) or the sum itself."""
+
+    def finish(vals):
+        out = jax.nn.silu(vals[0]) * vals[1] if swiglu else vals[0]
+        out_ref[...] = out.astype(out_ref.dtype)
+
+    if tiles_k == 1:
+        finish(dots)
+        return
+
+    @pl.when(k == 0)
+    def _init():
+        for acc, d in zip(acc_refs, dots, strict=True):
+            acc[...] = d
+
+    @pl.when(k > 0)
+    def _acc():
+        for acc, d in zip(acc_refs, dots, strict=True):
+            acc[...] += d
+
+    @pl.when(k == tiles_k - 1)
+    def _store():
+        finish([acc[...] for acc in acc_refs])
+
+
+# ------------------------------------------------------------------ gate/up, fused gather
+def _gate_up_gather_kernel(
     tile_group_ref, tile_rows_ref,  # scalar prefetch
     ids_hbm, x_hbm, wg_ref, wu_ref,  # inputs
     h_ref,  # output
     xbuf, ids_smem, row_sem, ids_sem, *acc_refs,  # scratch
-    tm: int, tk: int, tiles_k: int,
+    tm: int, tk: int, tiles_k: int, pack: int,
 ):
     i, n, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tiles = pl.num_programs(0)
@@ -93,9 +171,8 @@ def _gate_up_kernel(
 
     def start_rows(tile, s):
         def issue(r, carry):
-            tok = ids_smem[s, r]
             pltpu.make_async_copy(
-                x_hbm.at[pl.ds(tok, 1)], xbuf.at[s, pl.ds(r, 1)], row_sem.at[s]
+                x_hbm.at[ids_smem[s, r]], xbuf.at[s, r], row_sem.at[s]
             ).start()
             return carry
 
@@ -103,9 +180,7 @@ def _gate_up_kernel(
 
     def wait_rows(tile, s):
         def wait(r, carry):
-            pltpu.make_async_copy(
-                x_hbm.at[pl.ds(0, 1)], xbuf.at[s, pl.ds(0, 1)], row_sem.at[s]
-            ).wait()
+            pltpu.make_async_copy(x_hbm.at[0], xbuf.at[s, 0], row_sem.at[s]).wait()
             return carry
 
         jax.lax.fori_loop(0, tile_rows_ref[tile], wait, 0)
@@ -136,37 +211,23 @@ def _gate_up_kernel(
             def _():
                 ids_copy(i + 2, slot).start()
 
+    kw = tk // pack  # words per k block
     if tiles_k == 1:
-        x = xbuf[slot]
+        words = xbuf[slot]
     else:
-        x = xbuf[slot, :, pl.ds(pl.multiple_of(k * tk, tk), tk)]
-    gate = jnp.dot(x, wg_ref[...], preferred_element_type=jnp.float32)
-    up = jnp.dot(x, wu_ref[...], preferred_element_type=jnp.float32)
-
-    if tiles_k == 1:
-        h_ref[...] = (jax.nn.silu(gate) * up).astype(h_ref.dtype)
-        return
-
-    acc_g, acc_u = acc_refs
-
-    @pl.when(k == 0)
-    def _init():
-        acc_g[...] = gate
-        acc_u[...] = up
-
-    @pl.when(k > 0)
-    def _acc():
-        acc_g[...] += gate
-        acc_u[...] += up
-
-    @pl.when(k == tiles_k - 1)
-    def _store():
-        h_ref[...] = (jax.nn.silu(acc_g[...]) * acc_u[...]).astype(h_ref.dtype)
+        words = xbuf[slot, :, :, pl.ds(pl.multiple_of(k * kw, kw), kw)]
+    words = words.reshape(tm, kw)
+    gate = up = 0.0
+    for part in range(pack):
+        x = _unpack_words(words, pack, part).astype(wg_ref.dtype)
+        gate += jnp.dot(x, wg_ref[part], preferred_element_type=jnp.float32)
+        up += jnp.dot(x, wu_ref[part], preferred_element_type=jnp.float32)
+    _accumulate_and_store(k, tiles_k, (gate, up), acc_refs, h_ref, swiglu=True)
 
 
 def gate_up_gather(
     x_TD: jax.Array,
-    w_gate_up_EDF2: jax.Array,
+    w_gate_up_GDF2: jax.Array,
     token_ids_P: jax.Array,
     tile_group_M: jax.Array,
     tile_rows_M: jax.Array,
@@ -177,28 +238,30 @@ def gate_up_gather(
     tn: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
-    """h_PF = SiLU(x[tok] @ Wg[e]) * (x[tok] @ Wu[e]) for the rows of the used tiles.
+    """h_PF = SiLU(x[tok] @ Wg[g]) * (x[tok] @ Wu[g]) for the rows of the used tiles,
+    g = tile_group_M[tile] (a row of the possibly stacked [G, D, 2F] weights).
 
     Rows of unused tiles and pad rows are left unwritten / garbage.
     """
-    T, D = x_TD.shape
-    E, _, F2 = w_gate_up_EDF2.shape
+    D = x_TD.shape[1]
+    G, _, F2 = w_gate_up_GDF2.shape
     F = F2 // 2
     P = token_ids_P.shape[0]
+    pack = _row_pack(x_TD.dtype)
     tk = D if tk is None else tk
     tn = _pick_block(F, 1024) if tn is None else tn
-    if D % tk or F % tn or P % tm:
+    if D % tk or tk % pack or F % tn or P % tm:
         raise ValueError(f"tiles must divide: D={D} tk={tk} F={F} tn={tn} P={P} tm={tm}")
     tiles_k, tiles_n = D // tk, F // tn
 
     def w_map(up_offset):
         def index_map(i, n, k, tile_group_ref, tile_rows_ref):
-            return tile_group_ref[i], k, n + up_offset
+            return tile_group_ref[i], 0, k, n + up_offset
 
         return index_map
 
     itemsize = jnp.dtype(x_TD.dtype).itemsize
-    w_itemsize = jnp.dtype(w_gate_up_EDF2.dtype).itemsize
+    w_itemsize = jnp.dtype(w_gate_up_GDF2.dtype).itemsize
     vmem_bytes = (
         2 * tm * D * itemsize  # gathered x tiles
         + 2 * 2 * tk * tn * w_itemsize  # gate + up blocks, double-buffered
@@ -207,14 +270,17 @@ def gate_up_gather(
         + 2 * tm * tn * 4  # float32 temporaries of the epilogue
     )
     scratch = [
-        pltpu.VMEM((2, tm, D), x_TD.dtype),
+        pltpu.VMEM((2, tm, 1, D // pack), jnp.uint32),
         pltpu.SMEM((2, tm), jnp.int32),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.SemaphoreType.DMA((2,)),
     ]
     if tiles_k > 1:
         scratch += [pltpu.VMEM((tm, tn), jnp.float32)] * 2
-    kernel = functools.partial(_gate_up_kernel, tm=tm, tk=tk, tiles_k=tiles_k)
+    kernel = functools.partial(_gate_up_gather_kernel, tm=tm, tk=tk, tiles_k=tiles_k,
+                               pack=pack)
+    w_spec = functools.partial(pl.BlockSpec, (None, pack, tk // pack, tn))
+    w_GPKF2 = w_gate_up_GDF2.reshape(G, pack, D // pack, F2)  # a bitcast
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((P, F), x_TD.dtype),
@@ -224,33 +290,103 @@ def gate_up_gather(
             in_specs=[
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec((None, tk, tn), w_map(0)),
-                pl.BlockSpec((None, tk, tn), w_map(tiles_n)),
+                w_spec(w_map(0)),
+                w_spec(w_map(tiles_n)),
             ],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, *_: (i, n)),
             scratch_shapes=scratch,
         ),
-        compiler_params=pltpu.CompilerParams(
-            # The gather pipeline carries state from tile to tile: no parallel axis.
-            dimension_semantics=("arbitrary", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=max(32 << 20, int(vmem_bytes * 1.5)),
-        ),
+        # The gather pipeline carries state from tile to tile: no parallel axis.
+        compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
         cost_estimate=pl.CostEstimate(
             flops=2 * P * D * F2,
             transcendentals=P * F,
             bytes_accessed=P * D * itemsize + P * F * itemsize
-            + E * D * F2 * w_itemsize,
+            + min(G, P // tm) * D * F2 * w_itemsize,  # an expert per tile at most
         ),
         interpret=_interpret_arg(interpret),
-    )(tile_group_M, tile_rows_M, token_ids_P, x_TD, w_gate_up_EDF2, w_gate_up_EDF2)
+    )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None], w_GPKF2, w_GPKF2)
 
 
+# ------------------------------------------------------------- grouped matmul by tiles
+def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, swiglu: bool):
+    k = pl.program_id(2)
+    n_rhs = 2 if swiglu else 1
+    rhs_refs, (out_ref, *acc_refs) = refs[:n_rhs], refs[n_rhs:]
+    lhs = lhs_ref[...]
+    dots = [jnp.dot(lhs, r[...], preferred_element_type=jnp.float32) for r in rhs_refs]
+    _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref, swiglu)
+
+
+def tile_gmm(
+    lhs_PK: jax.Array,
+    rhs_GKN2: jax.Array,
+    tile_group_M: jax.Array,
+    num_tiles: jax.Array,
+    *,
+    swiglu: bool,
+    tm: int,
+    tk: int,
+    tn: int,
+    out_dtype=None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """out[m*tm:(m+1)*tm] = f(lhs[m*tm:(m+1)*tm] @ rhs[tile_group[m]]) for m < num_tiles.
+
+    swiglu=False: f is the identity and out is [P, N]. swiglu=True: rhs is [G, K, 2F],
+    f(z) = SiLU(z[:, :F]) * z[:, F:], out is [P, F]. Rows of unused tiles are left
+    unwritten.
+    """
+    P, K = lhs_PK.shape
+    G, K2, N2 = rhs_GKN2.shape
+    N = N2 // 2 if swiglu else N2
+    out_dtype = lhs_PK.dtype if out_dtype is None else out_dtype
+    if K != K2 or K % tk or N % tn or P % tm:
+        raise ValueError(f"shapes: lhs {lhs_PK.shape} rhs {rhs_GKN2.shape} tm={tm} tk={tk} "
+                         f"tn={tn}")
+    tiles_k, tiles_n = K // tk, N // tn
+
+    def rhs_spec(offset):
+        return pl.BlockSpec((None, tk, tn), lambda i, n, k, g: (g[i], k, n + offset))
+
+    rhs_specs = [rhs_spec(0), rhs_spec(tiles_n)] if swiglu else [rhs_spec(0)]
+    n_rhs = len(rhs_specs)
+    in_item, out_item = jnp.dtype(lhs_PK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
+    vmem_bytes = (2 * tm * tk * in_item + 2 * n_rhs * tk * tn * w_item
+                  + 2 * tm * tn * out_item + (n_rhs + 1) * tm * tn * 4)
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32)] * n_rhs if tiles_k > 1 else []
+    return pl.pallas_call(
+        functools.partial(_tile_gmm_kernel, tiles_k=tiles_k, swiglu=swiglu),
+        out_shape=jax.ShapeDtypeStruct((P, N), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(num_tiles, tiles_n, tiles_k),
+            in_specs=[pl.BlockSpec((tm, tk), lambda i, n, k, g: (i, k)), *rhs_specs],
+            out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, g: (i, n)),
+            scratch_shapes=scratch,
+        ),
+        # No "parallel" axis: parallel axes must lead the grid and have a static size
+        # (the interpreter permutes them), and the tile axis is dynamic.
+        compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * P * K * N2,
+            transcendentals=P * N if swiglu else 0,
+            bytes_accessed=P * K * in_item + P * N * out_item
+            + min(G, P // tm) * K * N2 * w_item,  # an expert per tile at most
+        ),
+        interpret=_interpret_arg(interpret),
+    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs))
+
+
+# --------------------------------------------------------------------------- the layer
 def moe_ffn_tpu(
     x_TD: jax.Array,
     router_logits_TE: jax.Array,
-    w_gate_up_EDF2: jax.Array,
-    w_down_EFD: jax.Array,
+    w_gate_up_LEDF2: jax.Array,
+    w_down_LEFD: jax.Array,
     *,
+    layer=None,
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
@@ -258,41 +394,39 @@ def moe_ffn_tpu(
     fused_gather: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
 ):
-    """The `tpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`."""
-    T, D = x_TD.shape
-    E, _, F2 = w_gate_up_EDF2.shape
-    F = F2 // 2
+    """The `tpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`.
+
+    fused_gather needs bfloat16 or float32 x; other dtypes take the fallback.
+    """
+    D = x_TD.shape[1]
+    w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
+        w_gate_up_LEDF2, w_down_LEFD, layer)
+    E = w_gate_up_LEDF2.shape[-3]
+    F = w_down_GFD.shape[1]
     tm = tiling.tm
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
+    tile_group_M = layout.tile_group_M + group_offset
 
-    if fused_gather:
+    if fused_gather and x_TD.dtype in GATHER_DTYPES:
         h_PF = gate_up_gather(
-            x_TD, w_gate_up_EDF2, layout.token_ids_P, layout.tile_group_M,
+            x_TD, w_gate_up_GDF2, layout.token_ids_P, tile_group_M,
             layout.tile_rows_M, layout.num_tiles,
             tm=tm, tk=tiling.tk, tn=tiling.tn, interpret=interpret,
         )
     else:
-        x_PD = x_TD[layout.token_ids_P]
-        gate_up_PF2 = _megablox.gmm(
-            x_PD, w_gate_up_EDF2, layout.padded_sizes_E,
-            preferred_element_type=jnp.float32,
-            tiling=(tm, _pick_block(D, 2048), _pick_block(F2, 768)),
-            interpret=_interpret_arg(interpret),
+        h_PF = tile_gmm(
+            x_TD[layout.token_ids_P], w_gate_up_GDF2, tile_group_M, layout.num_tiles,
+            swiglu=True, tm=tm, tk=tiling.tk or D, tn=tiling.tn or _pick_block(F, 1024),
+            interpret=interpret,
         )
-        h_PF = (jax.nn.silu(gate_up_PF2[:, :F]) * gate_up_PF2[:, F:]).astype(x_TD.dtype)
-
-    y_PD = _megablox.gmm(
-        h_PF.astype(w_down_EFD.dtype), w_down_EFD, layout.padded_sizes_E,
-        preferred_element_type=x_TD.dtype,
-        tiling=(
-            tm,
-            tiling.down_tk or _pick_block(F, 2048),
-            tiling.down_tn or _pick_block(D, 2048),
-        ),
-        interpret=_interpret_arg(interpret),
+    y_PD = tile_gmm(
+        h_PF.astype(w_down_GFD.dtype), w_down_GFD, tile_group_M, layout.num_tiles,
+        swiglu=False, tm=tm, tk=tiling.down_tk or _pick_block(F, 2048),
+        tn=tiling.down_tn or _pick_block(D, 2048), out_dtype=x_TD.dtype,
+        interpret=interpret,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_EDF2, w_down_EFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)

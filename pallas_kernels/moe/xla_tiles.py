@@ -6,6 +6,10 @@ which would make CPU timings blind to routing. This path uses the kernels' tile 
 (`layout.py`): rows sorted by expert and padded to `tm`-row tiles, then a loop over
 the tiles in use only, each tile multiplying by its own expert's weights. Work and
 weight reads scale with the rows and the activated experts, as on an accelerator.
+
+Stacked weights [L, E, ...] are reshaped (for free) to [L*E, ...] and a tile of
+expert e reads group layer*E + e: each tile indexes one expert of one layer out of
+the whole array, never a copy of the layer.
 """
 
 from __future__ import annotations
@@ -14,27 +18,29 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route
+from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
 
 TILE_ROWS = 32
 
 
-def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k,
-                      norm_topk_prob, token_mask_T=None, tm: int = TILE_ROWS):
-    T, D = x_TD.shape
-    E, _, F2 = w_gate_up_EDF2.shape
-    F = F2 // 2
+def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, layer=None,
+                      top_k, norm_topk_prob, token_mask_T=None, tm: int = TILE_ROWS):
+    D = x_TD.shape[1]
+    w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
+        w_gate_up_LEDF2, w_down_LEFD, layer)
+    E = w_gate_up_LEDF2.shape[-3]
+    F = w_down_GFD.shape[1]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
     x_MtD = x_TD[layout.token_ids_P].reshape(-1, tm, D)
 
     def tile(m, y_MtD):
-        g = layout.tile_group_M[m]
-        gate_up_tF2 = jnp.dot(x_MtD[m], w_gate_up_EDF2[g], preferred_element_type=jnp.float32)
-        h_tF = (jax.nn.silu(gate_up_tF2[:, :F]) * gate_up_tF2[:, F:]).astype(w_down_EFD.dtype)
-        y_tD = jnp.dot(h_tF, w_down_EFD[g], preferred_element_type=jnp.float32)
+        g = layout.tile_group_M[m] + group_offset
+        gate_up_tF2 = jnp.dot(x_MtD[m], w_gate_up_GDF2[g], preferred_element_type=jnp.float32)
+        h_tF = (jax.nn.silu(gate_up_tF2[:, :F]) * gate_up_tF2[:, F:]).astype(w_down_GFD.dtype)
+        y_tD = jnp.dot(h_tF, w_down_GFD[g], preferred_element_type=jnp.float32)
         return y_MtD.at[m].set(y_tD.astype(y_MtD.dtype))
 
     y_MtD = jax.lax.fori_loop(0, layout.num_tiles, tile, jnp.zeros_like(x_MtD))
     y_TD = combine_padded(y_MtD.reshape(-1, D), layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_EDF2, w_down_EFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)
