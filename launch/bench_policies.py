@@ -40,11 +40,52 @@ SMALL_MOE = {
     "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32",
     "eos_token_id": 0,
 }
-POLICIES = {
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=512, prefill_buckets=(512,)),
-    "layered": dict(scheduling="layered", max_num_batched_tokens=8192,
-                    prefill_buckets=(512, 1024, 2048, 4096, 8192)),
+POLICIES = {  # default row buckets (model_runner.resolve_buckets)
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=512),
+    "layered": dict(scheduling="layered", max_num_batched_tokens=8192),
 }
+# The scheme before row buckets (programs keyed by prefill bucket x decode bucket), with the
+# buckets this benchmark used then: its padding is recomputed from the same plans.
+OLD_BUCKETS = {"chunked": ((512,), (8,)), "layered": ((512, 1024, 2048, 4096, 8192), (8,))}
+
+
+def _pad(n, buckets):
+    return next(b for b in buckets if n <= b)
+
+
+def old_scheme_row_layers(plan, prefill_buckets, decode_buckets):
+    """(useful, padded) row-layers of `plan` under the old scheme: decode rows padded to a
+    decode bucket through every layer outside the prefill group, and prefill rows padded to
+    a prefill bucket next to them inside it."""
+    L, n_dec = plan.num_layers, len(plan.decode)
+    g = plan.layer_end - plan.layer_start if plan.prefill else 0
+    n_pre = plan.num_prefill_tokens
+    B = _pad(n_dec, decode_buckets) if n_dec else 0
+    T = _pad(n_pre, prefill_buckets) if n_pre else 0
+    return n_dec * L + n_pre * g, B * (L - g) + (T + B) * g
+
+
+def record_plans(llm, plans):
+    """Keeps every plan the runner dispatches."""
+    runner = llm.engine.runner
+    dispatch = runner.dispatch
+
+    def recording(plan, prev=None):
+        plans.append(plan)
+        return dispatch(plan, prev)
+
+    runner.dispatch = recording
+
+
+def padding(stats, before, plans, name):
+    """Padded / useful row-layers of the new scheme (engine counters) and the old one."""
+    useful = stats["row_layers_useful"] - before["row_layers_useful"]
+    padded = stats["row_layers_padded"] - before["row_layers_padded"]
+    old = [old_scheme_row_layers(p, *OLD_BUCKETS[name]) for p in plans]
+    old_useful, old_padded = sum(u for u, _ in old), sum(p for _, p in old)
+    return {"padding_new": padded / useful, "padding_old": old_padded / old_useful,
+            "max_step_padding_new": stats["max_step_padding_ratio"],
+            "max_step_padding_old": max(p / u for u, p in old if u)}
 
 
 def workload(n, rate, lo, hi, out_len, seed):
@@ -97,7 +138,7 @@ def summarize(outs, stats, before):
         "host_ms_per_iter": 1e3 * host / iters,
         "device_ms_per_iter": 1e3 * delta("device_seconds") / iters,
         "host_overhead_fraction": exposed / max(exposed + delta("device_seconds"), 1e-12),
-        "compile_s": stats["compile_seconds"], "programs": stats["compilations"],
+        "compile_s": stats["compile_seconds"], "programs": stats["programs"],
         "compilations_after_warmup": stats["compilations_after_warmup"],
     }
 
@@ -136,15 +177,18 @@ def main(argv=None):
     for name, kw in POLICIES.items():
         t = time.perf_counter()
         llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
-                  max_model_len=args.single + 64 if args.single else 8192,
-                  decode_buckets=(8,), **kw)
+                  max_model_len=args.single + 64 if args.single else 8192, **kw)
         print(f"[{name}] engine ready in {time.perf_counter() - t:.1f} s")
+        plans = []
+        record_plans(llm, plans)
         for mode in modes:
             llm.engine.config = dataclasses.replace(llm.engine.config,
                                                     async_scheduling=mode == "async")
             before = llm.stats()
             outs = serve(llm, requests, out_len)
             results[mode][name] = summarize(outs, llm.stats(), before)
+            results[mode][name].update(padding(llm.stats(), before, plans, name))
+            plans.clear()
             print(f"[{name}, {mode}] {json.dumps(results[mode][name])}")
         if args.single:
             before = llm.stats()["expert_bytes_loaded"]
@@ -172,7 +216,8 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(report, indent=1))
 
     keys = ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "expert_bytes",
-            "iterations", "host_ms_per_iter", "host_overhead_fraction")
+            "iterations", "host_ms_per_iter", "host_overhead_fraction", "programs", "compile_s",
+            "padding_new", "padding_old", "max_step_padding_new", "max_step_padding_old")
     for mode in modes:
         c, lay = results[mode]["chunked"], results[mode]["layered"]
         print(f"\n{mode}:\n| metric | chunked-512 | layered | layered / chunked |\n"

@@ -55,7 +55,7 @@ MODEL = {
     "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False, "eos_token_id": 0,
 }  # fmt: skip
 ENGINE = dict(max_num_seqs=8, max_model_len=512, page_size=16, kv_pages=256,
-              prefill_buckets=(32, 64), decode_buckets=(4, 8))  # fmt: skip
+              token_buckets=(4, 8, 32, 72, 520))  # fmt: skip
 BUDGET = {"chunked": 64, "layered": 64, "orca": 256}
 
 
@@ -180,8 +180,7 @@ def latency_stats(metrics) -> dict[str, float]:
 def evaluate(policy: str, hardware, shape: ModelShape, model_dir: str, args, rate):
     """Calibrate, run the workload on the engine and in the simulator; (markdown, payload)."""
     engine = build_engine(policy, model_dir)
-    buckets = dict(prefill_buckets=ENGINE["prefill_buckets"],
-                   decode_buckets=ENGINE["decode_buckets"])  # fmt: skip
+    buckets = dict(token_buckets=ENGINE["token_buckets"])
     routing = UniformRouting()  # random dummy router weights spread tokens about evenly
     executor = CostModelExecutor(shape, hardware, routing=routing, **buckets)
     timed = TimedEngine(engine, executor)

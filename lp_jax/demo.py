@@ -26,8 +26,7 @@ def main(argv=None):
     groups = int(args.layer_groups) if args.layer_groups.isdigit() else args.layer_groups
     t0 = time.perf_counter()
     llm = LLM(args.model, scheduling=args.scheduling, layer_groups=groups, max_model_len=512,
-              max_num_seqs=4, max_num_batched_tokens=512, prefill_buckets=(64, 512),
-              decode_buckets=(4,))
+              max_num_seqs=4, max_num_batched_tokens=512, token_buckets=(4, 64, 516))
     print(f"engine ready in {time.perf_counter() - t0:.1f} s ({args.scheduling} scheduling)")
     prompts = args.prompt or ["The engine serves", "Rain falls on the", "Bake the bread"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -40,7 +39,7 @@ def main(argv=None):
     s = llm.stats()
     print(f"iterations {s['iterations']} (prefill {s['iterations_prefill']}, hybrid "
           f"{s['iterations_hybrid']}, decode {s['iterations_decode']}), programs "
-          f"{s['compilations']}, compiles while serving {s['compilations_after_warmup']}, "
+          f"{s['programs']}, compiles while serving {s['compilations_after_warmup']}, "
           f"expert bytes {s['expert_bytes_loaded']:,}")
 
 

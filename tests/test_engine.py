@@ -15,19 +15,19 @@ from lp_jax.loader import load_model
 from lp_jax.models.simple import greedy_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-BASE = dict(max_num_seqs=4, max_model_len=2048, decode_buckets=(4,), compilation_cache_dir=None,
-            log=None)
+BASE = dict(max_num_seqs=4, max_model_len=2048, compilation_cache_dir=None, log=None)
+# Few row buckets per engine (each is one program); the last covers budget + decodes.
 CONFIGS = {
-    "orca": dict(scheduling="orca", prefill_buckets=(64, 512, 2048)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=256, prefill_buckets=(64, 256)),
+    "orca": dict(scheduling="orca", token_buckets=(4, 64, 512, 2052)),
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=256, token_buckets=(4, 64, 256)),
     "layered-paper": dict(scheduling="layered", max_num_batched_tokens=1024,
-                          prefill_buckets=(64, 1024)),
+                          token_buckets=(4, 64, 1028)),
     "layered-pow2": dict(scheduling="layered", layer_groups="pow2", max_num_batched_tokens=1024,
-                         prefill_buckets=(64, 1024)),
+                         token_buckets=(4, 64, 1028)),
     "layered-3": dict(scheduling="layered", layer_groups=3, max_num_batched_tokens=1024,
-                      prefill_buckets=(1024,)),
+                      token_buckets=(4, 1028)),
     "layered-small": dict(scheduling="layered", layer_groups=4, max_num_batched_tokens=128,
-                          prefill_buckets=(128,)),
+                          token_buckets=(4, 132)),
 }
 _engines: dict[str, LLM] = {}
 
@@ -116,7 +116,7 @@ def test_output_metrics_and_text():
     assert m.ttft > 0 and len(m.itls) == 4 and m.e2e >= m.ttft
     assert m.first_token_time >= m.arrival_time
     s = llm.stats()
-    for key in ("iterations", "compilations", "expert_bytes_loaded", "prefill_tokens",
+    for key in ("iterations", "programs", "expert_bytes_loaded", "prefill_tokens",
                 "decode_tokens", "host_overhead_fraction"):
         assert key in s
 
@@ -202,7 +202,7 @@ def test_an_abort_is_reported_even_when_nothing_else_runs():
 def test_preemption_under_kv_pressure_keeps_outputs(reference_model):
     # 24 pages of 16 tokens cannot hold four 100-token sequences growing to 140.
     llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=256,
-              prefill_buckets=(256,), kv_pages=24)
+              token_buckets=(4, 256), kv_pages=24)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 509, 100).tolist() for _ in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -217,7 +217,7 @@ def test_preemption_under_kv_pressure_keeps_outputs(reference_model):
 def test_compile_guard_sees_compiles_without_warmup():
     """The no-recompile check can fail: skipping warm-up shows up as compiles."""
     llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=64,
-              prefill_buckets=(64,), warmup=False)
+              token_buckets=(64,), warmup=False)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)
     assert llm.stats()["compilations_after_warmup"] > 0
 
@@ -235,18 +235,23 @@ def test_generate_argument_errors():
         LLM(max_num_seq=3)
 
 
-def test_buckets_must_cover_the_budget():
-    with pytest.raises(ValueError, match="prefill_buckets"):
+def test_buckets_must_cover_the_budget_before_any_compile():
+    from lp_jax.engine import compile_guard
+
+    compile_guard.install()
+    before = compile_guard.compilations()
+    with pytest.raises(ValueError, match="token_buckets .* must reach 128 rows"):
         LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=128,
-            prefill_buckets=(64,), warmup=False)
-    with pytest.raises(ValueError, match="decode_buckets"):
-        LLM(**{**BASE, "max_model_len": 256, "decode_buckets": (2,)}, scheduling="chunked",
-            max_num_batched_tokens=64, prefill_buckets=(64,), warmup=False)
+            token_buckets=(64,))
+    with pytest.raises(ValueError, match="must reach 68 rows.* next to 4 decodes"):
+        LLM(**{**BASE, "max_model_len": 256}, scheduling="layered", max_num_batched_tokens=64,
+            token_buckets=(64,))
+    assert compile_guard.compilations() == before  # refused before loading the model
 
 
 def test_orca_runs_a_prompt_longer_than_its_budget(expected):
     llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="orca", max_num_batched_tokens=16,
-              prefill_buckets=(16, 256))
+              token_buckets=(4, 260))
     out = llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)[0]
     assert out.token_ids == expected[1]
 

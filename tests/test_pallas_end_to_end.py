@@ -40,8 +40,8 @@ def test_engine_with_tpu_kernels_matches_xla(monkeypatch):
     prompts = [rng.integers(0, 509, n).tolist() for n in (5, 70, 23, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm = LLM(model=str(path), scheduling="layered", layer_groups=2, max_num_seqs=4,
-              max_model_len=256, max_num_batched_tokens=64, prefill_buckets=(64,),
-              decode_buckets=(4,), moe_backend="tpu", attention_backend="tpu",
+              max_model_len=256, max_num_batched_tokens=64, token_buckets=(4, 68),
+              moe_backend="tpu", attention_backend="tpu",
               compilation_cache_dir=None, log=None)
     eng = llm.engine
     ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[:2])}

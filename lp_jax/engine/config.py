@@ -25,16 +25,20 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's dtype
     moe_backend: str = "auto"
     attention_backend: str = "auto"
+    # Start-up self-test of the selected Pallas kernels (kernel_check.py): "fallback" serves
+    # a failing op with its safe backend, "strict" raises, "off" skips the test.
+    backends: str = "fallback"
     seed: int = 0
-    # Padded sizes the step is compiled for; None: powers of two (see model_runner.py).
-    prefill_buckets: tuple[int, ...] | None = None
-    decode_buckets: tuple[int, ...] | None = None
-    warmup: bool = True  # compile every reachable program at start-up
+    # Row counts the step is compiled for, one program each; None: step.default_token_buckets.
+    token_buckets: tuple[int, ...] | None = None
+    warmup: bool = True  # compile every program at start-up
     # Plan and dispatch the next step while a decode-only step runs (llm_engine.py).
     async_scheduling: bool = True
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
 
     def __post_init__(self):
+        if self.backends not in ("fallback", "strict", "off"):
+            raise ValueError(f"backends must be fallback, strict or off, got {self.backends!r}")
         if self.scheduling not in ("orca", "chunked", "layered"):
             raise ValueError(
                 f"scheduling must be orca, chunked or layered, got {self.scheduling!r}")
@@ -48,13 +52,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        for name in ("prefill_buckets", "decode_buckets"):
-            v = getattr(self, name)
-            if v is not None:
-                v = tuple(sorted(set(int(b) for b in v)))
-                if not v or v[0] < 1:
-                    raise ValueError(f"{name} must be positive sizes, got {getattr(self, name)}")
-                object.__setattr__(self, name, v)
+        if self.token_buckets is not None:
+            v = tuple(sorted(set(int(b) for b in self.token_buckets)))
+            if not v or v[0] < 1:
+                raise ValueError(f"token_buckets must be positive sizes, got {self.token_buckets}")
+            object.__setattr__(self, "token_buckets", v)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -19,6 +19,7 @@ of it), that `step()` only waits and commits, and the next plans with fresh stat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -30,8 +31,9 @@ import numpy as np
 from lp_jax.config import ModelConfig
 from lp_jax.engine import compile_guard
 from lp_jax.engine.config import EngineConfig
+from lp_jax.engine.kernel_check import check_backends
 from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.model_runner import ModelRunner, StepHandle
+from lp_jax.engine.model_runner import ModelRunner, StepHandle, resolve_buckets
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import Sequence
@@ -115,44 +117,55 @@ class LLMEngine:
         model_dir = config.model or _default_model_dir()
         self.model_dir = model_dir
         model_cfg = ModelConfig.from_pretrained(model_dir)
-        self.model_config = model_cfg
-        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
-        model = load_model(model_dir, config=model_cfg, load_format=config.load_format,
-                           mesh=self.mesh, dtype=config.dtype)
-        self.tokenizer = _load_tokenizer(model_dir)
         max_model_len = config.max_model_len or min(model_cfg.max_position_embeddings, 4096)
-        num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
+        # Every argument is checked before anything is loaded or compiled; the page count
+        # (from free memory once the weights are in) is filled in after loading.
         sched_cfg = SchedulerConfig(
             policy=config.scheduling, num_layers=model_cfg.num_hidden_layers,
-            max_model_len=max_model_len, page_size=config.page_size, num_pages=num_pages,
+            max_model_len=max_model_len, page_size=config.page_size,
+            num_pages=config.kv_pages or 1,
             vocab_size=model_cfg.vocab_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
             eos_token_id=model_cfg.eos_token_id,
         )
+        budget = sched_cfg.max_num_batched_tokens
+        # Orca admits a prompt longer than its budget alone, so it may run any prompt.
+        max_prefill = max(budget, max_model_len) if config.scheduling == "orca" else budget
+        buckets = resolve_buckets(config.token_buckets, config.scheduling, max_prefill,
+                                  config.max_num_seqs)
+        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
+        model = load_model(model_dir, config=model_cfg, load_format=config.load_format,
+                           mesh=self.mesh, dtype=config.dtype)
+        compiles_before = compile_guard.compilations()
+        backends, self.kernel_report = check_backends(
+            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend),
+            model.dtype, page_size=config.page_size, mode=config.backends, log=self.log)
+        # Expert bytes count in the dtype the engine runs, not the checkpoint's.
+        self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
+        self.tokenizer = _load_tokenizer(model_dir)
+        num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
+        sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
         self.scheduler = Scheduler(sched_cfg)
         self.runner = ModelRunner(
             model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            # Orca admits a prompt longer than its budget alone, so it may run any prompt.
-            max_prefill_tokens=(max(sched_cfg.max_num_batched_tokens, max_model_len)
-                                if config.scheduling == "orca"
-                                else sched_cfg.max_num_batched_tokens),
-            policy=config.scheduling,
-            layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
-            backends=KernelBackends(moe=config.moe_backend, attention=config.attention_backend),
-            seed=config.seed, prefill_buckets=config.prefill_buckets,
-            decode_buckets=config.decode_buckets,
+            max_prefill_tokens=max_prefill, policy=config.scheduling,
+            backends=backends, seed=config.seed, token_buckets=buckets,
         )
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
         # Expert bytes of the most recent prefill batches (bounded: servers run for days).
         self._batch_bytes: OrderedDict[int, int] = OrderedDict()
-        self._counters = {"expert_bytes_loaded": 0, "host_seconds": 0.0, "device_seconds": 0.0,
-                          "overlapped_host_seconds": 0.0, "overlapped_steps": 0}
+        self._counters = {"experts_activated": 0, "expert_bytes_loaded": 0, "host_seconds": 0.0,
+                          "device_seconds": 0.0, "overlapped_host_seconds": 0.0,
+                          "overlapped_steps": 0}
         self._inflight: StepHandle | None = None  # a dispatched, uncommitted step
         if config.warmup:
             self.runner.warmup(log=self.log)
+        # Every backend compile of start-up once the weights are in: the KV pool, the step
+        # programs (dummy weights compile their own one-off initialisers while loading).
+        self._startup_compilations = compile_guard.compilations() - compiles_before
         self._compiles_while_serving = 0  # any backend compile inside step()
 
     def _default_kv_pages(self, model, max_model_len: int) -> int:
@@ -235,7 +248,7 @@ class LLMEngine:
         sampled, counts = self.runner.collect(handle)
         t1 = time.perf_counter()
         plan = handle.plan
-        self._count_expert_bytes(plan, counts)
+        self._count_expert_bytes(handle, counts)
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
         self.scheduler.commit(plan, sampled, time.perf_counter())
@@ -247,11 +260,13 @@ class LLMEngine:
             self._counters["overlapped_host_seconds"] += t2 - t1
         return outputs
 
-    def _count_expert_bytes(self, plan, counts):
+    def _count_expert_bytes(self, handle: StepHandle, counts):
+        plan = handle.plan
         per_expert = self.model_config.expert_bytes
+        self._counters["experts_activated"] += sum(counts)
         self._counters["expert_bytes_loaded"] += sum(counts) * per_expert
-        if plan.prefill:
-            mixed = counts[1] if plan.decode else counts[0]  # the designated group's span
+        if handle.mixed is not None:
+            mixed = counts[handle.mixed]  # the call that ran the prefill group
             bid = plan.prefill_batch_id
             self._batch_bytes[bid] = self._batch_bytes.get(bid, 0) + mixed * per_expert
             while len(self._batch_bytes) > _KEEP_BATCHES:
@@ -273,9 +288,16 @@ class LLMEngine:
         exposed = c["host_seconds"] - c["overlapped_host_seconds"]
         total = exposed + c["device_seconds"]
         s.update(
-            compilations=len(self.runner.programs),
+            programs=len(self.runner.programs),
             compile_seconds=round(self.runner.compile_seconds, 3),
+            startup_compilations=self._startup_compilations,
             compilations_after_warmup=self._compiles_while_serving,
+            row_layers_useful=self.runner.row_layers["useful"],
+            row_layers_padded=self.runner.row_layers["padded"],
+            padding_ratio=(self.runner.row_layers["padded"] / self.runner.row_layers["useful"]
+                           if self.runner.row_layers["useful"] else 1.0),
+            max_step_padding_ratio=self.runner.row_layers["max_step_ratio"],
+            experts_activated=c["experts_activated"],  # summed over layers and steps
             expert_bytes_loaded=c["expert_bytes_loaded"],
             expert_bytes_per_prefill_batch=dict(self._batch_bytes),
             host_seconds=c["host_seconds"],
@@ -283,6 +305,8 @@ class LLMEngine:
             overlapped_steps=c["overlapped_steps"],
             device_seconds=c["device_seconds"],
             host_overhead_fraction=(exposed / total) if total else 0.0,
+            kernel_backends={op: b for op, (b, _) in self.kernel_report.items()},
+            kernel_fallbacks={op: e for op, (_, e) in self.kernel_report.items() if e},
             free_pages=self.scheduler.block_manager.num_free_pages,
             total_pages=self.scheduler.config.num_pages,
         )

@@ -1,362 +1,292 @@
-"""The executor: turns a `StepPlan` into one compiled device step.
+"""The executor: turns a `StepPlan` into calls of the compiled step (step.py).
 
-One step function serves every policy. For a plan whose prefill chunks run through
-layers [a, b) it does, in one program:
+For a plan whose prefill chunks run through layers [a, b):
 
-    decode rows : embed -> layers [0, a) ------+                +-> layers [b, L) -> logits
-                                               |                |
-    prefill rows: embed (a == 0) or carried ---+-> layers [a, b)+-> carried hidden (b < L)
-                  hidden states (a > 0)          (both row sets)     or logits (b == L)
+    call 1 (a > 0)  decode rows            units [0, 2a)    embed -> hidden_RD[decode]
+    call 2          decode + prefill rows  units [2a, 2b)   the designated group: its
+                                                            experts are read once for both
+    call 3 (b < L)  decode rows            units [2b, 2L)   -> logits, sampling
 
-so the designated group reads each MoE layer's experts once for prefill and decode
-together, and all other layers see decode rows only. Orca and chunked plans are the
-case a = 0, b = L; a decode-only plan has no prefill rows.
+Prefill rows enter call 2 embedded (a == 0) or from the carried hidden states of the
+batch's previous group, and leave it into the carried buffer (b < L) or to sampling
+(b == L). Orca and chunked plans are the case a = 0, b = L: one call. A decode-only plan
+is one call of its decode rows through every layer.
 
-Programs are specialised per layer group and compiled ahead of time into
-`self.programs`, keyed by (group start, group size, prefill bucket, decode bucket).
-A group's *size* is always static. Its start is static for the first group (which
-embeds the prompt), the last (which samples) and whole-stack plans; for a middle
-group of a model whose layers are all of one kind the start is a runtime scalar,
-so every middle group of a size shares one program (key start None). Without that,
-layered prefill with G up to 16 would compile sum(G) ~ 136 range variants per
-bucket pair. Reachable programs:
+Every call is one program of the family in step.py, chosen by its row count alone, so
+the engine compiles one program per row bucket (`step.default_token_buckets`): the count grows
+with log(budget), not with the layer count, the group sizes, G, or a product of prefill
+and decode buckets. `warmup()` compiles them all; the persistent compilation cache makes
+restarts cheap. The KV pool and the hidden buffer are donated to every call.
 
-    decode-only:  one per decode bucket
-    with prefill: for each prefill bucket, for each group count G reachable with a
-                  token count in that bucket, the distinct keys of the G groups of
-                  split_layers(L, G), each with every decode bucket and with none.
-
-Orca and chunked reach a single range (0, L). `warmup()` compiles all of them; the
-persistent compilation cache makes restarts cheap. The KV pool is donated to every
-step, so its update is in place.
-
-`dispatch(plan, prev)` launches a step without waiting for it and returns a
-`StepHandle`; `collect(handle)` waits for its tokens. Every program returns its
-sampled tokens in one fixed-size array, and every decode program takes the previous
-step's array plus a row per decode: a decode whose last token is still a placeholder
-(its step was planned before the step sampling that token was committed; see
-scheduler.py) reads it on device from `prev`, so the engine can plan and dispatch
-step k+1 while step k runs, with no host round trip for the token.
+`dispatch(plan, prev)` launches a step's calls without waiting and returns a
+`StepHandle`; `collect(handle)` waits for its tokens. Every program returns sampled tokens
+in one fixed-size array; a decode whose last token is still a placeholder (its step was
+planned before the step sampling that token was committed; see scheduler.py) reads it on
+device from `prev`'s array, so step k+1 is planned and dispatched while step k runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lp_jax.engine.layer_groups import num_layer_groups, split_layers
 from lp_jax.engine.plan import StepPlan
-from lp_jax.engine.sampler import sample
+from lp_jax.engine.step import (
+    StepSpec,
+    bucket_for,
+    default_token_buckets,
+    empty_inputs,
+    make_step,
+)
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
-from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
+from lp_jax.models.qwen3_moe import (
+    KV_CACHE_AXES,
+    KernelBackends,
+    Qwen3MoeForCausalLM,
+    init_kv_cache,
+)
 from lp_jax.sharding import named_sharding, replicated
-
-_MIN_BUCKET = 16
-
-
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """Powers of two from lo up to hi, with hi itself as the last bucket."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return (*out, hi)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepHandle:
     """A dispatched step: its plan, the device arrays it will fill, and where each
-    sampling sequence's token sits in `tokens_R`."""
+    sampling sequence's token sits in `tokens_R`. `counts[mixed]` is the call that ran
+    the prefill group (None without prefill)."""
 
     plan: StepPlan
     tokens_R: jax.Array | None
     counts: list
+    mixed: int | None
     rows: dict[int, int]  # seq_id -> row of tokens_R
 
 
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest compiled bucket {buckets[-1]}")
+@dataclasses.dataclass
+class _Call:
+    """One call's real rows, before padding to a bucket."""
+
+    units: tuple[int, int]
+    seqs: list  # (first position, new tokens, page ids) per sequence, row order
+    tokens: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    prev_rows: np.ndarray
+    decode_only: bool
+    sample_rows: list[int] = dataclasses.field(default_factory=list)
+    sampling: list = dataclasses.field(default_factory=list)  # (seq, position) per row
+
+
+def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
+                    max_num_seqs: int) -> tuple[int, ...]:
+    """The row buckets, checked to cover the largest call: chunked shares its budget with
+    the decodes; layered and orca run up to max_prefill_tokens prompt tokens next to every
+    decode. Raises ValueError, before anything is loaded or compiled."""
+    max_rows = max_prefill_tokens + (0 if policy == "chunked" else max_num_seqs)
+    buckets = tuple(token_buckets) if token_buckets else default_token_buckets(max_rows)
+    if buckets[-1] < max_rows:
+        raise ValueError(
+            f"token_buckets {buckets} must reach {max_rows} rows: the {policy} policy "
+            f"runs up to {max_prefill_tokens} prefill tokens"
+            + ("" if policy == "chunked" else f" next to {max_num_seqs} decodes"))
+    return buckets
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3MoeForCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, max_prefill_tokens: int,
-                 policy: str, layer_groups, max_layer_groups: int,
-                 backends: KernelBackends, seed: int = 0,
-                 prefill_buckets=None, decode_buckets=None):
-        self.cfg = model.config
+                 policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None):
+        cfg = self.cfg = model.config
         self.dtype = model.dtype
-        self.uniform = model.uniform_layers
-        self.L = self.cfg.num_hidden_layers
-        self.graphdef, self.state = nnx.split(model)
-        self.page_size = page_size
-        self.pages_per_seq = math.ceil(max_model_len / page_size)
-        self.policy, self.layer_groups = policy, layer_groups
-        self.max_layer_groups = max_layer_groups
-        self.backends = backends
+        self.L = cfg.num_hidden_layers
         self.seed = seed
-        self.decode_buckets = decode_buckets or pow2_buckets(1, max_num_seqs)
-        self.prefill_buckets = prefill_buckets or pow2_buckets(
-            min(_MIN_BUCKET, max_prefill_tokens), max_prefill_tokens)
-        self.max_prefill_seqs = max_num_seqs
-        if self.prefill_buckets[-1] < max_prefill_tokens:
-            raise ValueError(f"prefill_buckets {self.prefill_buckets} must reach the "
-                             f"{max_prefill_tokens} prefill tokens a plan may hold")
-        if self.decode_buckets[-1] < max_num_seqs:
-            raise ValueError(f"decode_buckets {self.decode_buckets} must reach "
-                             f"max_num_seqs={max_num_seqs}")
-        kv_shape_axes = ("kv_pages", None, "kv_combined_heads", None)
-        kv_shape = (self.L * num_pages, page_size, 2 * self.cfg.num_key_value_heads,
-                    self.cfg.head_dim)
-        self.kv_pages = init_kv_cache(self.cfg, num_pages, page_size, model.dtype,
-                                      sharding=named_sharding(kv_shape_axes, kv_shape, mesh))
-        # Sampled tokens of any program, padded to one size: decode rows, then prefill rows.
-        self.num_token_rows = self.decode_buckets[-1] + self.max_prefill_seqs
-        self._token_sharding = replicated(mesh)
-        self._no_prev_tokens = jax.device_put(np.zeros(self.num_token_rows, np.int32),
-                                              self._token_sharding)
-        self.programs: dict[tuple, jax.stages.Compiled] = {}
+        buckets = resolve_buckets(token_buckets, policy, max_prefill_tokens, max_num_seqs)
+        # Rows [0, max_num_seqs) carry decode rows between a step's calls; a layered batch's
+        # prefill rows follow them for as long as the batch is in flight.
+        R0 = max_num_seqs
+        self.spec = StepSpec(
+            num_layers=self.L, hidden_size=cfg.hidden_size, page_size=page_size,
+            pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
+            hidden_rows=R0 + (max_prefill_tokens if policy == "layered" else 0),
+            buckets=buckets)
+        self.graphdef, self.state = nnx.split(model)
+        kv_shape = (self.L * num_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype,
+                                      sharding=named_sharding(KV_CACHE_AXES, kv_shape, mesh))
+        self._replicated = replicated(mesh)
+        self.hidden_RD = jax.device_put(
+            np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
+        self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
+        self._step = jax.jit(make_step(self.graphdef, self.spec, backends), donate_argnums=(1, 2))
+        self.programs: dict[int, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
-        self.hidden: dict[int, jax.Array] = {}  # layered batch id -> prefill hidden states
+        # Padding, in row-layers: rows computed vs real rows, over all calls.
+        self.row_layers = {"useful": 0.0, "padded": 0.0, "max_step_ratio": 1.0}
 
     # ------------------------------------------------------------ programs
-    def program_key(self, a: int, b: int, T: int, B: int) -> tuple:
-        """(static start or None, size, T, B) for prefill rows in layers [a, b)."""
-        static = a == 0 or b == self.L or not self.uniform
-        return (a if static else None, b - a, T, B)
-
-    def reachable_keys(self) -> list[tuple]:
-        """Every program key a plan can map to."""
-        keys = [(0, 0, 0, B) for B in self.decode_buckets]
-        prev = 0
-        for T in self.prefill_buckets:
-            if self.policy == "layered":
-                gs = sorted({num_layer_groups(n, self.layer_groups,
-                                              max_layer_groups=self.max_layer_groups,
-                                              num_layers=self.L)
-                             for n in (prev + 1, T)})
-                gs = range(gs[0], gs[-1] + 1)
-                ranges = sorted({r for g in gs for r in split_layers(self.L, g)})
-            else:
-                ranges = [(0, self.L)]
-            for a, b in ranges:
-                keys += [self.program_key(a, b, T, B) for B in (0, *self.decode_buckets)]
-            prev = T
-        return list(dict.fromkeys(keys))
-
     def warmup(self, log=print):
-        keys = self.reachable_keys()
+        """Compiles every program, several at a time: XLA compiles outside the GIL, so
+        start-up scales with the host's cores."""
         t0 = time.perf_counter()
-        for key in keys:
-            self._program(key)
+        todo = [N for N in self.spec.buckets if N not in self.programs]
+        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            compiled = list(pool.map(self._compile, todo))
+        self.programs.update(zip(todo, compiled, strict=True))
+        self.compile_seconds += time.perf_counter() - t0
         if log:
-            log(f"compiled {len(keys)} programs in {time.perf_counter() - t0:.1f} s")
+            log(f"compiled {len(self.spec.buckets)} programs (row buckets "
+                f"{list(self.spec.buckets)}) in {time.perf_counter() - t0:.1f} s")
 
-    def _program(self, key):
-        prog = self.programs.get(key)
-        if prog is None:
-            a, size, T, B = key
+    def _compile(self, N: int) -> jax.stages.Compiled:
+        return self._step.lower(self.state, self.kv_pages, self.hidden_RD,
+                                empty_inputs(self.spec, N)).compile()
+
+    def _program(self, N: int):
+        prog = self.programs.get(N)
+        if prog is None:  # only without warm-up: the engine counts it as a serving compile
             t0 = time.perf_counter()
-            fn = jax.jit(functools.partial(self._step, a=a, size=size, T=T, B=B),
-                         donate_argnums=(1,))
-            a_ex = 1 if a is None else a  # any middle start will do: it is traced
-            example = self._inputs(T, B, a_ex, a_ex + size, [], [], [], traced_start=a is None)
-            prog = fn.lower(self.state, self.kv_pages, example).compile()
+            prog = self.programs[N] = self._compile(N)
             self.compile_seconds += time.perf_counter() - t0
-            self.programs[key] = prog
         return prog
 
-    # ----------------------------------------------------------- the step
-    def _step(self, state, kv_pages, inputs, *, a, size, T, B):
-        model = nnx.merge(self.graphdef, state)
-        L, D = self.L, self.cfg.hidden_size
-        first = a == 0
-        last = a is not None and a + size == L
-        if a is None:
-            a = inputs["layer_start"]
-        b = a + size
-        backends = self.backends
-        counts = []
-        if B:
-            dec_meta = inputs["dec_meta"]
-            prev_B = inputs["dec_prev_rows"]  # -1: the token is in dec_tokens
-            tokens_B = jnp.where(prev_B >= 0, inputs["prev_tokens"][jnp.maximum(prev_B, 0)],
-                                 inputs["dec_tokens"])
-            x_dec = model.embed(tokens_B)
-            x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, 0, a,
-                                                  decode_only=True, backends=backends)
-            counts.append(c)
-        out = {}
-        if T:
-            x_pre = model.embed(inputs["pre_tokens"]) if first else inputs["hidden"]
-            if B:
-                x_mix = jnp.zeros((T + B, D), x_pre.dtype)
-                x_mix = x_mix.at[inputs["pre_rows"]].set(x_pre, mode="drop")
-                x_mix = x_mix.at[inputs["dec_rows"]].set(x_dec, mode="drop")
+    # ------------------------------------------------------------- calls
+    def _plan_calls(self, plan: StepPlan, prev: StepHandle | None):
+        """The plan as calls; returns (calls, index of the prefill-group call or None)."""
+        L, R0 = self.L, self.spec.max_num_seqs
+        decode = list(plan.decode)
+        n_dec = len(decode)
+        a, b = (plan.layer_start, plan.layer_end) if plan.prefill else (0, L)
+        before, after = bool(decode) and a > 0, bool(decode) and b < L
+        dec_rows = np.arange(n_dec, dtype=np.int32)
+        none = np.full(n_dec, -1, np.int32)
+        dec_tokens = np.zeros(n_dec, np.int32)
+        dec_prev = none.copy()
+        for j, s in enumerate(decode):
+            if s.num_pending_tokens:
+                dec_prev[j] = prev.rows[s.seq_id]
             else:
-                x_mix = x_pre
-            x_mix, kv_pages, c = model.run_layers(x_mix, kv_pages, inputs["mix_meta"], a, b,
-                                                  backends=backends)
-            counts.append(c)
-            if B:
-                x_pre = x_mix[jnp.minimum(inputs["pre_rows"], T + B - 1)]
-                x_dec = x_mix[inputs["dec_rows"]]
-            else:
-                x_pre = x_mix
-            if not last:
-                out["hidden"] = x_pre
-        if B:
-            x_dec, kv_pages, c = model.run_layers(x_dec, kv_pages, dec_meta, b if T else 0, L,
-                                                  decode_only=True, backends=backends)
-            counts.append(c)
-        rows = []
-        if B:
-            rows.append(model.compute_logits(x_dec))
-        if T and last:
-            rows.append(model.compute_logits(x_pre[inputs["sample_rows"]]))
-        if rows:
-            s = inputs["sampling"]
-            tokens = sample(jnp.concatenate(rows), s["temperature"], s["top_k"],
-                            s["top_p"], s["seed"], s["position"])
-            tokens = jnp.pad(tokens, (0, self.num_token_rows - tokens.shape[0]))
-            out["tokens"] = jax.lax.with_sharding_constraint(tokens, self._token_sharding)
-        out["experts_activated"] = counts
-        return kv_pages, out
+                dec_tokens[j] = s.last_token
+        dec_seqs = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
+        dec_sampling = [(s, s.num_tokens) for s in decode]
+        calls = []
+        if before:
+            calls.append(_Call((0, 2 * a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
+        # The prefill group (or the whole stack): decode rows first, then the chunks.
+        pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
+        offset = n_dec
+        for c in plan.prefill:
+            pre_tokens.append(np.asarray(c.seq.token_ids[c.start : c.end], np.int32))
+            pre_seqs.append((c.start, c.num_tokens, c.seq.page_ids))
+            offset += c.num_tokens
+            if c.samples and plan.is_last_group:
+                sample_rows.append(offset - 1)
+                sampling.append((c.seq, c.seq.num_tokens))
+        n_pre = offset - n_dec
+        pre_rows = R0 + np.arange(n_pre, dtype=np.int32)
+        pre_none = np.full(n_pre, -1, np.int32)
+        # Decode rows come from call 1's output, or are embedded here; prefill rows are
+        # embedded in the first group and carried in the hidden buffer after it.
+        dec_in = (np.zeros(n_dec, np.int32), dec_rows, none) if before else (
+            dec_tokens, none, dec_prev)
+        pre_in = ((np.concatenate(pre_tokens) if pre_tokens else pre_none * 0, pre_none)
+                  if a == 0 else (np.zeros(n_pre, np.int32), pre_rows))
+        mixed = _Call(
+            (2 * a, 2 * b), dec_seqs + pre_seqs,
+            tokens=np.concatenate([dec_in[0], pre_in[0]]),
+            src=np.concatenate([dec_in[1], pre_in[1]]),
+            dst=np.concatenate([dec_rows if after else none, pre_rows if b < L else pre_none]),
+            prev_rows=np.concatenate([dec_in[2], pre_none]),
+            decode_only=not plan.prefill)
+        if not after:
+            mixed.sample_rows = list(range(n_dec)) + sample_rows
+            mixed.sampling = dec_sampling + sampling
+        calls.append(mixed)
+        mixed_index = len(calls) - 1 if plan.prefill else None
+        if after:
+            calls.append(_Call((2 * b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
+                               none, none, True, list(range(n_dec)), dec_sampling))
+        return calls, mixed_index
 
-    # ------------------------------------------------------- host inputs
-    def _inputs(self, T, B, a, b, decode, chunks, sample_chunks, hidden=None, *,
-                traced_start=False, prev: StepHandle | None = None):
-        """numpy inputs for the step; `decode`: seqs, `chunks`: (seq, start, end);
-        `prev`: the uncommitted step whose tokens placeholder-ending decodes read."""
-        S, C, Bp = self.page_size, self.pages_per_seq, min(self.max_prefill_seqs, max(T, 1))
-        inputs = {}
-        if traced_start:
-            inputs["layer_start"] = np.int32(a)
-        sampling_rows = []
-        if B:
-            inputs["dec_meta"] = build_decode_metadata(
-                [s.num_tokens - 1 for s in decode], [s.page_ids for s in decode],
-                page_size=S, num_seqs=B, pages_per_seq=C)
-            toks = np.zeros(B, np.int32)
-            prev_rows = np.full(B, -1, np.int32)
-            for i, s in enumerate(decode):
-                if s.num_pending_tokens:
-                    prev_rows[i] = prev.rows[s.seq_id]
-                else:
-                    toks[i] = s.last_token
-            inputs["dec_tokens"] = toks
-            inputs["dec_prev_rows"] = prev_rows
-            inputs["prev_tokens"] = prev.tokens_R if prev is not None else self._no_prev_tokens
-            sampling_rows += [(s, s.num_tokens) for s in decode] + [None] * (B - len(decode))
-        if T:
-            pre = [(start, end - start, s.page_ids) for s, start, end in chunks]
-            n_pre = sum(end - start for _, start, end in chunks)
-            if B:
-                mix = pre + [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
-                rows = np.full(T, T + B, np.int32)  # padding rows: out of range, dropped
-                rows[:n_pre] = np.arange(n_pre)
-                inputs["pre_rows"] = rows
-                dec_rows = np.full(B, T + B - 1, np.int32)
-                dec_rows[: len(decode)] = n_pre + np.arange(len(decode))
-                inputs["dec_rows"] = dec_rows
-            else:
-                mix = pre
-            inputs["mix_meta"] = build_metadata(mix, page_size=S, num_tokens=T + B,
-                                                num_seqs=Bp + B, pages_per_seq=C)
-            if a == 0:
-                toks = np.zeros(T, np.int32)
-                offset = 0
-                for s, start, end in chunks:
-                    toks[offset : offset + end - start] = s.token_ids[start:end]
-                    offset += end - start
-                inputs["pre_tokens"] = toks
-            else:
-                inputs["hidden"] = (hidden if hidden is not None else
-                                    jnp.zeros((T, self.cfg.hidden_size), self.dtype))
-            if b == self.L:
-                sample_rows = np.zeros(Bp, np.int32)
-                offset, j = 0, 0
-                for s, start, end in chunks:
-                    offset += end - start
-                    if (s, start, end) in sample_chunks:
-                        sample_rows[j] = offset - 1
-                        j += 1
-                inputs["sample_rows"] = sample_rows
-                sampling_rows += [(s, s.num_tokens) for s, _, _ in sample_chunks]
-                sampling_rows += [None] * (Bp - len(sample_chunks))
-        if sampling_rows:
-            inputs["sampling"] = self._sampling_inputs(sampling_rows)
+    def _inputs(self, call: _Call, N: int, prev: StepHandle | None) -> dict:
+        spec, n = self.spec, len(call.tokens)
+        inputs = empty_inputs(spec, N)
+        inputs["units"][:] = call.units
+        inputs["decode_only"] = np.bool_(call.decode_only)
+        for name, value in (("tokens_N", call.tokens), ("src_N", call.src), ("dst_N", call.dst),
+                            ("prev_rows_N", call.prev_rows)):
+            inputs[name][:n] = value
+        prev_tokens = prev.tokens_R if prev is not None else None
+        inputs["prev_tokens_R"] = self._no_prev_tokens if prev_tokens is None else prev_tokens
+        B, S, C = spec.seqs_for(N), spec.page_size, spec.pages_per_seq
+        if call.decode_only:
+            inputs["meta"] = build_decode_metadata(
+                [first for first, _, _ in call.seqs], [pages for _, _, pages in call.seqs],
+                page_size=S, num_seqs=B, pages_per_seq=C, num_tokens=N)
+        else:
+            inputs["meta"] = build_metadata(call.seqs, page_size=S, num_tokens=N, num_seqs=B,
+                                            pages_per_seq=C)
+        if call.sample_rows:
+            inputs["do_sample"] = np.bool_(True)
+            inputs["sample_rows_S"][: len(call.sample_rows)] = call.sample_rows
+            self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
 
-    def _sampling_inputs(self, rows):
-        n = len(rows)
-        temperature = np.zeros(n, np.float32)
-        top_k = np.zeros(n, np.int32)
-        top_p = np.ones(n, np.float32)
-        seed = np.zeros(n, np.int32)
-        position = np.zeros(n, np.int32)
-        for i, row in enumerate(rows):
-            if row is None:
-                continue
-            seq, pos = row
+    def _fill_sampling(self, out: dict, rows: list):
+        for i, (seq, pos) in enumerate(rows):
             p = seq.sampling_params
             # top_k past the vocabulary is no limit at all (and may not fit int32).
-            top_k[i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
-            temperature[i], top_p[i] = p.temperature, p.top_p
+            out["top_k"][i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
+            out["temperature"][i], out["top_p"][i] = p.temperature, p.top_p
             # Unseeded requests draw from a stream fixed by the engine seed and request id.
-            seed[i] = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) & 0x7FFFFFFF
-            position[i] = pos
-        return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-                "position": position}
+            seed = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) % 2**64
+            out["seed_S2"][i] = seed >> 32, seed & 0xFFFFFFFF
+            out["position"][i] = pos
 
     # ------------------------------------------------------------ execute
-    def execute(self, plan: StepPlan):
-        """Runs the plan and waits for it: `collect(dispatch(plan))`."""
-        return self.collect(self.dispatch(plan))
-
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
-        """Launches the plan's step and returns without waiting for the device. `prev`:
-        the dispatched, uncommitted step whose tokens this plan's placeholders stand for."""
-        # plan.preempted needs nothing here: device state is per layered batch, and the
-        # scheduler never preempts a member of the batch in flight.
-        decode = list(plan.decode)
-        chunks = [(c.seq, c.start, c.end) for c in plan.prefill]
-        sample_chunks = ([(c.seq, c.start, c.end) for c in plan.prefill if c.samples]
-                         if plan.is_last_group else [])
-        B = bucket_for(len(decode), self.decode_buckets) if decode else 0
-        T = bucket_for(plan.num_prefill_tokens, self.prefill_buckets) if chunks else 0
-        a, b = (plan.layer_start, plan.layer_end) if chunks else (0, 0)
-        hidden = None
-        if chunks and a > 0:
-            hidden = self.hidden.pop(plan.prefill_batch_id)
-        key = self.program_key(a, b, T, B)
-        inputs = self._inputs(T, B, a, b, decode, chunks, sample_chunks, hidden,
-                              traced_start=key[0] is None, prev=prev)
-        prog = self._program(key)
-        self.kv_pages, out = prog(self.state, self.kv_pages, inputs)
-        if "hidden" in out:
-            self.hidden[plan.prefill_batch_id] = out["hidden"]
-        rows = {s.seq_id: i for i, s in enumerate(decode)}
-        rows.update({s.seq_id: B + j for j, (s, _, _) in enumerate(sample_chunks)})
-        return StepHandle(plan, out.get("tokens"), out["experts_activated"], rows)
+        """Launches the plan's calls and returns without waiting for the device. `prev`:
+        the dispatched, uncommitted step whose tokens this plan's placeholders stand for.
+        plan.preempted needs nothing here: device state is per layered batch, and the
+        scheduler never preempts a member of the batch in flight."""
+        calls, mixed = self._plan_calls(plan, prev)
+        counts, tokens_R, useful, padded = [], None, 0.0, 0.0
+        for call in calls:
+            n = len(call.tokens)
+            N = bucket_for(n, self.spec.buckets)
+            inputs = self._inputs(call, N, prev)
+            self.kv_pages, self.hidden_RD, out = self._program(N)(
+                self.state, self.kv_pages, self.hidden_RD, inputs)
+            counts.append(out["experts_activated"])
+            if call.sample_rows:
+                tokens_R = out["tokens_R"]
+            layers = (call.units[1] - call.units[0]) / 2
+            useful, padded = useful + n * layers, padded + N * layers
+        self._count_padding(useful, padded)
+        n_dec = len(plan.decode)
+        rows = {s.seq_id: j for j, s in enumerate(plan.decode)}
+        if plan.is_last_group:
+            ending = [c.seq for c in plan.prefill if c.samples]
+            rows.update({s.seq_id: n_dec + k for k, s in enumerate(ending)})
+        return StepHandle(plan, tokens_R, counts, mixed, rows)
+
+    def _count_padding(self, useful: float, padded: float):
+        r = self.row_layers
+        r["useful"] += useful
+        r["padded"] += padded
+        if useful:
+            r["max_step_ratio"] = max(r["max_step_ratio"], padded / useful)
 
     def collect(self, handle: StepHandle):
         """Waits for a dispatched step. Returns ({seq_id: token} for the plan's sampling
-        sequences, experts activated in each layer span the step ran (decode [0, a),
-        prefill+decode [a, b), decode [b, L), those present))."""
+        sequences, experts activated per call)."""
         sampled = {}
         if handle.tokens_R is not None:
             tokens = np.asarray(handle.tokens_R)
             sampled = {sid: int(tokens[r]) for sid, r in handle.rows.items()}
-        counts = [int(c) for c in handle.counts]
-        return sampled, counts
+        return sampled, [int(c) for c in handle.counts]

@@ -32,8 +32,10 @@ def _filter_top_k_top_p(scaled_RV, top_k_R, top_p_R):
     return jnp.where(scaled_RV >= threshold_R[:, None], scaled_RV, -jnp.inf)
 
 
-def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R):
-    """Returns int32 tokens [R]. temperature 0 means greedy; top_k <= 0 disables top-k."""
+def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R2, position_R):
+    """Returns int32 tokens [R]. temperature 0 means greedy; top_k <= 0 disables top-k.
+    seed_R2: each row's 64-bit seed as uint32 words (high, low): every seed keys its own
+    stream, and a seed below 2**32 keys the stream of `jax.random.key(seed)`."""
     logits_RV = logits_RV.astype(jnp.float32)
     greedy_R = jnp.argmax(logits_RV, axis=-1).astype(jnp.int32)
 
@@ -43,11 +45,11 @@ def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R, position_R):
         masked_RV = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x,
                                  scaled_RV, top_k_R, top_p_R)
 
-        def draw(seed, position, row):
-            key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), position)
-            return jax.random.categorical(key, row)
+        def draw(seed2, position, row):
+            key = jax.random.wrap_key_data(seed2.astype(jnp.uint32), impl="threefry2x32")
+            return jax.random.categorical(jax.random.fold_in(key, position), row)
 
-        sampled_R = jax.vmap(draw)(seed_R, position_R, masked_RV).astype(jnp.int32)
+        sampled_R = jax.vmap(draw)(seed_R2, position_R, masked_RV).astype(jnp.int32)
         return jnp.where(temperature_R <= 0.0, greedy_R, sampled_R)
 
     return jax.lax.cond(jnp.all(temperature_R <= 0.0), lambda _: greedy_R, stochastic, None)

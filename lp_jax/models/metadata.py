@@ -85,18 +85,22 @@ def build_decode_metadata(
     page_size: int,
     num_seqs: int,
     pages_per_seq: int,
+    num_tokens: int | None = None,
 ) -> AttentionMetadata:
     """`build_metadata` for one new token per sequence, vectorised: the per-iteration
-    decode batch is the host's hottest path (128+ sequences every step)."""
+    decode batch is the host's hottest path (128+ sequences every step). Token t belongs
+    to sequence t; tokens past the sequences (up to `num_tokens`, default `num_seqs`)
+    are padding."""
     B, C, S, n = num_seqs, pages_per_seq, page_size, len(positions)
-    if n > B:
-        raise ValueError(f"{n} sequences exceed the batch bucket {B}")
+    T = B if num_tokens is None else num_tokens
+    if n > min(B, T):
+        raise ValueError(f"{n} sequences exceed the batch bucket {min(B, T)}")
     page_table = np.zeros((B, C), np.int32)
     for b, pages in enumerate(page_lists):
         page_table[b, : len(pages)] = pages
-    pos = np.zeros(B, np.int32)
+    pos = np.zeros(T, np.int32)
     pos[:n] = positions
-    slots = np.full(B, -1, np.int32)
+    slots = np.full(T, -1, np.int32)
     rows = np.arange(n)
     slots[:n] = page_table[rows, pos[:n] // S] * S + pos[:n] % S
     seq_lens = np.zeros(B, np.int32)

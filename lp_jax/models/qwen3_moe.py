@@ -5,14 +5,16 @@ Module and parameter names follow the Hugging Face checkpoint
 loading is name matching. Unlike the checkpoint, layer parameters are *stacked*
 along a leading layer axis: `run_layers(x, kv, meta, start, end)` loops over any
 layer range [start, end), which is what layered prefill needs (one layer group per
-iteration for the prefill tokens, all layers for decode tokens). The bounds may be
-traced scalars, so one compiled program can serve every group of the same size.
+iteration for the prefill tokens, all layers for decode tokens). The bounds are in
+operator units (`run_units`: unit 2i is layer i's attention half, 2i + 1 its MLP
+half) and may be traced scalars, so one compiled program serves every range.
 
 Layers differ in their feed-forward block: MoE layers stack their router and
 experts in `mlp` (leading axis = MoE layers), dense layers (`mlp_only_layers`,
-`decoder_sparse_step`) stack a SwiGLU MLP in `dense_mlp`. A layer range is cut
-into runs of one kind and each run is one loop, so an all-MoE model compiles one
-layer body per loop.
+`decoder_sparse_step`) stack a SwiGLU MLP in `dense_mlp`. A model mixing both
+kinds picks the block per layer at run time (`lax.cond` on the layer index), so
+one loop body serves every layer. The MoE kernels take the whole stacked expert
+weights and the layer index: no layer's [E, D, 2F] slice is ever materialised.
 
 Linear weights are stored [in, out] (the transpose of torch's [out, in]). Expert
 weights use the kernel layout: `gate_up_proj` [E, D, 2F] (gate in [..., :F], up
@@ -172,9 +174,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
         return jnp.dot(h_TD, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def _attention(self, i, x_TD, kv_pages_PSJH, meta: AttentionMetadata, decode_only, backend):
+        """Attention half of layer i (a traced index): pre-norm, projections, RoPE, KV write,
+        paged attention, output projection and residual."""
         cfg, attn = self.config, self.model.layers.self_attn
         T = x_TD.shape[0]
         N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # The projections are XLA dots on w[i]: XLA addresses the layer in place (TPU
+        # operand fusion, GPU dynamic-slice fusion); `python -m lp_jax.aot` audits it.
         h_TD = rms_norm(x_TD, self.model.layers.input_layernorm[i], cfg.rms_norm_eps)
         q_TNH = _dot(h_TD, attn.q_proj[i]).reshape(T, N, H)
         k_TKH = _dot(h_TD, attn.k_proj[i]).reshape(T, K, H)
@@ -190,30 +196,52 @@ class Qwen3MoeForCausalLM(nnx.Module):
         slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
         kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T)
         page_table_BC = meta.page_table_BC + page_offset
-        sm_scale = H**-0.5
-        # A Pallas kernel on a multi-device mesh runs per head shard (GSPMD would
-        # gather the whole pool onto every device); see sharded_kernels.
-        mesh = kernel_mesh(attn.q_proj[...]) if is_pallas_attention(backend) else None
-        if decode_only:
-            o_TNH = sharded_decode_attention(mesh, q_TNH, kv_pages_PSJH, meta.seq_lens_B,
-                                             page_table_BC, sm_scale=sm_scale, backend=backend)
-        else:
-            o_TNH = sharded_ragged_paged_attention(
-                mesh, q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
-                page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend,
-            )
+        o_TNH = self._attend(q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend)
         x_TD = x_TD + _dot(o_TNH.reshape(T, N * H), attn.o_proj[i])
         return x_TD, kv_pages_PSJH
 
+    def _attend(self, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend):
+        """Paged attention. `decode_only` (a bool, or a traced bool chosen per call) picks a
+        backend's decode kernel where it has one distinct from its ragged kernel."""
+        sm_scale = self.config.head_dim**-0.5
+        # A Pallas kernel on a multi-device mesh runs per head shard (GSPMD would
+        # gather the whole pool onto every device); see sharded_kernels.
+        attn = self.model.layers.self_attn
+        mesh = kernel_mesh(attn.q_proj[...]) if is_pallas_attention(backend) else None
+
+        def ragged():
+            return sharded_ragged_paged_attention(
+                mesh, q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
+                page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend)
+
+        # The XLA reference serves decode through its ragged path; the kernels' decode
+        # entry points take one query row per sequence.
+        if decode_only is False or not is_pallas_attention(backend):
+            return ragged()
+
+        def decode():
+            # One token per sequence: the first B rows (B = page-table rows) are the queries.
+            B, T = meta.seq_lens_B.shape[0], q_TNH.shape[0]
+            o_BNH = sharded_decode_attention(mesh, q_TNH[:B], kv_pages_PSJH, meta.seq_lens_B,
+                                             page_table_BC, sm_scale=sm_scale, backend=backend)
+            return jnp.pad(o_BNH, ((0, T - B), (0, 0), (0, 0)))
+
+        if decode_only is True:
+            return decode()
+        return jax.lax.cond(decode_only, decode, ragged)
+
     def _moe(self, j, h_TD, token_mask_T, backend):
+        """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
+        the layer index, and address the layer themselves (no [E, D, 2F] slice is made)."""
         cfg, mlp = self.config, self.model.layers.mlp
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
-        w_gate_up_EDF2, w_down_EFD = mlp.experts_gate_up_proj[j], mlp.experts_down_proj[j]
+        w_gate_up_LEDF2, w_down_LEFD = mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...]
         # A Pallas kernel on a multi-device mesh runs per expert shard; see sharded_kernels.
-        mesh = kernel_mesh(w_gate_up_EDF2) if is_pallas_moe(backend) else None
+        mesh = kernel_mesh(w_gate_up_LEDF2) if is_pallas_moe(backend) else None
         y_TD, stats = sharded_moe_ffn(
-            mesh, h_TD, logits_TE, w_gate_up_EDF2, w_down_EFD, top_k=cfg.num_experts_per_tok,
-            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
+            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j,
+            top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, backend=backend,
+            token_mask_T=token_mask_T,
         )
         return y_TD, stats["experts_activated"]
 
@@ -221,78 +249,75 @@ class Qwen3MoeForCausalLM(nnx.Module):
         mlp = self.model.layers.dense_mlp
         g_TF = _dot(h_TD, mlp.gate_proj[j])
         u_TF = _dot(h_TD, mlp.up_proj[j])
-        return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j])
+        return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j]), jnp.int32(0)
+
+    def _mlp(self, i, x_TD, token_mask_T, backend):
+        """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns
+        (x_TD, experts activated). In a model mixing both kinds, the kind is chosen at run
+        time from the layer index, so one loop body serves every layer."""
+        cfg = self.config
+        h_TD = rms_norm(x_TD, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
+        stack_j = jnp.asarray(self._stack_index, jnp.int32)[i]
+        moe = lambda: self._moe(stack_j, h_TD, token_mask_T, backend)
+        dense = lambda: self._dense_mlp(stack_j, h_TD)
+        if not cfg.moe_layers:
+            y_TD, activated = dense()
+        elif not cfg.dense_layers:
+            y_TD, activated = moe()
+        else:
+            is_moe = jnp.asarray([cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers)])
+            y_TD, activated = jax.lax.cond(is_moe[i], moe, dense)
+        return x_TD + y_TD, activated
 
     # ------------------------------------------------------------- layer range
-    @property
-    def uniform_layers(self) -> bool:
-        """True when every layer has the same kind (all MoE or all dense)."""
-        return not (self.config.moe_layers and self.config.dense_layers)
+    def run_layers(self, x_TD, kv_pages_PSJH, meta, start, end, *, decode_only=False,
+                   backends: KernelBackends = KernelBackends()):
+        """Runs decoder layers [start, end): `run_units` over units [2 start, 2 end)."""
+        return self.run_units(x_TD, kv_pages_PSJH, meta, 2 * start, 2 * end,
+                              decode_only=decode_only, backends=backends)
 
-    def run_layers(
+    def run_units(
         self,
         x_TD: jax.Array,
         kv_pages_PSJH: jax.Array,
         meta: AttentionMetadata,
-        start,
-        end,
+        lo,
+        hi,
         *,
-        decode_only: bool = False,
+        decode_only=False,
         backends: KernelBackends = KernelBackends(),
     ):
-        """Runs decoder layers [start, end) on x_TD.
+        """Runs operator units [lo, hi) on x_TD: unit 2i is layer i's attention half, unit
+        2i + 1 its MLP half, so a range may start or stop between a layer's two halves.
 
         Returns (x_TD, kv_pages_PSJH, experts_activated): the last is the number of
-        experts the real tokens activated, summed over the MoE layers of the range.
-        `start` and `end` may be Python ints or traced int32 scalars; traced bounds
-        need a model whose layers are all of one kind, so that one loop body serves
-        every layer and a program can run any layer range it is given.
+        experts the real tokens activated, summed over the range's MoE layers.
+        `lo` and `hi` may be Python ints or traced int32 scalars: one loop body serves
+        every layer (the weights are indexed by the loop counter), so one compiled program
+        runs any range it is given. The loop covers layers [lo // 2, ceil(hi / 2)); a half
+        outside [lo, hi) (only possible in the first and last layer) is predicated off:
+        it writes no KV, activates no expert, and leaves x unchanged. Whole-layer ranges
+        waste nothing; a range cut inside a layer recomputes one attention half at most.
         """
-        cfg = self.config
+        L2 = 2 * self.config.num_hidden_layers
+        if isinstance(lo, int) and isinstance(hi, int) and not 0 <= lo <= hi <= L2:
+            raise ValueError(f"unit range [{lo}, {hi}) outside [0, {L2})")
         token_mask_T = meta.token_mask()
 
-        def layer(i, j, x, kv, is_moe):
-            """Layer i; j is its index in its kind's stack."""
-            x, kv = self._attention(i, x, kv, meta, decode_only, backends.attention)
-            h = rms_norm(x, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
-            if is_moe:
-                y, activated = self._moe(j, h, token_mask_T, backends.moe)
-            else:
-                y, activated = self._dense_mlp(j, h), jnp.int32(0)
-            return x + y, kv, activated
+        def layer(i, carry):
+            x, kv, n = carry
+            do_attn, do_mlp = 2 * i >= lo, 2 * i + 1 < hi
+            attn_meta = dataclasses.replace(meta, slots_T=jnp.where(do_attn, meta.slots_T, -1))
+            x_attn, kv = self._attention(i, x, kv, attn_meta, decode_only, backends.attention)
+            x = jnp.where(do_attn, x_attn, x)
+            x_mlp, activated = self._mlp(i, x, token_mask_T & do_mlp, backends.moe)
+            return jnp.where(do_mlp, x_mlp, x), kv, n + activated
 
-        def loop(lo, hi, stack_offset, is_moe, carry):
-            def body(i, c):
-                x, kv, n = c
-                x, kv, activated = layer(i, i - stack_offset, x, kv, is_moe)
-                return x, kv, n + activated
+        return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
+                                 (x_TD, kv_pages_PSJH, jnp.int32(0)))
 
-            return jax.lax.fori_loop(lo, hi, body, carry)
 
-        carry = (x_TD, kv_pages_PSJH, jnp.int32(0))
-        if isinstance(start, int) and isinstance(end, int):
-            if not 0 <= start <= end <= cfg.num_hidden_layers:
-                raise ValueError(
-                    f"layer range [{start}, {end}) outside [0, {cfg.num_hidden_layers})")
-            for is_moe, s, e in self._segments(start, end):
-                carry = loop(s, e, s - self._stack_index[s], is_moe, carry)
-        else:
-            if not self.uniform_layers:
-                raise ValueError("traced layer bounds need layers of one kind; "
-                                 f"{cfg.model_type} mixes dense and MoE layers")
-            carry = loop(start, end, 0, bool(cfg.moe_layers), carry)
-        return carry
-
-    def _segments(self, start: int, end: int):
-        """Maximal runs of same-kind layers inside [start, end): (is_moe, s, e)."""
-        segs = []
-        for i in range(start, end):
-            kind = self.config.is_moe_layer(i)
-            if segs and segs[-1][0] == kind:
-                segs[-1][2] = i + 1
-            else:
-                segs.append([kind, i, i + 1])
-        return [tuple(seg) for seg in segs]
+KV_CACHE_AXES = ("kv_pages", None, "kv_combined_heads", None)  # logical axes of the pool
 
 
 def init_kv_cache(cfg: ModelConfig, pages_per_layer: int, page_size: int, dtype=None,

@@ -26,8 +26,9 @@ the runner give the operands, and entering the shard_map moves no data:
   heads they read. A kernel needs whole (K, V) pairs, so heads are split only when
   t divides K; otherwise the kernel runs replicated. Page tables and lengths are
   replicated. `write_kv` stays under GSPMD: its scatter keeps the pool's sharding.
-* MoE: expert weights [E, D, 2F] / [E, F, D] split over "expert" (when it divides
-  E; otherwise replicated); see `sharded_moe_ffn`.
+* MoE: expert weights [E, D, 2F] / [E, F, D], or the stacked [L, E, D, 2F] /
+  [L, E, F, D] with a layer index, split over "expert" on their E axis (when it
+  divides E; otherwise replicated); see `sharded_moe_ffn`.
 
 Every shard_map runs with check_vma=False: the kernels declare their outputs with
 plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
@@ -108,24 +109,24 @@ def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_
 
 
 # ------------------------------------------------------------------------ MoE
-def _local_experts_moe(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, expert_offset, *,
+def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
                        top_k, norm_topk_prob, token_mask_T, backend, interpret):
     """The part of `moe.moe_ffn` computed by one shard's experts.
 
-    The weights hold the shard's E_local experts, global ids [expert_offset,
-    expert_offset + E_local); router_logits_TE covers all experts. Routing runs over
-    all of them with `moe.ref.route`, as in moe_ffn, so every shard agrees on each
-    token's experts and weights. Each (token, slot) pair then becomes one row,
-    routed top-1 to its expert's local index (logit 0 there and -inf elsewhere, so
-    its weight is exactly 1); rows whose expert lives on another shard, and rows of
-    padding tokens, are masked out, so the kernel reads only the weights of local
-    experts that have rows. The rows are combined back to tokens with the routing
-    weights in float32.
+    The weights hold the shard's E_local experts ([E_local, ...], or the stacked
+    [L, E_local, ...] with `layer`), global ids [expert_offset, expert_offset +
+    E_local); router_logits_TE covers all experts. Routing runs over all of them
+    with `moe.ref.route`, as in moe_ffn, so every shard agrees on each token's
+    experts and weights. Each (token, slot) pair then becomes one row, routed top-1
+    to its expert's local index (logit 0 there and -inf elsewhere, so its weight is
+    exactly 1); rows whose expert lives on another shard, and rows of padding tokens,
+    are masked out, so the kernel reads only the weights of local experts that have
+    rows. The rows are combined back to tokens with the routing weights in float32.
 
     Returns (this shard's part of y_TD in float32, tokens_per_expert [E_local]).
     """
     T = x_TD.shape[0]
-    E_local = w_gate_up_EDF2.shape[0]
+    E_local = w_gate_up.shape[-3]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     local_ids_TA = expert_ids_TA - expert_offset
     mine_TA = (local_ids_TA >= 0) & (local_ids_TA < E_local) & token_mask_T[:, None]
@@ -133,7 +134,7 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, exper
     local_ids_R = jnp.where(mine_TA, local_ids_TA, 0).reshape(T * top_k)
     local_logits_RE = jnp.where(local_ids_R[:, None] == jnp.arange(E_local), 0.0, -jnp.inf)
     y_RD, stats = moe.moe_ffn(
-        jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up_EDF2, w_down_EFD,
+        jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up, w_down, layer=layer,
         top_k=1, norm_topk_prob=False, backend=backend,
         token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret,
     )
@@ -142,10 +143,14 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, exper
     return y_TD, stats["tokens_per_expert"]
 
 
-def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k,
+def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
                     norm_topk_prob, backend, token_mask_T=None, interpret=None):
     """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
     directly when `mesh` is None).
+
+    Weights as in moe_ffn: [E, D, 2F] / [E, F, D] with layer=None, or the stacked
+    [L, E, D, 2F] / [L, E, F, D] with `layer`, split on their E axis (dim 1 when
+    stacked): each shard addresses the layer inside its own shard, no weight copy.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures: the shards'
     tokens_per_expert are concatenated in expert order, and the rest is derived
@@ -159,28 +164,32 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *,
     feeds the row-per-(token, slot) form the kernel already runs in here.
     """
     if mesh is None:
-        return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, top_k=top_k,
-                           norm_topk_prob=norm_topk_prob, backend=backend,
+        return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
+                           top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
                            token_mask_T=token_mask_T, interpret=interpret)
     T = x_TD.shape[0]
-    experts = _axis_dividing("experts", w_gate_up_EDF2.shape[0], mesh)
+    experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
     if token_mask_T is None:
         token_mask_T = jnp.ones((T,), bool)
+    # The layer index travels as a replicated operand (it may be a loop counter).
+    layer_args = () if layer is None else (jnp.asarray(layer, jnp.int32),)
 
-    def per_shard(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, token_mask_T):
-        E_local = w_gate_up_EDF2.shape[0]
+    def per_shard(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_arg):
+        E_local = w_gate_up.shape[-3]
         offset = 0 if experts is None else jax.lax.axis_index(experts) * E_local
         y_TD, tokens_per_expert_E = _local_experts_moe(
-            x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, offset, top_k=top_k,
-            norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T, backend=backend,
-            interpret=interpret)
+            x_TD, router_logits_TE, w_gate_up, w_down, offset,
+            layer_arg[0] if layer_arg else None,
+            top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T,
+            backend=backend, interpret=interpret)
         if experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
 
-    w_spec = P(experts, None, None)
+    w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
     y_TD, tokens_per_expert_E = jax.shard_map(
-        per_shard, mesh=mesh, in_specs=(P(), P(), w_spec, w_spec, P()),
+        per_shard, mesh=mesh,
+        in_specs=(P(), P(), w_spec, w_spec, P(), *(P() for _ in layer_args)),
         out_specs=(P(), P(experts)), check_vma=False,
-    )(x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, token_mask_T)
-    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up_EDF2, w_down_EFD)
+    )(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_args)
+    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down)

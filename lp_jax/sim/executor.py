@@ -21,8 +21,9 @@ Expert traffic uses the engine's definition: per MoE layer per step, activated e
 one expert's bytes (whole model, not per device). FLOPs and HBM bytes are summed over the
 tp * ep devices, for the energy model.
 
-Optional `prefill_buckets` / `decode_buckets` mimic the engine's padding of token counts to
-compiled sizes (used when calibrating against the real engine).
+Optional `token_buckets` mimic the engine's padding of each call's rows to compiled sizes
+(model_runner.py: decode rows alone, and prefill + decode rows in the prefill group), used
+when calibrating against the real engine.
 """
 
 from __future__ import annotations
@@ -69,16 +70,14 @@ class CostModelExecutor:
         routing: Routing | None = None,
         tile: int = 1,
         calibration: Calibration | None = None,
-        prefill_buckets: tuple[int, ...] | None = None,
-        decode_buckets: tuple[int, ...] | None = None,
+        token_buckets: tuple[int, ...] | None = None,
     ) -> None:
         self.shape, self.hardware = shape, hardware
         self.tp, self.ep, self.tile = tp, ep, tile
         self.devices = tp * ep
         self.calibration = calibration or Calibration()
         self.routing = routing or ZipfRouting()
-        self._prefill_buckets = tuple(sorted(prefill_buckets)) if prefill_buckets else None
-        self._decode_buckets = tuple(sorted(decode_buckets)) if decode_buckets else None
+        self._buckets = tuple(sorted(token_buckets)) if token_buckets else None
         if shape.is_moe:  # solve the routing model once; layer_cost then reads a fixed table
             p_E = self.routing.probs_E(shape.num_experts, shape.top_k)
             self._fixed_routing: Routing = MeasuredRouting(tuple(float(p) for p in p_E))
@@ -142,12 +141,12 @@ class CostModelExecutor:
             if self._window:
                 w = self._window
                 slide = sum(n if n < w else w for n in lens)
-        b_time = self._bucket(B, self._decode_buckets) if B else 0
+        b_time = self._bucket(B, self._buckets) if B else 0
         if chunks:
             a, b = plan.layer_start, plan.layer_end
             mixed = self._range_counts(a, b)
             n_pre = sum(c.end - c.start for c in chunks)
-            t_mix = self._bucket(n_pre, self._prefill_buckets) + b_time
+            t_mix = self._bucket(n_pre + B, self._buckets)
             pre = [(c.end - c.start, c.start) for c in chunks]
         else:
             mixed, n_pre, t_mix, pre = None, 0, 0, []

@@ -59,8 +59,7 @@ class SimConfig:
     tile: int = 1  # grouped-matmul row tile; 1 ignores padding waste
     calibration: Calibration | None = None  # None: the GPU prior
     energy: EnergyModel | None = None  # None: the table entry for the hardware, if any
-    prefill_buckets: tuple[int, ...] | None = None
-    decode_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None  # the engine's row buckets, to mimic padding
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1:
@@ -150,8 +149,7 @@ class Simulator:
         cal = config.calibration or prior_calibration(config.hardware.name)
         self.executor = executor or CostModelExecutor(
             config.shape, config.hardware, tp=config.tp, ep=config.ep, routing=config.routing,
-            tile=config.tile, calibration=cal, prefill_buckets=config.prefill_buckets,
-            decode_buckets=config.decode_buckets,
+            tile=config.tile, calibration=cal, token_buckets=config.token_buckets,
         )  # fmt: skip
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)

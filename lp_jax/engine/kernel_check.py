@@ -1,0 +1,148 @@
+"""Start-up self-test of the Pallas kernels an engine selects, with a safe fallback.
+
+Before warm-up, every Pallas backend the configuration selects runs once on the real
+device: a small random problem with the model's own head and expert shapes, checked
+against the `ref` version. A compile error, a runtime error or a mismatch logs one
+warning naming the backend and the error, and switches that operation to its safe
+backend: the MoE to `xla_tiles` (cost follows the routing, never reads an idle expert),
+attention to `xla`, or on a TPU to `tpu_jax` (JAX's shipped kernel) if it passes the same
+check. `mode="strict"` raises instead, `mode="off"` skips the check.
+
+A one-shot test catches what a first contact with a compiler finds (a layout Mosaic
+rejects, a kernel that faults, wrong numbers), not a rare race; the lowered-module tests
+in tests/test_moe_kernels.py guard those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lp_jax.config import ModelConfig
+from lp_jax.models.qwen3_moe import KernelBackends
+from pallas_kernels import attention, moe
+from pallas_kernels.attention.ref import ref_ragged_paged_attention
+from pallas_kernels.moe.ref import ref_moe_ffn
+
+MODES = ("fallback", "strict", "off")
+SAFE_MOE = ("xla_tiles",)
+SAFE_ATTENTION = {"tpu": ("tpu_jax", "xla")}  # by platform; elsewhere "xla"
+_MAX_EXPERTS = 16  # the check's expert count: the model's E changes only the grid size
+_TOKENS = 24
+
+
+class KernelCheckError(RuntimeError):
+    pass
+
+
+def _tolerance(dtype) -> float:
+    return 2e-2 if jnp.dtype(dtype).itemsize < 4 else 1e-3
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+
+
+def check_moe(cfg: ModelConfig, backend: str, dtype) -> None:
+    """Runs `backend` on stacked weights of two layers (layer 1 addressed in place) for a
+    batch with masked rows; raises on an error or a mismatch with the reference."""
+    E = min(cfg.num_experts, _MAX_EXPERTS)
+    top_k = min(cfg.num_experts_per_tok, E)
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    k = jax.random.split(jax.random.key(0), 4)
+    x_TD = jax.random.normal(k[0], (_TOKENS, D), jnp.float32).astype(dtype)
+    logits_TE = jax.random.normal(k[1], (_TOKENS, E), jnp.float32)
+    w_gate_up = (jax.random.normal(k[2], (2, E, D, 2 * F), jnp.float32) * D**-0.5).astype(dtype)
+    w_down = (jax.random.normal(k[3], (2, E, F, D), jnp.float32) * F**-0.5).astype(dtype)
+    mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
+    kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T)
+    got, _ = jax.jit(lambda *a: moe.moe_ffn(*a, layer=1, backend=backend, **kw))(
+        x_TD, logits_TE, w_gate_up, w_down)
+    want, _ = jax.jit(lambda *a: ref_moe_ffn(*a, **kw))(x_TD, logits_TE, w_gate_up[1],
+                                                         w_down[1])
+    err = _rel_err(got, want)
+    if not err <= _tolerance(dtype):
+        raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
+
+
+def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> None:
+    """Runs `backend`'s ragged (a prefill chunk after cached context, a fresh prompt, a
+    decode token) and decode entry points on a small paged pool; raises on a mismatch."""
+    N, K, H, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, page_size
+    pages_per_seq, num_pages = 4, 16
+    k = jax.random.split(jax.random.key(1), 3)
+    kv = jax.random.normal(k[0], (num_pages, S, 2 * K, H), jnp.float32).astype(dtype)
+    q_lens, ctx = [S + 3, 5, 1], [2 * S + 3, 5, 3 * S - 2]  # context after this step
+    T = sum(q_lens)
+    q = jax.random.normal(k[1], (T, N, H), jnp.float32).astype(dtype)
+    query_start = jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32)
+    seq_lens = jnp.asarray(ctx, jnp.int32)
+    perm = np.asarray(jax.random.permutation(k[2], num_pages))
+    table = jnp.asarray(perm[: 3 * pages_per_seq].reshape(3, pages_per_seq), jnp.int32)
+    scale = H**-0.5
+    args = (q, kv, query_start, seq_lens, table, jnp.int32(3))
+    got = jax.jit(lambda *a: attention.ragged_paged_attention(*a, sm_scale=scale,
+                                                              backend=backend))(*args)
+    want = jax.jit(lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale))(*args)
+    dec_q, dec_lens = q[:3], seq_lens
+    got_dec = jax.jit(lambda *a: attention.decode_attention(*a, sm_scale=scale,
+                                                            backend=backend))(
+        dec_q, kv, dec_lens, table)
+    want_dec = jax.jit(lambda *a: attention.decode_attention(*a, sm_scale=scale,
+                                                             backend="xla"))(
+        dec_q, kv, dec_lens, table)
+    err = max(_rel_err(got, want), _rel_err(got_dec, want_dec))
+    if not err <= _tolerance(dtype):
+        raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
+
+
+def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_size: int,
+                   mode: str = "fallback", log=print) -> tuple[KernelBackends, dict]:
+    """Checks the Pallas backends `backends` resolves to. Returns (the backends to serve
+    with, {op: (backend, None | the error that made it fall back)})."""
+    if mode not in MODES:
+        raise ValueError(f"backends must be one of {MODES}, got {mode!r}")
+    chosen = {"moe": moe.resolve_backend(backends.moe),
+              "attention": attention.resolve_backend(backends.attention)}
+    if backends.moe == "auto" and chosen["moe"] == "gpu" and jnp.dtype(dtype).itemsize != 2:
+        chosen["moe"] = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
+    report = {op: (b, None) for op, b in chosen.items()}
+    if mode == "off":
+        return dataclasses.replace(backends, **chosen), report
+    platform = jax.default_backend()
+    checks = {"moe": (lambda b: check_moe(cfg, b, dtype), SAFE_MOE,
+                      chosen["moe"] in ("tpu", "gpu") and bool(cfg.moe_layers)),
+              "attention": (lambda b: check_attention(cfg, b, dtype, page_size),
+                            SAFE_ATTENTION.get(platform, ("xla",)),
+                            chosen["attention"] != "xla")}
+    for op, (check, safe, is_pallas) in checks.items():
+        if not is_pallas:
+            continue
+        error = _run(check, chosen[op])
+        if error is None:
+            continue
+        if mode == "strict":
+            raise KernelCheckError(f"{op} backend {chosen[op]!r} failed its start-up check "
+                                   f"(backends='strict'): {error}")
+        fallback = next(b for b in safe if b in ("xla", "xla_tiles") or _run(check, b) is None)
+        log(f"WARNING: {op} backend {chosen[op]!r} failed its start-up check ({error}); "
+            f"serving with {fallback!r}")
+        report[op] = (fallback, f"{chosen[op]}: {error}")
+        chosen[op] = fallback
+    return dataclasses.replace(backends, **chosen), report
+
+
+def _run(check, backend) -> str | None:
+    """None if `check(backend)` passes, else a one-line description of what failed."""
+    try:
+        check(backend)
+    except Exception as e:  # noqa: BLE001 - any failure of a kernel means: do not serve it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {first[:300]}"
+    return None

@@ -1,0 +1,96 @@
+"""The start-up self-test of the Pallas kernels, and the fallback when one fails.
+
+CPU stands in for the device: the kernels run in the Pallas interpreter, and a failure
+is simulated by breaking a kernel (wrong numbers, or an exception like a compile error).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.make_tiny import ensure_tiny
+from lp_jax.config import ModelConfig
+from lp_jax.engine.kernel_check import KernelCheckError, check_backends
+from lp_jax.models.qwen3_moe import KernelBackends
+from pallas_kernels.attention import tpu as attention_tpu
+from pallas_kernels.moe import tpu as moe_tpu
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return ModelConfig.from_pretrained(ensure_tiny(preset="tiny-h128"))
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
+
+
+def _wrong_moe(real):
+    def broken(*args, **kwargs):
+        y, stats = real(*args, **kwargs)
+        return y * 1.5, stats
+    return broken
+
+
+def _failing_attention(*args, **kwargs):
+    raise RuntimeError("Mosaic: offsets along tiled dimensions must be aligned (simulated)")
+
+
+def test_working_kernels_pass_and_are_kept(cfg, interpret):
+    logs = []
+    chosen, report = check_backends(cfg, KernelBackends(moe="tpu", attention="tpu"),
+                                    jnp.float32, page_size=16, log=logs.append)
+    assert (chosen.moe, chosen.attention) == ("tpu", "tpu")
+    assert report == {"moe": ("tpu", None), "attention": ("tpu", None)} and not logs
+
+
+def test_a_wrong_or_failing_kernel_falls_back_with_one_warning(cfg, interpret, monkeypatch):
+    monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", _wrong_moe(moe_tpu.moe_ffn_tpu))
+    monkeypatch.setattr(attention_tpu, "ragged_paged_attention", _failing_attention)
+    logs = []
+    chosen, report = check_backends(cfg, KernelBackends(moe="tpu", attention="tpu"),
+                                    jnp.float32, page_size=16, log=logs.append)
+    assert (chosen.moe, chosen.attention) == ("xla_tiles", "xla")
+    assert "relative error" in report["moe"][1] and "Mosaic" in report["attention"][1]
+    assert len(logs) == 2 and all(m.startswith("WARNING") for m in logs)
+    assert "'tpu'" in logs[0] and "xla_tiles" in logs[0]
+
+
+def test_strict_turns_the_fallback_into_an_error(cfg, interpret, monkeypatch):
+    monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", _wrong_moe(moe_tpu.moe_ffn_tpu))
+    with pytest.raises(KernelCheckError, match="moe backend 'tpu' failed"):
+        check_backends(cfg, KernelBackends(moe="tpu", attention="xla"), jnp.float32,
+                       page_size=16, mode="strict")
+
+
+def test_xla_backends_need_no_check(cfg, monkeypatch):
+    monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", _failing_attention)  # never called
+    chosen, report = check_backends(cfg, KernelBackends(), jnp.float32, page_size=16)
+    assert (chosen.moe, chosen.attention) == ("xla_tiles", "xla")  # "auto" on CPU
+
+
+def test_engine_serves_with_the_fallback_and_reports_it(interpret, monkeypatch):
+    """A broken MoE kernel at start-up: the engine serves with xla_tiles, gives the plain
+    model's tokens, and says so in stats() and /metrics."""
+    from lp_jax import LLM, SamplingParams
+    from lp_jax.loader import load_model
+    from lp_jax.models.simple import greedy_generate
+    from lp_jax.server.metrics import ServerMetrics
+
+    monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", _wrong_moe(moe_tpu.moe_ffn_tpu))
+    path = ensure_tiny(preset="tiny-h128")
+    llm = LLM(model=str(path), scheduling="chunked", max_num_seqs=2, max_model_len=128,
+              max_num_batched_tokens=32, token_buckets=(2, 32), moe_backend="tpu",
+              attention_backend="xla", compilation_cache_dir=None, log=None)
+    s = llm.stats()
+    assert s["kernel_backends"] == {"moe": "xla_tiles", "attention": "xla"}
+    assert set(s["kernel_fallbacks"]) == {"moe"}
+    prompt = np.random.default_rng(0).integers(0, 509, 20).tolist()
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == greedy_generate(load_model(path), prompt, 4)
+    metrics = ServerMetrics("tiny")
+    metrics.update_from_engine(llm.stats(), running=0, waiting=0)
+    assert 'lp:kernel_backend_info{model_name="tiny",op="moe",backend="xla_tiles"} 1' in \
+        metrics.render()

@@ -1,0 +1,111 @@
+"""The compiled program set stays small: one program per row bucket, whatever the policy.
+
+Start-up is part of the product: default arguments must start on any checkpoint, with at
+most 32 backend compilations per engine (every one counted: loading, the KV pool, the step
+programs), several engines in one process (XLA:CPU maps ~500 memory regions per program;
+a process holding ~120 programs aborts), and no program count that grows with the layer
+count or the number of layer groups.
+
+OPTIONS is the hook for later features: each entry re-runs the start-up test with its
+engine options on (a new feature must add rows to the buckets, not new program keys).
+"""
+
+import numpy as np
+import pytest
+
+from lp_jax import LLM, SamplingParams
+from lp_jax.engine.layer_groups import split_layers
+from lp_jax.engine.model_runner import resolve_buckets
+from lp_jax.engine.plan import PrefillChunk, StepPlan
+from lp_jax.engine.sampling_params import SamplingParams as SP
+from lp_jax.engine.sequence import Sequence
+from lp_jax.engine.step import default_token_buckets
+
+MAX_PROGRAMS = 32
+ENGINES = {  # default arguments, with the policies and budgets a user would try first
+    "orca": dict(scheduling="orca"),
+    "chunked": dict(scheduling="chunked"),
+    "layered": dict(scheduling="layered"),
+    "layered-256": dict(scheduling="layered", max_num_batched_tokens=256),
+}
+OPTIONS = {"defaults": {}}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_default_engines_start_in_one_process_and_match_golden(option, tiny_dir):
+    """The tiny checkpoint has max_position_embeddings 4096 (so max_model_len 4096): with
+    the old (prefill x decode x group) keys its default layered engine compiled 104+
+    programs and aborted the process; now four engines start side by side and each
+    reproduces the Hugging Face golden tokens without compiling while serving."""
+    golden = np.load("tests/golden/tiny.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
+    want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
+    engines = {}
+    for name, kw in ENGINES.items():
+        llm = engines[name] = LLM(tiny_dir, compilation_cache_dir=None, log=None, **kw,
+                                  **OPTIONS[option])
+        startup = llm.stats()["startup_compilations"]
+        assert llm.stats()["programs"] <= startup <= MAX_PROGRAMS, (name, llm.stats())
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in outs] == want, name
+        assert llm.stats()["compilations_after_warmup"] == 0
+    assert len(engines) == len(ENGINES)  # all alive at once
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 32, 128, 256])
+@pytest.mark.parametrize("budget", [256, 512, 2048, 8192, 16384])
+def test_program_count_is_bounded_and_layered_close_to_chunked(budget, max_num_seqs):
+    """Counts for any model (they depend on the budget and max_num_seqs only; the layer
+    count and G never enter): at most 32 (beside ~2 start-up compiles), and layered within
+    1.5x chunked at the same budget and max_num_seqs."""
+    if budget < max_num_seqs:
+        pytest.skip("chunked needs a budget of at least max_num_seqs")  # a config error
+    chunked = len(resolve_buckets(None, "chunked", budget, max_num_seqs))
+    layered = len(resolve_buckets(None, "layered", budget, max_num_seqs))
+    assert layered <= MAX_PROGRAMS - 4 and layered <= 1.5 * chunked
+
+
+def test_default_buckets_bound_padding():
+    buckets = default_token_buckets(8224)
+    assert buckets[0] == 1 and buckets[-1] == 8224 and len(buckets) == 19
+    for n in range(1, 8225):
+        b = next(b for b in buckets if n <= b)
+        assert b < 2 * n or n == 1 or b == n
+        if n > 512:
+            assert b <= 1.5 * n
+
+
+def _seq(i, n, *, decoding=False):
+    s = Sequence(i, list(range(1, n + 1)), SP(max_tokens=4))
+    if decoding:
+        s.num_computed_tokens = n
+    return s
+
+
+@pytest.mark.parametrize("group", [0, 1, 3])
+def test_a_layered_plan_becomes_calls_over_its_group(group):
+    """Decode rows cross layers [0, a) and [b, L) alone, and join the prefill rows in the
+    group [a, b): no prefill row is carried through a layer it does not need."""
+    from lp_jax.engine.model_runner import ModelRunner
+
+    L, G = 8, 4
+    a, b = split_layers(L, G)[group]
+    chunks = (PrefillChunk(_seq(0, 100), 0, 100),)
+    decode = (_seq(1, 5, decoding=True), _seq(2, 9, decoding=True))
+    plan = StepPlan(0, L, decode, chunks, prefill_batch_id=0, layer_start=a, layer_end=b,
+                    group_index=group, num_groups=G)
+    runner = object.__new__(ModelRunner)  # only the host-side planning, no model
+    runner.L = L
+    runner.spec = type("Spec", (), {"max_num_seqs": 4})()
+    calls, mixed = runner._plan_calls(plan, None)
+    units = [c.units for c in calls]
+    expected = ([(0, 2 * a)] if a else []) + [(2 * a, 2 * b)] + ([(2 * b, 2 * L)] if b < L else [])
+    assert units == expected and calls[mixed].units == (2 * a, 2 * b)
+    assert [len(c.tokens) for c in calls] == [2 if c is not calls[mixed] else 102 for c in calls]
+    pre_src = calls[mixed].src[2:]
+    assert (pre_src == -1).all() if a == 0 else (pre_src == 4 + np.arange(100)).all()
+    pre_dst = calls[mixed].dst[2:]
+    assert (pre_dst == -1).all() if b == L else (pre_dst == 4 + np.arange(100)).all()
+    samplers = [c for c in calls if c.sample_rows]
+    assert len(samplers) == 1 and samplers[0] is calls[-1]
