@@ -1,0 +1,78 @@
+"""python -m lp_jax.aot: compile (TPU) or export (cuda) the engine's programs, and audit them.
+
+    python -m lp_jax.aot --platform cuda --preset qwen3-30b-a3b --scheduling layered \\
+        --out runs/aot/h200
+    python -m lp_jax.aot --platform tpu --topology v6e:2x4 --mesh 1,8,1 \\
+        --preset qwen3-30b-a3b --out runs/aot/v6e-8
+
+No weights are needed: a preset (checkpoints/configs/) or a config.json, plus the engine
+arguments that shape the programs. Exits 1 on an audit violation, 2 on a configuration
+that cannot fit or compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lp_jax.aot import PRESETS, AotConfig, load_config, run
+from lp_jax.aot.audit import describe
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lp_jax.aot", description=__doc__.split("\n")[0])
+    ap.add_argument("--platform", choices=("tpu", "cuda"), required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--config", help="a config.json, or a directory holding one")
+    ap.add_argument("--scheduling", default="layered", choices=("orca", "chunked", "layered"))
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--kv-pages", type=int, default=None,
+                    help="pages per layer (default: max-num-seqs full-length sequences)")
+    ap.add_argument("--mesh", default=None,
+                    help="data,expert,tensor (or expert,tensor); default: every device of "
+                         "the TPU slice on the expert axis, one device for cuda")
+    ap.add_argument("--topology", default="v6e:2x4", help="TPU slice, e.g. v6e:2x4, v5e:4x4")
+    ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    ap.add_argument("--token-buckets", default=None,
+                    help="comma-separated row buckets (default: the engine's)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    try:
+        model_cfg = load_config(args.preset or args.config)
+        cfg = AotConfig(
+            platform=args.platform, scheduling=args.scheduling,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+            kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
+            dtype=args.dtype,
+            token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
+                           if args.token_buckets else None))
+        summary = run(model_cfg, cfg, Path(args.out))
+    except (ValueError, RuntimeError) as e:
+        message = str(e)
+        print(f"error: {message[:2000]}{' ...' if len(message) > 2000 else ''}", file=sys.stderr)
+        return 2
+    print(describe(summary))
+    print(f"wrote {args.out}/summary.json and {summary['num_programs']} StableHLO files")
+    return 1 if summary["violations"] else 0
+
+
+def _mesh(args) -> tuple[int, int, int]:
+    if args.mesh:
+        dims = tuple(int(d) for d in args.mesh.split(","))
+        return dims if len(dims) == 3 else (1, *dims)
+    if args.platform == "cuda":
+        return (1, 1, 1)
+    from pallas_kernels.compile_targets import tpu_topology_devices
+
+    return (1, len(tpu_topology_devices(args.topology)), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The audit of an ahead-of-time lowered program: no weight copies, a donated KV pool.
+
+Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
+
+1. No value has the shape of one layer's expert weights ([E, D, 2F] or [E, F, D], global
+   or per device), anywhere in the StableHLO or (TPU) the optimized HLO. The MoE kernels
+   take the whole stacked parameter plus a layer index and address the layer themselves;
+   a slice of that shape is a copy of one layer's experts (1.2 GB for Qwen3-30B-A3B).
+2. The KV pool argument is donated and aliased to an output.
+3. TPU, decode-sized programs (at most max_num_seqs rows): temporary bytes stay below
+   one layer's expert bytes per device, so a step cannot be hiding a copy of a layer.
+   Larger programs hold activations that grow with their rows (8,224 prefill rows of
+   Qwen3-30B-A3B: ~0.8 GiB), beyond one layer's experts on an 8-way expert mesh; their
+   temporaries are reported, and rule 1 still holds for them.
+
+Listed, not violations: XLA ops that take a one-layer slice of another stacked parameter
+(attention projections, norms, the router). XLA may address those in place (TPU operand
+fusion, GPU dynamic-slice fusion) or copy them; on TPU the temporaries in rule 3 say which.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax
+
+_TENSOR = re.compile(r"tensor<([0-9x]+)x([a-z0-9]+)>")
+_HLO_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]")
+_PALLAS_CALLS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton")
+
+
+def _slice_shapes(build) -> tuple[set, dict]:
+    """(expert slice shapes, {shape: parameter} of other stacked parameters' slices), each
+    as both the global and the per-device one-layer shape."""
+    experts, others = set(), {}
+    leaves = jax.tree_util.tree_flatten_with_path(build.args[0])[0]
+    L = build.model_config.num_hidden_layers
+    for path, x in leaves:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if x.ndim < 2 or "layers" not in name:
+            continue
+        local = x.sharding.shard_shape(x.shape)
+        # one layer, squeezed or as the [1, ...] a dynamic_slice produces
+        shapes = {s for one in (x.shape[1:], local[1:]) for s in (tuple(one), (1, *one))}
+        if "experts_" in name:
+            experts |= shapes
+        elif x.shape[0] <= L and x.ndim >= 3:  # [L, a, b]: one layer is a matrix
+            short = name.split("/")[-2] if "/" in name else name
+            for s in shapes:
+                others[s] = "|".join(sorted({*others.get(s, "").split("|"), short} - {""}))
+    return experts, others
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.replace(",", "x").split("x") if d)
+
+
+def audit_program(rec: dict, build) -> dict:
+    """Checks one lowered program (a record from `lp_jax.aot.lower_program`). Returns
+    {"violations": [...], "listed": {...}}."""
+    experts, others = _slice_shapes(build)
+    violations, slices, pallas = [], Counter(), Counter()
+    for line in rec["stablehlo"].splitlines():
+        shapes = {_dims(m.group(1)) for m in _TENSOR.finditer(line)}
+        op = line.strip()[:160]
+        bad = shapes & experts
+        if bad:
+            violations.append(f"a value shaped like one layer's experts {sorted(bad)}: {op}")
+        if "dynamic_slice" in line:
+            for s in shapes & set(others):
+                slices[others[s]] += 1
+        for call in _PALLAS_CALLS:
+            if f"@{call}" in line:
+                pallas[call] += 1
+    hlo = rec.get("optimized_hlo")
+    if hlo:
+        for line in hlo.splitlines():
+            shapes = {_dims(m.group(2)) for m in _HLO_SHAPE.finditer(line)}
+            if shapes & experts:
+                violations.append(f"optimized HLO holds one layer's experts: {line.strip()[:160]}")
+    violations += _check_donation(rec, build)
+    mem = rec.get("memory")
+    limit = build.layer_expert_bytes_per_device
+    if mem and limit and rec["rows"] <= build.spec.max_num_seqs and mem["temp"] >= limit:
+        violations.append(f"temporaries {mem['temp'] / 2**20:.0f} MiB >= one layer's experts "
+                          f"{limit / 2**20:.0f} MiB per device")
+    return {"violations": violations,
+            "listed": {"sliced_for_xla_dots": dict(slices), "pallas_calls": dict(pallas)}}
+
+
+def _check_donation(rec: dict, build) -> list[str]:
+    """The main function's KV-pool argument carries a donation / output alias."""
+    kv = build.args[1]
+    want = "x".join(str(d) for d in kv.shape)
+    text = rec["stablehlo"]
+    start = text.find("func.func public @main(")
+    header = text[start : text.find("{\n", start)] if start >= 0 else ""
+    for arg in re.split(r", %arg", header):
+        if f"tensor<{want}x" in arg:
+            if "tf.aliasing_output" in arg or "jax.buffer_donor" in arg:
+                return []
+            return [f"the KV pool argument (tensor<{want}x...>) is not donated: {arg[:200]}"]
+    return [f"no KV pool argument of shape {kv.shape} in main()"]
+
+
+def describe(summary: dict) -> str:
+    """A short text report of a run's audit."""
+    lines = []
+    for p in summary["programs"]:
+        listed = p["listed"]
+        lines.append(f"rows {p['rows']}: pallas calls {listed['pallas_calls']}, "
+                     f"XLA dots on sliced weights {listed['sliced_for_xla_dots']}")
+    v = summary["violations"]
+    lines.append(f"audit: {'PASS' if not v else f'{len(v)} violations'}")
+    lines += [f"  {x}" for x in v[:50]]
+    return "\n".join(lines)
