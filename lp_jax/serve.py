@@ -4,7 +4,10 @@ Engine flags are named as vLLM names them where the meaning is the same
 (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--load-format`,
 `--dtype`, `--seed`); the rest are lp_jax's own (`--scheduling`, `--layer-groups`, ...).
 
-    lp-serve --model /path/to/Qwen3-30B-A3B --scheduling layered --port 8000
+    LP_API_KEY=... lp-serve --model /path/to/Qwen3-30B-A3B --scheduling layered --port 8000
+
+SIGTERM drains: new requests get 503, those in flight get `--shutdown-grace` seconds to
+finish, then the process exits 0. Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -12,12 +15,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+from pathlib import Path
 
 
 def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
     return v
 
 
@@ -46,11 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; "
+                        "the LP_API_KEY environment variable keeps it out of the process list")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key")
     s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use [default: --model, or 'tiny']")
+                   help="model name(s) clients use [default: the --model directory's name, "
+                        "or 'tiny']")
     s.add_argument("--max-waiting", type=_positive_int, default=None,
-                   help="requests allowed to wait for admission; beyond it: 503 + Retry-After")
+                   help="requests allowed to wait beyond the free slots (--max-num-seqs); "
+                        "beyond it: 503 + Retry-After")
+    s.add_argument("--read-timeout", type=_positive_float, default=60.0,
+                   help="seconds a client has to send a request's headers, and then its body")
+    s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--log-level", default="info")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--mock-engine", action="store_true",
@@ -76,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None)
     e.add_argument("--moe-backend", default="auto")
     e.add_argument("--attention-backend", default="auto")
+    e.add_argument("--backends", default="fallback", choices=("fallback", "strict", "off"),
+                   help="start-up self-test of the Pallas kernels: fall back to a safe "
+                        "backend, fail, or skip it")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--prefill-buckets", type=_int_tuple, default=None)
-    e.add_argument("--decode-buckets", type=_int_tuple, default=None)
+    e.add_argument("--token-buckets", type=_int_tuple, default=None,
+                   help="row counts to compile a step program for [default: powers of two "
+                        "to 512, then x1.5 steps to the budget]")
     e.add_argument("--no-warmup", dest="warmup", action="store_false")
     e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="commit each step before planning the next")
@@ -90,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
-                "moe_backend", "attention_backend", "seed", "prefill_buckets",
-                "decode_buckets", "warmup", "async_scheduling")
+                "moe_backend", "attention_backend", "backends", "seed", "token_buckets", "warmup",
+                "async_scheduling")
 
 
 def engine_config(args):
@@ -129,11 +154,14 @@ def main(argv=None) -> None:
     engine = build_engine(args, log=log.info)
     from lp_jax.server import OpenAIServer, serve
 
-    names = args.served_model_name or [args.model or "tiny"]
-    server = OpenAIServer(engine, served_model_names=names, api_key=args.api_key,
-                          max_waiting=args.max_waiting)
+    names = args.served_model_name or [Path(args.model).name if args.model else "tiny"]
+    server = OpenAIServer(engine, served_model_names=names,
+                          api_key=args.api_key or os.environ.get("LP_API_KEY"),
+                          max_waiting=args.max_waiting, metrics_public=args.metrics_public,
+                          read_timeout=args.read_timeout)
     try:
-        asyncio.run(serve(server, args.host, args.port, access_log=args.access_log))
+        asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,
+                          grace_s=args.shutdown_grace))
     except KeyboardInterrupt:
         pass
 

@@ -11,7 +11,7 @@ from lp_jax.engine.sampling_params import SamplingParams
 def test_defaults():
     sp = SamplingParams()
     assert (sp.temperature, sp.top_k, sp.top_p, sp.seed) == (1.0, -1, 1.0, None)
-    assert (sp.max_tokens, sp.stop_token_ids, sp.ignore_eos) == (16, (), False)
+    assert (sp.max_tokens, sp.stop_token_ids, sp.ignore_eos) == (16, frozenset(), False)
     assert not sp.greedy
 
 
@@ -20,7 +20,7 @@ def test_valid_values():
         temperature=0, top_k=1, top_p=0.01, seed=0, max_tokens=1, stop_token_ids=[5, 0]
     )
     assert sp.greedy
-    assert sp.stop_token_ids == (5, 0)  # a list is stored as a tuple
+    assert sp.stop_token_ids == {5, 0}  # a list is stored as a frozenset (O(1) checks)
     assert SamplingParams(temperature=2.5, top_k=50, top_p=1).top_p == 1
 
 
@@ -60,6 +60,7 @@ def test_frozen_slotted_hashable():
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(65))}, "at most 64 stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
     ],
 )

@@ -36,7 +36,7 @@ def server(tiny_dir):
     engine = LLMEngine(EngineConfig(
         model=str(tiny_dir), scheduling="chunked", max_num_seqs=8, max_model_len=256,
         max_num_batched_tokens=256,
-        prefill_buckets=(64, 256), decode_buckets=(8,), compilation_cache_dir=None), log=None)
+        token_buckets=(8, 64, 256), compilation_cache_dir=None), log=None)
     st = ServerThread(OpenAIServer(engine, served_model_names=[MODEL], max_waiting=1000))
     st.start()
     yield st

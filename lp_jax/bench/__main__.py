@@ -148,7 +148,7 @@ async def run(args) -> dict:
             try:
                 from lp_jax.server.prometheus import parse_text
 
-                text = await _get_json(f"{base}/metrics", None)
+                text = await _get_json(f"{base}/metrics", args.api_key)
                 run_out["server_metrics"] = {k: v for k, v in parse_text(text).items()
                                              if "_bucket{" not in k}
             except Exception as exc:  # noqa: BLE001 - optional

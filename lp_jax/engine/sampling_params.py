@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_STOP_TOKEN_IDS = 64  # every sampled token is checked against them, like `stop` strings
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -22,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 disables nucleus sampling
     seed: int | None = None
     max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -52,7 +54,10 @@ class SamplingParams:
         for t in stop:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r} in {stop}")
-        object.__setattr__(self, "stop_token_ids", stop)  # accept lists, store a hashable tuple
+        if len(set(stop)) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(set(stop))}")
+        # accept any sequence; a frozenset makes the per-token stop check O(1)
+        object.__setattr__(self, "stop_token_ids", frozenset(stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

@@ -8,17 +8,18 @@ Endpoints
 | --- | --- |
 | `POST /v1/completions` | text completion; `prompt` is a string or a list of token ids |
 | `POST /v1/chat/completions` | chat; `messages` rendered with the model's chat template |
-| `GET /v1/models` | the served model name(s), with `max_model_len` |
-| `GET /health` | 200 `{"status": "ok"}`; 503 once the engine thread has died |
+| `GET /v1/models` | the served model name(s), with `max_model_len` (never the model's path) |
+| `GET /health` | 200 `{"status": "ok"}`; 503 while draining or once the engine thread died |
 | `GET /metrics` | Prometheus text format; names in lp_jax/server/metrics.py |
 
 Request fields: `model` (optional; if given it must be a served name, else 404),
 `max_tokens` (chat: also `max_completion_tokens`; default: the rest of the context;
 `prompt + max_tokens > max_model_len` is a 400), `temperature` (0 is greedy, at most 100),
-`top_p`, `top_k` (-1 or 0 disable it), `seed`, `stop` (a string or up to 16 strings: matched
-on the detokenized text, the output is cut before the match and `finish_reason` is "stop"),
-`stop_token_ids` (as vLLM), `stream`, `stream_options.include_usage`, `n` (1 only),
-and the extensions `priority` (int, lower is served first) and `ignore_eos` (bool).
+`top_p`, `top_k` (-1 or 0 disable it), `seed` (0 to 2**31 - 1, the range the sampler keys
+on; wider seeds would collide, so they are a 400), `stop` (a string or up to 16 strings:
+matched on the detokenized text, the output is cut before the match and `finish_reason` is
+"stop"), `stop_token_ids` (up to 64, as vLLM), `stream`, `stream_options.include_usage`,
+`n` (1 only), and the extensions `priority` (int, lower is served first) and `ignore_eos`.
 `logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools` and non-text `response_format`
 are rejected with 400 and a message naming the field. Unknown fields are ignored.
 
@@ -28,12 +29,22 @@ When streaming, the last chunk before `data: [DONE]` always carries it: the chun
 empty `choices` and `usage`, as OpenAI sends it. Streams send one chunk per generated token
 (its text may be empty while a multi-byte character or a possible stop string is held back).
 
-Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`: 400 for
-malformed JSON and bad fields, 401 for a missing or wrong API key (`--api-key`; only /v1
-routes need it), 404 for an unknown model or path, 413 for bodies over 32 MiB, 503 with
-`Retry-After` when `--max-waiting` requests already wait for admission, and 500 when the
-engine has failed. A stream that fails after its first chunk ends with an error event and
-`[DONE]`.
+The body is read as JSON whatever its Content-Type (`curl -d` sends a form content type);
+a body that is not a JSON object is a 400. Strings with a lone UTF-16 surrogate (`"\\ud800"`)
+are a 400 naming the field.
+
+Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`, aiohttp's own
+400s for a malformed request line or header included: 400 for malformed JSON and bad fields,
+401 for a missing or wrong API key (`--api-key` or the `LP_API_KEY` environment variable;
+/v1 routes and, unless `--metrics-public`, /metrics need it; the scheme `Bearer` in any
+case), 404 for an unknown model or path, 408 for a body that does not arrive within
+`--read-timeout`, 413 for a body larger than a prompt of `max_model_len` tokens can use
+(see app.py), 503 with `Retry-After` when `--max-waiting` requests already wait beyond the
+free slots or the server is draining, and 500 when the engine has failed. A stream that
+fails after its first chunk ends with an error event and `[DONE]`.
+
+Shutdown: on SIGTERM the server refuses new requests (503), gives those in flight
+`--shutdown-grace` seconds to finish, aborts the rest, and exits 0.
 """
 
 from lp_jax.server.app import OpenAIServer, ServerThread, serve

@@ -1,13 +1,28 @@
-"""The OpenAI-compatible HTTP server on aiohttp. See lp_jax/server/__init__.py for the API."""
+"""The OpenAI-compatible HTTP server on aiohttp. See lp_jax/server/__init__.py for the API.
+
+Limits that keep one client from stalling the others:
+- a request body may be at most what a prompt of `max_model_len` tokens can fill (each
+  token at its widest, see `max_token_bytes`) plus `BODY_ROOM_BYTES`; a prompt text that
+  is longer than `max_model_len` such tokens is refused before it is tokenized;
+- tokenizing and chat templates run on worker threads, never on the event loop;
+- a connection must deliver a request's headers within `read_timeout` of opening (or of
+  its previous response; aiohttp's keep-alive timer), and the body within `read_timeout`
+  of the headers (408);
+- aiohttp's own 4xx (a malformed request line, an oversized header, found before any route
+  runs) get OpenAI error bodies from `_Protocol`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from aiohttp import web
 
@@ -21,7 +36,12 @@ from lp_jax.server.protocol import APIError
 
 log = logging.getLogger("lp_jax.server")
 
-MAX_BODY_BYTES = 32 * 2 ** 20
+# Room in a request body for everything but the prompt: JSON syntax, the other fields
+# (16 stop strings of 512 characters take up to 100 KiB escaped), chat message wrappers.
+BODY_ROOM_BYTES = 2 ** 20
+READ_TIMEOUT_S = 60.0
+# After a drain, handlers still running are cancelled this long into the runner's cleanup.
+_CLEANUP_TIMEOUT_S = 1.0
 SERVER_KEY = web.AppKey("lp_server", object)
 RETRY_AFTER_S = 1
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -37,34 +57,56 @@ def _sse(obj) -> bytes:
 
 
 def error_response(err: APIError) -> web.Response:
-    return web.Response(status=err.status, text=_dumps(err.body()),
+    # ASCII escapes: a message that quotes the request can never fail to encode.
+    return web.Response(status=err.status, text=json.dumps(err.body()),
                         content_type="application/json", headers=err.headers)
+
+
+def max_token_bytes(tokenizer, vocab_size: int) -> int:
+    """The most bytes one prompt token can take in a request body: the longest token written
+    as JSON with ASCII escapes (the widest a client can write it), +1 for the leading space
+    that SentencePiece decoders drop from a lone token; or one token id and its separator."""
+    widest_id = len(str(vocab_size - 1)) + 2  # "123, "
+    if tokenizer is None:
+        return widest_id
+    texts = tokenizer.decode_batch([[i] for i in range(tokenizer.get_vocab_size())],
+                                   skip_special_tokens=False)
+    return max(widest_id, max(len(json.dumps(t)) - 2 for t in texts) + 1)
 
 
 class OpenAIServer:
     """Wraps an engine (LLMEngine or anything with its interface) in the HTTP API.
 
     The engine is used only from the engine thread (see engine_loop.py). `start()` the
-    engine loop, then serve `make_app()` with aiohttp, or use `ServerThread`.
+    engine loop, then serve `make_runner()` with aiohttp, or use `ServerThread` or `serve`.
+    `api_key` guards /v1 and, unless `metrics_public`, /metrics.
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, metrics_public: bool = False,
+                 read_timeout: float = READ_TIMEOUT_S):
         self.engine = engine
-        names = list(served_model_names or [])
-        if not names:
-            names = [str(getattr(engine, "model_dir", None) or "lp-jax")]
-        self.served_model_names = names
-        self.model_name = names[0]
-        self.api_key = api_key
+        model_dir = getattr(engine, "model_dir", None)
+        # The default name is the directory's, never its path: /v1/models is public.
+        self.served_model_names = list(served_model_names or [])
+        if not self.served_model_names:
+            self.served_model_names = [Path(model_dir).name if model_dir else "lp-jax"]
+        self.model_name = self.served_model_names[0]
+        self._api_key = api_key.encode() if api_key else None
+        self.metrics_public = metrics_public
+        self.read_timeout = read_timeout
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.scheduler.config.max_model_len
-        self.chat = ChatFormatter.from_model_dir(getattr(engine, "model_dir", None),
-                                                 self.tokenizer)
+        self.max_prompt_bytes = self.max_model_len * max_token_bytes(self.tokenizer,
+                                                                     self.vocab_size)
+        self.max_body_bytes = self.max_prompt_bytes + BODY_ROOM_BYTES
+        self.chat = ChatFormatter.from_model_dir(model_dir, self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
         self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics)
         self.created = int(time.time())
+        self.draining = False
+        self._inflight = 0  # generation handlers running
 
     def start(self) -> OpenAIServer:
         self.engine_loop.start()
@@ -73,9 +115,20 @@ class OpenAIServer:
     def shutdown(self) -> None:
         self.engine_loop.shutdown()
 
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests (503) and wait up to `grace_s` for those in flight."""
+        self.draining = True
+        log.info("draining: %d requests in flight, %g s to finish", self._inflight, grace_s)
+        deadline = time.monotonic() + grace_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._inflight:
+            log.warning("%d requests still in flight after %g s: aborting them",
+                        self._inflight, grace_s)
+
     # ------------------------------------------------------------------- app
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES,
+        app = web.Application(client_max_size=self.max_body_bytes,
                               middlewares=[self._error_middleware, self._auth_middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -84,6 +137,14 @@ class OpenAIServer:
         app.router.add_get("/metrics", self.prometheus)
         app[SERVER_KEY] = self
         return app
+
+    def make_runner(self, *, access_log: bool = False) -> web.AppRunner:
+        """An aiohttp runner for `make_app()`. The handler of a closed connection is cancelled
+        (which aborts its request); the keep-alive timer is the header read timeout."""
+        kwargs = {} if access_log else {"access_log": None}
+        return _Runner(self.make_app(), handler_cancellation=True,
+                       keepalive_timeout=self.read_timeout,
+                       shutdown_timeout=_CLEANUP_TIMEOUT_S, **kwargs)
 
     @web.middleware
     async def _error_middleware(self, request, handler):
@@ -107,16 +168,25 @@ class OpenAIServer:
 
     @web.middleware
     async def _auth_middleware(self, request, handler):
-        if self.api_key is not None and request.path.startswith("/v1"):
-            auth = request.headers.get("Authorization", "")
-            if auth != f"Bearer {self.api_key}":
+        if self._api_key is not None and self._needs_key(request):
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            # surrogatepass: any header text encodes, and distinct texts stay distinct.
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(
+                    key.strip().encode("utf-8", "surrogatepass"), self._api_key)):
                 self.metrics.rejected.inc(reason="unauthorized")
                 raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                type="authentication_error", code="invalid_api_key")
         return await handler(request)
 
+    def _needs_key(self, request) -> bool:
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else request.path
+        return path.startswith("/v1") or (path == "/metrics" and not self.metrics_public)
+
     # ------------------------------------------------------------- endpoints
     async def health(self, request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if self.engine_loop.healthy:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unhealthy", "error": self.engine_loop.error},
@@ -124,7 +194,6 @@ class OpenAIServer:
 
     async def models(self, request) -> web.Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "lp_jax",
-                 "root": str(getattr(self.engine, "model_dir", name)),
                  "max_model_len": self.max_model_len} for name in self.served_model_names]
         return web.json_response({"object": "list", "data": data})
 
@@ -141,27 +210,62 @@ class OpenAIServer:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def completions(self, request) -> web.StreamResponse:
-        req = self._checked(protocol.parse_completion, await request.read())
-        return await self._generate(request, req)
+        return await self._generate(request, protocol.parse_completion)
 
     async def chat_completions(self, request) -> web.StreamResponse:
-        req = self._checked(protocol.parse_chat, await request.read())
-        return await self._generate(request, req)
+        return await self._generate(request, protocol.parse_chat)
 
     # -------------------------------------------------------------- requests
-    def _checked(self, parse, raw: bytes):
+    async def _generate(self, request, parse) -> web.StreamResponse:
+        self._inflight += 1
         try:
-            req = parse(protocol.parse_json(raw))
+            if self.draining:
+                self.metrics.rejected.inc(reason="shutting_down")
+                raise APIError(503, "the server is shutting down", type="server_unavailable",
+                               code="shutting_down",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            try:
+                req = await self._read_request(request, parse)
+                ids, handle = await self._submit(req)
+            except asyncio.CancelledError:  # the client left before its request was queued
+                log.info("client disconnected before its request was queued")
+                self.metrics.success.inc(finished_reason="abort")
+                raise
+            return await self._respond(request, req, ids, handle)
+        finally:
+            self._inflight -= 1
+
+    async def _read_request(self, request, parse):
+        try:
+            req = parse(protocol.parse_json(await self._read_body(request)))
             if req.model and req.model not in self.served_model_names:
-                raise APIError(404, f"the model '{req.model}' does not exist; this server "
-                               f"serves {self.served_model_names}", type="not_found_error",
-                               param="model", code="model_not_found")
+                raise APIError(404, f"the model '{req.model[:200]}' does not exist; this "
+                               f"server serves {self.served_model_names}",
+                               type="not_found_error", param="model", code="model_not_found")
             return req
         except APIError:
             self.metrics.rejected.inc(reason="invalid")
             raise
 
+    async def _read_body(self, request) -> bytes:
+        too_large = APIError(
+            413, f"the request body is over {self.max_body_bytes} bytes, more than a prompt "
+            f"of {self.max_model_len} tokens (this model's context) can use",
+            code="request_too_large")
+        if (request.content_length or 0) > self.max_body_bytes:
+            raise too_large
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body outgrew the limit
+            raise too_large from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                           f"{self.read_timeout:g} s", code="request_timeout") from None
+
     def _tokenize(self, req) -> list[int]:
+        """Runs on a worker thread, so that a long prompt does not stall the event loop.
+        `encode_batch` releases the GIL while it works; `encode` holds it throughout."""
         if req.kind == "chat":
             try:
                 text = self.chat.render(req.messages, req.add_generation_prompt)
@@ -169,12 +273,12 @@ class OpenAIServer:
                 raise protocol.bad(str(exc), "messages") from None
             if self.tokenizer is None:
                 raise protocol.bad("chat needs a tokenizer and this model has none", "messages")
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         elif isinstance(req.prompt, str):
             if self.tokenizer is None:
                 raise protocol.bad("this model has no tokenizer: send 'prompt' as a list of "
                                    "token ids", "prompt")
-            ids = self.tokenizer.encode(req.prompt).ids
+            ids = self.tokenizer.encode_batch([req.prompt])[0].ids
         else:
             ids = list(req.prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -202,7 +306,12 @@ class OpenAIServer:
     async def _submit(self, req):
         arrival = time.perf_counter()
         try:
-            ids = self._tokenize(req)
+            if req.prompt_bytes > self.max_prompt_bytes:
+                raise protocol.bad(
+                    f"the prompt has {req.prompt_bytes} bytes, more than {self.max_model_len} "
+                    "tokens (this model's maximum context length) can hold",
+                    "messages" if req.kind == "chat" else "prompt")
+            ids = await asyncio.to_thread(self._tokenize, req)
             params = req.sampling_params(self._budget(req, len(ids)), self.vocab_size)
             return ids, await self.engine_loop.add(ids, params, priority=req.priority,
                                                    arrival_time=arrival)
@@ -224,37 +333,40 @@ class OpenAIServer:
         except RuntimeError as exc:
             raise APIError(500, str(exc), type="internal_server_error") from None
 
-    async def _generate(self, request, req) -> web.StreamResponse:
-        ids, handle = await self._submit(req)
-        chat = req.kind == "chat"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _respond(self, request, req, ids, handle) -> web.StreamResponse:
+        rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_name
         asm = TextAssembler(self.tokenizer, ids, req.stop)
-        state = {"delta": None, "reason": None, "sent": False}
-        resp: web.StreamResponse | None = None
+        last = reason = resp = None
         try:
             async for delta in handle:
-                state["delta"] = delta
+                last = delta
                 text = asm.push(delta.new_token_ids)
-                reason = None
                 if asm.stopped:
                     reason = "stop"
                     handle.abort()  # the engine stops generating; the client is answered
                 elif delta.finished:
                     text += asm.finish()
                     reason = delta.finish_reason
-                state["reason"] = reason
                 if req.stream and (delta.new_token_ids or reason is not None):
-                    if resp is None:
+                    first = resp is None
+                    if first:
                         resp = web.StreamResponse(headers=_SSE_HEADERS)
                         await resp.prepare(request)
                     await resp.write(self._chunk(req, rid, created, model, text, reason,
-                                                 first=not state["sent"],
+                                                 first=first,
                                                  usage_=(len(ids), asm.num_tokens)))
-                    state["sent"] = True
                 if reason is not None:
                     break
+            if req.stream:
+                if req.include_usage:
+                    await resp.write(_sse({"id": rid, "object": self._chunk_object(req),
+                                           "created": created, "model": model, "choices": [],
+                                           "usage": protocol.usage(len(ids), asm.num_tokens)}))
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
         except EngineDeadError as exc:
             err = APIError(500, str(exc), type="internal_server_error", code="engine_dead")
             if resp is None:
@@ -262,31 +374,26 @@ class OpenAIServer:
             await resp.write(_sse(err.body()))
             await resp.write(b"data: [DONE]\n\n")
             return resp
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            # aiohttp cancels the handler of a closed connection, or a write finds it closed.
+            log.info("%s: client disconnected after %d tokens", rid, asm.num_tokens)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
         finally:
-            reason = state["reason"]
             if reason is None:  # cancelled, disconnected or failed: stop the request
                 handle.abort()
-            last = state["delta"]  # its metrics are read (and built) only here, once
             self.metrics.observe_finished(reason=reason or "abort",
                                           metrics=last.metrics if last else None,
                                           num_tokens=asm.num_tokens,
                                           num_prompt_tokens=len(ids))
         usage = protocol.usage(len(ids), asm.num_tokens)
-        if req.stream:
-            if req.include_usage:
-                await resp.write(_sse({"id": rid, "object": self._chunk_object(req),
-                                       "created": created, "model": model, "choices": [],
-                                       "usage": usage}))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        if chat:
+        if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": asm.text},
-                      "logprobs": None, "finish_reason": state["reason"]}
+                      "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": asm.text, "logprobs": None,
-                      "finish_reason": state["reason"]}
+            choice = {"index": 0, "text": asm.text, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         return web.Response(text=_dumps({"id": rid, "object": obj, "created": created,
                                          "model": model, "choices": [choice],
@@ -352,8 +459,7 @@ class ServerThread:
 
     async def _serve(self):
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self.server.make_app(), handler_cancellation=True,
-                               access_log=None)
+        runner = self.server.make_runner()
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -386,17 +492,47 @@ class ServerThread:
         self.stop()
 
 
-async def serve(server: OpenAIServer, host: str, port: int, *, access_log: bool = False) -> None:
-    """Serve until cancelled (Ctrl-C). `access_log`: one log line per request."""
+async def serve(server: OpenAIServer, host: str, port: int, *, grace_s: float,
+                access_log: bool = False) -> None:
+    """Serve until SIGTERM, then drain (`OpenAIServer.drain`: 503 to new requests, `grace_s`
+    for those in flight) and return. Ctrl-C stops at once. `access_log`: a line a request."""
     server.start()
-    kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(server.make_app(), handler_cancellation=True, **kwargs)
+    runner = server.make_runner(access_log=access_log)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("serving %s on http://%s:%d", server.served_model_names, host, port)
     try:
-        await asyncio.Event().wait()
+        await web.TCPSite(runner, host, port).start()
+        log.info("serving %s on http://%s:%d", server.served_model_names, host,
+                 runner.addresses[0][1])
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.drain(grace_s)
     finally:
         await runner.cleanup()
         server.shutdown()
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's connection handler, with OpenAI error bodies for the 4xx that aiohttp sends
+    itself, before any route or middleware runs (a malformed request line, an oversized
+    header), logged in one line instead of a traceback."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed HTTP request from %s: %s", request.remote, message)
+        resp = error_response(APIError(status, f"malformed HTTP request: {message}"))
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __call__(self) -> _Protocol:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # aiohttp has no option for the connection handler class
+        return server

@@ -34,7 +34,7 @@ class EngineDeadError(RuntimeError):
 
 
 class OverloadedError(RuntimeError):
-    """Too many requests are waiting for admission (`max_waiting`)."""
+    """More than `max_waiting` requests would wait for a free slot."""
 
 
 @dataclass(slots=True)
@@ -96,9 +96,10 @@ class _Sink:
 class EngineLoop:
     """Runs `engine` on a dedicated thread; see the module docstring.
 
-    `max_waiting` bounds the requests accepted but not yet admitted by the scheduler
-    (None: unbounded); beyond it `add` raises OverloadedError. `metrics` (a ServerMetrics)
-    gets the queue-time histogram and the token counters.
+    `max_waiting` bounds the requests that really wait: submitted, not yet admitted by the
+    scheduler, beyond the free slots (`max_num_seqs` less the admitted requests, as of the
+    last step). None: unbounded. Beyond it `add` raises OverloadedError. `metrics` (a
+    ServerMetrics) gets the queue-time histogram and the token counters.
     """
 
     def __init__(self, engine, *, max_waiting: int | None = None, metrics=None):
@@ -110,6 +111,8 @@ class EngineLoop:
         self._sinks: dict[int, _Sink] = {}
         self._unscheduled: dict[int, float] = {}  # request id -> arrival time
         self._unadmitted = 0  # add commands queued + requests not yet admitted
+        self._max_num_seqs = engine.scheduler.config.max_num_seqs
+        self._free_slots = self._max_num_seqs  # updated with _unadmitted, after each step
         self._dead = False
         self._stopping = False
         self.error: str | None = None
@@ -125,6 +128,11 @@ class EngineLoop:
     @property
     def num_unadmitted(self) -> int:
         return self._unadmitted
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that wait beyond the free slots; `max_waiting` bounds this."""
+        return max(0, self._unadmitted - self._free_slots)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -156,9 +164,9 @@ class EngineLoop:
         with self._cv:
             if self._dead or self._stopping:
                 raise EngineDeadError(self.error or "the engine is not running")
-            if self.max_waiting is not None and self._unadmitted >= self.max_waiting:
-                raise OverloadedError(
-                    f"{self._unadmitted} requests are waiting (limit {self.max_waiting})")
+            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+                raise OverloadedError(f"{self.num_waiting} requests are waiting for a free "
+                                      f"slot (limit {self.max_waiting})")
             self._unadmitted += 1
             self._cmds.append(("add", (prompt_token_ids, sampling_params, priority, arrival,
                                        loop, fut, handle)))
@@ -207,8 +215,7 @@ class EngineLoop:
                     idle = engine.scheduler.stats().get("iterations_idle", 0)
                     empty_steps = empty_steps + 1 if idle != last_idle else 0
                     last_idle = idle
-                if self._unscheduled:
-                    self._note_admissions(t0)
+                self._note_admissions(t0)
                 self._dispatch(outputs)
             self._fail(EngineDeadError("the server is shutting down"))
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
@@ -249,16 +256,22 @@ class EngineLoop:
             loop.call_soon_threadsafe(_resolve, fut, result, exc, None)
 
     def _note_admissions(self, step_start: float) -> None:
-        """Requests that left the waiting queue in the last step were admitted at its start."""
-        waiting = {s.seq_id for s in self.engine.scheduler.waiting}
-        done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
+        """Requests that left the waiting queue in the last step were admitted at its start.
+        The admitted count and the free slots change together, under the lock, so `add`
+        never sees one updated without the other."""
+        sched = self.engine.scheduler
+        done = []
+        if self._unscheduled:
+            waiting = {s.seq_id for s in sched.waiting}
+            done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
         for rid, arrival in done:
             del self._unscheduled[rid]
             if self.metrics is not None:
                 self.metrics.queue.observe(max(0.0, step_start - arrival))
-        if done:
-            with self._cv:
-                self._unadmitted -= len(done)
+        admitted = len(sched.running) + len(sched.prefilling)
+        with self._cv:
+            self._unadmitted -= len(done)
+            self._free_slots = max(0, self._max_num_seqs - admitted)
 
     def _dispatch(self, outputs) -> None:
         by_loop: dict[object, list] = {}
@@ -294,6 +307,8 @@ class EngineLoop:
         sched = self.engine.scheduler
         self.last_counts = (len(sched.running) + len(sched.prefilling), len(sched.waiting))
         self.last_stats = self.engine.stats()
+        with self._cv:  # idle: aborts may have freed slots since the last step
+            self._free_slots = max(0, self._max_num_seqs - self.last_counts[0])
 
     def snapshot(self) -> tuple[dict, int, int]:
         """Engine thread only (use through `call`): fresh stats and queue lengths."""

@@ -24,9 +24,11 @@ Times are in seconds. Every sample carries a `model_name` label (the served mode
 | `lp:num_preemptions_total` | counter | recompute preemptions |
 | `lp:iterations_total` | counter | engine iterations by `phase` (3) |
 | `lp:expert_bytes_loaded_total` | counter | expert weight bytes the MoE layers read |
+| `lp:kernel_backend_info` | gauge | 1 for the backend each op (`moe`, `attention`) runs |
 
-Labels: (1) stop, length, abort; (2) invalid, overloaded, unauthorized, engine_dead;
-(3) decode, prefill, hybrid, idle.
+Labels: (1) stop, length, abort (a client that left, before its request was queued too);
+(2) invalid, overloaded, unauthorized, engine_dead, shutting_down; (3) decode, prefill,
+hybrid, idle.
 
 Request-level histograms are observed when a request finishes (or is aborted), from the
 engine's own token timestamps; a request cut short by a stop string counts the tokens up to
@@ -93,6 +95,9 @@ class ServerMetrics:
                                       "Expert weight bytes read by the MoE layers.")
         self.compilations_after_warmup = r.gauge(
             "lp:compilations_after_warmup", "XLA compilations after warm-up (should stay 0).")
+        self.kernel_backend = r.gauge("lp:kernel_backend_info",
+                                      "The kernel backend each op runs (after the start-up "
+                                      "self-test and any fallback).", ("op", "backend"))
         for reason in FINISH_REASONS:
             self.success.inc(0, finished_reason=reason)
         for phase in PHASES:
@@ -126,6 +131,8 @@ class ServerMetrics:
         self.expert_bytes.set_total(stats.get("expert_bytes_loaded", 0))
         self.preemptions.set_total(stats.get("preemptions", 0))
         self.compilations_after_warmup.set(stats.get("compilations_after_warmup", 0))
+        for op, backend in stats.get("kernel_backends", {}).items():
+            self.kernel_backend.set(1, op=op, backend=backend)
 
     def render(self) -> str:
         return self.registry.render()

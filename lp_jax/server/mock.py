@@ -62,7 +62,6 @@ class MockEngine:
         self.page_size = page_size
         self.num_pages = num_pages or max_num_seqs * math.ceil(max_model_len / page_size)
         self.free_pages = self.num_pages
-        self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.progress = progress
         self.fail_at_step = fail_at_step
@@ -70,7 +69,7 @@ class MockEngine:
         self.token_fn = token_fn or (lambda seq_id, i: 65 + (seq_id + i) % 26)
         self.scheduler = SimpleNamespace(
             waiting=[], running=[], prefilling=[],
-            config=SimpleNamespace(max_model_len=max_model_len),
+            config=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
             stats=self._sched_stats,
         )
         self._next_id = 0
@@ -139,7 +138,7 @@ class MockEngine:
             self._stats["iterations"] += 1
             self._stats["iterations_idle"] += 1
             return outputs
-        while sched.waiting and len(sched.running) < self.max_num_seqs:
+        while sched.waiting and len(sched.running) < sched.config.max_num_seqs:
             seq = sched.waiting[0]
             need = math.ceil((len(seq.prompt) + seq.params.max_tokens) / self.page_size)
             if need > self.free_pages:
@@ -176,7 +175,7 @@ class MockEngine:
 
     def stats(self) -> dict:
         s = dict(self._stats)
-        s.update(compilations=0, compilations_after_warmup=0, expert_bytes_loaded=0,
+        s.update(programs=0, compilations_after_warmup=0, expert_bytes_loaded=0,
                  free_pages=self.free_pages, total_pages=self.num_pages,
                  host_overhead_fraction=0.0)
         return s

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 512
@@ -42,7 +42,10 @@ def bad(message: str, param: str | None = None) -> APIError:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a dict; 400 for anything else (NaN/Infinity included)."""
+    """The request body as a dict; 400 for anything else (NaN/Infinity included).
+
+    The body is parsed as JSON whatever its Content-Type (`curl -d` labels a JSON body as a
+    form), so a body that is not JSON is a 400, never a 415."""
     def no_constants(name):
         raise ValueError(f"{name} is not valid JSON")
 
@@ -98,6 +101,15 @@ def get_bool(body, name, default):
     return v
 
 
+def utf8_len(s: str, name: str) -> int:
+    """UTF-8 size of `s`; a 400 for a lone UTF-16 surrogate (valid as a JSON escape, but
+    not text: it cannot be tokenized or echoed back)."""
+    try:
+        return len(s.encode())
+    except UnicodeEncodeError:
+        raise bad(f"'{name}' contains a lone UTF-16 surrogate", name) from None
+
+
 def unsupported(name: str, what: str) -> APIError:
     return bad(f"'{name}' is not supported by this server: {what}", name)
 
@@ -117,15 +129,19 @@ class GenerationRequest:
     top_k: int = -1
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
-    extra: dict = field(default_factory=dict)
+    prompt_bytes: int = 0  # UTF-8 size of the prompt text (chat: of the messages)
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         top_k = -1 if self.top_k == 0 or self.top_k >= vocab_size else self.top_k
+        outside = sorted(t for t in self.stop_token_ids if t >= vocab_size)
+        if outside:
+            raise bad(f"'stop_token_ids' {outside[:5]} outside the vocabulary [0, "
+                      f"{vocab_size})", "stop_token_ids")
         try:
             return SamplingParams(
                 temperature=self.temperature, top_k=top_k, top_p=self.top_p, seed=self.seed,
@@ -151,6 +167,7 @@ def _common(body: dict, req: GenerationRequest) -> None:
     req.temperature = get_num(body, "temperature", 1.0, lo=0.0, hi=100.0)
     req.top_p = get_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     req.top_k = get_int(body, "top_k", -1, lo=-1, hi=_INT64 - 1)
+    # any int64: the sampler keys on all 64 bits (seed mod 2**64), so no two collide
     req.seed = get_int(body, "seed", None, lo=-_INT64, hi=_INT64 - 1)
     req.priority = get_int(body, "priority", 0, lo=-(2 ** 31), hi=2 ** 31 - 1)
     req.ignore_eos = get_bool(body, "ignore_eos", False)
@@ -171,16 +188,21 @@ def _common(body: dict, req: GenerationRequest) -> None:
             raise bad(f"'stop' must be a non-empty string or a list of at most "
                       f"{MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LEN} "
                       "characters", "stop")
+        for s in stop:
+            utf8_len(s, "stop")
         req.stop = tuple(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < _INT64 for t in ids):
-            raise bad("'stop_token_ids' must be a list of non-negative integers",
-                      "stop_token_ids")
-        req.stop_token_ids = tuple(ids)
+        if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_int(t) and 0 <= t < _INT64 for t in ids)):
+            raise bad(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                      "non-negative integers", "stop_token_ids")
+        req.stop_token_ids = frozenset(ids)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
+    if model:
+        utf8_len(model, "model")
     req.model = model or ""
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
@@ -197,6 +219,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("'prompt' must not be empty", "prompt")
+        req.prompt_bytes = utf8_len(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         pass
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -248,6 +271,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         name = m.get("name")
         if isinstance(name, str):
             msg["name"] = name
+        req.prompt_bytes += sum(utf8_len(v, "messages") for v in msg.values())
         out.append(msg)
     req.messages = out
     req.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
