@@ -2,7 +2,7 @@
 
 import pytest
 
-from lp_jax.engine.block_manager import BlockManager, pages_for, slot_of
+from lp_jax.engine.block_manager import BlockManager, pages_for
 from lp_jax.engine.sequence import Sequence
 
 
@@ -17,17 +17,17 @@ def test_pages_for():
 def test_allocate_and_free_round_trip():
     bm = BlockManager(8, 4)
     a, b = seq(0, 9), seq(1, 4)
-    assert bm.can_allocate(9) and bm.num_free_pages == 8 and bm.usage == 0.0
+    assert bm.can_allocate(9) and bm.num_free_pages == 8
     bm.allocate(a, 9)
     bm.allocate(b, 4)
     assert len(a.page_ids) == 3 and len(b.page_ids) == 1
     assert not set(a.page_ids) & set(b.page_ids)
-    assert bm.num_free_pages == 4 and bm.usage == 0.5
+    assert bm.num_free_pages == 4
     assert bm.can_allocate(16) and not bm.can_allocate(17)
     bm.free(a)
     bm.free(b)
     assert a.page_ids == [] and b.page_ids == []
-    assert bm.num_free_pages == 8 and bm.usage == 0.0
+    assert bm.num_free_pages == 8
 
 
 def test_allocate_refuses_without_changing_state():
@@ -104,22 +104,6 @@ def test_append_slot_needs_an_allocated_sequence():
     bm = BlockManager(3, 4)
     with pytest.raises(RuntimeError, match="allocate"):
         bm.append_slot(seq(0, 2))
-
-
-def test_slots():
-    bm = BlockManager(8, 4)
-    a, b = seq(0, 5), seq(1, 6)
-    bm.allocate(b, 6)  # pages 0, 1
-    bm.allocate(a, 5)  # pages 2, 3
-    assert a.page_ids == [2, 3]
-    assert [bm.slot(a, p) for p in range(5)] == [8, 9, 10, 11, 12]
-    assert slot_of([5, 1], 6, 4) == 1 * 4 + 2
-    slots = {bm.slot(s, p) for s in (a, b) for p in range(len(s.page_ids) * 4)}
-    assert len(slots) == 16  # no two positions share a slot
-    with pytest.raises(IndexError):
-        bm.slot(a, 8)
-    with pytest.raises(IndexError):
-        slot_of([0], -1, 4)
 
 
 def test_freed_pages_are_reused():

@@ -22,13 +22,6 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def slot_of(page_ids: list[int], pos: int, page_size: int) -> int:
-    """Flat KV slot of token position `pos` of a sequence with pages `page_ids`."""
-    if not 0 <= pos < len(page_ids) * page_size:
-        raise IndexError(f"position {pos} outside the {len(page_ids)} pages of the sequence")
-    return page_ids[pos // page_size] * page_size + pos % page_size
-
-
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 1 or page_size < 1:
@@ -41,11 +34,6 @@ class BlockManager:
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of pages in use."""
-        return 1.0 - len(self._free) / self.num_pages
 
     def pages_for(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size)
@@ -93,9 +81,6 @@ class BlockManager:
             del self._owner[p]
             self._free.appendleft(p)
         seq.page_ids = []
-
-    def slot(self, seq: Sequence, pos: int) -> int:
-        return slot_of(seq.page_ids, pos, self.page_size)
 
     def _take(self, seq: Sequence) -> int:
         p = self._free.popleft()
