@@ -331,3 +331,15 @@ def test_overlapped_scheduling_matches_synchronous_steps():
     assert base[0][1] == "stop"
     assert s_sync["overlapped_steps"] == 0 and s_async["overlapped_steps"] > 0
     assert s_async["compilations_after_warmup"] == 0
+
+
+def test_expert_bytes_count_the_dtype_served_not_the_checkpoints():
+    """The tiny checkpoint is float32; served in bfloat16, an activated expert is
+    3 * D * F * 2 bytes (it was counted at the checkpoint's 4 bytes)."""
+    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=64,
+              token_buckets=(4, 64), dtype="bfloat16")
+    llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)
+    s, cfg = llm.stats(), llm.engine.model_config
+    assert cfg.dtype == "bfloat16" and s["experts_activated"] > 0
+    assert s["expert_bytes_loaded"] == s["experts_activated"] * 3 * cfg.hidden_size * \
+        cfg.moe_intermediate_size * 2

@@ -36,7 +36,7 @@ def bad_requests(server: OpenAIServer) -> list[tuple[str, str, bytes, int]]:
     return [
         ("POST", "/v1/completions", b"{", 400),
         ("POST", "/v1/completions", b'{"prompt": "a\\ud800"}', 400),
-        ("POST", "/v1/completions", js({"prompt": "x", "seed": 2 ** 31}), 400),
+        ("POST", "/v1/completions", js({"prompt": "x", "seed": 2 ** 63}), 400),
         ("POST", "/v1/completions", js({"prompt": "x", "stop_token_ids": list(range(65))}),
          400),
         ("POST", "/v1/completions", js({"prompt": [1] * (MAX_MODEL_LEN + 1)}), 400),

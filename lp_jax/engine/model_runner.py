@@ -194,8 +194,8 @@ class ModelRunner:
         # embedded in the first group and carried in the hidden buffer after it.
         dec_in = (np.zeros(n_dec, np.int32), dec_rows, none) if before else (
             dec_tokens, none, dec_prev)
-        pre_in = ((np.concatenate(pre_tokens) if pre_tokens else pre_none * 0, pre_none)
-                  if a == 0 else (np.zeros(n_pre, np.int32), pre_rows))
+        pre_in = ((np.concatenate([np.zeros(0, np.int32), *pre_tokens]), pre_none) if a == 0
+                  else (np.zeros(n_pre, np.int32), pre_rows))
         mixed = _Call(
             (2 * a, 2 * b), dec_seqs + pre_seqs,
             tokens=np.concatenate([dec_in[0], pre_in[0]]),
