@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 from collections.abc import Sequence
 
@@ -37,6 +38,9 @@ import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# Compile-only devices own no chip, so several processes may load libtpu at once (its
+# lockfile would otherwise fail a second compiling process: tests beside a CLI run).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 LIBTPU_HINT = "install libtpu for TPU compiles on this host: pip install -e '.[tpu]'"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 TPU_DEVICE_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}  # as libtpu names them

@@ -74,19 +74,30 @@ def audit_program(rec: dict, build) -> dict:
             if f"@{call}" in line:
                 pallas[call] += 1
     hlo = rec.get("optimized_hlo")
+    copies = Counter()
     if hlo:
+        in_fusion = False
         for line in hlo.splitlines():
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                name = line.split("(")[0]  # a computation's header
+                in_fusion = "fused" in name or "fusion" in name
             shapes = {_dims(m.group(2)) for m in _HLO_SHAPE.finditer(line)}
             if shapes & experts:
                 violations.append(f"optimized HLO holds one layer's experts: {line.strip()[:160]}")
+            result = _HLO_SHAPE.search(line.split(" = ", 1)[1]) if " = " in line else None
+            # A buffer outside any fusion shaped like one layer of a projection: a copy.
+            if result and not in_fusion and _dims(result.group(2)) in others:
+                copies[others[_dims(result.group(2))]] += 1
     violations += _check_donation(rec, build)
     mem = rec.get("memory")
     limit = build.layer_expert_bytes_per_device
     if mem and limit and rec["rows"] <= build.spec.max_num_seqs and mem["temp"] >= limit:
         violations.append(f"temporaries {mem['temp'] / 2**20:.0f} MiB >= one layer's experts "
                           f"{limit / 2**20:.0f} MiB per device")
-    return {"violations": violations,
-            "listed": {"sliced_for_xla_dots": dict(slices), "pallas_calls": dict(pallas)}}
+    listed = {"sliced_for_xla_dots": dict(slices), "pallas_calls": dict(pallas)}
+    if hlo:
+        listed["materialized_layer_slices"] = dict(copies)  # TPU: what XLA did copy
+    return {"violations": violations, "listed": listed}
 
 
 def _check_donation(rec: dict, build) -> list[str]:
@@ -109,8 +120,10 @@ def describe(summary: dict) -> str:
     lines = []
     for p in summary["programs"]:
         listed = p["listed"]
+        copies = listed.get("materialized_layer_slices")
         lines.append(f"rows {p['rows']}: pallas calls {listed['pallas_calls']}, "
-                     f"XLA dots on sliced weights {listed['sliced_for_xla_dots']}")
+                     f"XLA dots on sliced weights {listed['sliced_for_xla_dots']}"
+                     + ("" if copies is None else f", of which materialized {copies}"))
     v = summary["violations"]
     lines.append(f"audit: {'PASS' if not v else f'{len(v)} violations'}")
     lines += [f"  {x}" for x in v[:50]]
