@@ -7,7 +7,8 @@ are tiny: the Pallas interpreter runs on CPU.
 * GPU (Triton) kernels: numerics in the Pallas HLO interpreter, plus a check that
   they lower to Triton IR for an H200 (no GPU needed for lowering).
 * TPU (our Mosaic kernel): numerics in the TPU interpreter (NaN-filled fresh
-  buffers, DMA race detector on), plus a check that it lowers to Mosaic for a v6e.
+  buffers, DMA race detector on), the order of its page DMAs across work items, plus
+  a check that it lowers to Mosaic for a v6e.
 * TPU (JAX's shipped ragged paged attention, backend "tpu_jax"): in jax 0.11.2 it
   does not run in either Pallas interpreter (see tpu_jax.py), so only its argument
   adaptation is checked, against the kernel's own input validators, and the call
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels import attention
 from pallas_kernels.attention import gpu, tpu, tpu_jax
@@ -225,6 +227,29 @@ def test_gpu_decode_interpret(G, dtype):
     assert not np.asarray(out[2]).any() and not np.asarray(out[5]).any()
 
 
+def test_gpu_decode_splits_share_each_sequences_own_blocks(monkeypatch):
+    """Splits divide a sequence's own key blocks, not the page table's width: contexts of
+    8 and 5 pages in a 64-page-wide table, 4 splits. (Sized from the width, split 0 took
+    pages 0-15, so all the work, and splits 1-3 idled.) Reads the kernel's per-split
+    softmax sums l [B, K, split, G]: l > 0 where a split saw keys."""
+    partials = []
+    pallas_call = pl.pallas_call
+
+    def recording_pallas_call(*args, **kwargs):
+        call = pallas_call(*args, **kwargs)
+        return lambda *operands: partials.append(call(*operands)) or partials[-1]
+
+    monkeypatch.setattr(pl, "pallas_call", recording_pallas_call)
+    b = decode_batch([60, 33], S=8, K=1, G=4, H=32, dtype=jnp.float32, C=64)
+    decode = gpu.decode_attention.__wrapped__  # eager, so the partials are values
+    out = decode(b.q_TNH, b.kv_pages_PSJH, b.seq_lens_B, b.page_table_BC,
+                 sm_scale=b.sm_scale, pages_per_block=1, num_splits=4, interpret=True)
+    assert rel_err(out, b.expected_TNH) < 1e-5
+    (_, _, l_BKXG), = partials
+    worked_BX = np.asarray(l_BKXG[:, 0, :, :4] > 0).all(axis=-1)
+    np.testing.assert_array_equal(worked_BX, [[True] * 4, [True, True, True, False]])
+
+
 @pytest.mark.parametrize("G,dtype", GPU_CASES)
 def test_gpu_ragged_interpret(G, dtype):
     b = make_batch(MIXED, S=8, K=2, G=G, H=32, dtype=dtype, T=40, B=6)
@@ -348,6 +373,46 @@ def test_tpu_decode_interpret(G, dtype):
     _assert_no_races()
     assert rel_err(out, b.expected_TNH) < TOL[dtype]
     assert not np.asarray(out[2], np.float32).any() and not np.asarray(out[5], np.float32).any()
+
+
+def test_tpu_prefetches_the_next_items_first_block_interpret(monkeypatch):
+    """An item's last key block starts the DMAs of the next item's first block, and every
+    page an item needs is fetched once. Records, in the TPU interpreter, each item's
+    query-block read (the start of its grid step) and each DMA's source page."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    events = []
+    get, dma_start = ipc.get, ipc.dma_start
+
+    def recording_get(*args, input_name=None, **kwargs):
+        if input_name is not None:  # a BlockSpec input read: the queries of item args[6][0]
+            events.append(("item", int(args[6][0])))
+        return get(*args, input_name=input_name, **kwargs)
+
+    def recording_dma_start(token, device_id, core, space, buffer, src_transforms, *args,
+                            **kwargs):
+        events.append(("page", int(src_transforms[0].indices[0])))
+        return dma_start(token, device_id, core, space, buffer, src_transforms, *args,
+                         **kwargs)
+
+    recording_get.__wrapped__ = get.__wrapped__  # the interpreter's DMAs call the raw get
+    monkeypatch.setattr(ipc, "get", recording_get)
+    monkeypatch.setattr(ipc, "dma_start", recording_dma_start)
+    # Two-page blocks: 2 pages (1 block), 4 pages (2 blocks), padding, 3 pages (2 blocks).
+    b = decode_batch([9, 30, 0, 17], S=8, K=1, G=4, H=128, dtype=jnp.float32, C=4)
+    out = tpu.decode_attention(b.q_TNH, b.kv_pages_PSJH, b.seq_lens_B, b.page_table_BC,
+                               sm_scale=b.sm_scale, pages_per_block=2,
+                               interpret=_tpu_interpret())
+    _assert_no_races()
+    assert rel_err(out, b.expected_TNH) < 1e-5
+    pt = np.asarray(b.page_table_BC)
+    pages = [("page", int(p)) for p in pt[0, :2]], [("page", int(p)) for p in pt[1, :4]]
+    last = [("page", int(p)) for p in pt[3, :3]]
+    assert events == [
+        ("item", 0), *pages[0], *pages[1][:2],  # item 1's first block, during item 0
+        ("item", 1), *pages[1][2:],
+        ("item", 2),  # padding: no pages, so item 3 starts its own first block
+        ("item", 3), *last]
 
 
 def test_tpu_single_token_and_default_blocks_interpret():
@@ -480,6 +545,20 @@ def test_decode_bench_small():
                                  peak_bw=1e9)
     assert row["backend"] == "xla" and row["bytes"] == 2 * 40 * 4 * 16 * 4 + 2 * 2 * 4 * 16 * 4
     assert row["gbps"] > 0 and row["fraction_of_peak"] > 0
+
+
+def test_gpu_decode_sweep_small():
+    from pallas_kernels.attention.bench import sweep_gpu_decode
+
+    configs = [dict(num_splits=None, pages_per_block=1, num_warps=4, num_stages=2),
+               dict(num_splits=2, pages_per_block=2, num_warps=8, num_stages=3)]
+    with attention.interpret_mode():
+        rows = sweep_gpu_decode(batch=2, context=40, configs=configs, num_heads=4,
+                                num_kv_heads=2, head_dim=16, page_size=8, dtype=jnp.float32,
+                                repeats=1, peak_bw=1e9)
+    assert sorted(row["pages_per_block"] for row in rows) == [1, 2]
+    assert rows[0]["seconds"] <= rows[1]["seconds"]
+    assert all(row["gbps"] > 0 and row["fraction_of_peak"] > 0 for row in rows)
 
 
 def test_tiny_model_generates_the_same_with_gpu_kernels(tiny_model):

@@ -7,8 +7,11 @@ the output; GB/s = useful bytes / best time. The peak comes from the roofline ta
 
     python -m pallas_kernels.attention.bench --small          # CPU, seconds
     python -m pallas_kernels.attention.bench                  # GPU/TPU, Qwen3-MoE shapes
+    python -m pallas_kernels.attention.bench --sweep          # GPU: kernel configs, 32 x 4096
 
-`bench_decode_attention` is the importable piece (launch/bench_kernels.py may call it).
+`bench_decode_attention` is the importable piece (launch/bench_kernels.py may call it);
+`sweep_gpu_decode` times the Triton decode kernel's splits, block, warps and stages at
+one point (BENCHMARKS.md, "GPU decode attention: bandwidth estimate", says why).
 """
 
 from __future__ import annotations
@@ -53,17 +56,55 @@ def bench_decode_attention(*, batch, context, num_heads=32, num_kv_heads=4, head
                            peak_bw=None):
     """Times one decode-attention call; returns a dict with seconds, bytes, GB/s and
     the fraction of `peak_bw` (B/s; omitted when None)."""
+    def decode(q, kv, l, pt):
+        return attention.decode_attention(q, kv, l, pt, sm_scale=head_dim**-0.5,
+                                          backend=backend)
+
+    row = _time_decode(decode, batch=batch, context=context, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                       dtype=dtype, repeats=repeats, peak_bw=peak_bw)
+    return dict(backend=attention.resolve_backend(backend), **row)
+
+
+# (splits, pages per block, warps, stages) of the Triton decode kernel; None: its default.
+GPU_SWEEP = [dict(num_splits=s, pages_per_block=p, num_warps=w, num_stages=st)
+             for s in (None, 1, 4, 8) for p in (4, 8) for w, st in ((4, 2), (4, 3), (8, 2))]
+
+
+def sweep_gpu_decode(*, batch, context, configs=GPU_SWEEP, num_heads=32, num_kv_heads=4,
+                     head_dim=128, page_size=16, dtype=jnp.bfloat16, repeats=5,
+                     peak_bw=None):
+    """Times the GPU (Triton) decode kernel under each config (keyword arguments of
+    gpu.decode_attention); one row per config, fastest first. Runs the kernel in the
+    Pallas interpreter when attention.interpret_enabled() (CPU smoke runs)."""
+    from pallas_kernels.attention import gpu
+
+    rows = []
+    for config in configs:
+        kwargs = {k: v for k, v in config.items() if v is not None}
+
+        def decode(q, kv, l, pt, kwargs=kwargs):
+            return gpu.decode_attention(q, kv, l, pt, sm_scale=head_dim**-0.5,
+                                        interpret=attention.interpret_enabled(), **kwargs)
+
+        rows.append(dict(config, **_time_decode(
+            decode, batch=batch, context=context, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+            repeats=repeats, peak_bw=peak_bw)))
+    return sorted(rows, key=lambda row: row["seconds"])
+
+
+def _time_decode(decode, *, batch, context, num_heads, num_kv_heads, head_dim, page_size,
+                 dtype, repeats, peak_bw):
     q, kv, seq_lens, page_table = decode_inputs(
         batch=batch, context=context, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, dtype=dtype)
-    sm_scale = head_dim**-0.5
-    fn = jax.jit(lambda q, kv, l, pt: attention.decode_attention(
-        q, kv, l, pt, sm_scale=sm_scale, backend=backend))
+    fn = jax.jit(decode)
     seconds = _best_seconds(lambda: fn(q, kv, seq_lens, page_table), repeats)
     nbytes = useful_bytes(batch=batch, context=context, num_heads=num_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-    row = dict(backend=attention.resolve_backend(backend), batch=batch, context=context,
-               seconds=seconds, bytes=nbytes, gbps=nbytes / seconds / 1e9)
+    row = dict(batch=batch, context=context, seconds=seconds, bytes=nbytes,
+               gbps=nbytes / seconds / 1e9)
     if peak_bw:
         row["fraction_of_peak"] = nbytes / seconds / peak_bw
     return row
@@ -95,14 +136,19 @@ def main(argv=None):
     p.add_argument("--hardware", default=None, help="roofline table entry for the peak")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the GPU kernel's configs (GPU_SWEEP) at 32 x 4096 instead")
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
+    if args.sweep:
+        return _print_sweep(dtype, args)
     if args.small:
         shapes = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
         points = [(4, 256), (16, 512)]
     else:  # Qwen3-30B-A3B attention: 32 query heads, 4 KV heads, head_dim 128
         shapes = dict(num_heads=32, num_kv_heads=4, head_dim=128, page_size=16)
-        points = [(1, 8192), (8, 4096), (32, 2048), (64, 4096), (256, 1024), (256, 4096)]
+        points = [(1, 8192), (8, 4096), (32, 2048), (32, 4096), (64, 4096), (256, 1024),
+                  (256, 4096)]
     name, peak = peak_bandwidth(args.hardware)
     print(f"decode attention, backend={attention.resolve_backend(args.backend)}, {dtype.name}, "
           f"peak {peak / 1e9:.0f} GB/s ({name})")
@@ -115,6 +161,21 @@ def main(argv=None):
         rows.append(row)
         print(f"{batch:>6} {context:>8} {row['seconds'] * 1e3:>9.3f} {row['gbps']:>9.1f} "
               f"{100 * row['fraction_of_peak']:>6.1f}%")
+    return rows
+
+
+def _print_sweep(dtype, args):
+    name, peak = peak_bandwidth(args.hardware)
+    print(f"gpu decode attention configs, {dtype.name}, 32 x 4096, Qwen3-MoE heads, "
+          f"peak {peak / 1e9:.0f} GB/s ({name})")
+    print(f"{'splits':>6} {'pages':>5} {'warps':>5} {'stages':>6} {'us':>9} {'GB/s':>9} "
+          f"{'% peak':>7}")
+    rows = sweep_gpu_decode(batch=32, context=4096, dtype=dtype, repeats=args.repeats,
+                            peak_bw=peak)
+    for row in rows:
+        print(f"{row['num_splits'] or 'auto':>6} {row['pages_per_block']:>5} "
+              f"{row['num_warps']:>5} {row['num_stages']:>6} {row['seconds'] * 1e6:>9.1f} "
+              f"{row['gbps']:>9.1f} {100 * row['fraction_of_peak']:>6.1f}%")
     return rows
 
 

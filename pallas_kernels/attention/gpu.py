@@ -15,7 +15,11 @@ K/V page once per KV head, not once per query head).
 
 * `decode_attention`: grid (B, K, splits). Long contexts at small batch are split
   over the page axis ("flash decoding"); the per-split (acc, max, sum) are merged
-  in XLA. Rows = G padded to >= 16 (tl.dot's minimum M).
+  in XLA. The number of splits is static (enough for ~DECODE_TARGET_PROGRAMS
+  programs), but each split takes an equal share of its sequence's own key blocks,
+  read from seq_lens at run time, so a page table wider than the contexts leaves no
+  split idle while another does all the work; splits past a short sequence's end
+  run no iteration. Rows = G padded to >= 16 (tl.dot's minimum M).
 * `ragged_paged_attention`: causal attention of a ragged batch's new tokens to
   their cached prefix plus themselves (query i of sequence b sits at position
   seq_len_b - q_len_b + i). The wrapper cuts every sequence into blocks of
@@ -35,8 +39,20 @@ Triton-style kernels.) Out-of-range dynamic slices would be clamped there, so ev
 slice the kernels take is in bounds by construction (queries are padded by one
 block, page tables to whole blocks).
 
-jax 0.11.2 marks the Pallas Triton backend deprecated (a DeprecationWarning at
-lowering); it still lowers and runs. A Mosaic GPU port is the way forward if it goes.
+Bandwidth and the Triton decision (no GPU here; BENCHMARKS.md, "GPU decode attention:
+bandwidth estimate", has the arithmetic). Decode at 32 sequences x 4096 tokens with
+Qwen3-30B-A3B heads reads 268 MB of K/V; at the H200's 4.8 TB/s that is 56 us. The
+kernel runs 32 x 4 x 2 = 256 programs of 1 MiB each on 132 SMs; at 4 warps and 2
+stages (~64 KiB of shared memory and ~16-21K registers each) three fit per SM, so all
+run in one wave, and their next blocks in flight (~64 KiB per SM) exceed what Little's
+law asks (~29 KB per SM at ~0.8 us). Each load gathers 256 B K or V rows, 2 KiB
+apart, of the 16-token pages: every 32 B sector fetched is used, and TMA would fetch
+the same sectors (Hopper's TMA cannot gather pages either, so a port issues one copy
+per page and head); it saves address arithmetic and registers, not bytes. Estimate:
+70-90% of peak (62-79 us). Decision: keep Triton (deprecated in jax 0.11.2, but it
+lowers and runs) until the first H200 run measures it; port to Mosaic GPU (TMA per
+page, all K heads of a page per program so that its 32 KiB are read together) if the
+best swept configuration stays under 70%.
 """
 
 from __future__ import annotations
@@ -127,15 +143,17 @@ def _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale
 
 
 def _decode_kernel(seq_len_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   sm_scale, pages_per_block, pages_per_split, page_size):
+                   sm_scale, pages_per_block, page_size):
     block_k = pages_per_block * page_size
-    split = pl.program_id(2)
+    split, num_splits = pl.program_id(2), pl.num_programs(2)
     seq_len = seq_len_ref[0]
     num_pages = pl.cdiv(seq_len, page_size)
-    first_page = split * pages_per_split
-    # pages_per_split is a multiple of pages_per_block: a block never leaves its split.
-    n_pages = jnp.clip(num_pages - first_page, 0, pages_per_split)
-    num_blocks = pl.cdiv(n_pages, pages_per_block)
+    # Splits share the sequence's own blocks (not the page table's width): split s takes
+    # blocks [s * per_split, (s + 1) * per_split); splits past the end run no iteration.
+    seq_blocks = pl.cdiv(num_pages, pages_per_block)
+    per_split = pl.cdiv(seq_blocks, num_splits)
+    first_page = split * per_split * pages_per_block
+    num_blocks = jnp.clip(seq_blocks - split * per_split, 0, per_split)
     q_GH = q_ref[...]
     Gp, H = q_GH.shape
 
@@ -178,10 +196,7 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
         raise ValueError(f"gpu decode: pages_per_block={ppb} must be a power of two")
     total_blocks = pl.cdiv(C, ppb)
     splits = num_splits or max(1, min(total_blocks, pl.cdiv(DECODE_TARGET_PROGRAMS, B * K)))
-    blocks_per_split = pl.cdiv(total_blocks, splits)
-    splits = pl.cdiv(total_blocks, blocks_per_split)
-    pages_per_split = blocks_per_split * ppb
-    C_pad = splits * pages_per_split
+    C_pad = total_blocks * ppb  # every block's page-id slice stays in bounds
     page_table_BC = jnp.pad(page_table_BC.astype(jnp.int32), ((0, 0), (0, C_pad - C)))
     seq_lens_B = seq_lens_B.astype(jnp.int32)
     q_BKGH = q_BNH.reshape(B, K, G, H)
@@ -190,7 +205,7 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
 
     k_spec, v_spec = _kv_specs(P, S, H)
     kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, pages_per_block=ppb,
-                               pages_per_split=pages_per_split, page_size=S)
+                               page_size=S)
     o_BKXGH, m_BKXG, l_BKXG = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
