@@ -49,7 +49,10 @@ class FakeExecutor:
         self.plans = []
 
     def _slot(self, seq, pos):
-        return self.sched.block_manager.slot(seq, pos)
+        """The KV slot the model writes for `pos` (metadata.py's page * S + offset)."""
+        S = self.sched.block_manager.page_size
+        assert 0 <= pos < len(seq.page_ids) * S, (seq, pos)
+        return seq.page_ids[pos // S] * S + pos % S
 
     def _check_kv(self, seq, upto):
         for pos in range(upto):
