@@ -9,6 +9,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+# The slowest files first (`make test` runs two xdist workers, a file each at a time):
+# longest-first keeps one long file from running alone at the end.
+SLOWEST_FIRST = ("test_programs.py", "test_engine.py", "test_moe_kernels.py",
+                 "test_gpu_validate.py", "test_pallas_end_to_end.py",
+                 "test_attention_kernels.py", "test_sharded_kernels.py",
+                 "test_golden_parity.py", "test_kernel_check.py", "test_tpu_compile.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps order
+
 
 @pytest.fixture(scope="session")
 def tiny_dir():

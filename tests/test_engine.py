@@ -22,8 +22,6 @@ CONFIGS = {
     "chunked": dict(scheduling="chunked", max_num_batched_tokens=256, token_buckets=(4, 64, 256)),
     "layered-paper": dict(scheduling="layered", max_num_batched_tokens=1024,
                           token_buckets=(4, 64, 1028)),
-    "layered-pow2": dict(scheduling="layered", layer_groups="pow2", max_num_batched_tokens=1024,
-                         token_buckets=(4, 64, 1028)),
     "layered-3": dict(scheduling="layered", layer_groups=3, max_num_batched_tokens=1024,
                       token_buckets=(4, 1028)),
     "layered-small": dict(scheduling="layered", layer_groups=4, max_num_batched_tokens=128,
