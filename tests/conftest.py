@@ -34,3 +34,20 @@ def tiny_model(tiny_dir):
     from lp_jax.loader import load_model
 
     return load_model(tiny_dir)
+
+
+def start_server(engine, **kw):
+    """An OpenAI server for `engine` on a loopback port, in a background thread."""
+    from lp_jax.server import OpenAIServer, ServerThread
+
+    return ServerThread(OpenAIServer(engine, served_model_names=["mock"], **kw)).start()
+
+
+@pytest.fixture(scope="module")
+def mock_server(tiny_dir):
+    """The server over a mock engine (max_model_len 64), shared by a test module."""
+    from lp_jax.server.mock import MockEngine
+
+    st_ = start_server(MockEngine(model_dir=tiny_dir, max_model_len=64))
+    yield st_
+    st_.stop()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from conftest import start_server
 
 from lp_jax.server import OpenAIServer, ServerThread
 from lp_jax.server.mock import MockEngine
@@ -28,17 +29,6 @@ from lp_jax.server.prometheus import parse_text
 from lp_jax.server.protocol import MAX_STOP_TOKEN_IDS, parse_completion
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def start_server(engine, **kw) -> ServerThread:
-    return ServerThread(OpenAIServer(engine, served_model_names=["mock"], **kw)).start()
-
-
-@pytest.fixture(scope="module")
-def mock_server(tiny_dir):
-    st_ = start_server(MockEngine(model_dir=tiny_dir, max_model_len=64))
-    yield st_
-    st_.stop()
 
 
 def request(port, method, path, body=None, headers=None, raw: bytes | None = None):

@@ -11,10 +11,10 @@ import time
 
 import aiohttp
 import pytest
+from conftest import start_server
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from lp_jax.server import OpenAIServer, ServerThread
 from lp_jax.server.chat import ChatFormatter
 from lp_jax.server.detok import IncrementalDetokenizer, TextAssembler
 from lp_jax.server.mock import MockEngine
@@ -26,17 +26,6 @@ def tokenizer(tiny_dir):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-
-
-def start_server(engine, **kw) -> ServerThread:
-    return ServerThread(OpenAIServer(engine, served_model_names=["mock"], **kw)).start()
-
-
-@pytest.fixture(scope="module")
-def mock_server(tiny_dir):
-    st_ = start_server(MockEngine(model_dir=tiny_dir, max_model_len=64))
-    yield st_
-    st_.stop()
 
 
 def request(st_, method, path, body=None, headers=None, raw: bytes | None = None,
