@@ -34,7 +34,7 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.engine.model_runner import resolve_buckets
-from lp_jax.engine.policies import POLICIES
+from lp_jax.engine.scheduler import POLICIES
 from lp_jax.engine.step import StepSpec, empty_inputs, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends

@@ -11,12 +11,21 @@ DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "j
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str | None = None  # Hugging Face directory; None: the embedded tiny model
-    scheduling: str = "layered"  # "orca", "chunked" or "layered"
+    scheduling: str = "layered"  # "orca", "chunked", "layered" or "flowprefill"
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: the policy's default
     layer_groups: str | int = "paper"  # "paper", "pow2" or a fixed group count
     max_layer_groups: int = 16
+    # FlowPrefill (flowprefill.py): where a prefill may be paused ("operator", "layer" or
+    # "group"); `preemptible` makes a layered batch preemptible at its group boundaries.
+    preemption_granularity: str = "operator"
+    preemptible: bool = False
+    slo_alpha: float = 0.1  # batching keeps every member's slack >= alpha * its TTFT SLO
+    max_paused_prefills: int = 2  # paused batches whose hidden states stay on device
+    slo_classes: dict | str | None = None  # {name: {"ttft_ms", "tbt_ms"}}, JSON, or a path
+    latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.latency)
+    prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)
     page_size: int = 16
     kv_pages: int | None = None  # logical pages (per layer); None: from kv_memory_fraction
     kv_memory_fraction: float = 0.5  # of free accelerator memory, when kv_pages is None
@@ -39,9 +48,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.backends not in ("fallback", "strict", "off"):
             raise ValueError(f"backends must be fallback, strict or off, got {self.backends!r}")
-        if self.scheduling not in ("orca", "chunked", "layered"):
-            raise ValueError(
-                f"scheduling must be orca, chunked or layered, got {self.scheduling!r}")
+        if self.scheduling not in ("orca", "chunked", "layered", "flowprefill"):
+            raise ValueError("scheduling must be orca, chunked, layered or flowprefill, "
+                             f"got {self.scheduling!r}")
         for name in ("max_num_seqs", "max_layer_groups", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -32,11 +32,13 @@ from lp_jax.config import ModelConfig
 from lp_jax.engine import compile_guard
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.kernel_check import check_backends
+from lp_jax.engine.latency import LatencyModel, ModelDims
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.model_runner import ModelRunner, StepHandle, resolve_buckets
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import Sequence
+from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 from lp_jax.models.qwen3_moe import KernelBackends
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 
@@ -128,7 +130,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
             eos_token_id=model_cfg.eos_token_id,
+            preemption_granularity=config.preemption_granularity,
+            preemptible=config.preemptible, slo_alpha=config.slo_alpha,
+            max_paused_prefills=config.max_paused_prefills,
         )
+        self.slo_classes = parse_slo_classes(config.slo_classes or {})
+        dims = ModelDims.from_config(model_cfg)
+        latency = (LatencyModel.load(config.latency_model, dims) if config.latency_model
+                   else LatencyModel(dims))
         budget = sched_cfg.max_num_batched_tokens
         # Orca admits a prompt longer than its budget alone, so it may run any prompt.
         max_prefill = max(budget, max_model_len) if config.scheduling == "orca" else budget
@@ -146,13 +155,15 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(model_dir)
         num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
         sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
-        self.scheduler = Scheduler(sched_cfg)
+        self.scheduler = Scheduler(sched_cfg, latency)
         self.runner = ModelRunner(
             model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             max_prefill_tokens=max_prefill, policy=config.scheduling,
             backends=backends, seed=config.seed, token_buckets=buckets,
+            hidden_slots=self.scheduler.policy.hidden_slots(sched_cfg),
         )
+        self.slo_tracker = SLOTracker()
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
         # Expert bytes of the most recent prefill batches (bounded: servers run for days).
@@ -161,6 +172,7 @@ class LLMEngine:
                           "device_seconds": 0.0, "overlapped_host_seconds": 0.0,
                           "overlapped_steps": 0}
         self._inflight: StepHandle | None = None  # a dispatched, uncommitted step
+        self._last_done = 0.0  # when the previous step's tokens were collected
         if config.warmup:
             self.runner.warmup(log=self.log)
         # Every backend compile of start-up once the weights are in: the KV pool, the step
@@ -183,8 +195,13 @@ class LLMEngine:
 
     # -------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None) -> int:
-        """Queues a request and returns its id; raises ValueError for bad input."""
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    slo: SLO | str | dict | None = None) -> int:
+        """Queues a request and returns its id; raises ValueError for bad input.
+
+        `slo`: an `SLO`, the name of a configured class (EngineConfig.slo_classes), or a
+        dict with any of "slo_class", "ttft_slo_ms", "tbt_slo_ms"."""
+        slo = self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; the model has none")
@@ -193,10 +210,28 @@ class LLMEngine:
             token_ids = list(prompt)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
+        if self.config.prefill_only:  # the request ends at its first token
+            sampling_params = dataclasses.replace(sampling_params or SamplingParams(),
+                                                  max_tokens=1)
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time)
+                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                       slo=slo)
         self.scheduler.add(seq)  # validates; raises before any state changes
         return seq.seq_id
+
+    def resolve_slo(self, slo) -> SLO | None:
+        """An SLO from what add_request accepts; raises ValueError for bad or unknown ones."""
+        if slo is None or isinstance(slo, SLO):
+            return slo
+        if isinstance(slo, str):
+            return resolve_slo(self.slo_classes, slo)
+        if isinstance(slo, dict):
+            extra = set(slo) - {"slo_class", "ttft_slo_ms", "tbt_slo_ms"}
+            if extra:
+                raise ValueError(f"unknown SLO fields {sorted(extra)}")
+            return resolve_slo(self.slo_classes, slo.get("slo_class"),
+                               slo.get("ttft_slo_ms"), slo.get("tbt_slo_ms"))
+        raise ValueError(f"slo must be an SLO, a class name or a dict, got {slo!r}")
 
     def abort(self, request_id: int) -> bool:
         seq = self.scheduler.abort(request_id, now=time.perf_counter())
@@ -249,9 +284,16 @@ class LLMEngine:
         t1 = time.perf_counter()
         plan = handle.plan
         self._count_expert_bytes(handle, counts)
+        # The step ran from its dispatch, or from the previous step's end if it queued
+        # behind it, until now: an upper bound when the host collects late.
+        self.scheduler.observe(plan, t1 - max(handle.dispatched_at, self._last_done),
+                               sum(counts))
+        self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
-        self.scheduler.commit(plan, sampled, time.perf_counter())
+        for seq in self.scheduler.commit(plan, sampled, time.perf_counter()):
+            m = seq.metrics()
+            self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
         outputs = [self._output(s, [sampled[s.seq_id]]) for s in alive]
         t2 = time.perf_counter()
         self._counters["device_seconds"] += t1 - t0
@@ -307,6 +349,8 @@ class LLMEngine:
             host_overhead_fraction=(exposed / total) if total else 0.0,
             kernel_backends={op: b for op, (b, _) in self.kernel_report.items()},
             kernel_fallbacks={op: e for op, (_, e) in self.kernel_report.items() if e},
+            slo_attainment=self.slo_tracker.as_dict(),
+            latency_model=self.scheduler.latency.error(),
             free_pages=self.scheduler.block_manager.num_free_pages,
             total_pages=self.scheduler.config.num_pages,
         )

@@ -66,6 +66,7 @@ class StepHandle:
     counts: list
     mixed: int | None
     rows: dict[int, int]  # seq_id -> row of tokens_R
+    dispatched_at: float = 0.0  # perf_counter when its calls were launched
 
 
 @dataclasses.dataclass
@@ -101,19 +102,22 @@ def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
 class ModelRunner:
     def __init__(self, model: Qwen3MoeForCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, max_prefill_tokens: int,
-                 policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None):
+                 policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None,
+                 hidden_slots: int = 0):
         cfg = self.cfg = model.config
         self.dtype = model.dtype
         self.L = cfg.num_hidden_layers
         self.seed = seed
         buckets = resolve_buckets(token_buckets, policy, max_prefill_tokens, max_num_seqs)
-        # Rows [0, max_num_seqs) carry decode rows between a step's calls; a layered batch's
-        # prefill rows follow them for as long as the batch is in flight.
+        # Rows [0, max_num_seqs) carry decode rows between a step's calls; then come
+        # `hidden_slots` areas of max_prefill_tokens rows each, where prefill batches that
+        # span several plans (layered groups, FlowPrefill segments, paused batches) keep
+        # their hidden states. The scheduler assigns rows (StepPlan.prefill_rows).
         R0 = max_num_seqs
         self.spec = StepSpec(
             num_layers=self.L, hidden_size=cfg.hidden_size, page_size=page_size,
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
-            hidden_rows=R0 + (max_prefill_tokens if policy == "layered" else 0),
+            hidden_rows=R0 + max_prefill_tokens * hidden_slots,
             buckets=buckets)
         self.graphdef, self.state = nnx.split(model)
         kv_shape = (self.L * num_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim)
@@ -161,8 +165,9 @@ class ModelRunner:
         L, R0 = self.L, self.spec.max_num_seqs
         decode = list(plan.decode)
         n_dec = len(decode)
-        a, b = (plan.layer_start, plan.layer_end) if plan.prefill else (0, L)
-        before, after = bool(decode) and a > 0, bool(decode) and b < L
+        # The prefill span [a, b) in operator units (2L: the whole stack).
+        a, b = (plan.unit_start, plan.unit_end) if plan.prefill else (0, 2 * L)
+        before, after = bool(decode) and a > 0, bool(decode) and b < 2 * L
         dec_rows = np.arange(n_dec, dtype=np.int32)
         none = np.full(n_dec, -1, np.int32)
         dec_tokens = np.zeros(n_dec, np.int32)
@@ -176,7 +181,7 @@ class ModelRunner:
         dec_sampling = [(s, s.num_tokens) for s in decode]
         calls = []
         if before:
-            calls.append(_Call((0, 2 * a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
+            calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
         # The prefill group (or the whole stack): decode rows first, then the chunks.
         pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
         offset = n_dec
@@ -188,7 +193,9 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampling.append((c.seq, c.seq.num_tokens))
         n_pre = offset - n_dec
-        pre_rows = R0 + np.arange(n_pre, dtype=np.int32)
+        pre_rows = R0 + np.concatenate(
+            [np.zeros(0, np.int32)] + [np.arange(r, r + c.num_tokens, dtype=np.int32)
+                                       for r, c in zip(plan.chunk_rows, plan.prefill, strict=True)])
         pre_none = np.full(n_pre, -1, np.int32)
         # Decode rows come from call 1's output, or are embedded here; prefill rows are
         # embedded in the first group and carried in the hidden buffer after it.
@@ -197,10 +204,11 @@ class ModelRunner:
         pre_in = ((np.concatenate([np.zeros(0, np.int32), *pre_tokens]), pre_none) if a == 0
                   else (np.zeros(n_pre, np.int32), pre_rows))
         mixed = _Call(
-            (2 * a, 2 * b), dec_seqs + pre_seqs,
+            (a, b), dec_seqs + pre_seqs,
             tokens=np.concatenate([dec_in[0], pre_in[0]]),
             src=np.concatenate([dec_in[1], pre_in[1]]),
-            dst=np.concatenate([dec_rows if after else none, pre_rows if b < L else pre_none]),
+            dst=np.concatenate([dec_rows if after else none,
+                                pre_rows if b < 2 * L else pre_none]),
             prev_rows=np.concatenate([dec_in[2], pre_none]),
             decode_only=not plan.prefill)
         if not after:
@@ -209,7 +217,7 @@ class ModelRunner:
         calls.append(mixed)
         mixed_index = len(calls) - 1 if plan.prefill else None
         if after:
-            calls.append(_Call((2 * b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
+            calls.append(_Call((b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
                                none, none, True, list(range(n_dec)), dec_sampling))
         return calls, mixed_index
 
@@ -252,8 +260,10 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Launches the plan's calls and returns without waiting for the device. `prev`:
         the dispatched, uncommitted step whose tokens this plan's placeholders stand for.
-        plan.preempted needs nothing here: device state is per layered batch, and the
-        scheduler never preempts a member of the batch in flight."""
+        plan.preempted needs nothing here: the scheduler owns the hidden buffer's prefill
+        rows (plan.prefill_rows), so a preempted or aborted batch's rows are simply not
+        read again, and it never preempts a batch an outstanding plan still runs."""
+        t0 = time.perf_counter()
         calls, mixed = self._plan_calls(plan, prev)
         counts, tokens_R, useful, padded = [], None, 0.0, 0.0
         for call in calls:
@@ -273,7 +283,7 @@ class ModelRunner:
         if plan.is_last_group:
             ending = [c.seq for c in plan.prefill if c.samples]
             rows.update({s.seq_id: n_dec + k for k, s in enumerate(ending)})
-        return StepHandle(plan, tokens_R, counts, mixed, rows)
+        return StepHandle(plan, tokens_R, counts, mixed, rows, t0)
 
     def _count_padding(self, useful: float, padded: float):
         r = self.row_layers

@@ -13,6 +13,13 @@ Every plan has two parts:
   states between them under `prefill_batch_id`, embeds the tokens when `is_first_group`, and
   computes logits for the chunks that `samples` when `is_last_group`.
 
+Preemptible prefill (FlowPrefill, flowprefill.py) runs a batch in segments that may end
+inside a layer: `unit_start` / `unit_end` give the prefill span in operator units (unit 2i
+is layer i's attention half, 2i + 1 its MLP half); they default to the layer range. A
+batch's carried hidden states live in the executor's hidden buffer at `prefill_rows` (the
+first row of each chunk; default: packed from 0), so a paused batch keeps its rows while
+another runs, and dropping one chunk does not move the others.
+
 Plans hold the live `Sequence` objects, so an executor reads token ids, positions
 (`num_tokens - 1` for a decode, [start, end) for a chunk) and page ids before `commit`.
 """
@@ -60,22 +67,43 @@ class StepPlan:
     group_index: int = 0
     num_groups: int = 1
     preempted: tuple[int, ...] = ()  # seq ids whose device-side state must be forgotten
+    # The prefill span in operator units; None: the layer range (2 * layer_start, ...).
+    # Given, they set layer_start / layer_end to the layers they touch.
+    unit_start: int | None = None
+    unit_end: int | None = None
+    prefill_rows: tuple[int, ...] = ()  # hidden-buffer row of each chunk; (): packed from 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "decode", tuple(self.decode))
-        object.__setattr__(self, "prefill", tuple(self.prefill))
-        object.__setattr__(self, "preempted", tuple(self.preempted))
+        set_ = object.__setattr__
+        set_(self, "decode", tuple(self.decode))
+        set_(self, "prefill", tuple(self.prefill))
+        set_(self, "preempted", tuple(self.preempted))
+        set_(self, "prefill_rows", tuple(self.prefill_rows))
         if self.layer_end is None:
-            object.__setattr__(self, "layer_end", self.num_layers)
+            set_(self, "layer_end", self.num_layers)
+        units = 2 * self.num_layers
+        if (self.unit_start is None) != (self.unit_end is None):
+            raise ValueError("give both unit_start and unit_end, or neither")
+        if self.unit_start is None:
+            set_(self, "unit_start", 2 * self.layer_start)
+            set_(self, "unit_end", 2 * self.layer_end)
+        else:
+            if not 0 <= self.unit_start < self.unit_end <= units:
+                raise ValueError(f"unit range [{self.unit_start}, {self.unit_end}) not inside "
+                                 f"[0, {units})")
+            set_(self, "layer_start", self.unit_start // 2)
+            set_(self, "layer_end", -(-self.unit_end // 2))
         if not 0 <= self.layer_start < self.layer_end <= self.num_layers:
             raise ValueError(
                 f"layer range [{self.layer_start}, {self.layer_end}) not inside "
                 f"[0, {self.num_layers})"
             )
-        if not 0 <= self.group_index < self.num_groups <= self.num_layers:
+        if not 0 <= self.group_index < self.num_groups <= units:
             raise ValueError(f"group {self.group_index} of {self.num_groups} is invalid")
-        if self.num_groups == 1 and (self.layer_start, self.layer_end) != (0, self.num_layers):
+        if self.num_groups == 1 and (self.unit_start, self.unit_end) != (0, units):
             raise ValueError("a single-group plan must cover all layers")
+        if self.prefill_rows and len(self.prefill_rows) != len(self.prefill):
+            raise ValueError("prefill_rows needs one row per prefill chunk")
         if (self.prefill_batch_id is None) != (not self.prefill):
             raise ValueError("prefill_batch_id must be set iff the plan has prefill chunks")
         ids = [s.seq_id for s in self.decode] + [c.seq.seq_id for c in self.prefill]
@@ -84,11 +112,24 @@ class StepPlan:
 
     @property
     def is_first_group(self) -> bool:
-        return self.group_index == 0
+        """The prefill tokens are embedded in this plan (its span starts at unit 0)."""
+        return self.unit_start == 0
 
     @property
     def is_last_group(self) -> bool:
-        return self.group_index == self.num_groups - 1
+        """The prefill span ends the stack, so completed prompts sample now."""
+        return self.unit_end == 2 * self.num_layers
+
+    @property
+    def chunk_rows(self) -> tuple[int, ...]:
+        """Hidden-buffer row of each chunk's first token (packed from 0 by default)."""
+        if self.prefill_rows:
+            return self.prefill_rows
+        rows, r = [], 0
+        for c in self.prefill:
+            rows.append(r)
+            r += c.num_tokens
+        return tuple(rows)
 
     @property
     def num_prefill_tokens(self) -> int:

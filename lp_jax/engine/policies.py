@@ -3,7 +3,8 @@
 A policy sees the scheduler core (queues, admission through `admit_head`, batch
 ids) and returns a `PrefillPart`. Everything else a plan holds, decodes,
 preemptions and bookkeeping, is the core's (scheduler.py). Adding a policy is a
-subclass plus an entry in `POLICIES`.
+subclass plus an entry in `scheduler.POLICIES`. FlowPrefill's preemptible policy is in
+flowprefill.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class PrefillPart:
     layer_end: int | None = None  # None: all layers
     group_index: int = 0
     num_groups: int = 1
+    unit_start: int | None = None  # operator-unit span; None: the layer range
+    unit_end: int | None = None
+    rows: tuple[int, ...] = ()  # hidden-buffer row of each chunk; (): packed from 0
 
 
 class Policy:
@@ -45,6 +49,12 @@ class Policy:
     def check(cfg: SchedulerConfig) -> None:
         """Policy-specific config checks."""
 
+    @staticmethod
+    def hidden_slots(cfg: SchedulerConfig) -> int:
+        """Prefill batches whose hidden states the executor keeps between plans, each in
+        an area of max_num_batched_tokens rows (StepPlan.prefill_rows)."""
+        return 0
+
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
         raise NotImplementedError
 
@@ -55,6 +65,15 @@ class Policy:
     def in_flight(self) -> tuple[Sequence, ...]:
         """Sequences of a prefill batch that spans iterations and has not completed."""
         return ()
+
+    def notify(self, event: str, seq: Sequence) -> None:
+        """A request event: "arrival", "abort", "finish" or "preempt" (event-driven
+        policies schedule a round on it)."""
+
+    def release_paused(self, busy: set[int]) -> list[Sequence]:
+        """Under memory pressure: sequences of a paused prefill to preempt, if any. Those
+        in `busy` still have an outstanding plan writing their KV."""
+        return []
 
     def can_plan_ahead(self, pending: StepPlan) -> bool:
         """May the next plan be made before `pending` commits? Planning ahead decides
@@ -140,6 +159,10 @@ class LayeredPolicy(Policy):
     def budget(cfg: SchedulerConfig) -> int:
         return 8192
 
+    @staticmethod
+    def hidden_slots(cfg: SchedulerConfig) -> int:
+        return 1
+
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
         if self._batch is None:
             self._batch = self._form_batch(admit)
@@ -202,10 +225,3 @@ class LayeredPolicy(Policy):
                                   max_layer_groups=cfg.max_layer_groups,
                                   num_layers=cfg.num_layers)
         return groups == 1
-
-
-POLICIES: dict[str, type[Policy]] = {
-    "orca": OrcaPolicy,
-    "chunked": ChunkedPolicy,
-    "layered": LayeredPolicy,
-}

@@ -34,23 +34,33 @@ from collections import Counter
 from dataclasses import dataclass
 
 from lp_jax.engine.block_manager import BlockManager
+from lp_jax.engine.flowprefill import GRANULARITIES, FlowPrefillPolicy
+from lp_jax.engine.latency import LatencyModel, ModelDims
 from lp_jax.engine.layer_groups import LayerGroupMode, check_mode
 from lp_jax.engine.plan import StepPlan
-from lp_jax.engine.policies import POLICIES, Policy
+from lp_jax.engine.policies import ChunkedPolicy, LayeredPolicy, OrcaPolicy, Policy
 from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+
+POLICIES: dict[str, type[Policy]] = {
+    "orca": OrcaPolicy,
+    "chunked": ChunkedPolicy,
+    "layered": LayeredPolicy,
+    "flowprefill": FlowPrefillPolicy,
+}
 
 _POSITIVE_FIELDS = (
     "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
 ).split()
 _STAT_KEYS = (
     "iterations iterations_decode iterations_prefill iterations_hybrid iterations_idle "
-    "prefill_tokens decode_tokens prefill_batches preemptions finished aborted"
+    "prefill_tokens decode_tokens prefill_batches preemptions finished aborted "
+    "scheduling_rounds prefill_pauses prefill_resumes paused_prefills_preempted"
 ).split()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
-    policy: str  # a key of POLICIES: "orca", "chunked" or "layered"
+    policy: str  # a key of POLICIES: "orca", "chunked", "layered" or "flowprefill"
     num_layers: int
     max_model_len: int
     page_size: int
@@ -61,6 +71,13 @@ class SchedulerConfig:
     layer_groups: LayerGroupMode = "paper"
     max_layer_groups: int = 16
     eos_token_id: int | None = None
+    # FlowPrefill (flowprefill.py): segment size of a preemptible prefill, whether a
+    # layered batch is preemptible at group boundaries, the batching rule's alpha, and
+    # how many paused batches keep their hidden states on device.
+    preemption_granularity: str = "operator"
+    preemptible: bool = False
+    slo_alpha: float = 0.1
+    max_paused_prefills: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -70,20 +87,43 @@ class SchedulerConfig:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {x!r}")
         check_mode(self.layer_groups)
+        if self.preemption_granularity not in GRANULARITIES:
+            raise ValueError(f"preemption_granularity must be one of {GRANULARITIES}, "
+                             f"got {self.preemption_granularity!r}")
+        if not isinstance(self.preemptible, bool):
+            raise ValueError(f"preemptible must be a bool, got {self.preemptible!r}")
+        if self.preemptible and self.policy != "layered":
+            raise ValueError("preemptible applies to the layered policy (flowprefill always "
+                             "is); use scheduling='flowprefill' or 'layered'")
+        if isinstance(self.slo_alpha, bool) or not isinstance(self.slo_alpha, int | float) \
+                or not 0 <= self.slo_alpha < 1:
+            raise ValueError(f"slo_alpha must be in [0, 1), got {self.slo_alpha!r}")
+        if isinstance(self.max_paused_prefills, bool) or not isinstance(
+                self.max_paused_prefills, int) or self.max_paused_prefills < 0:
+            raise ValueError(
+                f"max_paused_prefills must be an int >= 0, got {self.max_paused_prefills!r}")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {self.eos_token_id} outside [0, {self.vocab_size})")
         if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", POLICIES[self.policy].budget(self))
+            object.__setattr__(self, "max_num_batched_tokens", self.policy_class.budget(self))
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        POLICIES[self.policy].check(self)
+        self.policy_class.check(self)
+
+    @property
+    def policy_class(self) -> type[Policy]:
+        """The policy; a preemptible layered batch runs under FlowPrefill's rules."""
+        return FlowPrefillPolicy if self.preemptible else POLICIES[self.policy]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None) -> None:
         self.config = config
+        # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
+        # from measured steps through observe().
+        self.latency = latency or LatencyModel(ModelDims(config.num_layers))
         self.block_manager = BlockManager(config.num_pages, config.page_size)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.prefilling: list[Sequence] = []  # admitted, prefill not complete
@@ -95,7 +135,7 @@ class Scheduler:
         self._next_batch = 0
         self._now = 0.0
         self._stats: Counter[str] = Counter()
-        self.policy: Policy = POLICIES[config.policy](self)
+        self.policy: Policy = config.policy_class(self)
 
     # ----- requests -----
     def add(self, seq: Sequence) -> None:
@@ -142,6 +182,7 @@ class Scheduler:
             )
         bisect.insort(self.waiting, seq, key=_key)
         self._live[seq.seq_id] = seq
+        self.policy.notify("arrival", seq)
 
     def abort(self, seq_id: int, now: float | None = None) -> Sequence | None:
         """Finish a request as aborted; None if it is unknown or already finished."""
@@ -152,6 +193,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
+        self.policy.notify("abort", seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
         seq.finish_time = now
         if seq.num_pending_tokens:  # its token is dropped at commit
@@ -199,6 +241,9 @@ class Scheduler:
             group_index=part.group_index,
             num_groups=part.num_groups,
             preempted=tuple(s.seq_id for s in preempted),
+            unit_start=part.unit_start,
+            unit_end=part.unit_end,
+            prefill_rows=part.rows,
         )
         self._next_step += 1
         self._pending.append(plan)
@@ -241,15 +286,23 @@ class Scheduler:
         self._stats["decode_tokens"] += plan.num_decode_tokens
         return finished
 
+    def observe(self, plan: StepPlan, seconds: float, experts: float | None = None) -> None:
+        """The executor's measured time for a committed plan (and the experts it
+        activated, if counted): refreshes the latency model online."""
+        self.latency.observe(plan, seconds, experts)
+
     # ----- helpers shared by the policies -----
     def admit_head(self) -> Sequence | None:
         """Admit the head of the waiting queue if a sequence slot and its pages are free."""
-        if not self.waiting or len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
+        return self.admit(self.waiting[0]) if self.waiting else None
+
+    def admit(self, seq: Sequence) -> Sequence | None:
+        """Admit a waiting sequence if a sequence slot and its pages are free."""
+        if len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
             return None
-        seq = self.waiting[0]
         if seq.num_pending_tokens or not self.block_manager.can_allocate(seq.prefill_target):
             return None
-        self.waiting.pop(0)
+        self.waiting.remove(seq)
         self.block_manager.allocate(seq, seq.prefill_target)
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
@@ -305,6 +358,12 @@ class Scheduler:
         while queue:
             seq = queue.pop(0)
             while not self.block_manager.can_append(seq):
+                paused = self.policy.release_paused(self._busy_ids())
+                if paused:  # a paused prefill goes first: it is not running
+                    for victim in paused:
+                        self._preempt(victim)
+                    preempted += paused
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 preempted.append(victim)
@@ -317,7 +376,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style: drop the KV, keep the outputs, prefill everything again later."""
-        self.running.remove(seq)
+        (self.running if seq in self.running else self.prefilling).remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -325,6 +384,7 @@ class Scheduler:
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_key)
         self._stats["preemptions"] += 1
+        self.policy.notify("preempt", seq)
 
     def _append_token(self, seq: Sequence, tok: int, now: float, finished: list[Sequence]) -> None:
         """Fills the placeholder `_advance` left for the token, then applies stop rules."""
@@ -346,6 +406,7 @@ class Scheduler:
         del self._live[seq.seq_id]
         self._stats["finished"] += 1
         finished.append(seq)
+        self.policy.notify("finish", seq)
 
     def _release(self, seq: Sequence) -> None:
         """Free a finished sequence's pages, or hold them while a planned step writes them."""

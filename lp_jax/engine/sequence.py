@@ -20,6 +20,7 @@ from enum import Enum, auto
 
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.slo import SLO
 
 PENDING_TOKEN = -1  # stands for a token a dispatched step samples, until its commit
 
@@ -56,6 +57,7 @@ class Sequence:
         "finish_time",
         "num_preemptions",
         "num_pending_tokens",
+        "slo",
     )
 
     def __init__(
@@ -66,6 +68,7 @@ class Sequence:
         *,
         priority: int = 0,
         arrival_time: float = 0.0,
+        slo: SLO | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -82,6 +85,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.num_pending_tokens = 0  # placeholders at the end of token_ids (0 or 1)
+        self.slo = slo  # latency objectives; None: best-effort
 
     def __repr__(self) -> str:
         return (
@@ -118,6 +122,13 @@ class Sequence:
     def finish_reason(self) -> str | None:
         """ "stop", "length" or "abort" once finished, else None."""
         return _FINISH_REASONS.get(self.status)
+
+    @property
+    def deadline(self) -> float:
+        """When its first token is due: arrival + TTFT objective (inf: none)."""
+        if self.slo is None or self.slo.ttft_s is None:
+            return float("inf")
+        return self.arrival_time + self.slo.ttft_s
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -1,0 +1,278 @@
+"""FlowPrefill: preemptible prefill segments under event-driven, slack-aware EDF.
+
+A prefill batch runs as a sequence of *segments*, one per plan. A segment is a span of
+operator units (unit 2i: layer i's attention half, 2i + 1: its MLP half) of the size
+`preemption_granularity` names: "operator" (one unit), "layer" (two) or "group" (the
+layered policy's groups). A compiled program cannot be interrupted, so segment boundaries
+are the preemption points; the step's unit bounds are runtime values (step.py), so
+segments add no programs. With at most two plans outstanding (overlapped scheduling),
+an urgent request waits for at most two segments.
+
+A paused batch keeps its KV pages and its boundary hidden states: every batch owns one of
+`1 + max_paused_prefills` row areas of the executor's hidden buffer
+(`StepPlan.prefill_rows`), so it resumes where it stopped with nothing recomputed.
+
+Scheduling rounds run only on events: an arrival, an abort, a finished request, a
+preemption, or the end of a batch. Between events, a plan is the running batch's next
+segment, at O(1) cost. A round ranks every candidate (the running batch, paused batches,
+and requests not in a batch) by slack-aware EDF:
+
+    deadline = arrival + TTFT SLO (infinite without one: best-effort)
+    slack    = deadline - now - predicted remaining prefill time (latency.py)
+    order    = priority, then feasible (slack >= 0) before infeasible, then deadline
+
+Infeasible requests are demoted, never dropped. If the top candidate is a request, a new
+batch is formed by SLO-aware batching: take it, then add candidates in order while the
+batch fits the token budget and every member keeps slack >= alpha * its TTFT SLO with the
+batch's predicted time; the running batch is paused if the new top is not it. A batch
+that needs a row area when none is free waits. Under memory pressure a paused batch is a
+preemption victim before running decodes (its pages are freed and its prompt recomputed).
+
+Decodes, if any, run in every plan through all layers (co-located mode). With
+`EngineConfig.prefill_only` every request ends at its first token, the setting of the
+FlowPrefill paper (the prefill instance of a disaggregated deployment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lp_jax.engine.layer_groups import num_layer_groups, split_layers
+from lp_jax.engine.plan import PrefillChunk, StepPlan
+from lp_jax.engine.policies import Policy, PrefillPart
+from lp_jax.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from lp_jax.engine.scheduler import SchedulerConfig
+
+GRANULARITIES = ("operator", "layer", "group")
+_INF = float("inf")
+
+
+@dataclass(slots=True)
+class _Batch:
+    batch_id: int
+    chunks: list[PrefillChunk]
+    rows: list[int]  # hidden-buffer row of each chunk's first token
+    slot: int  # row area
+    segments: tuple[tuple[int, int], ...]  # unit spans, in order
+    index: int = 0  # the segment the next plan runs
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks]
+
+
+class FlowPrefillPolicy(Policy):
+    """Event-driven slack-aware EDF over preemptible prefill batches."""
+
+    def __init__(self, sched) -> None:
+        super().__init__(sched)
+        cfg = sched.config
+        self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
+        self.alpha = cfg.slo_alpha
+        self._running: _Batch | None = None
+        self._paused: list[_Batch] = []
+        self._free_slots = list(range(self.hidden_slots(cfg)))
+        self._event = True  # a scheduling round is due
+
+    @staticmethod
+    def budget(cfg: SchedulerConfig) -> int:
+        return 8192
+
+    @staticmethod
+    def hidden_slots(cfg: SchedulerConfig) -> int:
+        return 1 + cfg.max_paused_prefills
+
+    # ------------------------------------------------------------------ events
+    def notify(self, event: str, seq: Sequence) -> None:
+        self._event = True
+        if event == "abort":
+            self._drop_seq(seq)
+
+    def on_advance(self, plan: StepPlan) -> None:
+        b = self._find(plan.prefill_batch_id)
+        if b is None:
+            return
+        b.index += 1
+        if b.index == len(b.segments):
+            self._remove(b)
+            self._event = True
+
+    def in_flight(self) -> tuple[Sequence, ...]:
+        return ()  # an aborted member leaves its batch at once (see _drop_seq)
+
+    def can_plan_ahead(self, pending: StepPlan) -> bool:
+        return True  # an arrival meanwhile preempts at the next segment boundary
+
+    def release_paused(self, busy: set[int]) -> list[Sequence]:
+        """Gives up the paused batch ranked last whose KV no outstanding plan writes;
+        returns its sequences for the scheduler to preempt (recompute)."""
+        now = self.sched._now
+        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
+            if not any(s.seq_id in busy for s in b.seqs):
+                self._remove(b)
+                self.sched._stats["paused_prefills_preempted"] += 1
+                return b.seqs
+        return []
+
+    # ------------------------------------------------------------------ plans
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        if self._event:
+            self._round(admit)
+        b = self._running
+        if b is None:
+            return PrefillPart((), None)
+        a, e = b.segments[b.index]
+        return PrefillPart(tuple(b.chunks), b.batch_id, group_index=b.index,
+                           num_groups=len(b.segments), unit_start=a, unit_end=e,
+                           rows=tuple(b.rows))
+
+    def _round(self, admit: bool) -> None:
+        s = self.sched
+        s._stats["scheduling_rounds"] += 1
+        self._event = not admit  # a round that could not admit is retried next plan
+        now = s._now
+        batches = ([self._running] if self._running else []) + self._paused
+        in_batch = {q.seq_id for b in batches for q in b.seqs}
+        free = [q for q in s.prefilling if q.seq_id not in in_batch]
+        if admit:
+            free += s.waiting
+        ranked = sorted([(self._batch_key(b, now), 0, b) for b in batches]
+                        + [(self._seq_key(q, now), 1, q) for q in free],
+                        key=lambda t: t[:2])
+        target = None
+        for i, (_, is_seq, top) in enumerate(ranked):
+            if not is_seq:
+                target = top
+                break
+            target = self._form_batch([q for _, k, q in ranked[i:] if k], now)
+            if target is not None:
+                break
+            # The top request cannot start (no pages, no seq slot or no row area): the
+            # best batch goes on meanwhile.
+            target = next((b for _, k, b in ranked[i + 1:] if not k), None)
+            break
+        self._switch(target)
+
+    def _switch(self, target: _Batch | None) -> None:
+        r = self._running
+        if target is r:
+            return
+        s = self.sched
+        if r is not None:
+            self._paused.append(r)
+            s._stats["prefill_pauses"] += 1
+        if target is not None and target in self._paused:
+            self._paused.remove(target)
+            s._stats["prefill_resumes"] += 1
+        self._running = target
+
+    # ------------------------------------------------------------------ ranking
+    def _seq_key(self, q: Sequence, now: float) -> tuple:
+        remaining = self._remaining([(q.prefill_target - q.num_computed_tokens,
+                                      q.num_computed_tokens)], 0)
+        return self._key(q.priority, q.deadline, now, remaining, q.arrival_time, q.seq_id)
+
+    def _batch_key(self, b: _Batch, now: float) -> tuple:
+        first = min(b.seqs, key=lambda q: (q.priority, q.deadline, q.arrival_time))
+        remaining = self._remaining([(c.num_tokens, c.start) for c in b.chunks],
+                                    b.segments[b.index][0], len(b.segments) - b.index)
+        return self._key(first.priority, min(q.deadline for q in b.seqs), now, remaining,
+                         first.arrival_time, first.seq_id)
+
+    @staticmethod
+    def _key(priority, deadline, now, remaining, arrival, seq_id) -> tuple:
+        infeasible = deadline - now - remaining < 0
+        return (priority, infeasible, deadline, arrival, seq_id)
+
+    def _remaining(self, chunks_TP, start_unit: int, segments: int | None = None) -> float:
+        """Predicted time to run chunks from `start_unit` to the end of the stack."""
+        s = self.sched
+        units = 2 * s.config.num_layers
+        if segments is None:
+            segments = len(self._segments(sum(t for t, _ in chunks_TP)))
+        ctx = sum(q.num_tokens for q in s.running)
+        return s.latency.prefill_seconds(chunks_TP, start_unit, units, segments=segments,
+                                         num_decode=len(s.running), decode_context=ctx)
+
+    # ------------------------------------------------------------------ batches
+    def _form_batch(self, candidates: list[Sequence], now: float) -> _Batch | None:
+        """SLO-aware batching from candidates in rank order; None if the first cannot
+        start."""
+        s, cfg = self.sched, self.sched.config
+        if not self._free_slots:
+            return None
+        chunks: list[PrefillChunk] = []
+        left = cfg.max_num_batched_tokens
+        for q in candidates:
+            n = min(q.prefill_target - q.num_computed_tokens, left)
+            if n < q.prefill_target - q.num_computed_tokens and chunks:
+                break  # prompts are cut only when they open a batch
+            trial = chunks + [PrefillChunk(q, q.num_computed_tokens, q.num_computed_tokens + n)]
+            if chunks and not self._keeps_slo(trial, now):
+                break
+            if q.status.name == "WAITING" and s.admit(q) is None:
+                break
+            chunks = trial
+            left -= n
+            if left == 0:
+                break
+        if not chunks:
+            return None
+        slot = self._free_slots.pop(0)
+        rows, r = [], slot * cfg.max_num_batched_tokens
+        for c in chunks:
+            rows.append(r)
+            r += c.num_tokens
+        return _Batch(s.new_batch_id(), chunks, rows, slot,
+                      self._segments(sum(c.num_tokens for c in chunks)))
+
+    def _keeps_slo(self, chunks: list[PrefillChunk], now: float) -> bool:
+        """Every member that can still make its deadline keeps slack >= alpha * SLO."""
+        t = self._remaining([(c.num_tokens, c.start) for c in chunks], 0)
+        for c in chunks:
+            slo = c.seq.slo
+            if slo is None or slo.ttft_s is None or not c.samples:
+                continue
+            alone = self._remaining([(c.num_tokens, c.start)], 0)
+            if c.seq.deadline - now - alone < 0:
+                continue  # already infeasible: batching cannot break it
+            if c.seq.deadline - now - t < self.alpha * slo.ttft_s:
+                return False
+        return True
+
+    def _segments(self, tokens: int) -> tuple[tuple[int, int], ...]:
+        cfg = self.sched.config
+        L = cfg.num_layers
+        if self.granularity == "operator":
+            return tuple((u, u + 1) for u in range(2 * L))
+        if self.granularity == "layer":
+            return tuple((2 * i, 2 * i + 2) for i in range(L))
+        g = num_layer_groups(tokens, cfg.layer_groups, max_layer_groups=cfg.max_layer_groups,
+                             num_layers=L)
+        return tuple((2 * a, 2 * b) for a, b in split_layers(L, g))
+
+    def _find(self, batch_id: int | None) -> _Batch | None:
+        if self._running is not None and self._running.batch_id == batch_id:
+            return self._running
+        return next((b for b in self._paused if b.batch_id == batch_id), None)
+
+    def _remove(self, b: _Batch) -> None:
+        if b is self._running:
+            self._running = None
+        else:
+            self._paused.remove(b)
+        self._free_slots.append(b.slot)
+        self._free_slots.sort()
+
+    def _drop_seq(self, seq: Sequence) -> None:
+        """An aborted member leaves its batch; the other chunks keep their rows."""
+        for b in ([self._running] if self._running else []) + self._paused:
+            for i, c in enumerate(b.chunks):
+                if c.seq is seq:
+                    del b.chunks[i], b.rows[i]
+                    if not b.chunks:
+                        self._remove(b)
+                    return
