@@ -15,9 +15,10 @@ from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from lp_jax.engine.slo import SLO
 
 VOCAB = 1000
-POLICIES = ("orca", "chunked", "layered")
+POLICIES = ("orca", "chunked", "layered", "flowprefill")
 RUNNING = SequenceStatus.RUNNING
 
 
@@ -30,6 +31,8 @@ def make_cfg(policy, **kw):
         policy=policy, num_layers=8, max_model_len=4096, page_size=4, num_pages=4096,
         vocab_size=VOCAB, max_num_seqs=16,
     )  # fmt: skip
+    if policy == "flowprefill":  # groups: the step-count tests below hold for it too
+        base["preemption_granularity"] = "group"
     base.update(kw)
     return SchedulerConfig(**base)
 
@@ -45,7 +48,8 @@ class FakeExecutor:
         self.sched = sched
         self.token_fn = token_fn
         self.kv = {}  # slot -> (seq_id, position)
-        self.layers = {}  # (batch_id, seq_id, start, end) -> layers crossed, in order
+        self.layers = {}  # (batch_id, seq_id, start, end) -> operator units crossed, in order
+        self.rows = {}  # batch_id -> (hidden rows it holds, its seq ids) until it ends
         self.plans = []
 
     def _slot(self, seq, pos):
@@ -69,6 +73,8 @@ class FakeExecutor:
             assert seq.status is RUNNING and seq.num_computed_tokens == seq.num_tokens - 1
             self._check_kv(seq, seq.num_tokens - 1)
             self.kv[self._slot(seq, seq.num_tokens - 1)] = (seq.seq_id, seq.num_tokens - 1)
+        if plan.prefill and not (plan.is_first_group and plan.is_last_group):
+            self._check_rows(plan)  # a batch that spans plans carries hidden rows
         for c in plan.prefill:
             key = (plan.prefill_batch_id, c.seq.seq_id, c.start, c.end)
             if plan.is_first_group:
@@ -76,9 +82,10 @@ class FakeExecutor:
                 assert c.start == c.seq.num_computed_tokens
                 self._check_kv(c.seq, c.start)
                 self.layers[key] = []
-            self.layers[key].extend(range(plan.layer_start, plan.layer_end))
+            assert self.layers[key][-1:] in ([], [plan.unit_start - 1])  # resumes in place
+            self.layers[key].extend(range(plan.unit_start, plan.unit_end))
             if plan.is_last_group:
-                assert self.layers[key] == list(range(num_layers))  # each layer exactly once
+                assert self.layers[key] == list(range(2 * num_layers))  # each unit once
                 for pos in range(c.start, c.end):
                     self.kv[self._slot(c.seq, pos)] = (c.seq.seq_id, pos)
         return {
@@ -86,6 +93,32 @@ class FakeExecutor:
             for s in plan.sampling_seqs
             if not s.is_finished
         }
+
+    def _check_rows(self, plan):
+        """A batch's chunks keep their hidden rows from group to group, and no two live
+        batches (running or paused) share a row."""
+        rows = {r + k for r, c in zip(plan.chunk_rows, plan.prefill, strict=True)
+                for k in range(c.num_tokens)}
+        assert len(rows) == plan.num_prefill_tokens
+        cap = self.sched.config.max_num_batched_tokens * max(
+            1, self.sched.policy.hidden_slots(self.sched.config))
+        assert max(rows) < cap
+        bid = plan.prefill_batch_id
+        if plan.is_first_group:
+            # A batch is live (running or paused) while a member is still where it was.
+            live = {(s.seq_id, s.num_preemptions, s.num_computed_tokens)
+                    for s in self.sched.prefilling}
+            for other, (held, members) in list(self.rows.items()):
+                if not members & live:  # ended by aborts or preemption
+                    del self.rows[other]
+                else:
+                    assert not held & rows, (bid, other)
+            self.rows[bid] = (rows, {(c.seq.seq_id, c.seq.num_preemptions, c.start)
+                                     for c in plan.prefill})
+        else:
+            assert rows <= self.rows[bid][0]
+        if plan.is_last_group:
+            self.rows.pop(bid, None)
 
 
 def check_invariants(sched):
@@ -150,11 +183,24 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
             sched.commit(plan, sampled, float(step + 1))
         check_invariants(sched)
         step += 1
-        assert step < max_steps, "no progress"
+        assert step < max_steps, (f"no progress: waiting {sched.waiting}, prefilling "
+                                  f"{sched.prefilling}, running {sched.running}, last plans "
+                                  f"{ex.plans[-2:]}, stats {sched.stats()}, policy "
+                                  f"{vars(sched.policy) if hasattr(sched.policy, '__dict__') else ''}")
     assert sched.block_manager.num_free_pages == sched.config.num_pages
-    for key, layers in ex.layers.items():
-        assert layers == list(range(sched.config.num_layers)), key
+    for key, units in ex.layers.items():
+        if not _dropped(sched, ex, key):
+            assert units == list(range(2 * sched.config.num_layers)), key
     return ex
+
+
+def _dropped(sched, ex, key):
+    """A chunk a preemptible policy dropped: its sequence was aborted or preempted (and
+    recomputed) before the chunk's batch ended."""
+    if sched.config.policy_class.__name__ != "FlowPrefillPolicy":
+        return False
+    seq = next(c.seq for p in ex.plans for c in p.prefill if c.seq.seq_id == key[1])
+    return seq.finish_reason == "abort" or seq.num_preemptions > 0
 
 
 def drive_overlapped(sched, requests=(), **kw):
@@ -862,6 +908,12 @@ def workloads(draw, policy):
         eos_token_id=draw(st.one_of(st.none(), st.integers(0, 31))),
         vocab_size=32,  # small, so eos and stop tokens do occur
     )
+    preemptive = policy == "flowprefill" or (policy == "layered" and draw(st.booleans()))
+    if preemptive:
+        cfg.update(preemptible=policy == "layered",
+                   preemption_granularity=draw(st.sampled_from(["operator", "layer", "group"])),
+                   max_paused_prefills=draw(st.integers(0, 2)),
+                   slo_alpha=draw(st.sampled_from([0.0, 0.1, 0.5])))
     reqs = []
     for i in range(draw(st.integers(1, 10))):
         plen = draw(st.integers(1, cfg["max_model_len"]))
@@ -873,7 +925,11 @@ def workloads(draw, policy):
         prompt = [(i + j) % 32 for j in range(plen)]
         arrival = draw(st.integers(0, 12))
         priority = draw(st.integers(0, 2))
-        reqs.append(Sequence(i, prompt, params, priority=priority, arrival_time=arrival))
+        slo = None
+        if preemptive and draw(st.booleans()):  # tight deadlines force preemptions
+            slo = SLO(draw(st.sampled_from([0.5, 2.0, 8.0, 50.0])))
+        reqs.append(Sequence(i, prompt, params, priority=priority, arrival_time=arrival,
+                             slo=slo))
     need = max(max_kv_pages(r, cfg["max_model_len"], cfg["page_size"]) for r in reqs)
     cfg["num_pages"] = need + draw(st.sampled_from([0, 0, 1, 2, 4, 16]))  # mostly tight
     abort = st.tuples(st.integers(0, 20), st.integers(0, len(reqs) - 1), st.booleans())
@@ -914,8 +970,9 @@ def test_random_workloads(policy, driver, data):
             stopped = r.status is SequenceStatus.FINISHED_STOPPED
             assert r.finish_reason == ("stop" if stopped else "length")
             assert len(r.token_times) == r.num_output_tokens
-    # every completed chunk crossed every layer exactly once (also checked step by step)
-    assert all(v == list(range(cfg.num_layers)) for v in ex.layers.values())
+    # every completed chunk crossed every unit exactly once (also checked step by step)
+    assert all(v == list(range(2 * cfg.num_layers)) for k, v in ex.layers.items()
+               if not _dropped(sched, ex, k))
     st_ = sched.stats()
     assert st_["finished"] + st_["aborted"] == len(reqs)
     event(f"preempted={bool(st_['preemptions'])}")

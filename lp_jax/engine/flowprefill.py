@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from lp_jax.engine.layer_groups import num_layer_groups, split_layers
 from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.policies import Policy, PrefillPart
-from lp_jax.engine.sequence import Sequence
+from lp_jax.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from lp_jax.engine.scheduler import SchedulerConfig
@@ -142,18 +142,20 @@ class FlowPrefillPolicy(Policy):
         ranked = sorted([(self._batch_key(b, now), 0, b) for b in batches]
                         + [(self._seq_key(q, now), 1, q) for q in free],
                         key=lambda t: t[:2])
-        target = None
+        target, blocked = None, False
         for i, (_, is_seq, top) in enumerate(ranked):
             if not is_seq:
                 target = top
                 break
-            target = self._form_batch([q for _, k, q in ranked[i:] if k], now)
+            if not self._free_slots or (blocked and top.status is SequenceStatus.WAITING):
+                continue  # it cannot start now: the best batch or admitted request goes on
+            # Admission is head-of-line: once the top waiting request cannot be admitted,
+            # no lower one is (admitted, partly prefilled requests still run).
+            target = self._form_batch([q for _, k, q in ranked[i:] if k and not (
+                blocked and q.status is SequenceStatus.WAITING)], now)
             if target is not None:
                 break
-            # The top request cannot start (no pages, no seq slot or no row area): the
-            # best batch goes on meanwhile.
-            target = next((b for _, k, b in ranked[i + 1:] if not k), None)
-            break
+            blocked = True
         self._switch(target)
 
     def _switch(self, target: _Batch | None) -> None:
@@ -199,11 +201,9 @@ class FlowPrefillPolicy(Policy):
 
     # ------------------------------------------------------------------ batches
     def _form_batch(self, candidates: list[Sequence], now: float) -> _Batch | None:
-        """SLO-aware batching from candidates in rank order; None if the first cannot
-        start."""
+        """SLO-aware batching from candidates in rank order (a row area is free); None if
+        the first cannot be admitted."""
         s, cfg = self.sched, self.sched.config
-        if not self._free_slots:
-            return None
         chunks: list[PrefillChunk] = []
         left = cfg.max_num_batched_tokens
         for q in candidates:
@@ -213,7 +213,7 @@ class FlowPrefillPolicy(Policy):
             trial = chunks + [PrefillChunk(q, q.num_computed_tokens, q.num_computed_tokens + n)]
             if chunks and not self._keeps_slo(trial, now):
                 break
-            if q.status.name == "WAITING" and s.admit(q) is None:
+            if q.status is SequenceStatus.WAITING and s.admit(q) is None:
                 break
             chunks = trial
             left -= n

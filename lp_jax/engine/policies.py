@@ -67,8 +67,8 @@ class Policy:
         return ()
 
     def notify(self, event: str, seq: Sequence) -> None:
-        """A request event: "arrival", "abort", "finish" or "preempt" (event-driven
-        policies schedule a round on it)."""
+        """A request event: "arrival", "abort", "finish", "preempt", or "free" (a
+        finished request's pages came back); event-driven policies run a round on it."""
 
     def release_paused(self, busy: set[int]) -> list[Sequence]:
         """Under memory pressure: sequences of a paused prefill to preempt, if any. Those

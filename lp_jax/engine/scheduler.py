@@ -281,6 +281,7 @@ class Scheduler:
         for seq in [z for z in self._zombies if z.seq_id not in busy]:
             self._zombies.remove(seq)
             self.block_manager.free(seq)
+            self.policy.notify("free", seq)  # its pages may admit a waiting request
         self._stats["iterations"] += 1
         self._stats[f"iterations_{plan.phase}"] += 1
         self._stats["decode_tokens"] += plan.num_decode_tokens
