@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 from pathlib import Path
@@ -42,6 +43,44 @@ def _int_tuple(s: str) -> tuple[int, ...]:
 
 def _layer_groups(s: str):
     return int(s) if s.isdigit() else s
+
+
+def _non_negative_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _slo_alpha(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
+    return v
+
+
+def _slo_classes(s: str) -> dict:
+    """--slo-classes: inline JSON or a JSON file's path, checked now (a bad file stops
+    start-up with its error, not the first request that names a class)."""
+    from lp_jax.engine.slo import parse_slo_classes
+
+    try:
+        text = s if s.lstrip().startswith("{") else Path(s).read_text()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read SLO classes file {s!r}: "
+                                         f"{exc.strerror}") from None
+    try:
+        spec = json.loads(text)
+        parse_slo_classes(spec)
+    except ValueError as exc:  # JSONDecodeError included
+        raise argparse.ArgumentTypeError(f"bad SLO classes in {s[:200]!r}: {exc}") from None
+    return spec
+
+
+def _existing_path(s: str) -> str:
+    if not Path(s).exists():
+        raise argparse.ArgumentTypeError(f"{s!r} does not exist")
+    return s
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -80,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--model", default=None,
                    help="Hugging Face model directory [default: the embedded tiny model]")
-    e.add_argument("--scheduling", choices=("orca", "chunked", "layered"), default="layered")
+    e.add_argument("--scheduling", choices=("orca", "chunked", "layered", "flowprefill"),
+                   default="layered",
+                   help="flowprefill: slack-aware EDF over the requests' TTFT deadlines, "
+                        "with preemptible prefill (--preemption-granularity)")
     e.add_argument("--max-model-len", type=_positive_int, default=None)
     e.add_argument("--max-num-seqs", type=_positive_int, default=32)
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
@@ -109,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="commit each step before planning the next")
     e.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache [default: ~/.cache/lp_jax/jax_cache]; '' for none")
+    f = p.add_argument_group("latency SLOs and FlowPrefill (EngineConfig)")
+    f.add_argument("--slo-classes", type=_slo_classes, default=None,
+                   help='named SLO classes requests may give as slo_class: inline JSON or a '
+                        'JSON file, e.g. {"chat": {"ttft_ms": 250, "tbt_ms": 100}}')
+    f.add_argument("--preemption-granularity", choices=("operator", "layer", "group"),
+                   default="operator", help="where a flowprefill prefill may be paused")
+    f.add_argument("--preemptible", action="store_true",
+                   help="layered: a prefill batch may be preempted at its group boundaries")
+    f.add_argument("--slo-alpha", type=_slo_alpha, default=0.1,
+                   help="batching keeps every member's slack >= alpha * its TTFT SLO")
+    f.add_argument("--max-paused-prefills", type=_non_negative_int, default=2,
+                   help="paused prefill batches whose hidden states stay on the device")
+    f.add_argument("--latency-model", type=_existing_path, default=None,
+                   help="fitted step-latency model (python -m lp_jax.engine.latency) "
+                        "[default: fitted online]")
+    f.add_argument("--prefill-only", action="store_true",
+                   help="every request ends at its first token (disaggregated prefill)")
     return p
 
 
@@ -116,7 +175,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
                 "moe_backend", "attention_backend", "backends", "seed", "token_buckets", "warmup",
-                "async_scheduling")
+                "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
+                "max_paused_prefills", "slo_classes", "latency_model", "prefill_only")
 
 
 def engine_config(args):
@@ -135,7 +195,8 @@ def build_engine(args, log=print):
 
         return MockEngine(model_dir=args.model or ensure_tiny(preset="tiny"),
                           max_model_len=args.max_model_len or 4096,
-                          max_num_seqs=max(args.max_num_seqs, 256))
+                          max_num_seqs=max(args.max_num_seqs, 256),
+                          slo_classes=args.slo_classes)
     from lp_jax.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config(args), log=log)

@@ -27,6 +27,8 @@ ENGINES = {  # default arguments, with the policies and budgets a user would try
     "chunked": dict(scheduling="chunked"),
     "layered": dict(scheduling="layered"),
     "layered-256": dict(scheduling="layered", max_num_batched_tokens=256),
+    # FlowPrefill's segments and paused batches reuse the row-bucket programs
+    "flowprefill": dict(scheduling="flowprefill"),
 }
 OPTIONS = {"defaults": {}}
 

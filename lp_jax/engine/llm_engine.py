@@ -237,6 +237,9 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id, now=time.perf_counter())
         if seq is not None:
             self._aborted.append(seq)
+            if seq.num_output_tokens:  # cut short (a stop string, a client gone) after its
+                m = seq.metrics()     # first token: its objectives were met or missed
+                self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
         return seq is not None
 
     def has_unfinished(self) -> bool:

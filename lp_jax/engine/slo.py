@@ -51,9 +51,11 @@ class SLO:
                              f"characters, got {self.name!r}")
 
     @classmethod
-    def from_ms(cls, ttft_ms=None, tbt_ms=None, name: str = CUSTOM) -> SLO:
-        return cls(None if ttft_ms is None else _check_ms("ttft_slo_ms", ttft_ms) / 1e3,
-                   None if tbt_ms is None else _check_ms("tbt_slo_ms", tbt_ms) / 1e3, name)
+    def from_ms(cls, ttft_ms=None, tbt_ms=None, name: str = CUSTOM,
+                fields=("ttft_slo_ms", "tbt_slo_ms")) -> SLO:
+        """`fields`: how errors name the two values (request fields by default)."""
+        return cls(None if ttft_ms is None else _check_ms(fields[0], ttft_ms) / 1e3,
+                   None if tbt_ms is None else _check_ms(fields[1], tbt_ms) / 1e3, name)
 
     def scaled(self, factor: float) -> SLO:
         """Both objectives times `factor` (the SLO-scale sweeps)."""
@@ -83,7 +85,8 @@ def parse_slo_classes(spec) -> dict[str, SLO]:
                              f"tbt_ms, got {entry!r}")
         if name == CUSTOM:
             raise ValueError(f"{CUSTOM!r} is reserved for requests that name no class")
-        classes[name] = SLO.from_ms(entry.get("ttft_ms"), entry.get("tbt_ms"), name)
+        classes[name] = SLO.from_ms(entry.get("ttft_ms"), entry.get("tbt_ms"), name,
+                                    fields=(f"{name}.ttft_ms", f"{name}.tbt_ms"))
     return classes
 
 
@@ -105,8 +108,8 @@ def resolve_slo(classes: dict[str, SLO], slo_class: str | None = None,
 
 
 class SLOTracker:
-    """Attained / total finished requests per (class, kind); aborted requests and kinds a
-    request set no objective for are not counted."""
+    """Attained / total finished requests per (class, kind). Requests aborted before their
+    first token, and kinds a request set no objective for, are not counted."""
 
     def __init__(self) -> None:
         self.attained: Counter[tuple[str, str]] = Counter()

@@ -19,7 +19,13 @@ Request fields: `model` (optional; if given it must be a served name, else 404),
 on; wider seeds would collide, so they are a 400), `stop` (a string or up to 16 strings:
 matched on the detokenized text, the output is cut before the match and `finish_reason` is
 "stop"), `stop_token_ids` (up to 64, as vLLM), `stream`, `stream_options.include_usage`,
-`n` (1 only), and the extensions `priority` (int, lower is served first) and `ignore_eos`.
+`n` (1 only), and the extensions `priority` (int, lower is served first), `ignore_eos`, and
+the latency objectives `ttft_slo_ms` and `tbt_slo_ms` (numbers of milliseconds in (0, one
+day]: time to the first token, largest gap between two tokens) and `slo_class` (the name of
+a class from `lp-serve --slo-classes`; explicit values override the class's). The openai
+client sends these through `extra_body`. An unknown class or a bad value is a 400 naming
+the field, and nothing is queued; `flowprefill` scheduling orders prefills by TTFT deadline,
+every policy counts attainment in `lp:slo_attained_total` / `lp:slo_requests_total`.
 `logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools` and non-text `response_format`
 are rejected with 400 and a message naming the field. Unknown fields are ignored.
 

@@ -103,6 +103,7 @@ class OpenAIServer:
         self.max_body_bytes = self.max_prompt_bytes + BODY_ROOM_BYTES
         self.chat = ChatFormatter.from_model_dir(model_dir, self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
+        self.metrics.declare_slo_classes(getattr(engine, "slo_classes", {}))
         self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics)
         self.created = int(time.time())
         self.draining = False
@@ -242,10 +243,28 @@ class OpenAIServer:
                 raise APIError(404, f"the model '{req.model[:200]}' does not exist; this "
                                f"server serves {self.served_model_names}",
                                type="not_found_error", param="model", code="model_not_found")
+            req.slo = self._resolve_slo(req.slo_fields)
             return req
         except APIError:
             self.metrics.rejected.inc(reason="invalid")
             raise
+
+    def _resolve_slo(self, fields: dict | None):
+        """The engine's SLO for a request's SLO fields (None: none given); a 400 naming the
+        field for an unknown class or a value the engine refuses, before anything is queued.
+        `resolve_slo` only reads the classes fixed at start-up, so any thread may call it."""
+        if fields is None:
+            return None
+        resolve = getattr(self.engine, "resolve_slo", None)
+        if resolve is None:
+            raise protocol.unsupported(next(iter(fields)), "this engine has no latency SLOs")
+        try:
+            return resolve(fields)
+        except ValueError as exc:
+            msg = str(exc)
+            param = next((f for f in protocol.SLO_FIELDS if f in msg and f in fields),
+                         next(iter(fields)))
+            raise protocol.bad(msg, param) from None
 
     async def _read_body(self, request) -> bytes:
         too_large = APIError(
@@ -314,7 +333,7 @@ class OpenAIServer:
             ids = await asyncio.to_thread(self._tokenize, req)
             params = req.sampling_params(self._budget(req, len(ids)), self.vocab_size)
             return ids, await self.engine_loop.add(ids, params, priority=req.priority,
-                                                   arrival_time=arrival)
+                                                   arrival_time=arrival, slo=req.slo)
         except APIError:
             self.metrics.rejected.inc(reason="invalid")
             raise

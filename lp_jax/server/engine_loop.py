@@ -155,8 +155,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------ event loop
     async def add(self, prompt_token_ids: list[int], sampling_params, *, priority: int = 0,
-                  arrival_time: float | None = None) -> RequestHandle:
-        """Queue a request; raises ValueError (bad request), OverloadedError, EngineDeadError."""
+                  arrival_time: float | None = None, slo=None) -> RequestHandle:
+        """Queue a request; raises ValueError (bad request), OverloadedError, EngineDeadError.
+        `slo`: anything `engine.add_request(slo=...)` takes; None: best-effort."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         handle = RequestHandle(self, len(prompt_token_ids))
@@ -169,7 +170,7 @@ class EngineLoop:
                                       f"slot (limit {self.max_waiting})")
             self._unadmitted += 1
             self._cmds.append(("add", (prompt_token_ids, sampling_params, priority, arrival,
-                                       loop, fut, handle)))
+                                       slo, loop, fut, handle)))
             self._cv.notify()
         handle.request_id = await fut  # cancelled: _resolve aborts the request
         return handle
@@ -225,10 +226,11 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind, payload = cmd
         if kind == "add":
-            ids, params, priority, arrival, loop, fut, handle = payload
+            ids, params, priority, arrival, slo, loop, fut, handle = payload
+            kwargs = {} if slo is None else {"slo": slo}  # engines without SLOs take none
             try:
                 rid = self.engine.add_request(ids, params, priority=priority,
-                                              arrival_time=arrival)
+                                              arrival_time=arrival, **kwargs)
             except Exception as exc:  # noqa: BLE001 - ValueError is a bad request
                 with self._cv:
                     self._unadmitted -= 1

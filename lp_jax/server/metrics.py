@@ -25,15 +25,20 @@ Times are in seconds. Every sample carries a `model_name` label (the served mode
 | `lp:iterations_total` | counter | engine iterations by `phase` (3) |
 | `lp:expert_bytes_loaded_total` | counter | expert weight bytes the MoE layers read |
 | `lp:kernel_backend_info` | gauge | 1 for the backend each op (`moe`, `attention`) runs |
+| `lp:slo_requests_total` | counter | finished requests with an SLO, by `slo_class`, `kind` (4) |
+| `lp:slo_attained_total` | counter | those of them that met it, by `slo_class`, `kind` (4) |
 
 Labels: (1) stop, length, abort (a client that left, before its request was queued too);
 (2) invalid, overloaded, unauthorized, engine_dead, shutting_down; (3) decode, prefill,
-hybrid, idle.
+hybrid, idle; (4) `slo_class`: the class the request named, or "custom" for explicit
+`ttft_slo_ms` / `tbt_slo_ms` alone; `kind`: ttft (time to first token) or tbt (the largest
+gap between two tokens). Attainment is `lp:slo_attained_total / lp:slo_requests_total`.
 
 Request-level histograms are observed when a request finishes (or is aborted), from the
 engine's own token timestamps; a request cut short by a stop string counts the tokens up to
 the one that completed the stop string. Engine counters are read from `LLMEngine.stats()`
-at scrape time.
+at scrape time; the SLO counters from its `slo_attainment` (requests that finish, and
+those aborted after their first token, such as one cut short by a stop string).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
                  100000)
 
 PHASES = ("decode", "prefill", "hybrid", "idle")
+SLO_KINDS = ("ttft", "tbt")
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -98,11 +104,26 @@ class ServerMetrics:
         self.kernel_backend = r.gauge("lp:kernel_backend_info",
                                       "The kernel backend each op runs (after the start-up "
                                       "self-test and any fallback).", ("op", "backend"))
+        self.slo_requests = r.counter("lp:slo_requests_total",
+                                      "Finished requests with a latency SLO of this kind.",
+                                      ("slo_class", "kind"))
+        self.slo_attained = r.counter("lp:slo_attained_total",
+                                      "Finished requests that met their latency SLO.",
+                                      ("slo_class", "kind"))
         for reason in FINISH_REASONS:
             self.success.inc(0, finished_reason=reason)
         for phase in PHASES:
             self.iterations.inc(0, phase=phase)
         self.healthy.set(1)
+
+    def declare_slo_classes(self, classes: dict) -> None:
+        """Zero SLO counters for each configured class and kind it sets an objective for
+        (`classes`: name -> SLO), so that rates exist before the first request finishes."""
+        for name, slo in classes.items():
+            for kind in SLO_KINDS:
+                if getattr(slo, f"{kind}_s", None) is not None:
+                    self.slo_requests.inc(0, slo_class=name, kind=kind)
+                    self.slo_attained.inc(0, slo_class=name, kind=kind)
 
     def observe_finished(self, *, reason: str, metrics, num_tokens: int,
                          num_prompt_tokens: int) -> None:
@@ -133,6 +154,10 @@ class ServerMetrics:
         self.compilations_after_warmup.set(stats.get("compilations_after_warmup", 0))
         for op, backend in stats.get("kernel_backends", {}).items():
             self.kernel_backend.set(1, op=op, backend=backend)
+        for name, kinds in stats.get("slo_attainment", {}).items():
+            for kind, c in kinds.items():
+                self.slo_requests.set_total(c["total"], slo_class=name, kind=kind)
+                self.slo_attained.set_total(c["attained"], slo_class=name, kind=kind)
 
     def render(self) -> str:
         return self.registry.render()

@@ -6,6 +6,8 @@ server can drain it. Knobs: `step_delay` (seconds slept per step), `progress=Fal
 admits anything: requests wait forever), `fail_at_step` (step() raises there), and a
 tokenizer from a model directory (the tiny model's, typically) for text prompts and chat.
 Pages are counted like the real block manager's, so abort tests can watch them come back.
+Latency SLOs are taken and checked as LLMEngine takes them (`slo_classes`, `resolve_slo`)
+and counted in `stats()["slo_attainment"]`; they do not change the (FCFS) order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from types import SimpleNamespace
 
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 
 
 @dataclass
@@ -44,13 +47,14 @@ class _Seq:
     times: list[float] = field(default_factory=list)
     pages: int = 0
     finish_reason: str | None = None
+    slo: SLO | None = None
 
 
 class MockEngine:
     def __init__(self, *, model_dir=None, vocab_size: int = 512, eos_token_id: int | None = None,
                  max_model_len: int = 4096, max_num_seqs: int = 256, page_size: int = 16,
                  num_pages: int | None = None, step_delay: float = 0.0, progress: bool = True,
-                 fail_at_step: int | None = None, token_fn=None):
+                 fail_at_step: int | None = None, token_fn=None, slo_classes=None):
         self.model_dir = str(model_dir) if model_dir is not None else None
         self.tokenizer = None
         if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
@@ -72,6 +76,8 @@ class MockEngine:
             config=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
             stats=self._sched_stats,
         )
+        self.slo_classes = parse_slo_classes(slo_classes or {})
+        self.slo_tracker = SLOTracker()
         self._next_id = 0
         self._done: list[_Seq] = []
         self._stats = {"iterations": 0, "iterations_decode": 0, "iterations_prefill": 0,
@@ -81,7 +87,9 @@ class MockEngine:
     def _sched_stats(self) -> dict:
         return dict(self._stats)
 
-    def add_request(self, prompt, sampling_params=None, *, priority=0, arrival_time=None) -> int:
+    def add_request(self, prompt, sampling_params=None, *, priority=0, arrival_time=None,
+                    slo=None) -> int:
+        slo = None if slo is None else self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer")
@@ -96,11 +104,23 @@ class MockEngine:
             raise ValueError("token id out of range")
         params = sampling_params or SamplingParams()
         seq = _Seq(self._next_id, prompt, params, priority,
-                   time.perf_counter() if arrival_time is None else arrival_time)
+                   time.perf_counter() if arrival_time is None else arrival_time, slo=slo)
         self._next_id += 1
         self.scheduler.waiting.append(seq)
         self.scheduler.waiting.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
         return seq.seq_id
+
+    def resolve_slo(self, slo) -> SLO | None:
+        """As LLMEngine.resolve_slo: an SLO, a class name, or a dict of the request fields."""
+        if slo is None or isinstance(slo, SLO):
+            return slo
+        if isinstance(slo, str):
+            return resolve_slo(self.slo_classes, slo)
+        if not isinstance(slo, dict) or set(slo) - {"slo_class", "ttft_slo_ms", "tbt_slo_ms"}:
+            raise ValueError(f"slo must be an SLO, a class name or a dict of slo_class, "
+                             f"ttft_slo_ms and tbt_slo_ms, got {slo!r}")
+        return resolve_slo(self.slo_classes, slo.get("slo_class"), slo.get("ttft_slo_ms"),
+                           slo.get("tbt_slo_ms"))
 
     def abort(self, request_id: int) -> bool:
         for queue in (self.scheduler.waiting, self.scheduler.running):
@@ -167,6 +187,8 @@ class MockEngine:
                 seq.pages = 0
                 seq.finish_reason = reason
                 self._stats["finished"] += 1
+                m = RequestMetrics(seq.arrival_time, token_times=tuple(seq.times))
+                self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
             outputs.append(self._output(seq, [tok]))
         self._stats["iterations"] += 1
         self._stats["iterations_decode" if sched.running or outputs else "iterations_idle"] += 1
@@ -177,5 +199,5 @@ class MockEngine:
         s = dict(self._stats)
         s.update(programs=0, compilations_after_warmup=0, expert_bytes_loaded=0,
                  free_pages=self.free_pages, total_pages=self.num_pages,
-                 host_overhead_fraction=0.0)
+                 host_overhead_fraction=0.0, slo_attainment=self.slo_tracker.as_dict())
         return s

@@ -14,10 +14,14 @@ import math
 from dataclasses import dataclass
 
 from lp_jax.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from lp_jax.engine.slo import SLO
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 512
 _INT64 = 2 ** 63
+MAX_SLO_MS = 86_400_000.0  # one day, as lp_jax.engine.slo: more is a unit mistake
+MAX_SLO_CLASS_LEN = 64
+SLO_FIELDS = ("slo_class", "ttft_slo_ms", "tbt_slo_ms")
 
 
 class APIError(Exception):
@@ -41,18 +45,39 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+class _Constant(str):
+    """NaN, Infinity or -Infinity where the body had it: found, then rejected by name."""
+
+
+def _reject_constant(body, first: _Constant):
+    """A 400 for a body with NaN or +-Infinity, naming the top-level field that holds one
+    (Python clients write float("nan") as a bare NaN, which JSON does not allow)."""
+    if isinstance(body, dict):
+        for name, v in body.items():
+            if isinstance(v, _Constant):
+                raise bad(f"'{name}' is {v}, which is not valid JSON (numbers must be "
+                          "finite)", name)
+    raise bad(f"request body is not valid JSON: {first} is not a JSON value")
+
+
 def parse_json(raw: bytes) -> dict:
-    """The request body as a dict; 400 for anything else (NaN/Infinity included).
+    """The request body as a dict; 400 for anything else (NaN/Infinity included, naming the
+    top-level field that holds one).
 
     The body is parsed as JSON whatever its Content-Type (`curl -d` labels a JSON body as a
     form), so a body that is not JSON is a 400, never a 415."""
-    def no_constants(name):
-        raise ValueError(f"{name} is not valid JSON")
+    constants: list[_Constant] = []
+
+    def constant(name):
+        constants.append(_Constant(name))
+        return constants[-1]
 
     try:
-        body = json.loads(raw, parse_constant=no_constants)
+        body = json.loads(raw, parse_constant=constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise bad(f"request body is not valid JSON: {exc}") from None
+    if constants:
+        _reject_constant(body, constants[0])
     if not isinstance(body, dict):
         raise bad(f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -134,6 +159,10 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    # The SLO fields the request gave ("slo_class", "ttft_slo_ms", "tbt_slo_ms"), checked for
+    # type and range; the server resolves them against the engine's classes into `slo`.
+    slo_fields: dict | None = None
+    slo: SLO | None = None  # the engine's SLO; None: best-effort
     prompt_bytes: int = 0  # UTF-8 size of the prompt text (chat: of the messages)
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
@@ -150,6 +179,25 @@ class GenerationRequest:
             )
         except ValueError as exc:
             raise bad(str(exc)) from None
+
+
+def parse_slo_fields(body: dict) -> dict | None:
+    """The request's latency objectives, as `LLMEngine.add_request(slo=...)` takes them:
+    `ttft_slo_ms` / `tbt_slo_ms` in (0, one day] and `slo_class`, a class name. None when
+    the request sets none. Whether the class exists is the engine's to say (`resolve_slo`)."""
+    fields = {}
+    for name in ("ttft_slo_ms", "tbt_slo_ms"):
+        v = get_num(body, name, None, lo=0.0, hi=MAX_SLO_MS, lo_open=True)
+        if v is not None:
+            fields[name] = v
+    cls = body.get("slo_class")
+    if cls is not None:
+        if not isinstance(cls, str) or not cls or len(cls) > MAX_SLO_CLASS_LEN:
+            raise bad(f"'slo_class' must be a non-empty string of at most {MAX_SLO_CLASS_LEN} "
+                      f"characters, got {json.dumps(cls)[:80]}", "slo_class")
+        utf8_len(cls, "slo_class")
+        fields["slo_class"] = cls
+    return fields or None
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
@@ -170,6 +218,7 @@ def _common(body: dict, req: GenerationRequest) -> None:
     # any int64: the sampler keys on all 64 bits (seed mod 2**64), so no two collide
     req.seed = get_int(body, "seed", None, lo=-_INT64, hi=_INT64 - 1)
     req.priority = get_int(body, "priority", 0, lo=-(2 ** 31), hi=2 ** 31 - 1)
+    req.slo_fields = parse_slo_fields(body)
     req.ignore_eos = get_bool(body, "ignore_eos", False)
     req.stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")

@@ -1,0 +1,389 @@
+"""FlowPrefill: SLO values, the latency estimator, slack-aware EDF, SLO-aware batching,
+event-driven rounds, preemption with resume in place, and the engine end to end.
+
+Scheduler tests drive the real Scheduler with test_scheduler's FakeExecutor (KV and
+per-chunk operator units checked on every plan); the engine tests compare greedy tokens
+of preempted and resumed prefills with uninterrupted ones on the tiny model.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from test_scheduler import FakeExecutor, check_invariants, drive, make_cfg, req
+
+from lp_jax.engine.latency import FEATURES, LatencyModel, ModelDims, nnls_gram
+from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.scheduler import Scheduler
+from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
+
+L = 8
+
+
+# ----------------------------------------------------------------- SLO values
+def test_slo_values_and_classes():
+    classes = parse_slo_classes('{"chat": {"ttft_ms": 250, "tbt_ms": 100}, '
+                                '"summary": {"ttft_ms": 4000}}')
+    assert classes["chat"] == SLO(0.25, 0.1, "chat")
+    assert resolve_slo(classes, "summary") == SLO(4.0, None, "summary")
+    assert resolve_slo(classes, "chat", ttft_ms=50) == SLO(0.05, 0.1, "chat")  # override
+    assert resolve_slo(classes, None, tbt_ms=20) == SLO(None, 0.02, "custom")
+    assert resolve_slo(classes) is None
+
+
+@pytest.mark.parametrize("bad", [
+    lambda c: resolve_slo(c, "nope"),
+    lambda c: resolve_slo(c, None, ttft_ms=-1),
+    lambda c: resolve_slo(c, None, ttft_ms=0),
+    lambda c: resolve_slo(c, None, ttft_ms=math.nan),
+    lambda c: resolve_slo(c, None, ttft_ms=math.inf),
+    lambda c: resolve_slo(c, None, tbt_ms="5"),
+    lambda c: resolve_slo(c, None, tbt_ms=True),
+    lambda c: resolve_slo(c, None, ttft_ms=1e12),
+    lambda c: parse_slo_classes({"x": {"ttft": 5}}),
+    lambda c: parse_slo_classes({"x": {}}),
+    lambda c: parse_slo_classes({"custom": {"ttft_ms": 5}}),
+    lambda c: parse_slo_classes("[1, 2]"),
+    lambda c: parse_slo_classes("{not json"),
+    lambda c: parse_slo_classes("/no/such/file.json"),
+])
+def test_bad_slo_input_is_rejected(bad):
+    with pytest.raises(ValueError):
+        bad({"chat": SLO(0.25, None, "chat")})
+
+
+def test_class_file_errors_name_the_entry(tmp_path):
+    path = tmp_path / "classes.json"
+    path.write_text(json.dumps({"chat": {"ttft_ms": -3}}))
+    with pytest.raises(ValueError, match="chat.ttft_ms"):
+        parse_slo_classes(str(path))
+
+
+def test_slo_tracker_counts_per_class_and_kind():
+    t = SLOTracker()
+    t.record(SLO(1.0, 0.1, "chat"), 0.5, 0.05)
+    t.record(SLO(1.0, 0.1, "chat"), 2.0, 0.05)
+    t.record(SLO(None, 0.1), None, 0.5)  # no token: no TTFT objective, TBT missed
+    t.record(None, 0.1, 0.1)  # best-effort: not counted
+    d = t.as_dict()
+    assert d["chat"]["ttft"] == {"attained": 1, "total": 2, "attainment": 0.5}
+    assert d["chat"]["tbt"]["attained"] == 2 and d["custom"]["tbt"]["attained"] == 0
+    assert "ttft" not in d["custom"]
+
+
+# ---------------------------------------------------------- latency estimator
+def _random_steps(model, rng, n=200):
+    for _ in range(n):
+        chunks = [(int(rng.integers(1, 400)), int(rng.integers(0, 400)))
+                  for _ in range(int(rng.integers(0, 3)))]
+        a = int(rng.integers(0, 2 * L))
+        b = int(rng.integers(a + 1, 2 * L + 1))
+        B = int(rng.integers(0 if chunks else 1, 12))
+        yield model.features(chunks, a, b, B, B * int(rng.integers(1, 200)))
+
+
+def test_latency_model_recovers_a_linear_truth_and_round_trips(tmp_path):
+    dims = ModelDims(L, 16, 4)
+    truth = LatencyModel(dims, [2e-9, 1e-9, 3e-6, 5e-6, 2e-5, 1e-5, 1e-8, 2e-5, 3e-4, 1e-3])
+    rng = np.random.default_rng(0)
+    samples = [(x, truth.predict(x)) for x in _random_steps(truth, rng)]
+    fitted = LatencyModel(dims).fit(samples)
+    err = max(abs(fitted.predict(x) - y) / y for x, y in samples)
+    assert err < 1e-3
+    fitted.save(tmp_path / "lat.json")
+    back = LatencyModel.load(tmp_path / "lat.json", dims)
+    assert all(back.predict(x) == pytest.approx(fitted.predict(x)) for x, _ in samples[:10])
+    with pytest.raises(ValueError, match="fitted for"):
+        LatencyModel.load(tmp_path / "lat.json", ModelDims(L + 1, 16, 4))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="cannot read"):
+        LatencyModel.load(tmp_path / "bad.json")
+
+
+def test_latency_model_learns_online_and_reports_its_error():
+    """Observed steps refresh the model; after a change of speed, forgetting moves the
+    predictions to the new truth, and the reported error shows the transition."""
+    dims = ModelDims(L, 16, 4)
+    rng = np.random.default_rng(1)
+    truth = [1e-9, 0.0, 4e-6, 4e-6, 1e-5, 1e-5, 0.0, 1e-5, 2e-4, 1e-3]
+    model = LatencyModel(dims, forgetting=0.95)
+    for x in _random_steps(model, rng, 300):
+        model._add([(x, sum(c * v for c, v in zip(truth, x, strict=True)))])
+    xs = list(_random_steps(model, rng, 30))
+    slow = [2 * c for c in truth]
+    for x in list(_random_steps(model, rng, 300)):
+        model._add([(x, sum(c * v for c, v in zip(slow, x, strict=True)))])
+    for x in xs:
+        want = sum(c * v for c, v in zip(slow, x, strict=True))
+        assert model.predict(x) == pytest.approx(want, rel=0.05)
+    assert model.error()["steps"] == 0  # _add is the raw update; observe() counts
+    assert nnls_gram([[1.0, 0.0], [0.0, 1.0]], [1.0, -2.0]) == [1.0, 0.0]
+    assert len(FEATURES) == len(model.coef_F)
+
+
+def test_latency_features_count_expert_reloads():
+    """Splitting a prompt into chunks reloads the experts per chunk; the expected-experts
+    term sees it (a 512-token chunk is not an eighth of a 4096-token prompt)."""
+    m = LatencyModel(ModelDims(L, 128, 8))
+    whole = m.features([(4096, 0)], 0, 2 * L)
+    chunks = sum(np.array(m.features([(512, 512 * i)], 0, 2 * L)) for i in range(8))
+    assert chunks[4] > 4 * whole[4]  # experts
+    assert chunks[3] == whole[3]  # MLP token work is the same
+
+
+# ------------------------------------------------------------------- scheduler
+def fp(**kw):
+    base = dict(preemption_granularity="operator", max_num_batched_tokens=64)
+    base.update(kw)
+    return Scheduler(make_cfg("flowprefill", **base))
+
+
+def slo_req(seq_id, n, ttft, *, arrival=0.0, max_tokens=2):
+    r = req(seq_id, n, max_tokens, arrival=arrival)
+    r.slo = None if ttft is None else SLO(ttft)
+    return r
+
+
+def step(sched, ex, now):
+    plan = sched.schedule(now)
+    sched.commit(plan, ex.run(plan), now + 1)
+    check_invariants(sched)
+    return plan
+
+
+def first_plans(ex):
+    """seq id -> index of the first plan it was prefilled in."""
+    out = {}
+    for i, p in enumerate(ex.plans):
+        for c in p.prefill:
+            out.setdefault(c.seq.seq_id, i)
+    return out
+
+
+def test_edf_orders_by_deadline_not_arrival():
+    sched = fp(max_num_batched_tokens=32)  # one 30-token prompt per batch
+    reqs = [slo_req(0, 30, 90.0), slo_req(1, 30, 30.0), slo_req(2, 30, 60.0)]
+    ex = drive(sched, reqs)
+    first = first_plans(ex)
+    assert first[1] < first[2] < first[0]
+
+
+def test_infeasible_requests_are_demoted_not_dropped():
+    """Request 1's deadline is already past when it arrives: the feasible request 2
+    (later deadline) goes first, and 1 still finishes."""
+    sched = fp(max_num_batched_tokens=32)
+    _learnt(sched, 0.01)  # a 30-token prompt: 4.8 s predicted
+    blocker = slo_req(0, 30, None)
+    late = slo_req(1, 30, 0.5, arrival=1)  # due at 1.5: infeasible from the start
+    ok = slo_req(2, 30, 100.0, arrival=1)
+    ex = drive(sched, [blocker, late, ok])
+    first = first_plans(ex)
+    assert first[2] < first[1]
+    assert late.is_finished and late.finish_reason == "length"
+
+
+def _learnt(sched, seconds_per_token_unit):
+    """A latency model that believes each prefill token costs the same per unit."""
+    m = sched.latency
+    m.coef_F = [0.0] * len(FEATURES)
+    m.coef_F[FEATURES.index("attn_t")] = seconds_per_token_unit
+    m.coef_F[FEATURES.index("mlp_t")] = seconds_per_token_unit
+
+
+@pytest.mark.parametrize("alpha, together", [(0.0, True), (0.5, False)])
+def test_slo_aware_batching_keeps_every_member_slack(alpha, together):
+    """Two 20-token prompts, each predicted 20 * 16 * 0.01 = 3.2 s alone, 6.4 s together.
+    The first's TTFT SLO is 10 s: batching keeps its slack at 3.6 s, so it is allowed with
+    alpha = 0 and refused with alpha = 0.5 (3.6 < 5)."""
+    sched = fp(slo_alpha=alpha)
+    _learnt(sched, 0.01)
+    a, b = slo_req(0, 20, 10.0), slo_req(1, 20, 50.0)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(0.0)
+    ids = [c.seq.seq_id for c in plan.prefill]
+    assert ids == ([0, 1] if together else [0])
+
+
+def test_rounds_run_only_on_events():
+    sched = fp()
+    ex = FakeExecutor(sched)
+    sched.add(slo_req(0, 40, None))
+    step(sched, ex, 0.0)
+    rounds = sched.stats()["scheduling_rounds"]
+    for t in range(1, 10):  # segments of the same batch: no event, no round
+        step(sched, ex, float(t))
+    assert sched.stats()["scheduling_rounds"] == rounds
+    sched.add(slo_req(1, 4, None, arrival=10.0))  # an arrival: one round
+    step(sched, ex, 10.0)
+    assert sched.stats()["scheduling_rounds"] == rounds + 1
+    step(sched, ex, 11.0)
+    assert sched.stats()["scheduling_rounds"] == rounds + 1
+
+
+@pytest.mark.parametrize("granularity", ["operator", "layer", "group"])
+def test_urgent_request_preempts_and_the_long_one_resumes_in_place(granularity):
+    sched = fp(preemption_granularity=granularity, layer_groups=4)
+    ex = FakeExecutor(sched)
+    long_ = slo_req(0, 60, 1000.0)
+    sched.add(long_)
+    p0 = step(sched, ex, 0.0)
+    seg = p0.unit_end - p0.unit_start
+    assert seg == {"operator": 1, "layer": 2, "group": 4}[granularity]
+    urgent = slo_req(1, 4, 5.0, arrival=1.0)
+    sched.add(urgent)
+    p1 = step(sched, ex, 1.0)  # the next segment boundary: the urgent batch starts
+    assert [c.seq.seq_id for c in p1.prefill] == [1] and p1.unit_start == 0
+    assert set(p1.prefill_rows).isdisjoint(range(p0.prefill_rows[0], 60))  # own rows
+    while any(c.seq.seq_id == 1 for c in ex.plans[-1].prefill) and not urgent.num_output_tokens:
+        step(sched, ex, 2.0)
+    resumed = step(sched, ex, 3.0)
+    while resumed.prefill and resumed.prefill[0].seq is not long_:
+        resumed = step(sched, ex, 3.0)
+    # The long prompt goes on from the unit where it stopped, with the same rows.
+    assert resumed.unit_start == p0.unit_end and resumed.prefill_rows == p0.prefill_rows
+    s = sched.stats()
+    assert s["prefill_pauses"] == 1 and s["prefill_resumes"] == 1
+    drive(sched, ex=ex)  # everything finishes, every chunk crossed each unit once
+    assert long_.output_token_ids and urgent.output_token_ids
+
+
+def test_preemptible_layered_pauses_at_group_boundaries():
+    sched = Scheduler(make_cfg("layered", preemptible=True, max_num_batched_tokens=64,
+                               layer_groups=4))
+    ex = FakeExecutor(sched)
+    sched.add(slo_req(0, 60, 1000.0))
+    p0 = step(sched, ex, 0.0)
+    assert (p0.layer_start, p0.layer_end, p0.num_groups) == (0, 2, 4)
+    sched.add(slo_req(1, 4, 5.0, arrival=1.0))
+    p1 = step(sched, ex, 1.0)
+    assert [c.seq.seq_id for c in p1.prefill] == [1]
+    assert sched.stats()["prefill_pauses"] == 1
+    drive(sched, ex=ex)
+
+
+def test_no_paused_area_means_no_preemption():
+    sched = fp(max_paused_prefills=0)
+    ex = FakeExecutor(sched)
+    sched.add(slo_req(0, 60, 1000.0))
+    step(sched, ex, 0.0)
+    sched.add(slo_req(1, 4, 5.0, arrival=1.0))
+    p1 = step(sched, ex, 1.0)
+    assert [c.seq.seq_id for c in p1.prefill] == [0]  # the long batch keeps its area
+    drive(sched, ex=ex)
+
+
+def test_abort_of_a_paused_prefill_frees_its_pages_at_once():
+    sched = fp()
+    ex = FakeExecutor(sched)
+    long_ = slo_req(0, 60, 1000.0)
+    sched.add(long_)
+    step(sched, ex, 0.0)
+    sched.add(slo_req(1, 4, 5.0, arrival=1.0))
+    step(sched, ex, 1.0)  # long_ is paused
+    held = len(long_.page_ids)
+    free = sched.block_manager.num_free_pages
+    assert sched.abort(0) is long_
+    assert sched.block_manager.num_free_pages == free + held  # not held as a zombie
+    check_invariants(sched)
+    drive(sched, ex=ex)
+    assert sched.block_manager.num_free_pages == sched.config.num_pages
+
+
+def test_memory_pressure_preempts_a_paused_prefill_before_decodes():
+    """Pages run out while a prefill is paused: its pages go back (recompute later), the
+    running decodes keep theirs, and everything still finishes with the right tokens."""
+    sched = fp(num_pages=24, page_size=4, max_num_batched_tokens=64)
+    ex = FakeExecutor(sched)
+    dec = slo_req(0, 8, None, max_tokens=40)  # grows a page every 4 tokens
+    sched.add(dec)
+    for t in range(16):
+        step(sched, ex, float(t))
+    long_ = slo_req(1, 60, 1000.0, arrival=16.0)  # 15 pages
+    sched.add(long_)
+    step(sched, ex, 16.0)
+    sched.add(slo_req(2, 8, 1.0, arrival=17.0))  # pauses long_
+    for t in range(17, 60):
+        step(sched, ex, float(t))
+        if sched.stats()["paused_prefills_preempted"]:
+            break
+    assert sched.stats()["paused_prefills_preempted"] == 1 and long_.num_preemptions == 1
+    assert dec.num_preemptions == 0
+    drive(sched, ex=ex)
+    assert long_.output_token_ids and dec.num_output_tokens == 40
+
+
+# ---------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    from lp_jax.engine.config import EngineConfig
+    from lp_jax.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=tiny_dir, scheduling="flowprefill", max_model_len=256,
+                       max_num_batched_tokens=128, max_num_seqs=8, compilation_cache_dir=None,
+                       slo_classes={"chat": {"ttft_ms": 50}})
+    return LLMEngine(cfg, log=None)
+
+
+def _use_policy(engine, **changes):
+    """A fresh scheduler with other FlowPrefill options on the same compiled programs
+    (the executor is policy-agnostic; hidden row areas are the same size)."""
+    cfg = dataclasses.replace(engine.scheduler.config, **changes)
+    engine.scheduler = Scheduler(cfg, engine.scheduler.latency)
+
+
+def _run(engine, adds):
+    """adds: {step index: [(prompt, slo)]}; returns {prompt index: output ids}."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids, out, i, k = {}, {}, 0, 0
+    while adds or engine.has_unfinished():
+        for prompt, slo in adds.pop(i, []):
+            ids[engine.add_request(prompt, params, slo=slo)] = k
+            k += 1
+        for o in engine.step():
+            if o.finished:
+                out[ids[o.request_id]] = o.token_ids
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("policy", [dict(preemption_granularity="operator"),
+                                    dict(preemption_granularity="layer"),
+                                    dict(preemption_granularity="group", layer_groups=4),
+                                    dict(policy="layered", preemptible=True, layer_groups=4)])
+def test_engine_preempt_and_resume_give_identical_tokens(engine, policy):
+    rng = np.random.default_rng(0)
+    long_p, short_p = rng.integers(0, 500, 120).tolist(), rng.integers(0, 500, 9).tolist()
+    _use_policy(engine, **policy)
+    solo = _run(engine, {0: [(long_p, None)]})[0], _run(engine, {0: [(short_p, None)]})[0]
+    before = engine.scheduler.stats()["prefill_pauses"]
+    got = _run(engine, {0: [(long_p, {"ttft_slo_ms": 1e6})], 1: [(short_p, "chat")]})
+    assert engine.scheduler.stats()["prefill_pauses"] > before  # it was preempted
+    assert (got[0], got[1]) == solo
+    assert engine.stats()["compilations_after_warmup"] == 0
+    s = engine.stats()
+    assert s["free_pages"] == s["total_pages"]
+    assert s["slo_attainment"]["chat"]["ttft"]["total"] >= 1
+
+
+def test_engine_abort_paused_prefill_and_bad_slo(engine):
+    _use_policy(engine, preemption_granularity="operator")
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rid = engine.add_request(rng.integers(0, 500, 120).tolist(), params)
+    engine.step()
+    engine.add_request(rng.integers(0, 500, 5).tolist(), params, slo="chat")
+    engine.step()
+    engine.step()
+    assert engine.scheduler.stats()["prefill_pauses"] >= 1
+    for bad in ("nope", {"ttft_slo_ms": -5}, {"ttft": 5}, 3.5):
+        with pytest.raises(ValueError):
+            engine.add_request([1, 2, 3], params, slo=bad)
+    assert engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    s = engine.stats()
+    assert s["free_pages"] == s["total_pages"]
+    assert s["latency_model"]["steps"] > 0
