@@ -185,8 +185,7 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
         step += 1
         assert step < max_steps, (f"no progress: waiting {sched.waiting}, prefilling "
                                   f"{sched.prefilling}, running {sched.running}, last plans "
-                                  f"{ex.plans[-2:]}, stats {sched.stats()}, policy "
-                                  f"{vars(sched.policy) if hasattr(sched.policy, '__dict__') else ''}")
+                                  f"{ex.plans[-2:]}, stats {sched.stats()}")
     assert sched.block_manager.num_free_pages == sched.config.num_pages
     for key, units in ex.layers.items():
         if not _dropped(sched, ex, key):

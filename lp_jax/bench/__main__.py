@@ -4,6 +4,12 @@
         --request-rate 2,4,8 --ttft-slo 1.0 --itl-slo 0.1 --output-dir results/sharegpt
 
 writes results.json, summary.png and TensorBoard scalars (tb/) to --output-dir.
+
+    lp-bench --workload multi-slo --length-scale 0.05 --slo-scale 4 --output-len 8 \\
+        --slo-class chat:590:250 --slo-class summarisation:6833:4000::0.5
+
+sends FlowPrefill's mix of task classes, each request with its own TTFT objective, and
+reports attainment per class.
 """
 
 from __future__ import annotations
@@ -14,12 +20,23 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from lp_jax.bench import report
 from lp_jax.bench.client import run_requests
 from lp_jax.bench.progress import ProgressBar
-from lp_jax.bench.workload import LENGTH_MODELS, build_workload, load_trace, resolve_length_model
+from lp_jax.bench.workload import (
+    LENGTH_MODELS,
+    MULTI_SLO,
+    QWEN_TRACE_CLASSES,
+    build_multi_slo_workload,
+    build_workload,
+    load_trace,
+    parse_slo_class,
+    resolve_length_model,
+    slo_classes_config,
+)
 from lp_jax.serve import HelpFormatter
 
 
@@ -31,6 +48,31 @@ def _rates(s: str) -> list[float]:
     if not rates or any(not r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"rates must be > 0 (inf allowed), got {s!r}")
     return rates
+
+
+def _slo_class(s: str):
+    try:
+        return parse_slo_class(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {s}")
+    return v
+
+
+def _default_classes_help() -> str:
+    parts = []
+    for c in QWEN_TRACE_CLASSES:
+        mark = " (prompt length ASSUMED)" if "prompt_len" in c.assumed else ""
+        parts.append(f"{c.name}:{c.prompt_len:g}:{c.ttft_ms:g}{mark}")
+    return "; ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--extra-body", type=json.loads, default=None,
                    help="JSON object merged into every request body")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=LENGTH_MODELS, default="sharegpt",
+    w.add_argument("--workload", choices=(*LENGTH_MODELS, MULTI_SLO), default="sharegpt",
                    help="length model (ignored with --trace): sharegpt = ShareGPT-8k "
                    "quantiles; arxiv = whole articles, lognormal prompts (median 7000, "
                    "2048-16384) and outputs (median 200, 32-512); arxiv-4k / azure-conv = "
                    "lengths resampled from the bundled traces; fixed = --prompt-len / "
+                   "--output-len; multi-slo = a mix of --slo-class task classes, each "
+                   "request sending its class's ttft_slo_ms / tbt_slo_ms, outputs "
                    "--output-len")
     w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp (optional), "
                    "prompt_len, output_len (aliases: lp_jax.sim.workload.load_trace)")
@@ -77,6 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not send ignore_eos (outputs may end early)")
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("multi-SLO workload (--workload multi-slo)")
+    m.add_argument("--slo-class", dest="slo_classes", action="append", type=_slo_class,
+                   default=None, metavar="NAME:PROMPT_LEN:TTFT_MS[:TBT_MS][:WEIGHT]",
+                   help="a task class, repeatable: mean prompt tokens, TTFT (and TBT) "
+                   "objective in ms, relative weight (default 1; 'chat:590:250::2' sets a "
+                   "weight without TBT) [default: FlowPrefill's QwenTrace classes, "
+                   f"{_default_classes_help()}, equal weights; the TTFT objectives and "
+                   "weights are ASSUMED, the paper gives neither]")
+    m.add_argument("--length-scale", type=_positive, default=1.0,
+                   help="multiply every class's prompt length (0.05 for CPU runs); lengths "
+                   "are clipped to --max-prompt-len, if unset to the server's max_model_len "
+                   "less --output-len")
+    m.add_argument("--slo-scale", type=_positive, default=1.0,
+                   help="multiply every class's objectives")
+    m.add_argument("--length-sigma", type=float, default=0.25,
+                   help="sigma of each class's lognormal prompt lengths")
+    m.add_argument("--send-slo-class", action="store_true",
+                   help="also send slo_class, so the server labels its SLO metrics by "
+                   "class (it must know the classes: start it with --slo-classes set to "
+                   "results.json's server_slo_classes)")
     r = p.add_argument_group("run and results")
     r.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     r.add_argument("--itl-slo", type=float, default=0.1, help="max inter-token latency, s")
@@ -113,36 +177,50 @@ def _load_tokenizer(path):
 async def run(args) -> dict:
     base = args.base_url.rstrip("/")
     model = args.model
-    if model is None:
+    multi = args.workload == MULTI_SLO
+    models = None
+    if model is None or (multi and args.max_prompt_len is None):
         try:
-            model = (await _get_json(f"{base}/v1/models", args.api_key))["data"][0]["id"]
+            models = (await _get_json(f"{base}/v1/models", args.api_key))["data"]
+            model = model or models[0]["id"]
         except Exception as exc:  # noqa: BLE001 - the user can name the model instead
-            raise SystemExit(f"lp-bench: cannot list models at {base}/v1/models ({exc}); "
-                             "pass --model") from None
+            if model is None:
+                raise SystemExit(f"lp-bench: cannot list models at {base}/v1/models ({exc}); "
+                                 "pass --model") from None
     if args.endpoint == "chat" and args.prompt_kind != "text":
         raise SystemExit("lp-bench: --endpoint chat needs --prompt-kind text")
+    if multi and args.trace:
+        raise SystemExit("lp-bench: --workload multi-slo draws its own lengths; drop --trace")
+    max_prompt_len = args.max_prompt_len
+    if multi and max_prompt_len is None:  # fit prompt + output in the server's context
+        limit = next((m.get("max_model_len") for m in models or () if m.get("id") == model),
+                     None)
+        max_prompt_len = max(1, limit - args.output_len) if isinstance(limit, int) else None
+    classes = tuple(args.slo_classes or QWEN_TRACE_CLASSES)
     trace = load_trace(args.trace) if args.trace else None
-    lengths = None if trace is not None else resolve_length_model(  # loaded once for every rate
+    lengths = None if trace is not None or multi else resolve_length_model(  # once for all
         args.workload, prompt_len=args.prompt_len, output_len=args.output_len)
     tokenizer = _load_tokenizer(args.tokenizer)
+    assumed = {c.name: c.assumed for c in classes} if multi else None
+    if multi:
+        print(_describe_classes(classes, args), file=sys.stderr)
     runs = []
     for rate in args.request_rate:
-        specs = build_workload(
-            num_requests=args.num_requests, rate=rate, seed=args.seed,
-            length_model=lengths, trace=trace, process=args.arrival,
-            burstiness=args.burstiness, time_scale=args.time_scale,
-            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-            length_mode=args.length_mode, prompt_len=args.prompt_len,
-            output_len=args.output_len, prompt_kind=args.prompt_kind,
-            vocab_size=args.vocab_size, tokenizer=tokenizer)
+        try:
+            specs = _specs(args, rate, classes if multi else None, lengths, trace, tokenizer,
+                           max_prompt_len)
+        except ValueError as exc:
+            raise SystemExit(f"lp-bench: {exc}") from None
         bar = ProgressBar(len(specs), desc=f"rate {rate:g} ", enabled=args.progress)
         records, duration = await run_requests(
             specs, base_url=base, model=model, endpoint=args.endpoint, api_key=args.api_key,
             ignore_eos=args.ignore_eos, temperature=args.temperature,
             max_concurrency=args.max_concurrency, timeout=args.request_timeout,
-            extra_body=args.extra_body, on_done=lambda rec, bar=bar: bar.update(rec.ok))
+            extra_body=args.extra_body, send_slo_class=args.send_slo_class,
+            on_done=lambda rec, bar=bar: bar.update(rec.ok))
         bar.close()
-        summary = report.summarize_run(records, duration, args.ttft_slo, args.itl_slo)
+        summary = report.summarize_run(records, duration, args.ttft_slo, args.itl_slo,
+                                       assumed=assumed)
         run_out = {"request_rate": rate, "summary": summary, "records": records}
         if args.scrape_metrics:
             try:
@@ -159,10 +237,46 @@ async def run(args) -> dict:
         if failed:
             print(f"first error: {failed[0].error}", file=sys.stderr)
         runs.append(run_out)
-    return {"model": model, "base_url": base, "endpoint": args.endpoint,
-            "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-                     for k, v in vars(args).items()},
-            "started": time.time(), "runs": runs}
+    out = {"model": model, "base_url": base, "endpoint": args.endpoint,
+           "args": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                    for k, v in vars(args).items() if k != "slo_classes"},
+           "started": time.time(), "runs": runs}
+    if multi:
+        out["slo_classes"] = [{**asdict(c), "assumed": list(c.assumed)} for c in classes]
+        out["server_slo_classes"] = slo_classes_config(classes, args.slo_scale)
+    return out
+
+
+def _specs(args, rate: float, classes, lengths, trace, tokenizer, max_prompt_len):
+    """The requests of one rate: the multi-SLO mix when `classes` is given."""
+    common = dict(num_requests=args.num_requests, rate=rate, seed=args.seed,
+                  process=args.arrival, burstiness=args.burstiness,
+                  max_prompt_len=max_prompt_len, output_len=args.output_len,
+                  prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
+                  tokenizer=tokenizer)
+    if classes is not None:
+        return build_multi_slo_workload(classes, length_scale=args.length_scale,
+                                        slo_scale=args.slo_scale,
+                                        length_sigma=args.length_sigma, **common)
+    return build_workload(length_model=lengths, trace=trace, time_scale=args.time_scale,
+                          max_output_len=args.max_output_len, length_mode=args.length_mode,
+                          prompt_len=args.prompt_len, **common)
+
+
+def _describe_classes(classes, args) -> str:
+    """The classes of a multi-SLO run, scaled, with the values that are guesses marked."""
+    total = sum(c.weight for c in classes)
+    lines = [f"multi-slo classes (prompt lengths x {args.length_scale:g}, objectives x "
+             f"{args.slo_scale:g}):"]
+    for c in classes:
+        ttft, tbt = c.objectives(args.slo_scale)
+        line = (f"  {c.name}: mean prompt {c.prompt_len * args.length_scale:.0f} tokens, "
+                f"TTFT {ttft:g} ms" + ("" if tbt is None else f", TBT {tbt:g} ms")
+                + f", share {c.weight / total:.2f}")
+        if c.assumed:
+            line += f"  [ASSUMED: {', '.join(c.assumed)}]"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def write_outputs(results: dict, output_dir) -> dict[str, str]:

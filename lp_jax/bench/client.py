@@ -7,6 +7,10 @@ not count. Servers that stream one chunk per token (vLLM, SGLang, lp_jax) thus g
 event per token, so TTFT is the time to the first event and the ITLs are the gaps between
 events. `completion_tokens` comes from the `usage` the stream ends with (requested with
 `stream_options.include_usage`), else the number of events.
+
+A request of the multi-SLO workload carries its objectives as `ttft_slo_ms` / `tbt_slo_ms`
+(and, with `send_slo_class`, its class as `slo_class`, which the server must know: start
+it with the same `--slo-classes`, and its SLO metrics are labelled by class).
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None
     finish_reason: str | None = None
+    slo_class: str | None = None  # multi-slo: the class and its objectives
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def request_body(spec: RequestSpec, *, model: str | None, chat: bool, ignore_eos: bool,
-                 temperature: float, extra: dict | None = None) -> dict:
+                 temperature: float, extra: dict | None = None,
+                 send_slo_class: bool = False) -> dict:
     body: dict = {"max_tokens": spec.output_len, "stream": True,
                   "stream_options": {"include_usage": True}, "temperature": temperature}
     if model:
@@ -56,6 +64,12 @@ def request_body(spec: RequestSpec, *, model: str | None, chat: bool, ignore_eos
         body["prompt"] = spec.prompt
     if ignore_eos:
         body["ignore_eos"] = True
+    if spec.ttft_slo_ms is not None:
+        body["ttft_slo_ms"] = spec.ttft_slo_ms
+    if spec.tbt_slo_ms is not None:
+        body["tbt_slo_ms"] = spec.tbt_slo_ms
+    if send_slo_class and spec.slo_class is not None:
+        body["slo_class"] = spec.slo_class
     if extra:
         body.update(extra)
     return body
@@ -129,7 +143,7 @@ async def run_requests(specs: list[RequestSpec], *, base_url: str, model: str | 
                        endpoint: str = "completions", api_key: str | None = None,
                        ignore_eos: bool = True, temperature: float = 0.0,
                        max_concurrency: int | None = None, timeout: float = 600.0,
-                       extra_body: dict | None = None,
+                       extra_body: dict | None = None, send_slo_class: bool = False,
                        on_done: Callable[[RequestRecord], None] | None = None,
                        ) -> tuple[list[RequestRecord], float]:
     """Replays `specs` (sorted by arrival); returns the records and the run's duration."""
@@ -137,8 +151,11 @@ async def run_requests(specs: list[RequestSpec], *, base_url: str, model: str | 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bodies = [request_body(s, model=model, chat=chat, ignore_eos=ignore_eos,
-                           temperature=temperature, extra=extra_body) for s in specs]
-    records = [RequestRecord(s.index, s.arrival, s.prompt_len, s.output_len) for s in specs]
+                           temperature=temperature, extra=extra_body,
+                           send_slo_class=send_slo_class) for s in specs]
+    records = [RequestRecord(s.index, s.arrival, s.prompt_len, s.output_len,
+                             slo_class=s.slo_class, ttft_slo_ms=s.ttft_slo_ms,
+                             tbt_slo_ms=s.tbt_slo_ms) for s in specs]
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
 

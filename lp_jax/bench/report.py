@@ -13,6 +13,14 @@ request fails them). Over a run of `duration` seconds (start to the last respons
 - total_token_throughput = (prompt + completion tokens of successful requests) / duration
 - percentiles (p50, p90, p99, numpy's linear method) of TTFT, max ITL and E2E per request
   (`lp_jax.engine.metrics.summarize`), of all ITLs pooled, and of TPOT.
+
+Multi-SLO runs (requests with a class) also get `per_class`: per class, the request counts,
+TTFT attainment against the class's own objective (share of its requests, failed ones
+included, whose TTFT <= ttft_slo_ms), TTFT p50 / p99, and TBT attainment (max ITL <=
+tbt_slo_ms) where the class sets one; `class_ttft_attainment` and `class_slo_attainment`
+(every objective of its class met) over all requests, and `class_slo_goodput` (requests
+meeting theirs per second). Fields of a class that are guesses, not the paper's, are listed
+under `assumed` and printed as ASSUMED.
 """
 
 from __future__ import annotations
@@ -33,7 +41,61 @@ def request_metrics(rec) -> RequestMetrics:
     return RequestMetrics(rec.send_time, token_times=times)
 
 
-def summarize_run(records, duration: float, ttft_slo: float, itl_slo: float) -> dict:
+def _met(rec, m: RequestMetrics, kind: str) -> bool | None:
+    """Whether a request met its own `kind` objective (ttft or tbt); None: it sets none."""
+    target = rec.ttft_slo_ms if kind == "ttft" else rec.tbt_slo_ms
+    if target is None:
+        return None
+    value = m.ttft if kind == "ttft" else (m.max_itl if m.num_tokens else None)
+    return value is not None and value * 1e3 <= target
+
+
+def _class_summary(recs, assumed: tuple[str, ...]) -> dict:
+    ms = [request_metrics(r) for r in recs]
+    ttfts = [m.ttft for m in ms if m.ttft is not None]
+    out = {"num_requests": float(len(recs)), "num_failed": float(sum(not r.ok for r in recs)),
+           "prompt_len_mean": sum(r.prompt_len for r in recs) / len(recs),
+           "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
+    for kind in ("ttft", "tbt"):
+        met = [x for x in (_met(r, m, kind) for r, m in zip(recs, ms, strict=True))
+               if x is not None]
+        if met:  # a class's requests share its objectives
+            out[f"{kind}_slo_ms"] = getattr(recs[0], f"{kind}_slo_ms")
+            out[f"num_{kind}_attained"] = float(sum(met))
+            out[f"{kind}_attainment"] = sum(met) / len(met)
+    if assumed:
+        out["assumed"] = list(assumed)
+    return out
+
+
+def summarize_classes(records, duration: float,
+                      assumed: dict[str, tuple[str, ...]] | None = None) -> dict:
+    """The multi-SLO part of a run's summary (see the module docstring); {} when no request
+    has a class. `assumed`: class name -> the fields that are guesses."""
+    by_class: dict[str, list] = {}
+    for r in records:
+        if r.slo_class is not None:
+            by_class.setdefault(r.slo_class, []).append(r)
+    if not by_class:
+        return {}
+    assumed = assumed or {}
+    recs = [r for rs in by_class.values() for r in rs]
+    ms = [request_metrics(r) for r in recs]
+    ttft_met = [x for x in (_met(r, m, "ttft") for r, m in zip(recs, ms, strict=True))
+                if x is not None]
+    all_met = [all(x is not False for x in (_met(r, m, "ttft"), _met(r, m, "tbt"))) and r.ok
+               for r, m in zip(recs, ms, strict=True)]
+    return {
+        "per_class": {name: _class_summary(rs, tuple(assumed.get(name, ())))
+                      for name, rs in sorted(by_class.items())},
+        "class_ttft_attainment": sum(ttft_met) / len(ttft_met) if ttft_met else math.nan,
+        "class_slo_attainment": sum(all_met) / len(recs),
+        "class_slo_goodput": sum(all_met) / duration if duration > 0 else math.nan,
+    }
+
+
+def summarize_run(records, duration: float, ttft_slo: float, itl_slo: float,
+                  assumed: dict[str, tuple[str, ...]] | None = None) -> dict:
     ms = [request_metrics(r) for r in records]
     out = summarize(ms, ttft_slo, itl_slo)
     ok = [r for r in records if r.ok]
@@ -61,6 +123,7 @@ def summarize_run(records, duration: float, ttft_slo: float, itl_slo: float) -> 
         out[f"tpot_p{q}"] = percentile(tpots, q)
     if "slo_attainment" not in out:
         out["slo_attainment"] = math.nan
+    out.update(summarize_classes(records, duration, assumed))
     return out
 
 
@@ -95,7 +158,30 @@ def format_summary(s: dict) -> str:
         f"maxITL ms p50 {ms('max_itl_p50')}  p90 {ms('max_itl_p90')}  p99 {ms('max_itl_p99')}",
         f"E2E ms    p50 {ms('e2e_p50')}  p90 {ms('e2e_p90')}  p99 {ms('e2e_p99')}",
     ]
+    if s.get("per_class"):
+        lines += _format_classes(s)
     return "\n".join(lines)
+
+
+def _format_classes(s: dict) -> list[str]:
+    def ms(v):
+        return "n/a" if v is None or math.isnan(v) else f"{v * 1e3:.1f}"
+
+    lines = [f"per-class SLOs: TTFT attainment {s['class_ttft_attainment']:.3f}, all "
+             f"objectives {s['class_slo_attainment']:.3f}, goodput "
+             f"{s['class_slo_goodput']:.2f} req/s"]
+    width = max(len(name) for name in s["per_class"])
+    for name, c in s["per_class"].items():
+        line = f"  {name:<{width}}  n {int(c['num_requests'])} (failed {int(c['num_failed'])})"
+        if "ttft_attainment" in c:
+            line += f"  TTFT <= {c['ttft_slo_ms']:g} ms: {c['ttft_attainment']:.3f}"
+        line += f"  TTFT p50 {ms(c['ttft_p50'])}  p99 {ms(c['ttft_p99'])} ms"
+        if "tbt_attainment" in c:
+            line += f"  maxITL <= {c['tbt_slo_ms']:g} ms: {c['tbt_attainment']:.3f}"
+        if c.get("assumed"):
+            line += f"  [ASSUMED: {', '.join(c['assumed'])}]"
+        lines.append(line)
+    return lines
 
 
 def _cdf(ax, xs, label):
@@ -196,6 +282,10 @@ def write_tensorboard(logdir, runs: list[dict]) -> None:
             for key, v in s.items():
                 if isinstance(v, int | float):
                     w.scalar(f"summary/{key}", v, i)
+            for name, c in s.get("per_class", {}).items():
+                for key, v in c.items():
+                    if isinstance(v, int | float):
+                        w.scalar(f"class/{name}/{key}", v, i)
             for rec in run["records"]:
                 m = request_metrics(rec)
                 if m.ttft is not None:

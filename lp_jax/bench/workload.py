@@ -33,6 +33,17 @@ Arrivals: the simulator's gamma renewal process with mean gap 1/rate, first requ
 1/sqrt(burstiness): < 1 is burstier than Poisson, > 1 smoother). Rate `inf` sends
 everything at t=0.
 
+Multi-SLO (`--workload multi-slo`, `build_multi_slo_workload`): FlowPrefill's setting, a
+mix of task classes each with its own prompt lengths and latency objectives. A class is
+`NAME:PROMPT_LEN:TTFT_MS[:TBT_MS][:WEIGHT]` (`parse_slo_class`); each request draws its
+class by weight and its prompt length from a lognormal whose mean is the class's PROMPT_LEN
+(sigma `length_sigma`), times `length_scale`, clipped to [1, max_prompt_len]; outputs are
+`output_len` tokens. The default mix, `QWEN_TRACE_CLASSES`, has the mean prompt lengths of
+FlowPrefill's QwenTrace classes (chat 590, web_search 5976, summarisation 6833 tokens);
+image_understanding's length, every class's TTFT objective and the equal weights are not in
+the paper and are ASSUMED. Each request carries its objectives (times `slo_scale`) as
+`ttft_slo_ms` / `tbt_slo_ms`, which any lp-serve takes without configuration.
+
 Prompts: `token-ids` sends `prompt` as a list of random token ids in [0, vocab_size)
 (exact lengths; /v1/completions only); `text` sends random text: with --tokenizer, random
 token ids decoded to text (close to the intended length), otherwise random common words
@@ -42,6 +53,7 @@ token ids decoded to text (close to the intended length), otherwise random commo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +62,13 @@ import numpy as np
 from lp_jax.sim import workload as sim
 from lp_jax.sim.workload import LengthModel, TraceRow, load_trace, synthesize
 
-__all__ = ["LENGTH_MODELS", "FixedLengths", "RequestSpec", "arrival_cv", "arrival_times",
-           "build_workload", "fit_lengths", "load_trace", "make_prompt",
-           "resolve_length_model"]
+__all__ = ["LENGTH_MODELS", "MULTI_SLO", "QWEN_TRACE_CLASSES", "FixedLengths", "RequestSpec",
+           "SLOClass", "arrival_cv", "arrival_times", "build_multi_slo_workload",
+           "build_workload", "fit_lengths", "load_trace", "make_prompt", "parse_slo_class",
+           "resolve_length_model", "slo_classes_config"]
 
 LENGTH_MODELS = ("sharegpt", "arxiv", "arxiv-4k", "azure-conv", "fixed")
+MULTI_SLO = "multi-slo"
 
 _WORDS = ("the of and to in is that it for as with was on be by at this from or an are not "
           "have which one but all were they we there their been has more if will would about "
@@ -73,6 +87,9 @@ class RequestSpec:
     prompt_len: int
     output_len: int
     prompt: list[int] | str | None = None
+    slo_class: str | None = None  # multi-slo: the request's class
+    ttft_slo_ms: float | None = None  # its objectives, sent in the request body
+    tbt_slo_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,3 +228,127 @@ def build_workload(*, num_requests: int | None, rate: float, seed: int = 0,
                         make_prompt(int(p[i]), prompt_rng, kind=prompt_kind,
                                     vocab_size=vocab_size, tokenizer=tokenizer))
             for i in range(len(p))]
+
+
+# ------------------------------------------------------------------------ multi-SLO mix
+@dataclass(frozen=True, slots=True)
+class SLOClass:
+    """A task class of the multi-SLO workload. `assumed` names the fields whose value is a
+    guess rather than the paper's (the report marks them)."""
+
+    name: str
+    prompt_len: float  # mean prompt tokens
+    ttft_ms: float
+    tbt_ms: float | None = None
+    weight: float = 1.0  # relative share of the requests
+    assumed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or ":" in self.name or len(self.name) > 64:
+            raise ValueError(f"a class name must be 1 to 64 characters without ':', got "
+                             f"{self.name!r}")
+        for field_ in ("prompt_len", "ttft_ms", "tbt_ms", "weight"):
+            v = getattr(self, field_)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"class {self.name!r}: {field_} must be finite and > 0, "
+                                 f"got {v}")
+
+    def objectives(self, slo_scale: float = 1.0) -> tuple[float, float | None]:
+        """(TTFT, TBT) objectives in ms, times `slo_scale`."""
+        tbt = None if self.tbt_ms is None else self.tbt_ms * slo_scale
+        return self.ttft_ms * slo_scale, tbt
+
+
+_ASSUMED_SLO = ("ttft_ms", "weight")
+# FlowPrefill's QwenTrace classes. Mean prompt lengths of chat, web_search and summarisation
+# are the paper's; image_understanding's length, the TTFT objectives (tighter for the
+# interactive classes) and the equal weights are ASSUMED.
+QWEN_TRACE_CLASSES = (
+    SLOClass("chat", 590, 250, assumed=_ASSUMED_SLO),
+    SLOClass("web_search", 5976, 2000, assumed=_ASSUMED_SLO),
+    SLOClass("summarisation", 6833, 4000, assumed=_ASSUMED_SLO),
+    SLOClass("image_understanding", 1500, 1000, assumed=("prompt_len", *_ASSUMED_SLO)),
+)
+
+
+def parse_slo_class(spec: str) -> SLOClass:
+    """`NAME:PROMPT_LEN:TTFT_MS[:TBT_MS][:WEIGHT]`; an empty TBT_MS gives a weight without
+    a TBT objective (`chat:590:250::2`)."""
+    parts = spec.split(":")
+    if not 3 <= len(parts) <= 5:
+        raise ValueError(f"expected NAME:PROMPT_LEN:TTFT_MS[:TBT_MS][:WEIGHT], got {spec!r}")
+    name, nums = parts[0], parts[1:] + [""] * (5 - len(parts))
+    try:
+        prompt_len, ttft, tbt, weight = (float(x) if x else None for x in nums)
+    except ValueError:
+        raise ValueError(f"class {spec!r}: PROMPT_LEN, TTFT_MS, TBT_MS and WEIGHT must be "
+                         "numbers") from None
+    if prompt_len is None or ttft is None:
+        raise ValueError(f"class {spec!r}: PROMPT_LEN and TTFT_MS are required")
+    return SLOClass(name, prompt_len, ttft, tbt, 1.0 if weight is None else weight)
+
+
+def _check_classes(classes: Sequence[SLOClass]) -> None:
+    if not classes:
+        raise ValueError("the multi-slo workload needs at least one class")
+    names = [c.name for c in classes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"SLO classes named twice: {dup}")
+
+
+def _check_scale(name: str, v: float) -> None:
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {v}")
+
+
+def build_multi_slo_workload(classes: Sequence[SLOClass] = QWEN_TRACE_CLASSES, *,
+                             num_requests: int | None, rate: float, seed: int = 0,
+                             process: str = "poisson", burstiness: float = 1.0,
+                             length_scale: float = 1.0, slo_scale: float = 1.0,
+                             length_sigma: float = 0.25, max_prompt_len: int | None = None,
+                             output_len: int = 128, prompt_kind: str = "token-ids",
+                             vocab_size: int = 500, tokenizer=None) -> list[RequestSpec]:
+    """The requests of one multi-SLO run, sorted by arrival (see the module docstring).
+
+    Streams of `np.random.default_rng([seed, i])`: 0 arrivals (as `build_workload`), 1
+    classes and lengths, 2 prompts, so a rate sweep replays the same requests."""
+    _check_classes(classes)
+    _check_rate(rate)
+    _check_scale("length_scale", length_scale)
+    _check_scale("slo_scale", slo_scale)
+    if not (math.isfinite(length_sigma) and length_sigma >= 0):
+        raise ValueError(f"length_sigma must be finite and >= 0, got {length_sigma}")
+    if output_len < 1:
+        raise ValueError(f"output_len must be >= 1, got {output_len}")
+    n = 100 if num_requests is None else num_requests
+    times = arrival_times(n, rate, np.random.default_rng([seed, 0]), process=process,
+                          burstiness=burstiness)
+    rng = np.random.default_rng([seed, 1])
+    weights = np.array([c.weight for c in classes], np.float64)
+    cls_N = rng.choice(len(classes), size=n, p=weights / weights.sum())
+    mean_N = np.array([c.prompt_len for c in classes])[cls_N] * length_scale
+    # lognormal with mean `mean`: median mean * exp(-sigma^2 / 2)
+    p_N = mean_N * np.exp(length_sigma * rng.standard_normal(n) - length_sigma ** 2 / 2)
+    p_N = np.maximum(np.rint(p_N), 1)
+    if max_prompt_len is not None:
+        p_N = np.minimum(p_N, max_prompt_len)
+    prompt_rng = np.random.default_rng([seed, 2])
+    specs = []
+    for i in range(n):
+        c = classes[cls_N[i]]
+        ttft, tbt = c.objectives(slo_scale)
+        specs.append(RequestSpec(i, float(times[i]), int(p_N[i]), output_len,
+                                 make_prompt(int(p_N[i]), prompt_rng, kind=prompt_kind,
+                                             vocab_size=vocab_size, tokenizer=tokenizer),
+                                 slo_class=c.name, ttft_slo_ms=ttft, tbt_slo_ms=tbt))
+    return specs
+
+
+def slo_classes_config(classes: Sequence[SLOClass], slo_scale: float = 1.0) -> dict:
+    """The classes as `lp-serve --slo-classes` takes them (objectives times `slo_scale`)."""
+    out = {}
+    for c in classes:
+        ttft, tbt = c.objectives(slo_scale)
+        out[c.name] = {"ttft_ms": ttft} if tbt is None else {"ttft_ms": ttft, "tbt_ms": tbt}
+    return out
