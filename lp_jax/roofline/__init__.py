@@ -36,7 +36,13 @@ from lp_jax.roofline.hardware import (
     measure_current_device,
 )
 from lp_jax.roofline.knee import KneePoint, KneeResult, make_default_moe, measure_moe_knee
-from lp_jax.roofline.model_shape import GPT_OSS_20B, QWEN3_30B_A3B, ModelShape, resolve_model
+from lp_jax.roofline.model_shape import (
+    GPT_OSS_20B,
+    LLAMA3_8B,
+    QWEN3_30B_A3B,
+    ModelShape,
+    resolve_model,
+)
 from lp_jax.roofline.padding import expected_padded_rows
 from lp_jax.roofline.ridge import (
     ChunkRow,
@@ -62,6 +68,7 @@ from lp_jax.roofline.routing import (
 __all__ = [
     "GPT_OSS_20B",
     "HARDWARE",
+    "LLAMA3_8B",
     "QWEN3_30B_A3B",
     "QWEN3_ZIPF_EXPONENT",
     "ChunkRow",

@@ -102,6 +102,26 @@ _TABLE: tuple[Hardware, ...] = (
         ),
     ),
     Hardware(
+        # FlowPrefill's testbed (8x A800). The A800 is the GA100 A100 with NVLink cut from 600
+        # to 400 GB/s for the Oct 2022 US export rules; compute, HBM and L2 are the A100's.
+        name="A800 SXM 80GB",
+        peak_flops=312e12,
+        hbm_bw=2.039e12,
+        hbm_bytes=80 * GB,
+        onchip_bytes=40 * MiB,
+        interconnect_bw=400 * GB,
+        sources=Sources(
+            peak_flops="derived: NVIDIA's statement on the A800 (Reuters, 7 Nov 2022) says only"
+            " the interconnect differs from the A100; A100 datasheet BF16 312 TFLOPS dense",
+            hbm_bw="derived: A100 80GB SXM figure (A100 datasheet: 2,039 GB/s HBM2e), same"
+            " memory system on the A800 80GB SXM",
+            hbm_bytes="NVIDIA A800 80GB SXM listings: 80 GB HBM2e (as the A100 80GB)",
+            onchip_bytes="same GA100 die as the A100: 40 MB L2 (Ampere whitepaper)",
+            interconnect_bw="NVIDIA's statement on the A800 (Reuters, 7 Nov 2022): NVLink"
+            " 400 GB/s per GPU (bidirectional), vs 600 GB/s on the A100",
+        ),
+    ),
+    Hardware(
         name="H100 SXM",
         peak_flops=989.4e12,
         hbm_bw=3.35e12,
@@ -241,6 +261,7 @@ HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in _TABLE}
 
 _ALIASES = {
     "a100": "A100 SXM 80GB",
+    "a800": "A800 SXM 80GB",
     "h100": "H100 SXM",
     "h200": "H200 SXM",
     "b200": "B200",

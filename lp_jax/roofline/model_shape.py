@@ -13,7 +13,8 @@ we serve:
   `intermediate_size`, optional `layer_types` with "sliding_attention" + `sliding_window`.
 
 `head_dim` may be absent, in which case it is hidden_size / num_attention_heads.
-Two built-in shapes serve the paper reproduction: Qwen3-30B-A3B and GPT-OSS-20B.
+Two built-in shapes serve the paper reproduction: Qwen3-30B-A3B and GPT-OSS-20B;
+Llama3-8B (dense) serves the FlowPrefill comparison.
 GPT-OSS-20B keeps MXFP4 expert weights on disk; the built-in shape assumes bf16 serving.
 """
 
@@ -235,7 +236,22 @@ GPT_OSS_20B = ModelShape(
     dtype_bytes=2,
 )
 
-BUILTIN_SHAPES: dict[str, ModelShape] = {s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B)}
+LLAMA3_8B = ModelShape(
+    # meta-llama/Meta-Llama-3-8B config.json: dense, GQA 32 query / 8 KV heads, untied
+    # embeddings; FlowPrefill's main model.
+    name="Llama3-8B",
+    hidden_size=4096,
+    num_layers=32,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    dense_width=14336,
+    tie_word_embeddings=False,
+    dtype_bytes=2,
+)
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B, LLAMA3_8B)}
 
 
 def _norm(name: str) -> str:

@@ -7,11 +7,13 @@ roofline cost model instead of the JAX executor:
 - `calibration` -- `Calibration` efficiency factors and overheads, least-squares `fit`;
 - `energy`      -- `EnergyModel`: static W + J/FLOP + J/byte, documented constants, `fit`;
 - `workload`    -- Poisson / gamma arrivals, ShareGPT-8k, arXiv and Azure length models,
-                   CSV / JSONL traces loaded through grain;
+                   CSV / JSONL traces loaded through grain; multi-SLO task classes
+                   (FlowPrefill's QwenTrace) whose TTFT SLOs are k x a solo TTFT;
 - `simulator`   -- `SimConfig`, `Simulator.run(requests) -> SimResult`;
 - `slo`         -- attainment and the sustainable-rate search.
 
-`launch/reproduce_paper.py` reproduces the layered-prefill paper's comparison with it and
+`launch/reproduce_paper.py` reproduces the layered-prefill paper's comparison with it,
+`launch/bench_flowprefill_sim.py` FlowPrefill's (goodput, SLO scale, blocking time), and
 `launch/sim_fidelity.py` checks it against the real engine on CPU.
 """
 
@@ -25,20 +27,30 @@ from lp_jax.sim.simulator import (
     derive_num_pages,
     kv_bytes_per_token,
     simulate,
+    solo_ttft,
+    ttft_attainment,
+    warm_latency,
     weight_bytes,
 )
 from lp_jax.sim.slo import RateSearch, attainment, sustainable_rate
 from lp_jax.sim.workload import (
     ARXIV_PAPER,
+    QWENTRACE,
     SHAREGPT_8K,
     EmpiricalLengths,
     LognormalLengths,
     QuantileLengths,
     Request,
+    TaskClass,
     TraceRow,
     arrival_times,
+    class_slos,
+    configure_classes,
     length_model,
     load_trace,
+    multi_slo_requests,
+    parse_assignments,
+    parse_task_class,
     synthesize,
     trace_requests,
 )
@@ -46,6 +58,7 @@ from lp_jax.sim.workload import (
 __all__ = [
     "ARXIV_PAPER",
     "GPU_PRIOR",
+    "QWENTRACE",
     "SHAREGPT_8K",
     "Calibration",
     "CostModelExecutor",
@@ -60,18 +73,27 @@ __all__ = [
     "Simulator",
     "StepCost",
     "StepFeatures",
+    "TaskClass",
     "TraceRow",
     "arrival_times",
     "attainment",
+    "class_slos",
+    "configure_classes",
     "derive_num_pages",
     "energy_model_for",
     "kv_bytes_per_token",
     "length_model",
     "load_trace",
+    "multi_slo_requests",
+    "parse_assignments",
+    "parse_task_class",
     "prior_calibration",
     "simulate",
+    "solo_ttft",
     "sustainable_rate",
     "synthesize",
     "trace_requests",
+    "ttft_attainment",
+    "warm_latency",
     "weight_bytes",
 ]

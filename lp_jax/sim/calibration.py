@@ -33,7 +33,7 @@ class StepFeatures:
 
     compute_s: tuple[float, ...]  # per op, FLOPs / peak FLOP/s, summed over layers
     memory_s: tuple[float, ...]  # per op, max(HBM bytes / bw, link bytes / link bw)
-    layers: int  # decoder layers executed (L, or a layer group's size when no decodes)
+    layers: float  # decoder layers executed (L, or a group's size when no decodes; 0.5: a half)
 
     def __post_init__(self) -> None:
         if len(self.compute_s) != len(self.memory_s):

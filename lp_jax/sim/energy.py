@@ -24,6 +24,7 @@ H100 SXM (the paper's GPU)
 H200 SXM: same GH100 die and 700 W TDP; HBM3e assumed 15% cheaper per byte (70 pJ/B).
 A100 SXM 80GB: 400 W TDP (NVIDIA A100 datasheet), idle ~55 W, ~230 TFLOP/s achieved GEMM at
 the cap -> (400 - 60) / 2.3e14 = 1.5 pJ/FLOP; HBM2e 80 pJ/B.
+A800 SXM 80GB: the A100 with slower NVLink (400 W TDP too): the A100's constants.
 
 `fit` refits (P_static, e_flop, e_byte) from measured (seconds, FLOPs, bytes, joules) per
 device, e.g. NVML energy counters read around engine steps (a GPU task for later). Local
@@ -97,6 +98,7 @@ _TABLE: dict[str, EnergyModel] = {
     "H100 SXM": EnergyModel(100.0, 0.8 * PJ, 80.0 * PJ, "H100 SXM first-principles estimate"),
     "H200 SXM": EnergyModel(100.0, 0.8 * PJ, 70.0 * PJ, "H200 SXM first-principles estimate"),
     "A100 SXM 80GB": EnergyModel(60.0, 1.5 * PJ, 80.0 * PJ, "A100 first-principles estimate"),
+    "A800 SXM 80GB": EnergyModel(60.0, 1.5 * PJ, 80.0 * PJ, "A800: the A100 estimate"),
 }
 
 

@@ -9,6 +9,13 @@ the decoder stack in two layer sets:
   union of rows activates, E_act(T) from the routing model;
 - every other layer runs the decodes alone (T = decodes); with no decodes it does not run.
 
+Preemptible prefill segments (FlowPrefill) may start or end inside a layer: the prefill span
+is [unit_start, unit_end) in operator units (unit 2i is layer i's attention half: qkv_proj,
+attention, o_proj; unit 2i + 1 its MLP half: router + experts, or the dense MLP). A layer
+whose attention half is in the span and MLP half is not (or the reverse) charges the
+prefill rows to that half's ops only; the decodes still cross both halves of every layer.
+With no decodes such a half layer counts 0.5 towards the per-layer overhead.
+
 Per layer the token-linear ops (qkv_proj, o_proj, router, experts or dense_mlp) depend only
 on T and the layer kind (MoE or dense, sliding or full attention), so they are cached per
 (kind, T). Attention is linear in each sequence's visible context, so decode attention is
@@ -21,6 +28,12 @@ Expert traffic uses the engine's definition: per MoE layer per step, activated e
 one expert's bytes (whole model, not per device). FLOPs and HBM bytes are summed over the
 tp * ep devices, for the energy model.
 
+`segment_overhead_s` (None: the calibration's `overhead_s`) replaces the per-iteration
+overhead of a plan that only continues a prefill batch between two segment boundaries
+inside the stack: no decodes, no tokens to embed, no logits to sample, and (FlowPrefill
+between events, or a layered batch's middle group) an O(1) scheduling decision. What is
+left of the host's per-step work there is a launch or graph replay.
+
 Optional `token_buckets` mimic the engine's padding of each call's rows to compiled sizes
 (model_runner.py: decode rows alone, and prefill + decode rows in the prefill group), used
 when calibrating against the real engine.
@@ -29,7 +42,7 @@ when calibrating against the real engine.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lp_jax.engine.plan import StepPlan
 from lp_jax.roofline.cost_model import StepTokens, layer_cost, lm_head_cost
@@ -39,6 +52,7 @@ from lp_jax.roofline.routing import MeasuredRouting, Routing, ZipfRouting, expec
 from lp_jax.sim.calibration import Calibration, StepFeatures
 
 _ATTENTION_OPS = ("attn_prefill", "attn_decode")
+_ATTENTION_HALF = ("qkv_proj", "o_proj")  # token-linear ops of unit 2i; the rest: 2i + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +61,7 @@ class StepCost:
     flops: float  # summed over devices, tile padding included
     hbm_bytes: float  # summed over devices
     expert_bytes: float  # activated experts x expert bytes, over MoE layers (engine's count)
-    layers: int  # decoder layers executed
+    layers: float  # decoder layers executed (a prefill-only half layer counts 0.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +71,23 @@ class _Ops:
     terms: tuple[tuple[float, float], ...]
     flops: float
     bytes: float
+
+
+@dataclass(slots=True)
+class _Acc:
+    """A step's running totals: (count, compute_s, memory_s) terms, per-device FLOPs and
+    bytes, expert bytes and layers executed."""
+
+    terms: list[tuple[int, float, float]] = field(default_factory=list)
+    flops: float = 0.0
+    nbytes: float = 0.0
+    expert_bytes: float = 0.0
+    layers: float = 0  # stays an int unless a prefill-only half layer adds 0.5
+
+    def add_ops(self, ops: _Ops, count: int) -> None:
+        self.terms += [(count, c, m) for c, m in ops.terms]
+        self.flops += count * ops.flops
+        self.nbytes += count * ops.bytes
 
 
 class CostModelExecutor:
@@ -71,8 +102,12 @@ class CostModelExecutor:
         tile: int = 1,
         calibration: Calibration | None = None,
         token_buckets: tuple[int, ...] | None = None,
+        segment_overhead_s: float | None = None,
     ) -> None:
         self.shape, self.hardware = shape, hardware
+        if segment_overhead_s is not None and not segment_overhead_s >= 0:
+            raise ValueError(f"segment_overhead_s must be >= 0, got {segment_overhead_s}")
+        self.segment_overhead_s = segment_overhead_s
         self.tp, self.ep, self.tile = tp, ep, tile
         self.devices = tp * ep
         self.calibration = calibration or Calibration()
@@ -88,6 +123,7 @@ class CostModelExecutor:
         self._kinds = sorted(set(keys))
         self._rep = [keys.index(k) for k in self._kinds]  # first layer of each kind
         kind_of = [self._kinds.index(k) for k in keys]
+        self._kind_of = kind_of
         # prefix[k][i]: layers of kind k among layers [0, i)
         self._prefix = [[0] * (L + 1) for _ in self._kinds]
         for k in range(len(self._kinds)):
@@ -97,6 +133,7 @@ class CostModelExecutor:
         self._window = shape.sliding_window
         self._attn_dec = [self._decode_attention_coeffs(k) for k in range(len(self._kinds))]
         self._lin_cache: dict[tuple[int, int], _Ops] = {}
+        self._half_cache: dict[tuple[int, int, int], _Ops] = {}
         self._pre_cache: dict[tuple[int, int, int], tuple[float, float, float, float]] = {}
         self._head_cache: dict[int, tuple[float, float, float, float]] = {}
         self._experts_cache: dict[int, float] = {}
@@ -123,17 +160,26 @@ class CostModelExecutor:
         ic, ib = 1.0 / cal.compute_efficiency, 1.0 / cal.bandwidth_efficiency
         seconds = sum(n * max(c * ic, m * ib) for n, c, m in terms)
         if layers:
-            seconds += cal.overhead_s + cal.layer_overhead_s * layers
+            seconds += self._step_overhead(plan) + cal.layer_overhead_s * layers
         d = self.devices
         return StepCost(seconds, flops * d, nbytes * d, expert_bytes, layers)
+
+    def _step_overhead(self, plan: StepPlan) -> float:
+        """Per-iteration overhead: `segment_overhead_s` for a plan that only continues a
+        prefill batch mid-stack (no decodes, nothing to embed or sample), else the
+        calibration's."""
+        s = self.segment_overhead_s
+        if s is not None and plan.prefill and not plan.decode:
+            if not plan.is_first_group and not plan.is_last_group:
+                return s
+        return self.calibration.overhead_s
 
     # ----------------------------------------------------------------- the plan
     def _terms(self, plan: StepPlan):
         """(count, compute_s, memory_s) terms, per-device FLOPs and bytes, expert bytes."""
         decode, chunks = plan.decode, plan.prefill
         B = len(decode)
-        terms: list[tuple[int, float, float]] = []
-        flops = nbytes = expert_bytes = 0.0
+        acc = _Acc()
         ctx = slide = 0
         if B:
             lens = [s.num_tokens for s in decode]  # KV length with the new token
@@ -142,53 +188,86 @@ class CostModelExecutor:
                 w = self._window
                 slide = sum(n if n < w else w for n in lens)
         b_time = self._bucket(B, self._buckets) if B else 0
+        partial: list[tuple[int, int]] = []  # (layer, half with the prefill rows)
         if chunks:
-            a, b = plan.layer_start, plan.layer_end
-            mixed = self._range_counts(a, b)
+            us, ue = plan.unit_start, plan.unit_end
+            mixed = self._range_counts((us + 1) // 2, ue // 2)  # layers wholly in the span
+            if us % 2:
+                partial.append((us // 2, 1))
+            if ue % 2:
+                partial.append((ue // 2, 0))
             n_pre = sum(c.end - c.start for c in chunks)
             t_mix = self._bucket(n_pre + B, self._buckets)
             pre = [(c.end - c.start, c.start) for c in chunks]
         else:
             mixed, n_pre, t_mix, pre = None, 0, 0, []
-        layers = 0
+        cut = [0] * len(self._kinds)  # half-prefill layers of each kind
+        for layer, _ in partial:
+            cut[self._kind_of[layer]] += 1
         for k in range(len(self._kinds)):
             n_mix = mixed[k] if mixed else 0
-            n_dec = (self._all[k] - n_mix) if B else 0
+            n_dec = (self._all[k] - n_mix - cut[k]) if B else 0
             for count, t_time, t_real, with_pre in (
                 (n_dec, b_time, B, False),
                 (n_mix, t_mix, n_pre + B, True),
             ):
                 if not count:
                     continue
-                layers += count
-                ops = self._lin(k, t_time)
-                terms += [(count, c, m) for c, m in ops.terms]
-                flops += count * ops.flops
-                nbytes += count * ops.bytes
+                acc.layers += count
+                acc.add_ops(self._lin(k, t_time), count)
                 if self._kinds[k][0]:
-                    expert_bytes += count * self._expert_bytes(t_real)
+                    acc.expert_bytes += count * self._expert_bytes(t_real)
                 if B:
-                    f1, f0, b1, b0 = self._attn_dec[k]
-                    vis = slide if self._kinds[k][1] else ctx
-                    fl, by = f1 * vis + f0 * B, b1 * vis + b0 * B
-                    terms.append((count, fl / self._peak, by / self._bw))
-                    flops += count * fl
-                    nbytes += count * by
+                    self._add_decode_attention(acc, k, count, B, ctx, slide)
                 if with_pre:
-                    c_sum = m_sum = 0.0
-                    for n, past in pre:
-                        c, m, fl, by = self._prefill_attention(k, n, past)
-                        c_sum, m_sum = c_sum + c, m_sum + m
-                        flops += count * fl
-                        nbytes += count * by
-                    terms.append((count, c_sum, m_sum))
-        rows = B + (sum(c.samples for c in chunks) if plan.is_last_group else 0)
-        if rows:
-            c, m, fl, by = self._lm_head(rows)
-            terms.append((1, c, m))
-            flops += fl
-            nbytes += by
-        return terms, flops, nbytes, expert_bytes, layers
+                    self._add_prefill_attention(acc, k, count, pre)
+        rows = (b_time, t_mix), (B, n_pre + B)  # (bucketed, real) rows: decodes, + prefill
+        for layer, half in partial:
+            self._add_half_layer(acc, self._kind_of[layer], half, rows, pre, ctx, slide)
+        n_rows = B + (sum(c.samples for c in chunks) if plan.is_last_group else 0)
+        if n_rows:
+            c, m, fl, by = self._lm_head(n_rows)
+            acc.terms.append((1, c, m))
+            acc.flops += fl
+            acc.nbytes += by
+        return acc.terms, acc.flops, acc.nbytes, acc.expert_bytes, acc.layers
+
+    def _add_half_layer(self, acc: _Acc, k: int, half: int, rows, pre, ctx: int, slide: int):
+        """A layer whose `half` (0 attention, 1 MLP) runs the prefill rows and the decodes,
+        its other half the decodes alone (nothing when there are none)."""
+        (b_time, t_mix), (B, t_all) = rows
+        acc.layers += 1 if B else 0.5
+        for h in (0, 1):
+            t_time, t_real = (t_mix, t_all) if h == half else (b_time, B)
+            if not t_real:
+                continue
+            acc.add_ops(self._lin_half(k, t_time, h), 1)
+            if h == 0:
+                if B:
+                    self._add_decode_attention(acc, k, 1, B, ctx, slide)
+                if h == half:
+                    self._add_prefill_attention(acc, k, 1, pre)
+            elif self._kinds[k][0]:
+                acc.expert_bytes += self._expert_bytes(t_real)
+
+    def _add_decode_attention(
+        self, acc: _Acc, k: int, count: int, B: int, ctx: int, slide: int
+    ) -> None:
+        f1, f0, b1, b0 = self._attn_dec[k]
+        vis = slide if self._kinds[k][1] else ctx
+        fl, by = f1 * vis + f0 * B, b1 * vis + b0 * B
+        acc.terms.append((count, fl / self._peak, by / self._bw))
+        acc.flops += count * fl
+        acc.nbytes += count * by
+
+    def _add_prefill_attention(self, acc: _Acc, k: int, count: int, pre) -> None:
+        c_sum = m_sum = 0.0
+        for n, past in pre:
+            c, m, fl, by = self._prefill_attention(k, n, past)
+            c_sum, m_sum = c_sum + c, m_sum + m
+            acc.flops += count * fl
+            acc.nbytes += count * by
+        acc.terms.append((count, c_sum, m_sum))
 
     # ------------------------------------------------------------------ caches
     @property
@@ -214,18 +293,34 @@ class CostModelExecutor:
         )  # fmt: skip
 
     def _lin(self, k: int, tokens: int) -> _Ops:
+        """The token-linear ops of a whole layer (all but attention itself)."""
         key = (k, tokens)
         ops = self._lin_cache.get(key)
         if ops is None:
-            lc = self._layer(k, StepTokens(decode_seqs=tokens, decode_context=1))
-            kept = [op for op in lc.ops if op.name not in _ATTENTION_OPS]
-            ops = _Ops(
-                tuple(self._seconds(op) for op in kept),
-                sum(op.flops + op.pad_flops for op in kept),
-                sum(op.bytes for op in kept),
-            )
-            self._lin_cache[key] = ops
+            ops = self._lin_cache[key] = self._linear_ops(k, tokens, None)
         return ops
+
+    def _lin_half(self, k: int, tokens: int, half: int) -> _Ops:
+        """The token-linear ops of one half layer: 0 = qkv_proj + o_proj, 1 = the MLP."""
+        key = (k, tokens, half)
+        ops = self._half_cache.get(key)
+        if ops is None:
+            ops = self._half_cache[key] = self._linear_ops(k, tokens, half)
+        return ops
+
+    def _linear_ops(self, k: int, tokens: int, half: int | None) -> _Ops:
+        lc = self._layer(k, StepTokens(decode_seqs=tokens, decode_context=1))
+        kept = [
+            op
+            for op in lc.ops
+            if op.name not in _ATTENTION_OPS
+            and (half is None or (op.name in _ATTENTION_HALF) == (half == 0))
+        ]
+        return _Ops(
+            tuple(self._seconds(op) for op in kept),
+            sum(op.flops + op.pad_flops for op in kept),
+            sum(op.bytes for op in kept),
+        )
 
     def _decode_attention_coeffs(self, k: int) -> tuple[float, float, float, float]:
         """attn_decode FLOPs = f1 * context + f0 * seqs, bytes = b1 * context + b0 * seqs."""

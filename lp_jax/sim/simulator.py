@@ -8,6 +8,12 @@ Every request asks for exactly its output length (`max_tokens=output_len`,
 `ignore_eos=True`), so the token ids sampled are irrelevant and a constant is committed.
 The scheduler module is imported, not copied: every policy runs unchanged.
 
+A request's SLO reaches its `Sequence` (FlowPrefill's deadlines); `SimResult.ttft_attainment`
+reports, per class, the share of requests whose TTFT met their own SLO. After every step the
+scheduler's latency estimator observes the simulated seconds (and the experts the step
+activated), as the engine's does with measured ones; each run starts from a copy of
+`SimConfig.latency` (or a fresh model), and `warm_latency` fits one by a short profiling run.
+
 Nothing here is random, so a run is a pure function of the requests (and those of a seed).
 Per-iteration work is O(decodes + chunks) thanks to the executor's caches, so thousands of
 requests at paper scale take seconds.
@@ -20,10 +26,14 @@ parallel attention groups multiply the pool.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+from lp_jax.engine.latency import LatencyModel, ModelDims, profile_prompts
 from lp_jax.engine.metrics import RequestMetrics, summarize
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,6 +70,21 @@ class SimConfig:
     calibration: Calibration | None = None  # None: the GPU prior
     energy: EnergyModel | None = None  # None: the table entry for the hardware, if any
     token_buckets: tuple[int, ...] | None = None  # the engine's row buckets, to mimic padding
+    # FlowPrefill (lp_jax/engine/flowprefill.py): segment size of a preemptible prefill,
+    # preemptible layered batches, the SLO-aware batching alpha, paused batches kept.
+    preemption_granularity: str = "operator"
+    preemptible: bool = False
+    slo_alpha: float = 0.1
+    max_paused_prefills: int = 8
+    # The scheduler's step-latency estimator (FlowPrefill's slack): a copy of this model
+    # at the start of every run (runs stay pure functions of their requests); None: a fresh
+    # one for the shape, learning online from the simulated steps (`observe_latency`).
+    # observe_latency None: only for the policies that read the estimator (flowprefill,
+    # preemptible layered); every observation re-solves its fit, ~0.4 ms a step.
+    latency: LatencyModel | None = None
+    observe_latency: bool | None = None
+    # Overhead of a prefill-only continuation segment (executor.py); None: the calibration's.
+    segment_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1:
@@ -111,6 +136,7 @@ class SimResult:
     energy_j: float  # NaN without an energy model
     wall_s: float  # host seconds the simulation took
     extra: dict[str, float] = field(default_factory=dict)
+    latency: LatencyModel | None = None  # the scheduler's estimator after the run
 
     @property
     def prompt_tokens(self) -> int:
@@ -119,6 +145,11 @@ class SimResult:
     @property
     def output_tokens(self) -> int:
         return sum(m.num_tokens for m in self.metrics)
+
+    def ttft_attainment(self) -> dict[str, float]:
+        """Share of requests with TTFT <= their own SLO, per class and "all"
+        (`ttft_attainment`)."""
+        return ttft_attainment(self.requests, self.metrics)
 
     def summary(self, ttft_slo: float | None = None, tbt_slo: float | None = None) -> dict:
         s = summarize(self.metrics, ttft_slo, tbt_slo)
@@ -143,6 +174,23 @@ class SimResult:
         return s
 
 
+def ttft_attainment(requests: list[Request], metrics: list[RequestMetrics]) -> dict[str, float]:
+    """Share of requests with TTFT <= their own SLO's ttft_s, per class and "all".
+
+    Only requests with a TTFT objective count; one that produced no token fails. Classes
+    are `Request.task` ("custom" for an SLO with neither a class nor a name)."""
+    passed: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for r, m in zip(requests, metrics, strict=True):
+        if r.slo is None or r.slo.ttft_s is None:
+            continue
+        ok = int(m.ttft is not None and m.ttft <= r.slo.ttft_s)
+        for key in (r.task or "custom", "all"):
+            total[key] = total.get(key, 0) + 1
+            passed[key] = passed.get(key, 0) + ok
+    return {k: passed[k] / total[k] for k in total}
+
+
 class Simulator:
     def __init__(self, config: SimConfig, executor: CostModelExecutor | None = None) -> None:
         self.config = config
@@ -150,6 +198,7 @@ class Simulator:
         self.executor = executor or CostModelExecutor(
             config.shape, config.hardware, tp=config.tp, ep=config.ep, routing=config.routing,
             tile=config.tile, calibration=cal, token_buckets=config.token_buckets,
+            segment_overhead_s=config.segment_overhead_s,
         )  # fmt: skip
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)
@@ -161,12 +210,33 @@ class Simulator:
             page_size=c.page_size, num_pages=self.num_pages, vocab_size=c.shape.vocab_size,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             layer_groups=c.layer_groups, max_layer_groups=c.max_layer_groups,
+            preemption_granularity=c.preemption_granularity, preemptible=c.preemptible,
+            slo_alpha=c.slo_alpha, max_paused_prefills=c.max_paused_prefills,
         )  # fmt: skip
+
+    @property
+    def observes_latency(self) -> bool:
+        """Whether runs feed step times to the scheduler's estimator (SimConfig note)."""
+        c = self.config
+        if c.observe_latency is None:
+            return c.policy == "flowprefill" or c.preemptible
+        return c.observe_latency
+
+    def make_scheduler(self) -> Scheduler:
+        """The engine's scheduler with a copy of the configured latency model (or a fresh
+        one that knows the model's MoE layers)."""
+        c = self.config
+        latency = copy.deepcopy(c.latency) if c.latency is not None else None
+        if latency is None:
+            latency = LatencyModel(ModelDims.from_config(c.shape))
+        return Scheduler(self.scheduler_config(), latency=latency)
 
     def run(self, requests: list[Request]) -> SimResult:
         wall0 = time.perf_counter()
-        sched = Scheduler(self.scheduler_config())
+        sched = self.make_scheduler()
         run_step = self.executor.run
+        observe = sched.observe if self.observes_latency else None
+        expert_size = self.config.shape.expert_bytes or 1
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
         seqs: list[Sequence | None] = [None] * len(requests)
         now = requests[order[0]].arrival if order else 0.0
@@ -181,7 +251,7 @@ class Simulator:
                 seq = Sequence(
                     i, [_TOKEN] * r.prompt_len,
                     SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                    arrival_time=r.arrival,
+                    arrival_time=r.arrival, slo=r.slo,
                 )  # fmt: skip
                 sched.add(seq)
                 seqs[i] = seq
@@ -203,6 +273,9 @@ class Simulator:
             nbytes += cost.hbm_bytes
             expert_bytes += cost.expert_bytes
             iterations += 1
+            if observe is not None:  # the experts the step activated, over its MoE layers
+                experts = cost.expert_bytes / expert_size if self.config.shape.is_moe else None
+                observe(plan, cost.seconds, experts)
             sched.commit(plan, {s.seq_id: _TOKEN for s in plan.sampling_seqs}, now)
         span = now - start
         energy = math.nan
@@ -220,8 +293,34 @@ class Simulator:
             hbm_bytes=nbytes,
             energy_j=energy,
             wall_s=time.perf_counter() - wall0,
+            latency=sched.latency,
         )
 
 
 def simulate(config: SimConfig, requests: list[Request]) -> SimResult:
     return Simulator(config).run(requests)
+
+
+def warm_latency(config: SimConfig, *, seed: int = 0, output_len: int = 1) -> LatencyModel:
+    """A latency model fitted by a short profiling run under `config`: the waves of
+    `lp_jax.engine.latency.profile_prompts` (one prompt, then a batch of shorter ones, for
+    sizes 2-90% of the token budget), each wave alone on the machine."""
+    sim = Simulator(replace(config, observe_latency=True))
+    cfg = sim.scheduler_config()
+    rng = np.random.default_rng(seed)
+    waves = profile_prompts(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs, rng)
+    requests = [Request(1000.0 * w, n, output_len) for w, wave in enumerate(waves) for n in wave]
+    result = sim.run(requests)
+    model = result.latency
+    model.source = f"simulated profile ({len(waves)} waves, {config.policy})"
+    return model
+
+
+def solo_ttft(config: SimConfig, prompt_len: int) -> float:
+    """TTFT of one prompt alone on an idle simulated machine under `config` (the SLO base
+    of a multi-SLO workload; pass e.g. policy "orca" for one whole-prompt step)."""
+    result = Simulator(config).run([Request(0.0, int(prompt_len), 1)])
+    ttft = result.metrics[0].ttft
+    if ttft is None:
+        raise RuntimeError(f"a lone {prompt_len}-token prompt produced no token")
+    return ttft
