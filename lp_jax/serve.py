@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layered: a prefill batch may be preempted at its group boundaries")
     f.add_argument("--slo-alpha", type=_slo_alpha, default=0.1,
                    help="batching keeps every member's slack >= alpha * its TTFT SLO")
-    f.add_argument("--max-paused-prefills", type=_non_negative_int, default=2,
+    f.add_argument("--max-paused-prefills", type=_non_negative_int, default=8,
                    help="paused prefill batches whose hidden states stay on the device")
     f.add_argument("--latency-model", type=_existing_path, default=None,
                    help="fitted step-latency model (python -m lp_jax.engine.latency) "

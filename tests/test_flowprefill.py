@@ -295,24 +295,24 @@ def test_abort_of_a_paused_prefill_frees_its_pages_at_once():
 def test_memory_pressure_preempts_a_paused_prefill_before_decodes():
     """Pages run out while a prefill is paused: its pages go back (recompute later), the
     running decodes keep theirs, and everything still finishes with the right tokens."""
-    sched = fp(num_pages=24, page_size=4, max_num_batched_tokens=64)
+    sched = fp(num_pages=26, page_size=4, max_num_batched_tokens=64, layer_groups=8)
     ex = FakeExecutor(sched)
-    dec = slo_req(0, 8, None, max_tokens=40)  # grows a page every 4 tokens
+    dec = slo_req(0, 8, None, max_tokens=60)  # grows a page every 4 tokens
     sched.add(dec)
-    for t in range(16):
+    for t in range(40):  # 16 prefill segments, then decodes: 32 tokens, 8 pages
         step(sched, ex, float(t))
-    long_ = slo_req(1, 60, 1000.0, arrival=16.0)  # 15 pages
+    long_ = slo_req(1, 60, 1000.0, arrival=40.0)  # 15 pages
     sched.add(long_)
-    step(sched, ex, 16.0)
-    sched.add(slo_req(2, 8, 1.0, arrival=17.0))  # pauses long_
-    for t in range(17, 60):
+    step(sched, ex, 40.0)
+    sched.add(slo_req(2, 8, 1.0, arrival=41.0))  # 2 pages; pauses long_ for 16 segments
+    for t in range(41, 400):
         step(sched, ex, float(t))
         if sched.stats()["paused_prefills_preempted"]:
             break
     assert sched.stats()["paused_prefills_preempted"] == 1 and long_.num_preemptions == 1
     assert dec.num_preemptions == 0
     drive(sched, ex=ex)
-    assert long_.output_token_ids and dec.num_output_tokens == 40
+    assert long_.output_token_ids and dec.num_output_tokens == 60
 
 
 # ---------------------------------------------------------------------- engine

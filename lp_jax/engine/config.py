@@ -22,7 +22,9 @@ class EngineConfig:
     preemption_granularity: str = "operator"
     preemptible: bool = False
     slo_alpha: float = 0.1  # batching keeps every member's slack >= alpha * its TTFT SLO
-    max_paused_prefills: int = 2  # paused batches whose hidden states stay on device
+    # Paused batches whose hidden states stay on device, each in max_num_batched_tokens
+    # rows of the hidden buffer (Qwen3-30B-A3B at 8192 tokens: 32 MiB each).
+    max_paused_prefills: int = 8
     slo_classes: dict | str | None = None  # {name: {"ttft_ms", "tbt_ms"}}, JSON, or a path
     latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.latency)
     prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)

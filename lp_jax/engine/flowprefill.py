@@ -28,7 +28,8 @@ batch's predicted time; the running batch is paused if the new top is not it. A 
 that needs a row area when none is free waits. Under memory pressure a paused batch is a
 preemption victim before running decodes (its pages are freed and its prompt recomputed).
 
-Decodes, if any, run in every plan through all layers (co-located mode). With
+Decodes, if any, run through all layers in the plans whose segment begins one of the
+batch's layered groups (co-located mode; see `decodes_now`). With
 `EngineConfig.prefill_only` every request ends at its first token, the setting of the
 FlowPrefill paper (the prefill instance of a disaggregated deployment).
 """
@@ -57,6 +58,7 @@ class _Batch:
     rows: list[int]  # hidden-buffer row of each chunk's first token
     slot: int  # row area
     segments: tuple[tuple[int, int], ...]  # unit spans, in order
+    decode_units: frozenset[int]  # segment starts that decodes ride with (group starts)
     index: int = 0  # the segment the next plan runs
 
     @property
@@ -102,6 +104,13 @@ class FlowPrefillPolicy(Policy):
 
     def in_flight(self) -> tuple[Sequence, ...]:
         return ()  # an aborted member leaves its batch at once (see _drop_seq)
+
+    def decodes_now(self) -> bool:
+        """Decodes ride with the segments that begin one of the batch's layered groups
+        (the paper's G rule), so they step as often as under layered prefill while the
+        preemption points stay at the chosen granularity."""
+        b = self._running
+        return b is None or b.segments[b.index][0] in b.decode_units
 
     def can_plan_ahead(self, pending: StepPlan) -> bool:
         return True  # an arrival meanwhile preempts at the next segment boundary
@@ -226,8 +235,9 @@ class FlowPrefillPolicy(Policy):
         for c in chunks:
             rows.append(r)
             r += c.num_tokens
-        return _Batch(s.new_batch_id(), chunks, rows, slot,
-                      self._segments(sum(c.num_tokens for c in chunks)))
+        tokens = sum(c.num_tokens for c in chunks)
+        return _Batch(s.new_batch_id(), chunks, rows, slot, self._segments(tokens),
+                      frozenset(a for a, _ in self._segments(tokens, "group")))
 
     def _keeps_slo(self, chunks: list[PrefillChunk], now: float) -> bool:
         """Every member that can still make its deadline keeps slack >= alpha * SLO."""
@@ -243,12 +253,15 @@ class FlowPrefillPolicy(Policy):
                 return False
         return True
 
-    def _segments(self, tokens: int) -> tuple[tuple[int, int], ...]:
+    def _segments(self, tokens: int, granularity: str | None = None):
+        """The unit spans a batch of `tokens` runs in, at `granularity` (default: the
+        policy's)."""
         cfg = self.sched.config
         L = cfg.num_layers
-        if self.granularity == "operator":
+        granularity = granularity or self.granularity
+        if granularity == "operator":
             return tuple((u, u + 1) for u in range(2 * L))
-        if self.granularity == "layer":
+        if granularity == "layer":
             return tuple((2 * i, 2 * i + 2) for i in range(L))
         g = num_layer_groups(tokens, cfg.layer_groups, max_layer_groups=cfg.max_layer_groups,
                              num_layers=L)

@@ -171,8 +171,9 @@ class LatencyModel:
             if expected > 0 and experts > 0:
                 self._expert_ratio = 0.9 * self._expert_ratio + 0.1 * experts / expected
         x_F = self.plan_features(plan, experts)
-        if self.num_observed:
-            err = abs(self.predict(x_F) - seconds) / seconds
+        if self.num_observed:  # with the coefficients as they are: no re-solve per step
+            pred = sum(c * x for c, x in zip(self.coef_F, x_F, strict=True))
+            err = abs(pred - seconds) / seconds
             n = self.num_observed
             self._abs_rel_err += (err - self._abs_rel_err) / n
             self._abs_rel_err_ema = 0.95 * self._abs_rel_err_ema + 0.05 * err

@@ -66,6 +66,10 @@ class Policy:
         """Sequences of a prefill batch that spans iterations and has not completed."""
         return ()
 
+    def decodes_now(self) -> bool:
+        """Whether the next plan runs the decodes (they wait otherwise)."""
+        return True
+
     def notify(self, event: str, seq: Sequence) -> None:
         """A request event: "arrival", "abort", "finish", "preempt", or "free" (a
         finished request's pages came back); event-driven policies run a round on it."""

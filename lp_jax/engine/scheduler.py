@@ -77,7 +77,7 @@ class SchedulerConfig:
     preemption_granularity: str = "operator"
     preemptible: bool = False
     slo_alpha: float = 0.1
-    max_paused_prefills: int = 2
+    max_paused_prefills: int = 8
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -227,7 +227,8 @@ class Scheduler:
                                    "another (at most two plans are outstanding)")
             held = self._advance(self._pending[0])
         self._now = now
-        decode, preempted = self._schedule_decodes(held)
+        decode, preempted = (self._schedule_decodes(held) if self.policy.decodes_now()
+                             else ([], []))
         # After a preemption, admit nothing this iteration unless nothing else would run.
         part = self.policy.schedule_prefill(len(decode), admit=not (preempted and decode))
         plan = StepPlan(
