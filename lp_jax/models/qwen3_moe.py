@@ -295,9 +295,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
         `lo` and `hi` may be Python ints or traced int32 scalars: one loop body serves
         every layer (the weights are indexed by the loop counter), so one compiled program
         runs any range it is given. The loop covers layers [lo // 2, ceil(hi / 2)); a half
-        outside [lo, hi) (only possible in the first and last layer) is predicated off:
-        it writes no KV, activates no expert, and leaves x unchanged. Whole-layer ranges
-        waste nothing; a range cut inside a layer recomputes one attention half at most.
+        outside [lo, hi) (only possible in the first and last layer) is skipped by a
+        `lax.cond` on the unit: it writes no KV, activates no expert, leaves x unchanged
+        and costs nothing, so a one-unit segment (FlowPrefill's operator granularity)
+        computes one half. The KV pool passes through the untaken branch in place (no
+        copy: the AOT audit checks the compiled programs).
         """
         L2 = 2 * self.config.num_hidden_layers
         if isinstance(lo, int) and isinstance(hi, int) and not 0 <= lo <= hi <= L2:
@@ -306,12 +308,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
         def layer(i, carry):
             x, kv, n = carry
-            do_attn, do_mlp = 2 * i >= lo, 2 * i + 1 < hi
-            attn_meta = dataclasses.replace(meta, slots_T=jnp.where(do_attn, meta.slots_T, -1))
-            x_attn, kv = self._attention(i, x, kv, attn_meta, decode_only, backends.attention)
-            x = jnp.where(do_attn, x_attn, x)
-            x_mlp, activated = self._mlp(i, x, token_mask_T & do_mlp, backends.moe)
-            return jnp.where(do_mlp, x_mlp, x), kv, n + activated
+            x, kv = jax.lax.cond(
+                2 * i >= lo,
+                lambda x, kv: self._attention(i, x, kv, meta, decode_only, backends.attention),
+                lambda x, kv: (x, kv), x, kv)
+            x, activated = jax.lax.cond(
+                2 * i + 1 < hi, lambda x: self._mlp(i, x, token_mask_T, backends.moe),
+                lambda x: (x, jnp.int32(0)), x)
+            return x, kv, n + activated
 
         return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
                                  (x_TD, kv_pages_PSJH, jnp.int32(0)))
