@@ -16,8 +16,9 @@ Policies: chunked prefill (2048- and 8192-token budgets: the paper's CP2K / CP8K
 whole prompts ("orca": DistServe's prefill instance, the paper's FCFS baseline), layered
 FCFS (8192 budget, G = ceil(tokens / 512) groups), layered + preemptible (FlowPrefill's rules
 at group boundaries), FlowPrefill at operator / layer / group granularity, and two
-sensitivity variants of FlowPrefill / operator: 8 paused batches instead of
-`--max-paused-prefills` (2), and the full 2 ms host overhead on every segment.
+sensitivity variants of FlowPrefill / operator: 2 paused batches instead of
+`--max-paused-prefills` (8, the engine's default), and the full 2 ms host overhead on every
+segment.
 
 Per (hardware, model):
 (a) goodput: the highest Poisson rate with >= 90% of requests within their SLO
@@ -117,9 +118,9 @@ POLICY_SPECS: tuple[PolicySpec, ...] = (
         {"policy": "flowprefill", "preemption_granularity": "group"},
     ),
     PolicySpec(
-        "flowprefill_operator_paused8",
-        "FlowPrefill / operator, 8 paused batches",
-        {"policy": "flowprefill", "preemption_granularity": "operator", "max_paused_prefills": 8},
+        "flowprefill_operator_paused2",
+        "FlowPrefill / operator, 2 paused batches",
+        {"policy": "flowprefill", "preemption_granularity": "operator", "max_paused_prefills": 2},
     ),
     PolicySpec(
         "flowprefill_operator_2ms",
@@ -526,7 +527,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--colocated", action="store_true", help="requests decode their outputs")
     ap.add_argument("--segment-overhead-us", type=float, default=50.0)
-    ap.add_argument("--max-paused-prefills", type=int, default=2)
+    ap.add_argument("--max-paused-prefills", type=int, default=8)
     ap.add_argument("--slo-alpha", type=float, default=0.1)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=40960)

@@ -14,10 +14,13 @@ class LLM:
 
     def generate(self, prompts: list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+                 prompt_token_ids: list[list[int]] | None = None,
+                 slos=None) -> list[RequestOutput]:
         """Runs the requests to completion; outputs come back in input order.
 
         Exactly one of `prompts` (text; needs a tokenizer) and `prompt_token_ids`.
+        `slos`: one latency objective for all prompts or a list, one per prompt (an `SLO`,
+        a class name, or a dict of slo_class / ttft_slo_ms / tbt_slo_ms; None: none).
         A request that fails validation raises before any request is queued.
         """
         if (prompts is None) == (prompt_token_ids is None):
@@ -30,10 +33,15 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(inputs)
+        if isinstance(slos, list):
+            if len(slos) != len(inputs):
+                raise ValueError(f"{len(slos)} slos for {len(inputs)} prompts")
+        else:
+            slos = [slos] * len(inputs)
         ids = []
         try:
-            for prompt, p in zip(inputs, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, slo in zip(inputs, params, slos, strict=True):
+                ids.append(self.engine.add_request(prompt, p, slo=slo))
         except ValueError:
             for rid in ids:  # all or nothing
                 self.engine.abort(rid)

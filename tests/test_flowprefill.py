@@ -387,3 +387,27 @@ def test_engine_abort_paused_prefill_and_bad_slo(engine):
     s = engine.stats()
     assert s["free_pages"] == s["total_pages"]
     assert s["latency_model"]["steps"] > 0
+
+
+def test_offline_slos_and_profiling_write_a_loadable_model(engine, tmp_path):
+    """LLM.generate(slos=...) per prompt; profile_engine (the profiling command's core)
+    fits the estimator from measured steps, and the saved file loads for this model."""
+    from lp_jax.engine.latency import profile_engine
+    from lp_jax.llm import LLM
+
+    _use_policy(engine, preemption_granularity="layer", max_num_batched_tokens=128)
+    llm = object.__new__(LLM)
+    llm.engine = engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=params,
+                        slos=["chat", {"ttft_slo_ms": 1e5, "tbt_slo_ms": 1e5}])
+    assert all(len(o.token_ids) == 2 for o in outs)
+    with pytest.raises(ValueError):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=params, slos=["nope"])
+    with pytest.raises(ValueError, match="slos for"):
+        llm.generate(prompt_token_ids=[[1]], sampling_params=params, slos=[None, None])
+    model = profile_engine(engine, output_tokens=2)
+    assert model.error()["steps"] > 20 and any(c > 0 for c in model.to_dict()["coef"])
+    model.save(tmp_path / "lat.json")
+    dims = ModelDims.from_config(engine.model_config)
+    assert LatencyModel.load(tmp_path / "lat.json", dims).dims == dims

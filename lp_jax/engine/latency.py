@@ -331,6 +331,27 @@ def profile_prompts(budget: int, max_model_len: int, max_num_seqs: int, rng) -> 
     return waves
 
 
+def profile_engine(engine, *, output_tokens: int = 8, seed: int = 0) -> LatencyModel:
+    """Runs waves of prompts of many sizes (then a few decodes each) through an engine;
+    its scheduler's estimator learns from every measured step. Returns the estimator."""
+    import numpy as np
+
+    from lp_jax.engine.sampling_params import SamplingParams
+
+    cfg, rng = engine.scheduler.config, np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    waves = profile_prompts(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
+                            rng)
+    for wave in waves:
+        for n in wave:
+            engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), params)
+        while engine.has_unfinished():
+            engine.step()
+    model = engine.scheduler.latency
+    model.source = f"profiled ({cfg.policy}, {len(waves)} waves)"
+    return model
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m lp_jax.engine.latency",
@@ -347,30 +368,17 @@ def main(argv=None) -> None:
     p.add_argument("--output-tokens", type=int, default=8, help="decode steps per request")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    import numpy as np
+    from lp_jax.engine.config import EngineConfig
+    from lp_jax.engine.llm_engine import LLMEngine
 
-    from lp_jax.engine.sampling_params import SamplingParams
-    from lp_jax.llm import LLM
-
-    llm = LLM(args.model, scheduling=args.scheduling, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, load_format=args.load_format,
-              preemption_granularity=args.preemption_granularity)
-    engine = llm.engine
-    sched = engine.scheduler
-    cfg, rng = sched.config, np.random.default_rng(args.seed)
-    vocab = cfg.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    waves = profile_prompts(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
-                            rng)
-    for wave in waves:
-        llm.generate(prompt_token_ids=[rng.integers(0, vocab, n).tolist() for n in wave],
-                     sampling_params=params)
-    model = sched.latency
-    model.source = f"profiled ({args.scheduling}, {len(waves)} waves)"
+    engine = LLMEngine(EngineConfig(
+        model=args.model, scheduling=args.scheduling, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        load_format=args.load_format, preemption_granularity=args.preemption_granularity))
+    model = profile_engine(engine, output_tokens=args.output_tokens, seed=args.seed)
     model.save(args.out)
     print(json.dumps({"out": args.out, **model.error(),
-                      "coef": dict(zip(FEATURES, model.coef_F, strict=True))},
+                      "coef": dict(zip(FEATURES, model.to_dict()["coef"], strict=True))},
                      indent=1))
 
 
