@@ -119,7 +119,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None,
+                 policy_class: type[Policy] | None = None) -> None:
+        """`policy_class` overrides config.policy (the simulator's own policies)."""
         self.config = config
         # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
         # from measured steps through observe().
@@ -135,7 +137,7 @@ class Scheduler:
         self._next_batch = 0
         self._now = 0.0
         self._stats: Counter[str] = Counter()
-        self.policy: Policy = config.policy_class(self)
+        self.policy: Policy = (policy_class or config.policy_class)(self)
 
     # ----- requests -----
     def add(self, seq: Sequence) -> None:
