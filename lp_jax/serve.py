@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=_positive_int, default=32)
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     e.add_argument("--layer-groups", type=_layer_groups, default="paper",
-                   help="'paper', 'pow2' or a fixed group count")
+                   help="'paper', 'pow2', 'adaptive' (with --tbt-slo-ms) or a fixed group count")
     e.add_argument("--max-layer-groups", type=_positive_int, default=16)
     e.add_argument("--page-size", type=_positive_int, default=16, help="KV page (block) size")
     e.add_argument("--kv-pages", type=_positive_int, default=None)
@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--slo-classes", type=_slo_classes, default=None,
                    help='named SLO classes requests may give as slo_class: inline JSON or a '
                         'JSON file, e.g. {"chat": {"ttft_ms": 250, "tbt_ms": 100}}')
+    f.add_argument("--tbt-slo-ms", type=float, default=None,
+                   help='--layer-groups adaptive: keep each step within this TBT objective')
+    f.add_argument("--adaptive-margin", type=_slo_alpha, default=0.1,
+                   help="--layer-groups adaptive: headroom under the TBT objective")
     f.add_argument("--preemption-granularity", choices=("operator", "layer", "group"),
                    default="operator", help="where a flowprefill prefill may be paused")
     f.add_argument("--preemptible", action="store_true",
@@ -176,7 +180,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
                 "moe_backend", "attention_backend", "backends", "seed", "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
-                "max_paused_prefills", "slo_classes", "latency_model", "prefill_only")
+                "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
+                "tbt_slo_ms", "adaptive_margin")
 
 
 def engine_config(args):

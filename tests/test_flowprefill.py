@@ -411,3 +411,86 @@ def test_offline_slos_and_profiling_write_a_loadable_model(engine, tmp_path):
     model.save(tmp_path / "lat.json")
     dims = ModelDims.from_config(engine.model_config)
     assert LatencyModel.load(tmp_path / "lat.json", dims).dims == dims
+
+
+# ------------------------------------------------------------ adaptive layered
+def _adaptive(tbt, margin=0.1, **kw):
+    coef = [0.0] * len(FEATURES)
+    for name, v in (("decode_rows", 1e-3), ("attn_t", 1e-3), ("mlp_t", 1e-3), ("step", 2e-3)):
+        coef[FEATURES.index(name)] = v
+    cfg = make_cfg("layered", layer_groups="adaptive", tbt_slo_s=tbt, adaptive_margin=margin,
+                   max_num_batched_tokens=256, **kw)
+    return Scheduler(cfg, LatencyModel(ModelDims(L), coef))
+
+
+def test_adaptive_spans_respect_the_tbt_budget():
+    """Deterministic run with the estimator as the truth: every step that carries decodes
+    and more than one prefill layer is predicted within tbt x (1 - margin); spans shrink
+    as the SLO tightens, and with no decodes the prompt crosses the stack at once."""
+    spans = {}
+    for tbt in (None, 0.5, 0.2):
+        sched = _adaptive(tbt)
+        limit = None if tbt is None else tbt * 0.9
+        reqs = [slo_req(i, 8, None, max_tokens=30) for i in range(4)]
+        reqs += [slo_req(4 + i, 100, None, arrival=3 + 2 * i) for i in range(3)]
+        ex = drive(sched, reqs)
+        sizes = []
+        for p in ex.plans:
+            if not p.prefill:
+                continue
+            sizes.append(p.layer_end - p.layer_start)
+            if not p.decode:
+                assert p.layer_start == 0 and p.layer_end == L  # nothing to protect
+            elif limit is not None and p.layer_end - p.layer_start > 1:
+                assert sched.latency.predict_plan(p) <= limit + 1e-12
+        spans[tbt] = sizes
+    assert max(spans[None]) == L and min(spans[None]) == L
+    assert sum(spans[0.2]) / len(spans[0.2]) < sum(spans[0.5]) / len(spans[0.5]) < L
+
+
+def test_adaptive_takes_the_tightest_running_tbt_slo():
+    sched = _adaptive(None)
+    r = slo_req(0, 4, None, max_tokens=20)
+    r.slo = SLO(None, 0.2)
+    sched.add(r)
+    ex = FakeExecutor(sched)
+    for t in range(3):
+        step(sched, ex, float(t))
+    assert sched.policy.tbt_target() == 0.2
+    sched.add(slo_req(1, 100, None, arrival=3.0))
+    p = step(sched, ex, 3.0)
+    assert p.decode and p.layer_end - p.layer_start < L
+    drive(sched, ex=ex)
+
+
+def test_adaptive_config_is_checked():
+    with pytest.raises(ValueError, match="adaptive"):
+        make_cfg("chunked", layer_groups="adaptive")
+    with pytest.raises(ValueError, match="tbt_slo_s"):
+        make_cfg("layered", layer_groups="adaptive", tbt_slo_s=-1.0)
+    with pytest.raises(ValueError, match="adaptive_margin"):
+        make_cfg("layered", layer_groups="adaptive", adaptive_margin=1.0)
+
+
+def test_engine_adaptive_matches_chunked_tokens(engine):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (100, 7, 60, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run():
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, arrival_time=float(i))
+        out = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = o.token_ids
+        return [out[k] for k in sorted(out)]
+
+    _use_policy(engine, policy="chunked", max_num_batched_tokens=64)
+    want = run()
+    _use_policy(engine, policy="layered", layer_groups="adaptive", tbt_slo_s=1e-3,
+                max_num_batched_tokens=128)
+    got = run()
+    assert got == want
+    assert engine.stats()["compilations_after_warmup"] == 0

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from lp_jax.engine.latency import FEATURES, LatencyModel, ModelDims
 from lp_jax.engine.metrics import RequestMetrics, percentile, slo_pass, summarize
 from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.sampling_params import SamplingParams
@@ -908,6 +909,9 @@ def workloads(draw, policy):
         vocab_size=32,  # small, so eos and stop tokens do occur
     )
     preemptive = policy == "flowprefill" or (policy == "layered" and draw(st.booleans()))
+    if policy == "layered" and not preemptive and draw(st.booleans()):
+        cfg.update(layer_groups="adaptive", tbt_slo_s=draw(st.sampled_from([None, 0.2, 1.0])),
+                   adaptive_margin=draw(st.sampled_from([0.0, 0.5])))
     if preemptive:
         cfg.update(preemptible=policy == "layered",
                    preemption_granularity=draw(st.sampled_from(["operator", "layer", "group"])),
@@ -945,7 +949,12 @@ def test_random_workloads(policy, driver, data):
     the policy-independent token stream, every chunk crosses every layer exactly once;
     with plans scheduled one step ahead of their commit too."""
     cfg, reqs, aborts = data.draw(workloads(policy))
-    sched = Scheduler(cfg)
+    # A latency model with real costs, so adaptive spans and slack vary: 1 ms per decode
+    # row-layer, 2 ms per prefill token-unit, 5 ms per step.
+    coef = [0.0] * len(FEATURES)
+    for name, v in (("decode_rows", 1e-3), ("attn_t", 2e-3), ("mlp_t", 2e-3), ("step", 5e-3)):
+        coef[FEATURES.index(name)] = v
+    sched = Scheduler(cfg, LatencyModel(ModelDims(cfg.num_layers), coef))
     token_fn = lambda sid, pos: fake_token(sid, pos, 32)
     aborted = set()
 
@@ -977,5 +986,6 @@ def test_random_workloads(policy, driver, data):
     event(f"preempted={bool(st_['preemptions'])}")
     event(f"aborted={bool(aborted)}")
     event(f"multi-group batches={any(p.num_groups > 1 for p in ex.plans)}")
+    event(f"adaptive={cfg.layer_groups == 'adaptive'}")
     event(f"overlapped={ex.overlapped > 0}")
     assert sched.block_manager.num_free_pages == cfg.num_pages

@@ -15,7 +15,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: the policy's default
-    layer_groups: str | int = "paper"  # "paper", "pow2" or a fixed group count
+    layer_groups: str | int = "paper"  # "paper", "pow2", "adaptive" or a fixed group count
+    # "adaptive": each iteration's span keeps the predicted step within tbt_slo_ms x
+    # (1 - adaptive_margin) (or the tightest running request's TBT SLO); None: no limit.
+    tbt_slo_ms: float | None = None
+    adaptive_margin: float = 0.1
     max_layer_groups: int = 16
     # FlowPrefill (flowprefill.py): where a prefill may be paused ("operator", "layer" or
     # "group"); `preemptible` makes a layered batch preemptible at its group boundaries.

@@ -12,7 +12,8 @@ the first L % G groups one extra layer, so group sizes differ by at most one.
 
 from __future__ import annotations
 
-LayerGroupMode = str | int  # "paper", "pow2" or a fixed group count
+LayerGroupMode = str | int  # "paper", "pow2", "adaptive" or a fixed group count
+ADAPTIVE = "adaptive"  # spans chosen per iteration from a latency estimate (policies.py)
 
 _PAPER_TOKENS_PER_GROUP = 512  # the paper's chunk size: G = ceil(tokens / 512)
 _POW2_THRESHOLDS = ((512, 1), (1024, 2), (2048, 4), (4096, 8))  # (max tokens, G)
@@ -25,8 +26,9 @@ def _check_positive_int(name: str, x: object) -> None:
 
 def check_mode(mode: object) -> None:
     if isinstance(mode, str):
-        if mode not in ("paper", "pow2"):
-            raise ValueError(f'layer_groups must be "paper", "pow2" or an int >= 1, got {mode!r}')
+        if mode not in ("paper", "pow2", ADAPTIVE):
+            raise ValueError('layer_groups must be "paper", "pow2", "adaptive" or an int >= 1, '
+                             f"got {mode!r}")
     else:
         _check_positive_int("layer_groups", mode)
 
@@ -38,12 +40,13 @@ def num_layer_groups(
     max_layer_groups: int = 16,
     num_layers: int,
 ) -> int:
-    """G for a prefill batch of `num_tokens` prompt tokens, in [1, min(max_layer_groups, L)]."""
+    """G for a prefill batch of `num_tokens` prompt tokens, in [1, min(max_layer_groups, L)].
+    ("adaptive" has no fixed G: it falls back to "paper" where a count is needed.)"""
     _check_positive_int("num_tokens", num_tokens)
     _check_positive_int("max_layer_groups", max_layer_groups)
     _check_positive_int("num_layers", num_layers)
     check_mode(mode)
-    if mode == "paper":
+    if mode in ("paper", ADAPTIVE):
         g = -(-num_tokens // _PAPER_TOKENS_PER_GROUP)
     elif mode == "pow2":
         g = next((g for limit, g in _POW2_THRESHOLDS if num_tokens <= limit), max_layer_groups)

@@ -130,6 +130,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
             eos_token_id=model_cfg.eos_token_id,
+            tbt_slo_s=None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3,
+            adaptive_margin=config.adaptive_margin,
             preemption_granularity=config.preemption_granularity,
             preemptible=config.preemptible, slo_alpha=config.slo_alpha,
             max_paused_prefills=config.max_paused_prefills,

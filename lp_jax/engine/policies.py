@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lp_jax.engine.layer_groups import num_layer_groups, split_layers
+from lp_jax.engine.layer_groups import ADAPTIVE, num_layer_groups, split_layers
 from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.sequence import Sequence
 
@@ -148,16 +148,23 @@ class ChunkedPolicy(Policy):
 class _LayeredBatch:
     batch_id: int
     chunks: tuple[PrefillChunk, ...]
-    groups: tuple[tuple[int, int], ...]
+    groups: list[tuple[int, int]]  # layer ranges; "adaptive" appends one per iteration
     index: int = 0  # the group the next plan runs
 
 
 class LayeredPolicy(Policy):
-    """One prefill batch in flight; iteration g of the batch runs layer group g."""
+    """One prefill batch in flight; iteration g of the batch runs layer group g.
+
+    With layer_groups="adaptive" the groups are not fixed in advance: each iteration runs
+    the most of the batch's remaining layers for which the latency estimator predicts the
+    step (all decodes through every layer, the batch through those layers) within the TBT
+    objective times (1 - adaptive_margin): the whole stack at once when nothing decodes or
+    the objective is loose, fewer layers as the decode batch and its context grow."""
 
     def __init__(self, sched: Scheduler) -> None:
         super().__init__(sched)
         self._batch: _LayeredBatch | None = None
+        self.adaptive = sched.config.layer_groups == ADAPTIVE
 
     @staticmethod
     def budget(cfg: SchedulerConfig) -> int:
@@ -173,8 +180,45 @@ class LayeredPolicy(Policy):
         b = self._batch
         if b is None:
             return PrefillPart((), None)
+        if b.index == len(b.groups):  # adaptive: choose this iteration's span
+            start = b.groups[-1][1] if b.groups else 0
+            b.groups.append((start, start + self._adaptive_span(b, start, num_decode)))
         start, end = b.groups[b.index]
-        return PrefillPart(b.chunks, b.batch_id, start, end, b.index, len(b.groups))
+        more = self.adaptive and end < self.sched.config.num_layers
+        return PrefillPart(b.chunks, b.batch_id, start, end, b.index, len(b.groups) + more)
+
+    def tbt_target(self) -> float | None:
+        """The TBT objective the decodes must keep: the tightest running request's, or the
+        engine's; None: no limit."""
+        cfg = self.sched.config
+        own = [q.slo.tbt_s for q in self.sched.running
+               if q.slo is not None and q.slo.tbt_s is not None]
+        targets = own + ([cfg.tbt_slo_s] if cfg.tbt_slo_s is not None else [])
+        return min(targets) if targets else None
+
+    def _adaptive_span(self, b: _LayeredBatch, start: int, num_decode: int) -> int:
+        """How many layers from `start` this iteration runs (at least one)."""
+        cfg, s = self.sched.config, self.sched
+        left = cfg.num_layers - start
+        target = self.tbt_target()
+        if not num_decode or target is None:
+            return left
+        limit = target * (1.0 - cfg.adaptive_margin)
+        chunks = [(c.num_tokens, c.start) for c in b.chunks]
+        ctx = sum(q.num_tokens for q in s.running)
+
+        def fits(k: int) -> bool:
+            a = 2 * start
+            x = s.latency.features(chunks, a, a + 2 * k, num_decode, ctx)
+            return s.latency.predict(x) <= limit
+
+        lo, hi = 1, left  # the largest k that fits, by bisection (time grows with k)
+        if fits(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _form_batch(self, admit: bool) -> _LayeredBatch | None:
         s, cfg = self.sched, self.sched.config
@@ -198,13 +242,14 @@ class LayeredPolicy(Policy):
             max_layer_groups=cfg.max_layer_groups,
             num_layers=cfg.num_layers,
         )
-        return _LayeredBatch(s.new_batch_id(), tuple(chunks), split_layers(cfg.num_layers, g))
+        groups = [] if self.adaptive else list(split_layers(cfg.num_layers, g))
+        return _LayeredBatch(s.new_batch_id(), tuple(chunks), groups)
 
     def on_advance(self, plan: StepPlan) -> None:
         b = self._batch
         if b is not None and plan.prefill_batch_id == b.batch_id:
             b.index += 1
-            if b.index == len(b.groups):
+            if b.groups[b.index - 1][1] == self.sched.config.num_layers:
                 self._batch = None
 
     def in_flight(self) -> tuple[Sequence, ...]:
@@ -216,11 +261,14 @@ class LayeredPolicy(Policy):
         G iterations, where a step-by-step engine would have taken it in. (Missing a
         one-group batch costs one step, as a late admission does under chunked.)"""
         b = self._batch
+        L = self.sched.config.num_layers
         ends_batch = b is None or (pending.prefill_batch_id == b.batch_id
-                                   and b.index + 1 == len(b.groups))
+                                   and b.groups[b.index][1] == L)
         if not ends_batch or not self.sched.waiting:
             return True
         s, cfg = self.sched, self.sched.config
+        if self.adaptive:  # one group unless decodes and a TBT objective cut it
+            return not (s.running and self.tbt_target() is not None)
         done = {c.seq.seq_id: c.end for c in pending.prefill}  # once `pending` ends
         tokens = sum(q.prefill_target - done.get(q.seq_id, q.num_computed_tokens)
                      for q in s.prefilling)

@@ -74,6 +74,11 @@ class SchedulerConfig:
     # FlowPrefill (flowprefill.py): segment size of a preemptible prefill, whether a
     # layered batch is preemptible at group boundaries, the batching rule's alpha, and
     # how many paused batches keep their hidden states on device.
+    # layer_groups="adaptive": each iteration's prefill span is the most layers for which
+    # the predicted step (decodes + span) stays within tbt_slo_s * (1 - adaptive_margin);
+    # the tightest running request's TBT SLO, if smaller, wins. None: no TBT limit.
+    tbt_slo_s: float | None = None
+    adaptive_margin: float = 0.1
     preemption_granularity: str = "operator"
     preemptible: bool = False
     slo_alpha: float = 0.1
@@ -87,6 +92,16 @@ class SchedulerConfig:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {x!r}")
         check_mode(self.layer_groups)
+        if self.tbt_slo_s is not None and not (isinstance(self.tbt_slo_s, int | float)
+                                               and 0 < self.tbt_slo_s < 86400):
+            raise ValueError(f"tbt_slo_s must be a positive number of seconds, got "
+                             f"{self.tbt_slo_s!r}")
+        if isinstance(self.adaptive_margin, bool) or not isinstance(
+                self.adaptive_margin, int | float) or not 0 <= self.adaptive_margin < 1:
+            raise ValueError(f"adaptive_margin must be in [0, 1), got {self.adaptive_margin!r}")
+        if self.layer_groups == "adaptive" and (self.policy != "layered" or self.preemptible):
+            raise ValueError('layer_groups="adaptive" is for the layered policy (not '
+                             "preemptible, not flowprefill)")
         if self.preemption_granularity not in GRANULARITIES:
             raise ValueError(f"preemption_granularity must be one of {GRANULARITIES}, "
                              f"got {self.preemption_granularity!r}")
