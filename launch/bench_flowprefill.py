@@ -34,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lp_jax.bench import open_loop
+from lp_jax.bench.open_loop import use_policy
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.latency import profile_prompts
 from lp_jax.engine.llm_engine import LLMEngine
 from lp_jax.engine.metrics import percentile
 from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler
 from lp_jax.engine.slo import SLO
 from lp_jax.sim.simulator import ttft_attainment
 from lp_jax.sim.workload import (
@@ -62,32 +63,12 @@ POLICIES = {
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-def use_policy(engine: LLMEngine, base, **changes) -> None:
-    engine.scheduler = Scheduler(dataclasses.replace(base, **changes), engine.scheduler.latency)
-
-
 def prompt(rng, n: int) -> list[int]:
     return rng.integers(0, 500, int(n)).tolist()
 
 
-def run_open_loop(engine: LLMEngine, timed: list[tuple[float, list[int], SLO | None]]):
-    """Adds each (offset s, prompt, slo) at its time (the arrival time is the scheduled
-    one, as a server stamps it on receipt), steps the engine; returns metrics in order."""
-    t0 = time.perf_counter()
-    ids, done, i = {}, {}, 0
-    while i < len(timed) or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while i < len(timed) and timed[i][0] <= now:
-            off, p, slo = timed[i]
-            ids[engine.add_request(p, ONE_TOKEN, arrival_time=t0 + off, slo=slo)] = i
-            i += 1
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, timed[i][0] - (time.perf_counter() - t0)))
-            continue
-        for out in engine.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.metrics
-    return [done[k] for k in range(len(timed))]
+def run_open_loop(engine, timed):
+    return open_loop.run_open_loop(engine, timed, ONE_TOKEN)
 
 
 def solo(engine: LLMEngine, p: list[int], repeats: int = 3) -> float:
