@@ -324,13 +324,15 @@ def engine(tiny_dir):
     cfg = EngineConfig(model=tiny_dir, scheduling="flowprefill", max_model_len=256,
                        max_num_batched_tokens=128, max_num_seqs=8, compilation_cache_dir=None,
                        slo_classes={"chat": {"ttft_ms": 50}})
-    return LLMEngine(cfg, log=None)
+    engine = LLMEngine(cfg, log=None)
+    engine.base_config = engine.scheduler.config
+    return engine
 
 
 def _use_policy(engine, **changes):
-    """A fresh scheduler with other FlowPrefill options on the same compiled programs
-    (the executor is policy-agnostic; hidden row areas are the same size)."""
-    cfg = dataclasses.replace(engine.scheduler.config, **changes)
+    """A fresh scheduler, the engine's own config with `changes`, on the same compiled
+    programs (the executor is policy-agnostic; hidden row areas are the same size)."""
+    cfg = dataclasses.replace(engine.base_config, **changes)
     engine.scheduler = Scheduler(cfg, engine.scheduler.latency)
 
 
@@ -494,3 +496,30 @@ def test_engine_adaptive_matches_chunked_tokens(engine):
     got = run()
     assert got == want
     assert engine.stats()["compilations_after_warmup"] == 0
+
+
+def test_contention_guard_learns_the_slowdown_of_mixed_steps():
+    """Truth: solo steps are linear; a step with prefill beside decodes is 1.5x the sum of
+    its solo parts. The linear part learns from solo steps only; the guard learns 1.5."""
+    from types import SimpleNamespace as NS
+
+    dims = ModelDims(L)
+    truth = LatencyModel(dims, [0.0, 0.0, 1e-4, 1e-4, 0.0, 1e-3, 0.0, 0.0, 0.0, 1e-3])
+    model = LatencyModel(dims, forgetting=1.0)
+    rng = np.random.default_rng(0)
+
+    def plan(T, B):
+        chunks = (NS(num_tokens=T, start=0),) if T else ()
+        return NS(prefill=chunks, decode=tuple(NS(num_tokens=10) for _ in range(B)),
+                  unit_start=0, unit_end=2 * L, num_prefill_tokens=T)
+
+    for _ in range(60):  # solo steps of both kinds, then mixed ones
+        for T, B in ((int(rng.integers(1, 300)), 0), (0, int(rng.integers(1, 16)))):
+            model.observe(plan(T, B), truth.predict_plan(plan(T, B)))
+    for _ in range(200):
+        T, B = int(rng.integers(16, 64)), int(rng.integers(4, 8))
+        model.observe(plan(T, B), 1.5 * truth.predict_plan(plan(T, B)))
+    mixed, solo = plan(40, 5), plan(40, 0)
+    assert model.predict_plan(mixed) == pytest.approx(1.5 * truth.predict_plan(mixed), rel=0.02)
+    assert model.predict_plan(solo) == pytest.approx(truth.predict_plan(solo), rel=0.02)
+    assert model.error()["contention_cells"] >= 1

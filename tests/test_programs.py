@@ -26,9 +26,9 @@ ENGINES = {  # default arguments, with the policies and budgets a user would try
     "orca": dict(scheduling="orca"),
     "chunked": dict(scheduling="chunked"),
     "layered": dict(scheduling="layered"),
-    "layered-256": dict(scheduling="layered", max_num_batched_tokens=256),
-    # FlowPrefill's segments and paused batches reuse the row-bucket programs
-    "flowprefill": dict(scheduling="flowprefill"),
+    # A small budget; FlowPrefill's segments and paused batches reuse the row-bucket
+    # programs (its default 8192 budget has layered's buckets, checked by the count test)
+    "flowprefill-256": dict(scheduling="flowprefill", max_num_batched_tokens=256),
 }
 OPTIONS = {"defaults": {}}
 
@@ -66,6 +66,8 @@ def test_program_count_is_bounded_and_layered_close_to_chunked(budget, max_num_s
     chunked = len(resolve_buckets(None, "chunked", budget, max_num_seqs))
     layered = len(resolve_buckets(None, "layered", budget, max_num_seqs))
     assert layered <= MAX_PROGRAMS - 4 and layered <= 1.5 * chunked
+    # FlowPrefill's segments (any unit span) and paused batches add no program key
+    assert len(resolve_buckets(None, "flowprefill", budget, max_num_seqs)) == layered
 
 
 def test_default_buckets_bound_padding():

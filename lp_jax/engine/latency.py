@@ -15,8 +15,12 @@ features of a plan, each a count the executor's work grows with:
     operator units executed, calls (dispatched programs), 1 per step
 
 The experts term is what lets it tell a 512-token chunk from a whole prompt: each chunk
-reloads the experts. Coefficients are non-negative least squares on relative error
-(steps span orders of magnitude), from sufficient statistics with exponential forgetting,
+reloads the experts. The linear part is the *solo* cost (prefill-only and decode-only
+steps); a step that runs prefill rows beside decode rows is that times a **contention
+guard** factor per (decode batch, prefill tokens) cell (`ContentionGuard`), learnt from
+mixed steps as measured / solo prediction. Coefficients are non-negative least squares on
+relative error (steps span orders of magnitude), from sufficient statistics with
+exponential forgetting,
 so the model refreshes online from every measured step (`observe`) at O(features^2) per
 step and re-solves only when asked to predict after new data. `save` / `load` keep a
 fitted model; `python -m lp_jax.engine.latency --out FILE [engine args]` profiles the
@@ -81,7 +85,39 @@ def _units(a: int, b: int) -> tuple[int, int]:
     return attn, (b - a) - attn
 
 
+def _bucket(n: int) -> int:
+    return int(n).bit_length()  # 0, 1, 2-3, 4-7, ...
+
+
+class ContentionGuard:
+    """Slowdown of prefill rows run beside a decode batch, against the sum of their solo
+    costs: a factor per (decode rows, prefill tokens) cell in powers of two, an
+    exponential moving average of measured / solo-predicted over mixed steps. An unseen
+    cell borrows the mean of its decode row's cells, else of all cells, else 1."""
+
+    def __init__(self, cells: dict | None = None, decay: float = 0.8):
+        self.cells: dict[tuple[int, int], float] = dict(cells or {})
+        self.decay = decay
+
+    def factor(self, num_decode: int, tokens: int) -> float:
+        if not num_decode or not tokens or not self.cells:
+            return 1.0
+        b, t = _bucket(num_decode), _bucket(tokens)
+        if (b, t) in self.cells:
+            return self.cells[b, t]
+        row = [f for (bb, _), f in self.cells.items() if bb == b] or list(self.cells.values())
+        return sum(row) / len(row)
+
+    def update(self, num_decode: int, tokens: int, ratio: float) -> None:
+        ratio = min(max(ratio, 0.25), 4.0)  # one outlier step must not swing it
+        key = (_bucket(num_decode), _bucket(tokens))
+        old = self.cells.get(key)
+        self.cells[key] = ratio if old is None else self.decay * old + (1 - self.decay) * ratio
+
+
 class LatencyModel:
+    _SOLO_STEPS = 8  # solo steps of each kind before mixed steps only train the guard
+
     def __init__(self, dims: ModelDims, coef=None, *, forgetting: float = 0.995,
                  source: str = "unfitted (learns online)"):
         if not 0 < forgetting <= 1:
@@ -99,6 +135,9 @@ class LatencyModel:
         self.num_observed = 0
         self._abs_rel_err = 0.0  # mean |predicted - measured| / measured, online
         self._abs_rel_err_ema = 0.0
+        self.guard = ContentionGuard()
+        self._since_solve = 0
+        self._solo_steps = {"prefill": 0, "decode": 0}
         self._moe_prefix = [0]
         for i in range(dims.num_layers):
             self._moe_prefix.append(self._moe_prefix[-1] + dims.is_moe(i))
@@ -145,13 +184,17 @@ class LatencyModel:
         return self.features(chunks, a, b, len(plan.decode), ctx, experts=experts)
 
     # --------------------------------------------------------------- predict
-    def predict(self, x_F: list[float]) -> float:
+    def predict(self, x_F: list[float], num_decode: int = 0, tokens: int = 0) -> float:
+        """Seconds for features x_F; with decodes and prefill tokens both present, the
+        solo cost times the contention guard's factor."""
         if self._stale:
             self._solve()
-        return sum(c * x for c, x in zip(self.coef_F, x_F, strict=True))
+        solo = sum(c * x for c, x in zip(self.coef_F, x_F, strict=True))
+        return solo * self.guard.factor(num_decode, tokens)
 
     def predict_plan(self, plan) -> float:
-        return self.predict(self.plan_features(plan))
+        return self.predict(self.plan_features(plan), len(plan.decode),
+                            plan.num_prefill_tokens)
 
     def prefill_seconds(self, chunks_TP, a: int, b: int, *, segments: int = 1,
                         num_decode: int = 0, decode_context: int = 0) -> float:
@@ -159,7 +202,8 @@ class LatencyModel:
         if a >= b:
             return 0.0
         return self.predict(self.features(chunks_TP, a, b, num_decode, decode_context,
-                                          segments=segments))
+                                          segments=segments),
+                            num_decode, sum(t for t, _ in chunks_TP))
 
     # --------------------------------------------------------------- learn
     def observe(self, plan, seconds: float, experts: float | None = None) -> None:
@@ -171,14 +215,25 @@ class LatencyModel:
             if expected > 0 and experts > 0:
                 self._expert_ratio = 0.9 * self._expert_ratio + 0.1 * experts / expected
         x_F = self.plan_features(plan, experts)
-        if self.num_observed:  # with the coefficients as they are: no re-solve per step
-            pred = sum(c * x for c, x in zip(self.coef_F, x_F, strict=True))
-            err = abs(pred - seconds) / seconds
+        B, T = len(plan.decode), plan.num_prefill_tokens
+        # With the coefficients as they are: re-solved every 32 new steps, not per step.
+        if self._stale and self._since_solve >= 32:
+            self._solve()
+        solo = sum(c * x for c, x in zip(self.coef_F, x_F, strict=True))
+        if self.num_observed:
+            err = abs(solo * self.guard.factor(B, T) - seconds) / seconds
             n = self.num_observed
             self._abs_rel_err += (err - self._abs_rel_err) / n
             self._abs_rel_err_ema = 0.95 * self._abs_rel_err_ema + 0.05 * err
-        self._add([(x_F, seconds)])
         self.num_observed += 1
+        if B and T and min(self._solo_steps.values()) >= self._SOLO_STEPS:
+            if solo > 0:  # a mixed step trains the guard, not the solo costs
+                self.guard.update(B, T, seconds / solo)
+            return
+        if not (B and T):
+            self._solo_steps["decode" if B else "prefill"] += 1
+        self._add([(x_F, seconds)])
+        self._since_solve += 1
 
     def fit(self, samples: Iterable[tuple[list[float], float]], source: str = "fitted"):
         """Replace what was learnt with a fit to (features, seconds) samples."""
@@ -206,6 +261,7 @@ class LatencyModel:
 
     def _solve(self) -> None:
         self._stale = False
+        self._since_solve = 0
         used = [i for i in range(_F) if self._gram_FF[i][i] > 0]
         if not used:
             return
@@ -225,7 +281,8 @@ class LatencyModel:
     def error(self) -> dict:
         """Predicted against measured, over the steps observed since start."""
         return {"steps": self.num_observed, "mean_abs_rel_error": self._abs_rel_err,
-                "recent_abs_rel_error": self._abs_rel_err_ema, "source": self.source}
+                "recent_abs_rel_error": self._abs_rel_err_ema, "source": self.source,
+                "contention_cells": len(self.guard.cells)}
 
     def to_dict(self) -> dict:
         d = self.dims
@@ -234,6 +291,8 @@ class LatencyModel:
         return {"features": list(FEATURES), "coef": list(self.coef_F),
                 "gram": [list(r) for r in self._gram_FF], "rhs": list(self._rhs_F),
                 "expert_ratio": self._expert_ratio, "source": self.source,
+                "guard": [[b, t, f] for (b, t), f in sorted(self.guard.cells.items())],
+                "solo_steps": dict(self._solo_steps),
                 "dims": {"num_layers": d.num_layers, "num_experts": d.num_experts,
                          "top_k": d.top_k,
                          "moe_layers": None if d.moe_layers is None else list(d.moe_layers)}}
@@ -265,6 +324,9 @@ class LatencyModel:
         model = cls(file_dims, coef, source=f"{data.get('source', 'file')} ({path})", **kwargs)
         model._gram_FF, model._rhs_F = gram, rhs
         model._expert_ratio = float(data.get("expert_ratio", 1.0))
+        model.guard = ContentionGuard({(int(b), int(t)): float(f)
+                                       for b, t, f in data.get("guard", [])})
+        model._solo_steps.update(data.get("solo_steps", {}))
         return model
 
 
@@ -334,6 +396,8 @@ def profile_prompts(budget: int, max_model_len: int, max_num_seqs: int, rng) -> 
 def profile_engine(engine, *, output_tokens: int = 8, seed: int = 0) -> LatencyModel:
     """Runs waves of prompts of many sizes (then a few decodes each) through an engine;
     its scheduler's estimator learns from every measured step. Returns the estimator."""
+    import dataclasses
+
     import numpy as np
 
     from lp_jax.engine.sampling_params import SamplingParams
@@ -342,11 +406,22 @@ def profile_engine(engine, *, output_tokens: int = 8, seed: int = 0) -> LatencyM
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     waves = profile_prompts(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
                             rng)
-    for wave in waves:
+    for wave in waves:  # solo: a prefill batch, then its decodes
         for n in wave:
             engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), params)
         while engine.has_unfinished():
             engine.step()
+    # Contention: prompts of each size arriving while a decode batch runs.
+    long_out = dataclasses.replace(params, max_tokens=4 * output_tokens)
+    for decodes in sorted({max(1, cfg.max_num_seqs // 4), max(1, cfg.max_num_seqs // 2)}):
+        for n in sorted({w[0] for w in waves}):
+            for _ in range(decodes):
+                engine.add_request(rng.integers(0, cfg.vocab_size, 8).tolist(), long_out)
+            for _ in range(3):
+                engine.step()
+            engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), params)
+            while engine.has_unfinished():
+                engine.step()
     model = engine.scheduler.latency
     model.source = f"profiled ({cfg.policy}, {len(waves)} waves)"
     return model

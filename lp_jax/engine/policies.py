@@ -205,12 +205,13 @@ class LayeredPolicy(Policy):
             return left
         limit = target * (1.0 - cfg.adaptive_margin)
         chunks = [(c.num_tokens, c.start) for c in b.chunks]
+        tokens = sum(t for t, _ in chunks)
         ctx = sum(q.num_tokens for q in s.running)
 
         def fits(k: int) -> bool:
             a = 2 * start
             x = s.latency.features(chunks, a, a + 2 * k, num_decode, ctx)
-            return s.latency.predict(x) <= limit
+            return s.latency.predict(x, num_decode, tokens) <= limit
 
         lo, hi = 1, left  # the largest k that fits, by bisection (time grows with k)
         if fits(hi):
