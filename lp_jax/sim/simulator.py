@@ -7,6 +7,9 @@ scheduler once simulated time reaches their arrival; each iteration is
 Every request asks for exactly its output length (`max_tokens=output_len`,
 `ignore_eos=True`), so the token ids sampled are irrelevant and a constant is committed.
 The scheduler module is imported, not copied: every policy runs unchanged.
+`policy="muxwise"` (muxwise.py) runs the same core with a simulator-only policy class
+(`Scheduler(policy_class=...)`) that also picks an SM partition per plan, and an executor
+that times the overlapped decode step and prefill launch under that partition.
 
 A request's SLO reaches its `Sequence` (FlowPrefill's deadlines); `SimResult.ttft_attainment`
 reports, per class, the share of requests whose TTFT met their own SLO. After every step the
@@ -44,6 +47,13 @@ from lp_jax.roofline.routing import Routing
 from lp_jax.sim.calibration import Calibration, prior_calibration
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor
+from lp_jax.sim.muxwise import (
+    MuxWiseExecutor,
+    MuxWiseOptions,
+    MuxWisePolicy,
+    PartitionCostModel,
+    muxwise_policy,
+)
 from lp_jax.sim.workload import Request
 
 _TOKEN = 1  # committed for every sampled position; requests ignore EOS
@@ -53,7 +63,7 @@ _TOKEN = 1  # committed for every sampled position; requests ignore EOS
 class SimConfig:
     shape: ModelShape
     hardware: Hardware
-    policy: str = "layered"
+    policy: str = "layered"  # a scheduler policy, or "muxwise" (lp_jax/sim/muxwise.py)
     tp: int = 1
     ep: int = 1
     max_num_batched_tokens: int | None = None  # None: the policy's default (512 / 8192)
@@ -80,17 +90,36 @@ class SimConfig:
     # at the start of every run (runs stay pure functions of their requests); None: a fresh
     # one for the shape, learning online from the simulated steps (`observe_latency`).
     # observe_latency None: only for the policies that read the estimator (flowprefill,
-    # preemptible layered); every observation re-solves its fit, ~0.4 ms a step.
+    # preemptible and adaptive layered); an observation costs ~15 us (the fit re-solves lazily).
     latency: LatencyModel | None = None
     observe_latency: bool | None = None
     # Overhead of a prefill-only continuation segment (executor.py); None: the calibration's.
     segment_overhead_s: float | None = None
+    # The decode TBT SLO the policies that plan for one read: muxwise (required there) and
+    # the adaptive layered policy (layer_groups="adaptive"; SchedulerConfig.tbt_slo_s).
+    tbt_slo_s: float | None = None
+    # MuxWise's constants (muxwise.py); None: the defaults. Only with policy "muxwise".
+    muxwise: MuxWiseOptions | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1:
             raise ValueError("tp and ep must be >= 1")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError("memory_utilization must be in (0, 1]")
+        if self.tbt_slo_s is not None and not (math.isfinite(self.tbt_slo_s)
+                                               and self.tbt_slo_s > 0):
+            raise ValueError(f"tbt_slo_s must be > 0, got {self.tbt_slo_s}")
+        if self.policy == "muxwise" and self.tbt_slo_s is None:
+            raise ValueError('policy "muxwise" needs tbt_slo_s (the decode TBT SLO)')
+        if self.muxwise is not None and self.policy != "muxwise":
+            raise ValueError('muxwise options apply to policy "muxwise" only')
+        if self.policy == "muxwise" and self.preemptible:
+            raise ValueError('policy "muxwise" preempts between its own launches; '
+                             "preemptible applies to layered")
+
+    @property
+    def is_muxwise(self) -> bool:
+        return self.policy == "muxwise"
 
 
 def weight_bytes(shape: ModelShape) -> float:
@@ -202,16 +231,25 @@ class Simulator:
         )  # fmt: skip
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)
+        self.partition: PartitionCostModel | None = None
+        if config.is_muxwise:
+            options = config.muxwise or MuxWiseOptions()
+            self.partition = PartitionCostModel(self.executor, options)
+            self.mux_executor = MuxWiseExecutor(self.partition)
 
     def scheduler_config(self) -> SchedulerConfig:
+        """The engine's scheduler config; muxwise runs the core with policy "layered" in
+        the config (its budget and checks) and its own policy class."""
         c = self.config
         return SchedulerConfig(
-            policy=c.policy, num_layers=c.shape.num_layers, max_model_len=c.max_model_len,
+            policy="layered" if c.is_muxwise else c.policy,
+            num_layers=c.shape.num_layers, max_model_len=c.max_model_len,
             page_size=c.page_size, num_pages=self.num_pages, vocab_size=c.shape.vocab_size,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             layer_groups=c.layer_groups, max_layer_groups=c.max_layer_groups,
             preemption_granularity=c.preemption_granularity, preemptible=c.preemptible,
             slo_alpha=c.slo_alpha, max_paused_prefills=c.max_paused_prefills,
+            tbt_slo_s=c.tbt_slo_s,
         )  # fmt: skip
 
     @property
@@ -219,7 +257,7 @@ class Simulator:
         """Whether runs feed step times to the scheduler's estimator (SimConfig note)."""
         c = self.config
         if c.observe_latency is None:
-            return c.policy == "flowprefill" or c.preemptible
+            return c.policy == "flowprefill" or c.preemptible or c.layer_groups == "adaptive"
         return c.observe_latency
 
     def make_scheduler(self) -> Scheduler:
@@ -229,12 +267,25 @@ class Simulator:
         latency = copy.deepcopy(c.latency) if c.latency is not None else None
         if latency is None:
             latency = LatencyModel(ModelDims.from_config(c.shape))
-        return Scheduler(self.scheduler_config(), latency=latency)
+        policy_class = None
+        if self.partition is not None:
+            policy_class = muxwise_policy(self.partition, c.tbt_slo_s)
+        return Scheduler(self.scheduler_config(), latency=latency, policy_class=policy_class)
+
+    def _step_function(self, sched: Scheduler):
+        """plan -> StepCost: the executor's, or MuxWise's overlapped iteration under the
+        partition the policy chose for the plan."""
+        if self.partition is None:
+            return self.executor.run
+        policy = sched.policy
+        assert isinstance(policy, MuxWisePolicy)
+        run = self.mux_executor.run
+        return lambda plan: run(plan, policy.take_launch(plan.step_id))
 
     def run(self, requests: list[Request]) -> SimResult:
         wall0 = time.perf_counter()
         sched = self.make_scheduler()
-        run_step = self.executor.run
+        run_step = self._step_function(sched)
         observe = sched.observe if self.observes_latency else None
         expert_size = self.config.shape.expert_bytes or 1
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
@@ -261,6 +312,8 @@ class Simulator:
                 continue
             plan = sched.schedule(now)
             if plan.phase == "idle":
+                if self.partition is not None:
+                    sched.policy.take_launch(plan.step_id)
                 sched.commit(plan, {}, now)
                 if nxt >= len(order):
                     raise RuntimeError(f"simulation stuck at t={now:.3f}: nothing can run")
@@ -281,6 +334,7 @@ class Simulator:
         energy = math.nan
         if self.energy is not None:
             energy = self.energy.joules(span, flops, nbytes, devices=self.executor.devices)
+        extra = sched.policy.stats() if isinstance(sched.policy, MuxWisePolicy) else {}
         return SimResult(
             requests=list(requests),
             metrics=[s.metrics() for s in seqs],
@@ -293,6 +347,7 @@ class Simulator:
             hbm_bytes=nbytes,
             energy_j=energy,
             wall_s=time.perf_counter() - wall0,
+            extra=extra,
             latency=sched.latency,
         )
 

@@ -1,0 +1,750 @@
+"""MuxWise in the simulator: prefill and decode on disjoint SM partitions of one device.
+
+Design note. MuxWise (papers.md section 3) runs prefill and decode concurrently on two SM
+partitions of one GPU (CUDA Green Contexts). XLA gives a JAX program no SM partitioning,
+so the engine cannot run it; the simulator models it on top of the roofline executor.
+
+Cost model (`PartitionCostModel`). A *stream* is one phase's ops, as the executor's
+`StepFeatures` give them: per op, seconds at peak FLOP/s (c) and at peak HBM bandwidth (m),
+both divided by the calibration's efficiencies. On a share x of the SMs a stream's ops take
+
+    t(x) = sum_op max(c / x, m / beta(x)),   beta(x) = min(1, x / bandwidth_saturation)
+
+compute scales with 1 / x; a few SMs cannot issue enough loads to saturate HBM, so the
+bandwidth a partition can draw grows linearly up to `bandwidth_saturation` of the SMs
+(ASSUMED 0.4: HBM-bound kernels on Hopper reach near-peak bandwidth with roughly 40% of the
+SMs; MuxWise's paper gives no number). t is non-increasing in x, and t(1) is the
+executor's ops time exactly. Two concurrent streams contend for HBM: stream i uses on
+average d_i = (sum m) / t_i of the bandwidth; while both run, bandwidth is split in
+proportion to demand, so when d_1 + d_2 > 1 both slow down by f = d_1 + d_2 (the equal
+slowdown proportional sharing implies), and once the shorter one ends the other runs
+alone:
+
+    shorter: f * t_s;   longer: f * t_s + (t_l - t_s)
+
+This averages each stream's demand over its run (a compute-bound op next to a memory-bound
+one is not resolved in time): a documented simplification. Fixed costs are added after the
+ops: the decode stream pays the calibration's per-iteration overhead (host work, sampling)
+and per-layer overhead; a prefill launch pays `launch_overhead_s` (ASSUMED 50 us: one graph
+launch on its own stream; FlowPrefill's segment overhead in the simulator) and the per-layer
+overhead of the layers it runs. An iteration lasts until both streams are done, plus
+`sync_s` (ASSUMED 20 us; "microseconds" in the paper) when the partition changes. A step with
+only one phase runs on the whole device at exactly the executor's solo cost.
+
+One plan = one MuxWise iteration: one decode step of every running request (one token each)
+on 1 - s of the SMs, concurrent with one prefill launch of [unit_start, unit_end) operator
+units of one batch on s. The real MuxWise lets a decode iteration start while a prefill
+launch still runs; here the next decode step waits for the plan, which is why the policy
+sizes launches to return before the decode step does (the paper's rule anyway).
+
+Policy (`MuxWisePolicy`, a `Policy` for the engine's own `Scheduler`; the core does queues,
+pages, decodes and preemption as for every policy):
+- partition: the smallest decode share on a grid of `sm_steps` steps (ASSUMED 16: Green
+  Contexts hand out SMs in groups; 132 SMs / 8 ~ 16) whose decode step, with the prefill
+  launch's contention, ends within guard x TBT SLO; prefill gets the rest. The TBT SLO is
+  the policy's `tbt_slo_s`, tightened by any running request's own `SLO.tbt_s`. With no
+  decodes the prefill gets the whole device (the "move remaining layers to a larger
+  partition" step), with no prefill the decodes do.
+- launches: the most operator units of the running batch whose launch ends no later than
+  the decode step (at least one unit); with no decodes, the most that fit guard x TBT SLO
+  (a quantum, so arrivals are looked at and decodes start soon). When the batch's whole
+  remainder fits, there is no prefill backlog for the large partition (one plan carries
+  one launch), so the prefill share drops to the one with the shortest iteration that
+  still runs the remainder within the target: the decodes get the SMs prefill would idle.
+- the predictor is this cost model itself (the simulator's ground truth): it stands for
+  MuxWise's offline-profiled solo predictor plus contention guard, and is exact here, so the
+  simulated MuxWise is an upper bound as far as prediction error goes. The engine's
+  `LatencyModel` knows nothing of SM shares, so it is not used.
+- batches: one runs, up to `max_paused_prefills` are paused, each with its own hidden-row
+  area (as FlowPrefill's). Scheduling rounds run on events (arrival, finish, preemption,
+  pages coming back, a batch ending). Order: priority, then requests that can still meet
+  their TTFT deadline (predicted at full device) before those that cannot, then deadline,
+  then arrival (FCFS without SLOs). Between launches the running batch is paused for a
+  more urgent candidate (higher priority, or an earlier deadline) or for short requests:
+  ones whose prompt is at most `preempt_ratio` of the running batch's remaining
+  token-units (remaining tokens x share of units left); when nothing runs, short requests
+  (vs the best candidate's next batch) start first; never where that would make the
+  candidate they pass miss a TTFT deadline it can still meet. A batch short requests
+  started is only preempted by priority. A new batch takes whole prompts in rank order up
+  to the token budget (the first may be cut), while every member that can still meet its
+  deadline keeps doing so at the current prefill share (whole-device time / that share).
+  `preempt_ratio` 0.25 is ASSUMED (the paper gives no rule for "short").
+
+Local axis letters (beyond docs/glossary.md): O = ops of a stream, W = points of the SM-share
+grid (share (w + 1) / sm_steps), U = operator units of the stack (U1: U + 1 prefix sums).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from lp_jax.engine.plan import PrefillChunk, StepPlan
+from lp_jax.engine.policies import Policy, PrefillPart
+from lp_jax.engine.sequence import Sequence, SequenceStatus
+from lp_jax.sim.calibration import StepFeatures
+from lp_jax.sim.executor import CostModelExecutor, StepCost
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class MuxWiseOptions:
+    """The MuxWise model's constants (see the module note for what is ASSUMED)."""
+
+    sm_steps: int = 16  # SM-share grid: shares k / sm_steps
+    bandwidth_saturation: float = 0.4  # SM share that can draw the full HBM bandwidth
+    sync_s: float = 20e-6  # stream sync when the partition changes
+    launch_overhead_s: float = 50e-6  # per prefill launch on its own stream
+    guard: float = 0.9  # decode steps aim at guard x TBT SLO
+    preempt_ratio: float = 0.25  # a prompt this short vs the running batch preempts it
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sm_steps, bool) or not isinstance(self.sm_steps, int) \
+                or self.sm_steps < 2:
+            raise ValueError(f"sm_steps must be an int >= 2, got {self.sm_steps!r}")
+        if not 0 < self.bandwidth_saturation <= 1:
+            raise ValueError("bandwidth_saturation must be in (0, 1]")
+        if not (self.sync_s >= 0 and self.launch_overhead_s >= 0):
+            raise ValueError("sync_s and launch_overhead_s must be >= 0")
+        if not 0 < self.guard <= 1:
+            raise ValueError("guard must be in (0, 1]")
+        if not 0 <= self.preempt_ratio < 1:
+            raise ValueError("preempt_ratio must be in [0, 1)")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """The partition a plan runs under: the prefill stream's SM share (0: no prefill, the
+    decodes own the device) and whether it differs from the previous plan's."""
+
+    prefill_share: float
+    repartition: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One phase's ops at peak / efficiency: compute and memory seconds per op."""
+
+    c_O: np.ndarray
+    m_O: np.ndarray
+    layers: float
+
+    @property
+    def memory_s(self) -> float:
+        """Seconds of the whole HBM bandwidth the stream's bytes need."""
+        return float(self.m_O.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """An overlapped iteration: each stream's finish time (ops, contention, fixed costs)."""
+
+    seconds: float
+    decode_s: float
+    prefill_s: float
+
+
+# ----------------------------------------------------------------------- cost model
+class PartitionCostModel:
+    """Two streams on SM partitions of one device, from the executor's roofline terms."""
+
+    def __init__(self, executor: CostModelExecutor, options: MuxWiseOptions) -> None:
+        self.executor = executor
+        self.options = options
+        cal = executor.calibration
+        self._ic, self._ib = 1.0 / cal.compute_efficiency, 1.0 / cal.bandwidth_efficiency
+        self.shares_W = np.arange(1, options.sm_steps + 1) / options.sm_steps
+        self._beta_W = np.minimum(1.0, self.shares_W / options.bandwidth_saturation)
+
+    def bandwidth_cap(self, share: float) -> float:
+        """Share of the HBM bandwidth a partition of `share` of the SMs can draw."""
+        return min(1.0, share / self.options.bandwidth_saturation)
+
+    def stream(self, features: StepFeatures) -> Stream:
+        c_O = np.asarray(features.compute_s, dtype=np.float64) * self._ic
+        m_O = np.asarray(features.memory_s, dtype=np.float64) * self._ib
+        return Stream(c_O, m_O, features.layers)
+
+    def plan_stream(self, plan: StepPlan) -> Stream:
+        return self.stream(self.executor.features(plan))
+
+    def ops_seconds(self, stream: Stream, share: float) -> float:
+        """The stream's ops alone on `share` of the SMs (non-increasing in share)."""
+        if not 0 < share <= 1:
+            raise ValueError(f"an SM share must be in (0, 1], got {share}")
+        if not stream.c_O.size:
+            return 0.0
+        beta = self.bandwidth_cap(share)
+        return float(np.maximum(stream.c_O / share, stream.m_O / beta).sum())
+
+    def ops_seconds_W(self, stream: Stream) -> np.ndarray:
+        """`ops_seconds` at every share of the grid."""
+        if not stream.c_O.size:
+            return np.zeros_like(self.shares_W)
+        t_OW = np.maximum(stream.c_O[:, None] / self.shares_W, stream.m_O[:, None] / self._beta_W)
+        return t_OW.sum(axis=0)
+
+    def decode_fixed_s(self, layers: float) -> float:
+        cal = self.executor.calibration
+        return cal.overhead_s + cal.layer_overhead_s * layers
+
+    def prefill_fixed_s(self, layers: float) -> float:
+        return self.options.launch_overhead_s + self.executor.calibration.layer_overhead_s * layers
+
+    def overlap(self, t_d: float, mem_d: float, t_p: float, mem_p: float,
+                layers_d: float, layers_p: float) -> Overlap:
+        """Decode ops t_d and prefill ops t_p (alone on their partitions, needing mem_d and
+        mem_p seconds of the whole bandwidth) run concurrently; fixed costs follow."""
+        fin_d, fin_p = contended(t_d, mem_d, t_p, mem_p)
+        fin_d += self.decode_fixed_s(layers_d)
+        fin_p += self.prefill_fixed_s(layers_p)
+        return Overlap(max(fin_d, fin_p), fin_d, fin_p)
+
+    def iteration(self, plan: StepPlan, prefill_share: float) -> Overlap:
+        """A plan with decodes and prefill: decodes on 1 - share, prefill on share."""
+        if not (plan.decode and plan.prefill):
+            raise ValueError("an overlapped iteration needs decodes and prefill")
+        if not 0 < prefill_share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {prefill_share}")
+        return self.split_iteration(*split_plan(plan), prefill_share)
+
+    def split_iteration(self, dec: StepPlan, pre: StepPlan, prefill_share: float) -> Overlap:
+        """`iteration` of a plan already split by `split_plan`."""
+        sd, sp = self.plan_stream(dec), self.plan_stream(pre)
+        t_d = self.ops_seconds(sd, 1.0 - prefill_share)
+        t_p = self.ops_seconds(sp, prefill_share)
+        return self.overlap(t_d, sd.memory_s, t_p, sp.memory_s, sd.layers, sp.layers)
+
+
+def contended(t_a: float, mem_a: float, t_b: float, mem_b: float) -> tuple[float, float]:
+    """Finish times of two streams started together (ops t alone, needing mem seconds of
+    the whole bandwidth): both slow down by f = total demand while both run, if over 1."""
+    d_a = mem_a / t_a if t_a > 0 else 0.0
+    d_b = mem_b / t_b if t_b > 0 else 0.0
+    f = max(1.0, d_a + d_b)
+    if t_a <= t_b:
+        return f * t_a, f * t_a + (t_b - t_a)
+    return f * t_b + (t_a - t_b), f * t_b
+
+
+def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
+    """(its decodes alone through every layer, its prefill span alone)."""
+    dec = StepPlan(plan.step_id, plan.num_layers, decode=plan.decode)
+    pre = replace(plan, decode=(), preempted=())
+    return dec, pre
+
+
+class MuxWiseExecutor:
+    """A `StepPlan` and its `Launch` in, the overlapped iteration's `StepCost` out."""
+
+    def __init__(self, model: PartitionCostModel) -> None:
+        self.model = model
+        self.base = model.executor
+        self.devices = self.base.devices
+
+    def run(self, plan: StepPlan, launch: Launch) -> StepCost:
+        sync = self.model.options.sync_s if launch.repartition else 0.0
+        if not (plan.decode and plan.prefill):
+            cost = self.base.run(plan)  # one phase: the whole device
+            return replace(cost, seconds=cost.seconds + sync)
+        dec, pre = split_plan(plan)
+        a, b = self.base.run(dec), self.base.run(pre)
+        if not 0 < launch.prefill_share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {launch.prefill_share}")
+        seconds = self.model.split_iteration(dec, pre, launch.prefill_share).seconds + sync
+        return StepCost(seconds, a.flops + b.flops, a.hbm_bytes + b.hbm_bytes,
+                        a.expert_bytes + b.expert_bytes, a.layers + b.layers)
+
+
+# ----------------------------------------------------------------------- the policy
+@dataclass(slots=True)
+class _UnitTable:
+    """A batch's per-unit prefill costs: ops seconds at every grid share (prefix sums over
+    units), memory seconds (prefix sums) and solo seconds at the whole device."""
+
+    t_WU1: np.ndarray
+    mem_U1: np.ndarray
+
+    def ops(self, w: int, a: int, b: int) -> float:
+        return float(self.t_WU1[w, b] - self.t_WU1[w, a])
+
+    def mem(self, a: int, b: int) -> float:
+        return float(self.mem_U1[b] - self.mem_U1[a])
+
+
+@dataclass(slots=True)
+class _Batch:
+    batch_id: int
+    chunks: list[PrefillChunk]
+    rows: list[int]
+    slot: int
+    unit: int = 0  # the next unit to launch
+    protected: bool = False  # started by short requests: only urgency preempts it
+    table: _UnitTable | None = None
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks]
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass(slots=True)
+class _Counters:
+    launches: int = 0
+    overlapped: int = 0  # launches next to decodes
+    units: int = 0
+    share_sum: float = 0.0  # prefill share, over overlapped launches
+    repartitions: int = 0
+    short_preemptions: int = 0  # short requests started ahead of a longer batch
+    deadline_preemptions: int = 0
+    fallback_partitions: int = 0  # no share met the TBT target
+    decode_only: int = 0  # fallbacks that ran the decodes alone (decode SLO first)
+
+
+class MuxWisePolicy(Policy):
+    """MuxWise's partitioning and layer-wise prefill launches (module note). Bind a cost
+    model and a TBT SLO with `muxwise_policy` before handing it to a `Scheduler`."""
+
+    cost_model: PartitionCostModel
+    tbt_slo_s: float
+
+    def __init__(self, sched) -> None:
+        super().__init__(sched)
+        if not hasattr(self, "cost_model"):
+            raise TypeError("bind a cost model first: muxwise_policy(model, tbt_slo_s)")
+        cfg = sched.config
+        self.options = self.cost_model.options
+        self._units = 2 * cfg.num_layers
+        self._running: _Batch | None = None
+        self._paused: list[_Batch] = []
+        self._free_slots = list(range(self.hidden_slots(cfg)))
+        self._event = True
+        self._share = 0.0  # the current partition's prefill share
+        self._launches: dict[int, Launch] = {}
+        self.counters = _Counters()
+        self._solo_cache: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def budget(cfg) -> int:
+        return 8192
+
+    @staticmethod
+    def hidden_slots(cfg) -> int:
+        return 1 + cfg.max_paused_prefills
+
+    # ------------------------------------------------------------------ protocol
+    def take_launch(self, step_id: int) -> Launch:
+        """The partition the policy chose for plan `step_id` (once per plan)."""
+        return self._launches.pop(step_id)
+
+    def notify(self, event: str, seq: Sequence) -> None:
+        self._event = True
+        if event == "abort":
+            self._drop_seq(seq)
+
+    def on_advance(self, plan: StepPlan) -> None:
+        b = self._find(plan.prefill_batch_id)
+        if b is None:
+            return
+        b.unit = plan.unit_end
+        if b.unit == self._units:
+            self._remove(b)
+            self._event = True
+
+    def can_plan_ahead(self, pending: StepPlan) -> bool:
+        return True  # an arrival meanwhile is seen at the next launch boundary
+
+    def release_paused(self, busy: set[int]) -> list[Sequence]:
+        """Gives up the last-ranked paused batch whose KV no outstanding plan writes."""
+        now = self.sched._now
+        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
+            if not any(s.seq_id in busy for s in b.seqs):
+                self._remove(b)
+                self.sched._stats["paused_prefills_preempted"] += 1
+                return b.seqs
+        return []
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        return {
+            "muxwise_launches": float(c.launches),
+            "muxwise_units_per_launch": c.units / c.launches if c.launches else math.nan,
+            "muxwise_mean_prefill_share": (
+                c.share_sum / c.overlapped if c.overlapped else math.nan),
+            "muxwise_overlapped_launches": float(c.overlapped),
+            "muxwise_repartitions": float(c.repartitions),
+            "muxwise_short_preemptions": float(c.short_preemptions),
+            "muxwise_deadline_preemptions": float(c.deadline_preemptions),
+            "muxwise_fallback_partitions": float(c.fallback_partitions),
+            "muxwise_decode_only_fallbacks": float(c.decode_only),
+        }
+
+    # ------------------------------------------------------------------ one plan
+    def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
+        if self._event:
+            self._round(admit)
+        b = self._running
+        if b is None:
+            self._record(0.0, 0)
+            return PrefillPart((), None)
+        share, k = self._choose_launch(b, num_decode)
+        self._record(share, k)
+        if not k:
+            return PrefillPart((), None)
+        a, e = b.unit, b.unit + k
+        return PrefillPart(tuple(b.chunks), b.batch_id, group_index=a, num_groups=self._units,
+                           unit_start=a, unit_end=e, rows=tuple(b.rows))
+
+    def _record(self, share: float, units: int) -> None:
+        c = self.counters
+        changed = share != self._share
+        c.repartitions += changed
+        if units:
+            c.launches += 1
+            c.units += units
+            if share < 1.0:
+                c.overlapped += 1
+                c.share_sum += share
+        self._launches[self.sched._next_step] = Launch(share, changed)
+        self._share = share
+
+    def _tbt_target(self) -> float:
+        tbt = self.tbt_slo_s
+        for q in self.sched.running:
+            if q.slo is not None and q.slo.tbt_s is not None:
+                tbt = min(tbt, q.slo.tbt_s)
+        return self.options.guard * tbt
+
+    def _choose_launch(self, b: _Batch, num_decode: int) -> tuple[float, int]:
+        """(prefill share, units to launch) for the running batch's next launch."""
+        table = self._table(b)
+        left = self._units - b.unit
+        target = self._tbt_target()
+        model, n = self.cost_model, self.options.sm_steps
+        if not num_decode:  # the whole device, for a quantum
+            fixed = self.cost_model.executor.calibration.overhead_s
+            k = _last_true(1, left, lambda k: table.ops(n - 1, b.unit, b.unit + k)
+                           + model.prefill_fixed_s(k / 2) + fixed <= target)
+            return 1.0, k
+        dec = StepPlan(0, self.sched.config.num_layers, decode=tuple(self.sched.running))
+        sd = model.plan_stream(dec)
+        t_dW = model.ops_seconds_W(sd)
+        for w in range(n - 2, -1, -1):  # prefill share (w + 1) / n, largest first
+            t_d = float(t_dW[n - 2 - w])  # decode share 1 - (w + 1) / n
+            if t_d + model.decode_fixed_s(sd.layers) > target:
+                continue
+            k = self._fit_units(table, w, b.unit, left, t_dW, sd, target)
+            if k == left:  # the rest fits: no backlog to keep the big partition busy
+                w = self._quickest_share(table, w, b.unit, left, t_dW, sd, target)
+            if k:
+                return float(model.shares_W[w]), k
+        self.counters.fallback_partitions += 1
+        if model.ops_seconds(sd, 1.0) + model.decode_fixed_s(sd.layers) <= target:
+            self.counters.decode_only += 1  # the decode SLO first: no launch this step
+            return 0.0, 0
+        return float(model.shares_W[0]), 1
+
+    def _overlap(self, table: _UnitTable, w: int, a: int, k: int, t_dW: np.ndarray,
+                 sd: Stream) -> Overlap:
+        """Units [a, a + k) on prefill share w next to the decode step on the rest."""
+        n = self.options.sm_steps
+        return self.cost_model.overlap(float(t_dW[n - 2 - w]), sd.memory_s,
+                                       table.ops(w, a, a + k), table.mem(a, a + k),
+                                       sd.layers, k / 2)
+
+    def _fit_units(self, table: _UnitTable, w: int, a: int, left: int, t_dW: np.ndarray,
+                   sd: Stream, target: float) -> int:
+        """Most units (>= 1) whose launch on share w ends by the decode step, which must
+        meet the TBT target; 0 if even one unit breaks it."""
+        if self._overlap(table, w, a, 1, t_dW, sd).seconds > target:
+            return 0
+        return _last_true(1, left, lambda k: (o := self._overlap(table, w, a, k, t_dW, sd))
+                          .prefill_s <= o.decode_s and o.decode_s <= target)
+
+    def _quickest_share(self, table: _UnitTable, w: int, a: int, left: int,
+                        t_dW: np.ndarray, sd: Stream, target: float) -> int:
+        """When the batch's remaining units all fit next to the decode step on share w:
+        the prefill share (<= w) with the shortest iteration that still runs them all
+        within the TBT target, so the decodes get the SMs the prefill would leave idle."""
+        best, best_s = w, self._overlap(table, w, a, left, t_dW, sd).seconds
+        for v in range(w - 1, -1, -1):
+            o = self._overlap(table, v, a, left, t_dW, sd)
+            if o.seconds < best_s and o.decode_s <= target:
+                best, best_s = v, o.seconds
+            elif o.prefill_s > best_s:
+                break  # smaller shares only lengthen the prefill
+        return best
+
+    # ------------------------------------------------------------------ batches
+    def _table(self, b: _Batch) -> _UnitTable:
+        if b.table is None:
+            b.table = self._build_table(b)
+        return b.table
+
+    def _build_table(self, b: _Batch) -> _UnitTable:
+        """Per-unit costs of the batch; units alike in layer kind and half share a row."""
+        model, cfg = self.cost_model, self.sched.config
+        shape = model.executor.shape
+        units, rows = self._units, {}
+        t_WU = np.zeros((model.options.sm_steps, units))
+        mem_U = np.zeros(units)
+        for u in range(units):
+            layer = u // 2
+            key = (shape.is_moe_layer(layer), shape.is_sliding_layer(layer), u % 2,
+                   u == units - 1)
+            if key not in rows:
+                plan = StepPlan(0, cfg.num_layers, prefill=tuple(b.chunks),
+                                prefill_batch_id=b.batch_id, unit_start=u, unit_end=u + 1,
+                                group_index=u, num_groups=units)
+                s = model.plan_stream(plan)
+                rows[key] = (model.ops_seconds_W(s), s.memory_s)
+            t_WU[:, u], mem_U[u] = rows[key]
+        zero_W1 = np.zeros((model.options.sm_steps, 1))
+        return _UnitTable(np.concatenate([zero_W1, np.cumsum(t_WU, axis=1)], axis=1),
+                          np.concatenate([[0.0], np.cumsum(mem_U)]))
+
+    def _round(self, admit: bool) -> None:
+        s = self.sched
+        s._stats["scheduling_rounds"] += 1
+        self._event = not admit
+        now = s._now
+        batches = ([self._running] if self._running else []) + self._paused
+        in_batch = {q.seq_id for b in batches for q in b.seqs}
+        free = [q for q in s.prefilling if q.seq_id not in in_batch]
+        if admit:
+            free += s.waiting
+        free.sort(key=lambda q: self._seq_key(q, now))
+        r = self._running
+        if r is None:
+            self._start_best(free, now)
+            return
+        self._maybe_preempt(r, free, now)
+
+    def _start_best(self, free: list[Sequence], now: float) -> None:
+        """Nothing runs: short requests (vs the best candidate's work), else the best paused
+        batch or a new batch, whichever ranks first."""
+        best = min(self._paused, key=lambda b: self._batch_key(b, now), default=None)
+        head = bool(free) and (best is None
+                               or self._seq_key(free[0], now) < self._batch_key(best, now))
+        if head:
+            work = min(_need(free[0]), self.sched.config.max_num_batched_tokens)
+            deadline, rest = free[0].deadline, self._solo_s(work, free[0].num_computed_tokens)
+        elif best is not None:
+            work, deadline, rest = self._work(best), self._batch_deadline(best), \
+                self._batch_rest_s(best)
+        else:
+            work, deadline, rest = 0.0, _INF, 0.0
+        short = self._shorts(free, work, deadline, rest, now)
+        for group, is_short in ((short, True), (free if head else [], False)):
+            new = self._form_batch(group, now) if group else None
+            if new is not None:
+                new.protected = is_short
+                self.counters.short_preemptions += is_short
+                self._switch(new)
+                return
+        if best is not None:
+            self._switch(best)
+
+    def _maybe_preempt(self, r: _Batch, free: list[Sequence], now: float) -> None:
+        """Between launches: pause the running batch for a more urgent candidate (higher
+        priority; or, unless short requests started it, an earlier feasible deadline) or
+        for short requests."""
+        urgent = self._urgency_test(r, now)
+        ahead = [b for b in self._paused if urgent(self._batch_key(b, now))]
+        best = min(ahead, key=lambda b: self._batch_key(b, now), default=None)
+        cands = [q for q in free if urgent(self._seq_key(q, now))]
+        if best is not None and (not cands
+                                 or self._batch_key(best, now) < self._seq_key(cands[0], now)):
+            self.counters.deadline_preemptions += 1
+            self._switch(best)
+            return
+        short = self._shorts(free, self._work(r), self._batch_deadline(r), self._batch_rest_s(r),
+                             now)
+        for group, is_short in ((cands, False), (short, True)):
+            new = self._form_batch(group, now) if group else None
+            if new is not None:
+                new.protected = is_short
+                if is_short:
+                    self.counters.short_preemptions += 1
+                else:
+                    self.counters.deadline_preemptions += 1
+                self._switch(new)
+                return
+
+    def _shorts(self, free: list[Sequence], work: float, deadline: float, rest_s: float,
+                now: float) -> list[Sequence]:
+        """Requests short enough (<= preempt_ratio x `work` tokens) to go before a
+        candidate with `work` tokens left, `rest_s` predicted seconds and `deadline`,
+        unless going first would make it miss a deadline it can still meet."""
+        limit = self.options.preempt_ratio * work
+        short = [q for q in free if _need(q) <= limit]
+        if not short or deadline == _INF or now + rest_s > deadline:
+            return short
+        share = self._share if 0 < self._share else 1.0
+        budget = self.sched.config.max_num_batched_tokens
+        first = min(sum(_need(q) for q in short), budget)
+        if now + (rest_s + self._solo_s(first, 0)) / share > deadline:
+            return []
+        return short
+
+    def _batch_deadline(self, b: _Batch) -> float:
+        return min(q.deadline for q in b.seqs)
+
+    def _batch_rest_s(self, b: _Batch) -> float:
+        """Predicted seconds of the batch's remaining units at the whole device."""
+        return self._table(b).ops(self.options.sm_steps - 1, b.unit, self._units)
+
+    def _urgency_test(self, r: _Batch, now: float):
+        """key -> whether that candidate may preempt the running batch `r`."""
+        pr, infeasible, deadline = self._batch_key(r, now)[:3]
+
+        def urgent(key: tuple) -> bool:
+            if key[0] != pr:
+                return key[0] < pr
+            return not r.protected and key[1:3] < (infeasible, deadline)
+
+        return urgent
+
+    def _switch(self, target: _Batch) -> None:
+        r, s = self._running, self.sched
+        if target is r:
+            return
+        if r is not None:
+            self._paused.append(r)
+            s._stats["prefill_pauses"] += 1
+        if target in self._paused:
+            self._paused.remove(target)
+            s._stats["prefill_resumes"] += 1
+        self._running = target
+
+    def _form_batch(self, cands: list[Sequence], now: float) -> _Batch | None:
+        """Whole prompts in rank order within the token budget (the first may be cut);
+        waiting requests are admitted head-of-line. None if the first cannot start."""
+        s, cfg = self.sched, self.sched.config
+        if not self._free_slots:
+            return None
+        chunks: list[PrefillChunk] = []
+        left = cfg.max_num_batched_tokens
+        for q in cands:
+            need = q.prefill_target - q.num_computed_tokens
+            n = min(need, left)
+            if chunks and n < need:
+                break
+            trial = chunks + [PrefillChunk(q, q.num_computed_tokens, q.num_computed_tokens + n)]
+            if chunks and not self._keeps_deadlines(trial, now):
+                break
+            if q.status is SequenceStatus.WAITING and s.admit(q) is None:
+                break
+            chunks, left = trial, left - n
+            if not left:
+                break
+        if not chunks:
+            return None
+        slot = self._free_slots.pop(0)
+        rows, row = [], slot * cfg.max_num_batched_tokens
+        for c in chunks:
+            rows.append(row)
+            row += c.num_tokens
+        return _Batch(s.new_batch_id(), chunks, rows, slot)
+
+    def _keeps_deadlines(self, chunks: list[PrefillChunk], now: float) -> bool:
+        """Every member that can make its deadline alone still does in the batch, at the
+        current prefill share."""
+        share = self._share if 0 < self._share else 1.0
+        together = sum(self._solo_s(c.num_tokens, c.start) for c in chunks) / share
+        for c in chunks:
+            if c.seq.deadline == _INF or not c.samples:
+                continue
+            alone = self._solo_s(c.num_tokens, c.start) / share
+            if now + alone <= c.seq.deadline < now + together:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ ranking
+    def _solo_s(self, tokens: int, start: int) -> float:
+        """Predicted prefill seconds of `tokens` after `start` cached ones, whole device."""
+        key = (tokens, start)
+        hit = self._solo_cache.get(key)
+        if hit is None:
+            seq = Sequence(-1, [1] * (start + tokens))
+            plan = StepPlan(0, self.sched.config.num_layers,
+                            prefill=(PrefillChunk(seq, start, start + tokens),),
+                            prefill_batch_id=0)
+            hit = self._solo_cache[key] = self.cost_model.executor.run(plan).seconds
+        return hit
+
+    def _work(self, b: _Batch) -> float:
+        """Remaining token-units of a batch, in tokens."""
+        return b.tokens * (self._units - b.unit) / self._units
+
+    def _seq_key(self, q: Sequence, now: float) -> tuple:
+        deadline = q.deadline
+        infeasible = False
+        if deadline != _INF:
+            n = q.prefill_target - q.num_computed_tokens
+            infeasible = now + self._solo_s(n, q.num_computed_tokens) > deadline
+        return (q.priority, infeasible, deadline, q.arrival_time, q.seq_id)
+
+    def _batch_key(self, b: _Batch, now: float) -> tuple:
+        first = min(b.seqs, key=lambda q: (q.priority, q.deadline, q.arrival_time, q.seq_id))
+        deadline = self._batch_deadline(b)
+        infeasible = deadline != _INF and now + self._batch_rest_s(b) > deadline
+        return (first.priority, infeasible, deadline, first.arrival_time, first.seq_id)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _find(self, batch_id: int | None) -> _Batch | None:
+        if self._running is not None and self._running.batch_id == batch_id:
+            return self._running
+        return next((b for b in self._paused if b.batch_id == batch_id), None)
+
+    def _remove(self, b: _Batch) -> None:
+        if b is self._running:
+            self._running = None
+        else:
+            self._paused.remove(b)
+        self._free_slots.append(b.slot)
+        self._free_slots.sort()
+
+    def _drop_seq(self, seq: Sequence) -> None:
+        """An aborted member leaves its batch; the others keep their rows."""
+        for b in ([self._running] if self._running else []) + self._paused:
+            for i, c in enumerate(b.chunks):
+                if c.seq is seq:
+                    del b.chunks[i], b.rows[i]
+                    b.table = None
+                    if not b.chunks:
+                        self._remove(b)
+                    return
+
+
+def _need(q: Sequence) -> int:
+    """Prompt tokens a sequence still has to prefill."""
+    return q.prefill_target - q.num_computed_tokens
+
+
+def _last_true(lo: int, hi: int, pred) -> int:
+    """Largest k in [lo, hi] with pred(k), pred monotone (true then false); lo if none."""
+    if pred(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def muxwise_policy(model: PartitionCostModel, tbt_slo_s: float) -> type[MuxWisePolicy]:
+    """A `MuxWisePolicy` class bound to a cost model and a TBT SLO, for
+    `Scheduler(config, latency, policy_class=...)`."""
+    if not (math.isfinite(tbt_slo_s) and tbt_slo_s > 0):
+        raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s}")
+    return type("BoundMuxWisePolicy", (MuxWisePolicy,),
+                {"cost_model": model, "tbt_slo_s": float(tbt_slo_s)})
