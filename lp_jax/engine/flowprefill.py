@@ -66,18 +66,16 @@ class _Batch:
         return [c.seq for c in self.chunks]
 
 
-class FlowPrefillPolicy(Policy):
-    """Event-driven slack-aware EDF over preemptible prefill batches."""
+class PausableBatches(Policy):
+    """The bookkeeping of preemptible prefill batches, shared by FlowPrefill and the
+    simulator's MuxWise: one running batch, paused ones, and the hidden-buffer row areas
+    they own. A batch is any object with `batch_id`, `chunks`, `rows` and `slot`."""
 
     def __init__(self, sched) -> None:
         super().__init__(sched)
-        cfg = sched.config
-        self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
-        self.alpha = cfg.slo_alpha
-        self._running: _Batch | None = None
-        self._paused: list[_Batch] = []
-        self._free_slots = list(range(self.hidden_slots(cfg)))
-        self._event = True  # a scheduling round is due
+        self._running = None
+        self._paused: list = []
+        self._free_slots = list(range(self.hidden_slots(sched.config)))
 
     @staticmethod
     def budget(cfg: SchedulerConfig) -> int:
@@ -86,6 +84,64 @@ class FlowPrefillPolicy(Policy):
     @staticmethod
     def hidden_slots(cfg: SchedulerConfig) -> int:
         return 1 + cfg.max_paused_prefills
+
+    def _take_rows(self, chunks: list[PrefillChunk]) -> tuple[int, list[int]]:
+        """A free row area for a new batch, and each chunk's first row in it."""
+        slot = self._free_slots.pop(0)
+        rows, r = [], slot * self.sched.config.max_num_batched_tokens
+        for c in chunks:
+            rows.append(r)
+            r += c.num_tokens
+        return slot, rows
+
+    def _switch(self, target) -> None:
+        """Run `target` (None: nothing), pausing the running batch."""
+        r, s = self._running, self.sched
+        if target is r:
+            return
+        if r is not None:
+            self._paused.append(r)
+            s._stats["prefill_pauses"] += 1
+        if target is not None and target in self._paused:
+            self._paused.remove(target)
+            s._stats["prefill_resumes"] += 1
+        self._running = target
+
+    def _find(self, batch_id: int | None):
+        if self._running is not None and self._running.batch_id == batch_id:
+            return self._running
+        return next((b for b in self._paused if b.batch_id == batch_id), None)
+
+    def _remove(self, b) -> None:
+        if b is self._running:
+            self._running = None
+        else:
+            self._paused.remove(b)
+        self._free_slots.append(b.slot)
+        self._free_slots.sort()
+
+    def _drop_seq(self, seq: Sequence):
+        """An aborted member leaves its batch; the other chunks keep their rows. Returns
+        the batch it left, if any."""
+        for b in ([self._running] if self._running else []) + self._paused:
+            for i, c in enumerate(b.chunks):
+                if c.seq is seq:
+                    del b.chunks[i], b.rows[i]
+                    if not b.chunks:
+                        self._remove(b)
+                    return b
+        return None
+
+
+class FlowPrefillPolicy(PausableBatches):
+    """Event-driven slack-aware EDF over preemptible prefill batches."""
+
+    def __init__(self, sched) -> None:
+        super().__init__(sched)
+        cfg = sched.config
+        self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
+        self.alpha = cfg.slo_alpha
+        self._event = True  # a scheduling round is due
 
     # ------------------------------------------------------------------ events
     def notify(self, event: str, seq: Sequence) -> None:
@@ -167,19 +223,6 @@ class FlowPrefillPolicy(Policy):
             blocked = True
         self._switch(target)
 
-    def _switch(self, target: _Batch | None) -> None:
-        r = self._running
-        if target is r:
-            return
-        s = self.sched
-        if r is not None:
-            self._paused.append(r)
-            s._stats["prefill_pauses"] += 1
-        if target is not None and target in self._paused:
-            self._paused.remove(target)
-            s._stats["prefill_resumes"] += 1
-        self._running = target
-
     # ------------------------------------------------------------------ ranking
     def _seq_key(self, q: Sequence, now: float) -> tuple:
         remaining = self._remaining([(q.prefill_target - q.num_computed_tokens,
@@ -230,11 +273,7 @@ class FlowPrefillPolicy(Policy):
                 break
         if not chunks:
             return None
-        slot = self._free_slots.pop(0)
-        rows, r = [], slot * cfg.max_num_batched_tokens
-        for c in chunks:
-            rows.append(r)
-            r += c.num_tokens
+        slot, rows = self._take_rows(chunks)
         tokens = sum(c.num_tokens for c in chunks)
         return _Batch(s.new_batch_id(), chunks, rows, slot, self._segments(tokens),
                       frozenset(a for a, _ in self._segments(tokens, "group")))
@@ -266,26 +305,3 @@ class FlowPrefillPolicy(Policy):
         g = num_layer_groups(tokens, cfg.layer_groups, max_layer_groups=cfg.max_layer_groups,
                              num_layers=L)
         return tuple((2 * a, 2 * b) for a, b in split_layers(L, g))
-
-    def _find(self, batch_id: int | None) -> _Batch | None:
-        if self._running is not None and self._running.batch_id == batch_id:
-            return self._running
-        return next((b for b in self._paused if b.batch_id == batch_id), None)
-
-    def _remove(self, b: _Batch) -> None:
-        if b is self._running:
-            self._running = None
-        else:
-            self._paused.remove(b)
-        self._free_slots.append(b.slot)
-        self._free_slots.sort()
-
-    def _drop_seq(self, seq: Sequence) -> None:
-        """An aborted member leaves its batch; the other chunks keep their rows."""
-        for b in ([self._running] if self._running else []) + self._paused:
-            for i, c in enumerate(b.chunks):
-                if c.seq is seq:
-                    del b.chunks[i], b.rows[i]
-                    if not b.chunks:
-                        self._remove(b)
-                    return

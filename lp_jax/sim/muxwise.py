@@ -81,8 +81,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from lp_jax.engine.flowprefill import PausableBatches
 from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.policies import Policy, PrefillPart
+from lp_jax.engine.policies import PrefillPart
 from lp_jax.engine.sequence import Sequence, SequenceStatus
 from lp_jax.sim.calibration import StepFeatures
 from lp_jax.sim.executor import CostModelExecutor, StepCost
@@ -307,7 +308,7 @@ class _Counters:
     decode_only: int = 0  # fallbacks that ran the decodes alone (decode SLO first)
 
 
-class MuxWisePolicy(Policy):
+class MuxWisePolicy(PausableBatches):
     """MuxWise's partitioning and layer-wise prefill launches (module note). Bind a cost
     model and a TBT SLO with `muxwise_policy` before handing it to a `Scheduler`."""
 
@@ -321,22 +322,11 @@ class MuxWisePolicy(Policy):
         cfg = sched.config
         self.options = self.cost_model.options
         self._units = 2 * cfg.num_layers
-        self._running: _Batch | None = None
-        self._paused: list[_Batch] = []
-        self._free_slots = list(range(self.hidden_slots(cfg)))
         self._event = True
         self._share = 0.0  # the current partition's prefill share
         self._launches: dict[int, Launch] = {}
         self.counters = _Counters()
         self._solo_cache: dict[tuple[int, int], float] = {}
-
-    @staticmethod
-    def budget(cfg) -> int:
-        return 8192
-
-    @staticmethod
-    def hidden_slots(cfg) -> int:
-        return 1 + cfg.max_paused_prefills
 
     # ------------------------------------------------------------------ protocol
     def take_launch(self, step_id: int) -> Launch:
@@ -611,18 +601,6 @@ class MuxWisePolicy(Policy):
 
         return urgent
 
-    def _switch(self, target: _Batch) -> None:
-        r, s = self._running, self.sched
-        if target is r:
-            return
-        if r is not None:
-            self._paused.append(r)
-            s._stats["prefill_pauses"] += 1
-        if target in self._paused:
-            self._paused.remove(target)
-            s._stats["prefill_resumes"] += 1
-        self._running = target
-
     def _form_batch(self, cands: list[Sequence], now: float) -> _Batch | None:
         """Whole prompts in rank order within the token budget (the first may be cut);
         waiting requests are admitted head-of-line. None if the first cannot start."""
@@ -646,11 +624,7 @@ class MuxWisePolicy(Policy):
                 break
         if not chunks:
             return None
-        slot = self._free_slots.pop(0)
-        rows, row = [], slot * cfg.max_num_batched_tokens
-        for c in chunks:
-            rows.append(row)
-            row += c.num_tokens
+        slot, rows = self._take_rows(chunks)
         return _Batch(s.new_batch_id(), chunks, rows, slot)
 
     def _keeps_deadlines(self, chunks: list[PrefillChunk], now: float) -> bool:
@@ -698,29 +672,11 @@ class MuxWisePolicy(Policy):
         return (first.priority, infeasible, deadline, first.arrival_time, first.seq_id)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _find(self, batch_id: int | None) -> _Batch | None:
-        if self._running is not None and self._running.batch_id == batch_id:
-            return self._running
-        return next((b for b in self._paused if b.batch_id == batch_id), None)
-
-    def _remove(self, b: _Batch) -> None:
-        if b is self._running:
-            self._running = None
-        else:
-            self._paused.remove(b)
-        self._free_slots.append(b.slot)
-        self._free_slots.sort()
-
-    def _drop_seq(self, seq: Sequence) -> None:
-        """An aborted member leaves its batch; the others keep their rows."""
-        for b in ([self._running] if self._running else []) + self._paused:
-            for i, c in enumerate(b.chunks):
-                if c.seq is seq:
-                    del b.chunks[i], b.rows[i]
-                    b.table = None
-                    if not b.chunks:
-                        self._remove(b)
-                    return
+    def _drop_seq(self, seq: Sequence):
+        b = super()._drop_seq(seq)
+        if b is not None:
+            b.table = None  # its unit costs change with its chunks
+        return b
 
 
 def _need(q: Sequence) -> int:
