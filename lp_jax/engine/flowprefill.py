@@ -76,6 +76,13 @@ class PausableBatches(Policy):
         self._running = None
         self._paused: list = []
         self._free_slots = list(range(self.hidden_slots(sched.config)))
+        self._event = True  # a scheduling round is due
+
+    def notify(self, event: str, seq: Sequence) -> None:
+        """Every request event calls for a round; an aborted member leaves its batch."""
+        self._event = True
+        if event == "abort":
+            self._drop_seq(seq)
 
     @staticmethod
     def budget(cfg: SchedulerConfig) -> int:
@@ -141,13 +148,6 @@ class FlowPrefillPolicy(PausableBatches):
         cfg = sched.config
         self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
         self.alpha = cfg.slo_alpha
-        self._event = True  # a scheduling round is due
-
-    # ------------------------------------------------------------------ events
-    def notify(self, event: str, seq: Sequence) -> None:
-        self._event = True
-        if event == "abort":
-            self._drop_seq(seq)
 
     def on_advance(self, plan: StepPlan) -> None:
         b = self._find(plan.prefill_batch_id)

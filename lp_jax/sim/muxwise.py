@@ -322,7 +322,6 @@ class MuxWisePolicy(PausableBatches):
         cfg = sched.config
         self.options = self.cost_model.options
         self._units = 2 * cfg.num_layers
-        self._event = True
         self._share = 0.0  # the current partition's prefill share
         self._launches: dict[int, Launch] = {}
         self.counters = _Counters()
@@ -332,11 +331,6 @@ class MuxWisePolicy(PausableBatches):
     def take_launch(self, step_id: int) -> Launch:
         """The partition the policy chose for plan `step_id` (once per plan)."""
         return self._launches.pop(step_id)
-
-    def notify(self, event: str, seq: Sequence) -> None:
-        self._event = True
-        if event == "abort":
-            self._drop_seq(seq)
 
     def on_advance(self, plan: StepPlan) -> None:
         b = self._find(plan.prefill_batch_id)
