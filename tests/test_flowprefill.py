@@ -493,9 +493,22 @@ def test_engine_adaptive_matches_chunked_tokens(engine):
     want = run()
     _use_policy(engine, policy="layered", layer_groups="adaptive", tbt_slo_s=1e-3,
                 max_num_batched_tokens=128)
+    spans, schedule = set(), engine.scheduler.schedule
+
+    def record(now):
+        plan = schedule(now)
+        if plan.prefill:
+            spans.add(plan.layer_end - plan.layer_start)
+        return plan
+
+    engine.scheduler.schedule = record
+    programs = engine.stats()["programs"]
     got = run()
     assert got == want
+    # Spans of several sizes ran on the warm programs: adaptive adds no program.
+    assert len(spans) > 1, spans
     assert engine.stats()["compilations_after_warmup"] == 0
+    assert engine.stats()["programs"] == programs
 
 
 def test_contention_guard_learns_the_slowdown_of_mixed_steps():
