@@ -62,6 +62,7 @@ class AotConfig:
     topology: str = "v6e:2x4"  # TPU slice
     dtype: str | None = None
     token_buckets: tuple[int, ...] | None = None
+    max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
@@ -145,7 +146,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
                     pages_per_seq=math.ceil(cfg.max_model_len / S),
                     max_num_seqs=cfg.max_num_seqs,
-                    hidden_rows=cfg.max_num_seqs + (budget if cfg.scheduling == "layered" else 0),
+                    hidden_rows=cfg.max_num_seqs
+                    + budget * POLICIES[cfg.scheduling].hidden_slots(cfg),
                     buckets=buckets)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))

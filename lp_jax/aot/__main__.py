@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
+from lp_jax.engine.scheduler import POLICIES
 
 
 def main(argv=None) -> int:
@@ -26,7 +27,9 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS))
     src.add_argument("--config", help="a config.json, or a directory holding one")
-    ap.add_argument("--scheduling", default="layered", choices=("orca", "chunked", "layered"))
+    ap.add_argument("--scheduling", default="layered", choices=sorted(POLICIES))
+    ap.add_argument("--max-paused-prefills", type=int, default=8,
+                    help="flowprefill: paused batches whose hidden rows the programs hold")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
             kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
-            dtype=args.dtype,
+            dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
             token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
                            if args.token_buckets else None))
         summary = run(model_cfg, cfg, Path(args.out))

@@ -92,6 +92,24 @@ class PausableBatches(Policy):
     def hidden_slots(cfg: SchedulerConfig) -> int:
         return 1 + cfg.max_paused_prefills
 
+    def can_plan_ahead(self, pending: StepPlan) -> bool:
+        return True  # an arrival meanwhile preempts at the next segment boundary
+
+    def release_paused(self, busy: set[int]) -> list[Sequence]:
+        """Gives up the paused batch ranked last (`_batch_key`) whose KV no outstanding
+        plan writes; returns its sequences for the scheduler to preempt (recompute)."""
+        now = self.sched._now
+        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
+            if not any(s.seq_id in busy for s in b.seqs):
+                self._remove(b)
+                self.sched._stats["paused_prefills_preempted"] += 1
+                return b.seqs
+        return []
+
+    def _batch_key(self, b, now: float) -> tuple:
+        """Rank of a batch (lower runs first)."""
+        raise NotImplementedError
+
     def _take_rows(self, chunks: list[PrefillChunk]) -> tuple[int, list[int]]:
         """A free row area for a new batch, and each chunk's first row in it."""
         slot = self._free_slots.pop(0)
@@ -148,6 +166,7 @@ class FlowPrefillPolicy(PausableBatches):
         cfg = sched.config
         self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
         self.alpha = cfg.slo_alpha
+        self._load_at, self._load = None, (0, 0)  # decodes (rows, context) at a plan
 
     def on_advance(self, plan: StepPlan) -> None:
         b = self._find(plan.prefill_batch_id)
@@ -167,20 +186,6 @@ class FlowPrefillPolicy(PausableBatches):
         preemption points stay at the chosen granularity."""
         b = self._running
         return b is None or b.segments[b.index][0] in b.decode_units
-
-    def can_plan_ahead(self, pending: StepPlan) -> bool:
-        return True  # an arrival meanwhile preempts at the next segment boundary
-
-    def release_paused(self, busy: set[int]) -> list[Sequence]:
-        """Gives up the paused batch ranked last whose KV no outstanding plan writes;
-        returns its sequences for the scheduler to preempt (recompute)."""
-        now = self.sched._now
-        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
-            if not any(s.seq_id in busy for s in b.seqs):
-                self._remove(b)
-                self.sched._stats["paused_prefills_preempted"] += 1
-                return b.seqs
-        return []
 
     # ------------------------------------------------------------------ plans
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
@@ -242,14 +247,17 @@ class FlowPrefillPolicy(PausableBatches):
         return (priority, infeasible, deadline, arrival, seq_id)
 
     def _remaining(self, chunks_TP, start_unit: int, segments: int | None = None) -> float:
-        """Predicted time to run chunks from `start_unit` to the end of the stack."""
+        """Predicted time to run chunks from `start_unit` to the end of the stack, next
+        to the decodes as they are now."""
         s = self.sched
-        units = 2 * s.config.num_layers
         if segments is None:
-            segments = len(self._segments(sum(t for t, _ in chunks_TP)))
-        ctx = sum(q.num_tokens for q in s.running)
-        return s.latency.prefill_seconds(chunks_TP, start_unit, units, segments=segments,
-                                         num_decode=len(s.running), decode_context=ctx)
+            segments = self._num_segments(sum(t for t, _ in chunks_TP))
+        if self._load_at != s._next_step:  # once per plan's ranking, not per candidate
+            self._load_at = s._next_step
+            self._load = (len(s.running), sum(q.num_tokens for q in s.running))
+        B, ctx = self._load
+        return s.latency.prefill_seconds(chunks_TP, start_unit, 2 * s.config.num_layers,
+                                         segments=segments, num_decode=B, decode_context=ctx)
 
     # ------------------------------------------------------------------ batches
     def _form_batch(self, candidates: list[Sequence], now: float) -> _Batch | None:
@@ -291,6 +299,16 @@ class FlowPrefillPolicy(PausableBatches):
             if c.seq.deadline - now - t < self.alpha * slo.ttft_s:
                 return False
         return True
+
+    def _num_segments(self, tokens: int) -> int:
+        L = self.sched.config.num_layers
+        if self.granularity == "operator":
+            return 2 * L
+        if self.granularity == "layer":
+            return L
+        cfg = self.sched.config
+        return num_layer_groups(tokens, cfg.layer_groups, max_layer_groups=cfg.max_layer_groups,
+                                num_layers=L)
 
     def _segments(self, tokens: int, granularity: str | None = None):
         """The unit spans a batch of `tokens` runs in, at `granularity` (default: the

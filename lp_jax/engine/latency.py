@@ -210,11 +210,12 @@ class LatencyModel:
         """One measured step. `experts`: activated experts the executor counted."""
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        if experts is not None:
-            expected = self.plan_features(plan)[4] / self._expert_ratio
+        x_F = self.plan_features(plan)
+        if experts is not None:  # the measured count replaces the expected one
+            expected = x_F[4] / self._expert_ratio
             if expected > 0 and experts > 0:
                 self._expert_ratio = 0.9 * self._expert_ratio + 0.1 * experts / expected
-        x_F = self.plan_features(plan, experts)
+            x_F[4] = experts
         B, T = len(plan.decode), plan.num_prefill_tokens
         # With the coefficients as they are: re-solved every 32 new steps, not per step.
         if self._stale and self._since_solve >= 32:

@@ -341,19 +341,6 @@ class MuxWisePolicy(PausableBatches):
             self._remove(b)
             self._event = True
 
-    def can_plan_ahead(self, pending: StepPlan) -> bool:
-        return True  # an arrival meanwhile is seen at the next launch boundary
-
-    def release_paused(self, busy: set[int]) -> list[Sequence]:
-        """Gives up the last-ranked paused batch whose KV no outstanding plan writes."""
-        now = self.sched._now
-        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
-            if not any(s.seq_id in busy for s in b.seqs):
-                self._remove(b)
-                self.sched._stats["paused_prefills_preempted"] += 1
-                return b.seqs
-        return []
-
     def stats(self) -> dict[str, float]:
         c = self.counters
         return {
