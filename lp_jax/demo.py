@@ -14,7 +14,11 @@ import time
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: tiny)")
-    parser.add_argument("--scheduling", default="layered", choices=["orca", "chunked", "layered"])
+    parser.add_argument("--scheduling", default="layered",
+                        choices=["orca", "chunked", "layered", "flowprefill"])
+    parser.add_argument("--mesh-shape", default=None,
+                        help="expert,tensor devices, e.g. 2,4 (several processes: see "
+                             "launch/multihost.py)")
     parser.add_argument("--layer-groups", default="4",
                         help='"paper", "pow2" or a group count (default 4)')
     parser.add_argument("--max-tokens", type=int, default=24)
@@ -25,8 +29,12 @@ def main(argv=None):
 
     groups = int(args.layer_groups) if args.layer_groups.isdigit() else args.layer_groups
     t0 = time.perf_counter()
+    mesh = tuple(int(x) for x in args.mesh_shape.split(",")) if args.mesh_shape else None
     llm = LLM(args.model, scheduling=args.scheduling, layer_groups=groups, max_model_len=512,
-              max_num_seqs=4, max_num_batched_tokens=512, token_buckets=(4, 64, 516))
+              max_num_seqs=4, max_num_batched_tokens=512, token_buckets=(4, 64, 516),
+              mesh_shape=mesh)
+    if not llm.is_leader:  # a follower of a multi-process engine: it ran the leader's steps
+        return
     print(f"engine ready in {time.perf_counter() - t0:.1f} s ({args.scheduling} scheduling)")
     prompts = args.prompt or ["The engine serves", "Rain falls on the", "Bake the bread"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -8,9 +8,24 @@ from lp_jax.engine.sampling_params import SamplingParams
 
 
 class LLM:
+    """With several processes (`num_processes=...`, or LP_* variables; see
+    engine/distributed.py) every process runs the same script: on process 0, the leader,
+    LLM works as usual; on a follower, the constructor runs the leader's steps until the
+    leader calls `shutdown()` or exits, and `generate` then returns []."""
+
     def __init__(self, model: str | None = None, **engine_args):
         log = engine_args.pop("log", print)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), log=log)
+        if not self.engine.is_leader:
+            self.engine.serve_follower()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.engine.is_leader
+
+    def shutdown(self):
+        """Releases the followers of a multi-process engine (also done at exit)."""
+        self.engine.shutdown()
 
     def generate(self, prompts: list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -25,6 +40,8 @@ class LLM:
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts and prompt_token_ids")
+        if not self.is_leader:
+            return []  # a follower ran its steps in the constructor
         inputs = list(prompts if prompts is not None else prompt_token_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(inputs):

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'expert,tensor' or 'data,expert,tensor'")
     e.add_argument("--dtype", default=None)
     e.add_argument("--moe-backend", default="auto")
+    e.add_argument("--moe-dispatch", choices=("auto", "allreduce", "all_to_all"),
+                   default="auto", help="expert-parallel MoE communication [default: auto]")
     e.add_argument("--attention-backend", default="auto")
     e.add_argument("--backends", default="fallback", choices=("fallback", "strict", "off"),
                    help="start-up self-test of the Pallas kernels: fall back to a safe "
@@ -172,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "[default: fitted online]")
     f.add_argument("--prefill-only", action="store_true",
                    help="every request ends at its first token (disaggregated prefill)")
+    d = p.add_argument_group("several processes (one per host); process 0 serves HTTP")
+    d.add_argument("--num-processes", type=_positive_int, default=None,
+                   help="[default: $LP_NUM_PROCESSES, a detected TPU pod or SLURM job, or 1]")
+    d.add_argument("--process-id", type=int, default=None, help="[default: $LP_PROCESS_ID]")
+    d.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0 [default: $LP_COORDINATOR_ADDRESS]")
+    d.add_argument("--plan-channel", choices=("host", "device"), default="host",
+                   help="how the leader sends each step to the followers [default: host]")
+    d.add_argument("--follower-timeout-s", type=_positive_float, default=60.0,
+                   help="a follower silent this long stops the leader [default: 60]")
     return p
 
 
@@ -181,7 +193,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "moe_backend", "attention_backend", "backends", "seed", "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
                 "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
-                "tbt_slo_ms", "adaptive_margin")
+                "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
+                "coordinator_address", "plan_channel", "follower_timeout_s")
 
 
 def engine_config(args):
@@ -218,6 +231,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"lp-serve: bad engine arguments: {exc}") from None
     log.info("engine config: %s", config or "mock engine")
     engine = build_engine(args, log=log.info)
+    if not getattr(engine, "is_leader", True):  # a follower: no HTTP, the leader's steps
+        steps = engine.serve_follower()
+        log.info("the leader stopped; follower ran %d steps", steps)
+        return
     from lp_jax.server import OpenAIServer, serve
 
     names = args.served_model_name or [Path(args.model).name if args.model else "tiny"]
@@ -230,6 +247,9 @@ def main(argv=None) -> None:
                           grace_s=args.shutdown_grace))
     except KeyboardInterrupt:
         pass
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()  # stops the followers of a multi-process engine
 
 
 if __name__ == "__main__":

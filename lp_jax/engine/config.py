@@ -39,6 +39,10 @@ class EngineConfig:
     mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
     dtype: str | None = None  # None: the checkpoint's dtype
     moe_backend: str = "auto"
+    # Expert-parallel MoE (mesh "expert" axis > 1): "allreduce" (every expert shard routes
+    # every token, partial outputs summed), "all_to_all" (rows sent to their expert's
+    # shard and back), "auto" (the fewer communication bytes per layer; sharded_kernels).
+    moe_dispatch: str = "auto"
     attention_backend: str = "auto"
     # Start-up self-test of the selected Pallas kernels (kernel_check.py): "fallback" serves
     # a failing op with its safe backend, "strict" raises, "off" skips the test.
@@ -50,6 +54,14 @@ class EngineConfig:
     # Plan and dispatch the next step while a decode-only step runs (llm_engine.py).
     async_scheduling: bool = True
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+    # Several processes, one SPMD engine (distributed.py): all None reads LP_NUM_PROCESSES /
+    # LP_PROCESS_ID / LP_COORDINATOR_ADDRESS, else a TPU pod or SLURM job JAX detects,
+    # else one process. Process 0 leads; see plan_channel.py.
+    num_processes: int | None = None
+    process_id: int | None = None
+    coordinator_address: str | None = None
+    plan_channel: str = "host"  # "host" (TCP) or "device" (broadcast_one_to_all)
+    follower_timeout_s: float = 60.0  # a follower silent this long ends the leader
 
     def __post_init__(self):
         if self.backends not in ("fallback", "strict", "off"):
@@ -65,6 +77,13 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if self.moe_dispatch not in ("allreduce", "all_to_all", "auto"):
+            raise ValueError("moe_dispatch must be allreduce, all_to_all or auto, got "
+                             f"{self.moe_dispatch!r}")
+        if self.plan_channel not in ("host", "device"):
+            raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
+        if not self.follower_timeout_s > 0:
+            raise ValueError(f"follower_timeout_s must be > 0, got {self.follower_timeout_s}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.token_buckets is not None:

@@ -29,12 +29,13 @@ import jax
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.engine import compile_guard
+from lp_jax.engine import compile_guard, distributed
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.kernel_check import check_backends
 from lp_jax.engine.latency import LatencyModel, ModelDims
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.model_runner import ModelRunner, StepHandle, resolve_buckets
+from lp_jax.engine.plan_channel import FollowerChannel, LeaderChannel, run_follower
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import Sequence
@@ -145,6 +146,10 @@ class LLMEngine:
         max_prefill = max(budget, max_model_len) if config.scheduling == "orca" else budget
         buckets = resolve_buckets(config.token_buckets, config.scheduling, max_prefill,
                                   config.max_num_seqs)
+        # Several processes: JAX's distributed runtime first (before any backend starts);
+        # the mesh then spans every process's devices.
+        self.process = distributed.initialize(config.num_processes, config.process_id,
+                                              config.coordinator_address)
         self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
         model = load_model(model_dir, config=model_cfg, load_format=config.load_format,
                            mesh=self.mesh, dtype=config.dtype)
@@ -156,6 +161,9 @@ class LLMEngine:
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         self.tokenizer = _load_tokenizer(model_dir)
         num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
+        self.channel = None
+        if self.process.multi_process:  # every process must build the same programs
+            num_pages, backends = self._join_processes(model_cfg, num_pages, backends)
         sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
         self.scheduler = Scheduler(sched_cfg, latency)
         self.runner = ModelRunner(
@@ -177,16 +185,66 @@ class LLMEngine:
         self._last_done = 0.0  # when the previous step's tokens were collected
         if config.warmup:
             self.runner.warmup(log=self.log)
+        if self.process.multi_process:
+            if self.is_leader:
+                self.channel.wait_ready(timeout_s=3600.0)
+                self.runner.channel = self.channel
+            else:
+                self.channel.ready()
         # Every backend compile of start-up once the weights are in: the KV pool, the step
         # programs (dummy weights compile their own one-off initialisers while loading).
         self._startup_compilations = compile_guard.compilations() - compiles_before
         self._compiles_while_serving = 0  # any backend compile inside step()
 
+    def _join_processes(self, model_cfg: ModelConfig, num_pages: int, backends):
+        """Connects the plan channel; the leader's page count and kernel backends (found
+        from its own memory and self-test) become every process's, and a follower started
+        with other engine arguments stops with an error naming them."""
+        config = self.config
+        mine = {k: repr(v) for k, v in dataclasses.asdict(config).items()
+                if k not in ("process_id", "model", "compilation_cache_dir")}
+        mine["model_config"] = repr(model_cfg)
+        if self.is_leader:
+            self.channel = LeaderChannel(self.process, transport=config.plan_channel,
+                                         timeout_s=config.follower_timeout_s)
+            self.channel.setup({"engine": mine, "num_pages": num_pages,
+                                "backends": [backends.moe, backends.attention]})
+            self.log(f"leader of {self.process.num_processes} processes "
+                     f"({len(jax.devices())} devices); plan channel: {config.plan_channel}")
+            return num_pages, backends
+        self.channel = FollowerChannel(self.process, transport=config.plan_channel)
+        setup = self.channel.setup()
+        diff = sorted(k for k in mine.keys() | setup["engine"].keys()
+                      if mine.get(k) != setup["engine"].get(k))
+        if diff:
+            distributed.fatal(f"started with engine arguments that differ from the "
+                              f"leader's: {diff}")
+        moe, attention = setup["backends"]
+        return setup["num_pages"], dataclasses.replace(backends, moe=moe, attention=attention)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process.is_leader
+
+    def serve_follower(self) -> int:
+        """A follower's whole life: runs the leader's steps until it stops this engine.
+        Returns the number of steps run."""
+        if self.is_leader:
+            raise RuntimeError("serve_follower runs on follower processes only")
+        steps = run_follower(self.runner, self.channel)
+        self.channel.close()
+        return steps
+
+    def shutdown(self):
+        """Stops the followers of a multi-process leader (a no-op otherwise; idempotent)."""
+        if self.channel is not None and self.is_leader:
+            self.channel.stop()
+
     def _default_kv_pages(self, model, max_model_len: int) -> int:
         """Enough pages for max_num_seqs full-length sequences, capped by free memory."""
         cfg, S = self.model_config, self.config.page_size
         want = self.config.max_num_seqs * math.ceil(max_model_len / S)
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit")
         if limit:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
@@ -359,6 +417,8 @@ class LLMEngine:
             free_pages=self.scheduler.block_manager.num_free_pages,
             total_pages=self.scheduler.config.num_pages,
         )
+        if self.channel is not None and self.is_leader:
+            s["plan_channel"] = self.channel.stats()
         return s
 
 

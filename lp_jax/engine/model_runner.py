@@ -28,6 +28,7 @@ device from `prev`'s array, so step k+1 is planned and dispatched while step k r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import time
@@ -38,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.engine.plan import StepPlan
+from lp_jax.engine.plan_channel import StepCodec, host_array
 from lp_jax.engine.step import (
     StepSpec,
     bucket_for,
@@ -67,6 +69,7 @@ class StepHandle:
     mixed: int | None
     rows: dict[int, int]  # seq_id -> row of tokens_R
     dispatched_at: float = 0.0  # perf_counter when its calls were launched
+    step_id: int = 0  # the runner's count of dispatched steps (the plan channel's id)
 
 
 @dataclasses.dataclass
@@ -129,6 +132,10 @@ class ModelRunner:
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends), donate_argnums=(1, 2))
         self.programs: dict[int, jax.stages.Compiled] = {}
+        # A multi-process leader's LeaderChannel (plan_channel.py); None otherwise.
+        self.channel = None
+        self.codec = StepCodec(self.spec)
+        self._step_ids = itertools.count()
         self.compile_seconds = 0.0
         # Padding, in row-layers: rows computed vs real rows, over all calls.
         self.row_layers = {"useful": 0.0, "padded": 0.0, "max_step_ratio": 1.0}
@@ -221,7 +228,7 @@ class ModelRunner:
                                none, none, True, list(range(n_dec)), dec_sampling))
         return calls, mixed_index
 
-    def _inputs(self, call: _Call, N: int, prev: StepHandle | None) -> dict:
+    def _inputs(self, call: _Call, N: int) -> dict:
         spec, n = self.spec, len(call.tokens)
         inputs = empty_inputs(spec, N)
         inputs["units"][:] = call.units
@@ -229,8 +236,6 @@ class ModelRunner:
         for name, value in (("tokens_N", call.tokens), ("src_N", call.src), ("dst_N", call.dst),
                             ("prev_rows_N", call.prev_rows)):
             inputs[name][:n] = value
-        prev_tokens = prev.tokens_R if prev is not None else None
-        inputs["prev_tokens_R"] = self._no_prev_tokens if prev_tokens is None else prev_tokens
         B, S, C = spec.seqs_for(N), spec.page_size, spec.pages_per_seq
         if call.decode_only:
             inputs["meta"] = build_decode_metadata(
@@ -262,28 +267,46 @@ class ModelRunner:
         the dispatched, uncommitted step whose tokens this plan's placeholders stand for.
         plan.preempted needs nothing here: the scheduler owns the hidden buffer's prefill
         rows (plan.prefill_rows), so a preempted or aborted batch's rows are simply not
-        read again, and it never preempts a batch an outstanding plan still runs."""
+        read again, and it never preempts a batch an outstanding plan still runs.
+        With a plan channel (a multi-process leader), the calls' inputs go to every
+        follower first, and each runs the same calls (`run_calls`)."""
         t0 = time.perf_counter()
         calls, mixed = self._plan_calls(plan, prev)
-        counts, tokens_R, useful, padded = [], None, 0.0, 0.0
+        batch, useful, padded = [], 0.0, 0.0
         for call in calls:
             n = len(call.tokens)
             N = bucket_for(n, self.spec.buckets)
-            inputs = self._inputs(call, N, prev)
-            self.kv_pages, self.hidden_RD, out = self._program(N)(
-                self.state, self.kv_pages, self.hidden_RD, inputs)
-            counts.append(out["experts_activated"])
-            if call.sample_rows:
-                tokens_R = out["tokens_R"]
+            batch.append((N, self._inputs(call, N)))
             layers = (call.units[1] - call.units[0]) / 2
             useful, padded = useful + n * layers, padded + N * layers
+        prev_tokens = prev.tokens_R if prev is not None else None
+        step_id = next(self._step_ids)
+        if self.channel is not None:
+            prev_id = prev.step_id if prev_tokens is not None else -1
+            self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
+        counts, tokens_R = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
         n_dec = len(plan.decode)
         rows = {s.seq_id: j for j, s in enumerate(plan.decode)}
         if plan.is_last_group:
             ending = [c.seq for c in plan.prefill if c.samples]
             rows.update({s.seq_id: n_dec + k for k, s in enumerate(ending)})
-        return StepHandle(plan, tokens_R, counts, mixed, rows, t0)
+        return StepHandle(plan, tokens_R, counts, mixed, rows, t0, step_id)
+
+    def run_calls(self, batch: list[tuple[int, dict]], prev_tokens_R: jax.Array | None):
+        """Runs (bucket, inputs) calls in order; returns (experts activated per call, the
+        sampled tokens_R or None). The leader's dispatch and a follower's loop both end
+        here, so every process runs the same programs on the same inputs."""
+        counts, tokens_R = [], None
+        prev = self._no_prev_tokens if prev_tokens_R is None else prev_tokens_R
+        for N, inputs in batch:
+            inputs["prev_tokens_R"] = prev
+            self.kv_pages, self.hidden_RD, out = self._program(N)(
+                self.state, self.kv_pages, self.hidden_RD, inputs)
+            counts.append(out["experts_activated"])
+            if inputs["do_sample"]:
+                tokens_R = out["tokens_R"]
+        return counts, tokens_R
 
     def _count_padding(self, useful: float, padded: float):
         r = self.row_layers
@@ -295,8 +318,10 @@ class ModelRunner:
     def collect(self, handle: StepHandle):
         """Waits for a dispatched step. Returns ({seq_id: token} for the plan's sampling
         sequences, experts activated per call)."""
-        sampled = {}
+        sampled, tokens = {}, None
         if handle.tokens_R is not None:
-            tokens = np.asarray(handle.tokens_R)
+            tokens = host_array(handle.tokens_R)
             sampled = {sid: int(tokens[r]) for sid, r in handle.rows.items()}
-        return sampled, [int(c) for c in handle.counts]
+        if self.channel is not None:
+            self.channel.record_tokens(handle.step_id, tokens)
+        return sampled, [int(host_array(c)) for c in handle.counts]

@@ -1,0 +1,29 @@
+"""One process of the 2-process engine in test_multiprocess.py (not a test module).
+
+    python tests/multiprocess_worker.py MODEL_DIR OUT_JSON
+with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked and
+then a layered engine on a (2, 4) expert x tensor mesh over both processes, and the
+leader writes each policy's greedy tokens (and plan-channel stats) to OUT_JSON.
+"""
+
+import json
+import sys
+
+from lp_jax import LLM, SamplingParams
+from tests.multiprocess_common import ENGINE_ARGS, NEW_TOKENS, PROMPTS
+
+model_dir, out_path = sys.argv[1], sys.argv[2]
+results = {}
+for policy in ("chunked", "layered"):
+    llm = LLM(model_dir, scheduling=policy, mesh_shape=(2, 4), **ENGINE_ARGS)
+    outs = llm.generate(prompt_token_ids=PROMPTS,
+                        sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    if llm.is_leader:
+        stats = llm.stats()
+        results[policy] = {"tokens": [o.token_ids for o in outs],
+                           "plan_channel": stats["plan_channel"],
+                           "compilations_after_warmup": stats["compilations_after_warmup"]}
+    llm.shutdown()
+if results:
+    with open(out_path, "w") as f:
+        json.dump(results, f)

@@ -1,0 +1,165 @@
+"""One engine over two processes (jax.distributed, gloo, 4 host devices each): the
+leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
+
+* LLM on a (2, 4) expert x tensor mesh spanning both processes gives one process's
+  greedy tokens, under chunked and layered; the leader's shutdown ends the follower
+  (exit 0), and no program compiles while serving.
+* lp-serve on two processes: the leader answers HTTP with the same tokens; the follower
+  serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
+  line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
+* The wire format round-trips, and bad distributed arguments are refused.
+"""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch.multihost import free_port, process_env
+from lp_jax import LLM, SamplingParams
+from lp_jax.engine import distributed
+from lp_jax.engine.plan_channel import StepCodec
+from lp_jax.engine.step import StepSpec, empty_inputs
+from tests.multiprocess_common import ENGINE_ARGS, NEW_TOKENS, PROMPTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(pid, port):
+    env = process_env(pid, 2, port, cpu_devices=4)
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.fixture(scope="module")
+def one_process_tokens(tiny_dir):
+    llm = LLM(str(tiny_dir), scheduling="chunked", **ENGINE_ARGS, log=None)
+    outs = llm.generate(prompt_token_ids=PROMPTS,
+                        sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    return [o.token_ids for o in outs], [o.text for o in outs]
+
+
+def test_two_process_engine_matches_one_process(tiny_dir, one_process_tokens, tmp_path):
+    port, out = free_port(), tmp_path / "tokens.json"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
+                               str(tiny_dir), str(out)], env=_env(pid, port), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    results = json.loads(out.read_text())
+    for policy in ("chunked", "layered"):
+        assert results[policy]["tokens"] == one_process_tokens[0], policy
+        assert results[policy]["compilations_after_warmup"] == 0
+        channel = results[policy]["plan_channel"]
+        assert channel["transport"] == "host" and channel["steps_sent"] >= NEW_TOKENS
+    assert "leader of 2 processes (8 devices)" in logs[0]
+
+
+def _post(port, body, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_server_on_two_processes_and_a_dying_follower(tiny_dir, one_process_tokens):
+    port = free_port()
+    args = ["-m", "lp_jax.serve", "--model", str(tiny_dir), "--port", "0",
+            "--mesh-shape", "2,4", "--scheduling", "chunked", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "32", "--token-buckets", "8,64",
+            "--compilation-cache-dir", ""]
+    procs = [subprocess.Popen([sys.executable, *args], env=_env(pid, port), cwd=ROOT,
+                              stdout=subprocess.DEVNULL if pid else None,
+                              stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    try:
+        for line in procs[0].stderr:
+            if m := re.search(r"serving .* on http://127\.0\.0\.1:(\d+)", line):
+                http_port = int(m.group(1))
+                break
+        else:
+            pytest.fail(f"the leader exited with {procs[0].wait()}")
+        # The leader serves the one-process tokens.
+        conn, resp = _post(http_port, {"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS,
+                                       "temperature": 0.0})
+        assert resp.status == 200
+        body = json.loads(resp.read())
+        conn.close()
+        assert body["choices"][0]["text"] == one_process_tokens[1][0]
+        # A follower killed mid-stream: the leader ends itself, with its own line.
+        conn, resp = _post(http_port, {"prompt": PROMPTS[1], "max_tokens": 400,
+                                       "ignore_eos": True, "stream": True})
+        assert resp.readline().startswith(b"data: ")
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = procs[0].wait(timeout=60)
+        waited = time.monotonic() - t0
+        err = procs[0].stderr.read()
+        assert rc == 3, err[-3000:]
+        assert "lp_jax leader: follower process 1 disconnected" in err
+        assert waited < 30
+        follower_err = procs[1].stderr.read()
+        assert "serving" not in follower_err  # followers serve no HTTP
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_step_codec_round_trips():
+    spec = StepSpec(num_layers=4, hidden_size=8, page_size=4, pages_per_seq=6, max_num_seqs=4,
+                    hidden_rows=12, buckets=(2, 8))
+    codec = StepCodec(spec)
+    rng = np.random.default_rng(0)
+    calls = []
+    for N in (8, 2):
+        inputs = empty_inputs(spec, N)
+        inputs["tokens_N"][:] = rng.integers(0, 1000, N)
+        inputs["meta"].page_table_BC[:] = rng.integers(0, 50, inputs["meta"].page_table_BC.shape)
+        inputs["sampling"]["temperature"][:] = rng.random(spec.seqs_for(N))
+        inputs["do_sample"] = np.bool_(N == 2)
+        calls.append((N, inputs))
+    step_id, prev, decoded = codec.decode(codec.encode(7, 6, calls))
+    assert (step_id, prev) == (7, 6)
+    import jax
+
+    for (N, want), (M, got) in zip(calls, decoded, strict=True):
+        assert N == M
+        want = {k: v for k, v in want.items() if k != "prev_tokens_R"}
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.raises(ValueError, match="magic"):
+        codec.decode(b"\0" * 64)
+
+
+def test_distributed_arguments_are_checked(monkeypatch):
+    for var in (distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                distributed.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.resolve() is None
+    with pytest.raises(ValueError, match="needs num_processes, process_id and coordinator"):
+        distributed.resolve(num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match=r"not in \[0, 2\)"):
+        distributed.resolve(2, 2, "127.0.0.1:1234")
+    with pytest.raises(ValueError, match="host:port"):
+        distributed.resolve(2, 1, "localhost")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "3")
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "10.0.0.1:8476")
+    assert distributed.resolve() == {"num_processes": 4, "process_id": 3,
+                                     "coordinator_address": "10.0.0.1:8476"}
+    assert distributed.resolve(process_id=1)["process_id"] == 1  # flags beat the env
+    monkeypatch.delenv(distributed.ENV_NUM_PROCESSES)
+    monkeypatch.delenv(distributed.ENV_PROCESS_ID)
+    monkeypatch.delenv(distributed.ENV_COORDINATOR)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert distributed.resolve() == {}  # JAX's own cluster detection fills them in
