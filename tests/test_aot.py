@@ -51,6 +51,24 @@ def test_tpu_compile_on_an_expert_parallel_mesh_passes_the_audit(mid_dir, tmp_pa
     assert (out / "program_64.stablehlo.txt").stat().st_size > 0
 
 
+@needs_libtpu
+def test_tpu_compile_for_a_multi_host_slice(tmp_path):
+    """v6e:4x4 is 16 chips on 4 hosts: the compile-only devices span 4 processes and one
+    program is compiled for all of them. 8 experts per chip as in the test above (with 1,
+    a chip's [1, D, 2F] experts have one q_proj layer's shape; on v5e XLA prefetches this
+    tiny model's whole expert stack into VMEM in per-layer slices: both trip the audit)."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(dict(MID, num_experts=128)))
+    out = tmp_path / "tpu16"
+    code = main(["--platform", "tpu", "--topology", "v6e:4x4", "--mesh", "1,16,1",
+                 "--config", str(tmp_path / "cfg"), "--max-model-len", "256", "--max-num-seqs",
+                 "4", "--max-num-batched-tokens", "60", "--token-buckets", "64", "--out", str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0 and summary["violations"] == []
+    assert summary["devices"] == 16 and summary["hosts"] == 4
+    assert "mhlo.num_partitions = 16" in (out / "program_64.stablehlo.txt").read_text()
+
+
 def test_cuda_export_passes_the_audit(mid_dir, tmp_path):
     summary = run(load_config(str(mid_dir)), AotConfig(platform="cuda", **ENGINE), tmp_path,
                   log=None)

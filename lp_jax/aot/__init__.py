@@ -7,7 +7,9 @@ abstractly (`nnx.eval_shape`) and every argument is a sharded ShapeDtypeStruct.
 
 * TPU: libtpu's compiler runs on this CPU host against compile-only devices of a named
   slice ("v6e:2x4", "v5e:4x4"; pallas_kernels.compile_targets), Mosaic included. Each
-  program reports its compile time, serialized size and `memory_analysis()`.
+  program reports its compile time, serialized size and `memory_analysis()`. A slice
+  of several hosts ("v5e:4x4": 16 chips, 4 hosts) compiles the same way: the compile-only
+  devices carry their process index and one program spans them all.
 * cuda: jax 0.11.2 cannot compile for a GPU it does not have, so each program is
   exported (`jax.export`, platforms=["cuda"]) under an abstract H200: the Mosaic GPU
   kernels are lowered, ptxas does not run. One device only.
@@ -230,7 +232,9 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print) -> dic
     log = log or (lambda *_: None)
     b = build(model_cfg, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log(f"{len(b.spec.buckets)} programs (row buckets {list(b.spec.buckets)}); per device: "
+    hosts = len({d.process_index for d in b.mesh.devices.flat})
+    log(f"{len(b.spec.buckets)} programs (row buckets {list(b.spec.buckets)}) over "
+        f"{b.mesh.devices.size} devices on {hosts} host(s); per device: "
         f"weights {b.weight_bytes_per_device / 1e9:.2f} GB, KV pool "
         f"{b.kv_bytes_per_device / 1e9:.2f} GB")
 
@@ -255,6 +259,7 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print) -> dic
     summary = {
         "config": dataclasses.asdict(cfg), "model": model_cfg.model_type,
         "num_layers": model_cfg.num_hidden_layers, "num_programs": len(programs),
+        "devices": b.mesh.devices.size, "hosts": hosts,
         "weight_bytes_per_device": b.weight_bytes_per_device,
         "kv_bytes_per_device": b.kv_bytes_per_device,
         "layer_expert_bytes_per_device": b.layer_expert_bytes_per_device,

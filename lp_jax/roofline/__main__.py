@@ -6,6 +6,9 @@ turns compute-bound; the Fig. 2 chunk table (expert bytes and MoE time for one p
 activated experts vs decode batch (uniform vs skewed routing); and the marginal expert
 traffic that layering saves next to a decode batch. `--measure` adds a microbenchmark
 of the current JAX device and a measured MoE knee (a few seconds on CPU).
+`--ep-comm` prints only the expert-parallel communication section instead (ep_comm.py:
+all-reduce vs all_to_all dispatch bytes, the tokens where all_to_all turns faster, and
+the scheme `auto` picks) for both Qwen3 MoE models, on NVLink and ICI.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from lp_jax.roofline.routing import (
 
 DEFAULT_OUT = Path("runs/roofline")
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+EP_MODELS = ("Qwen3-30B-A3B", "Qwen3-235B-A22B")
+EP_SIZES = (2, 4, 8, 16, 32, 64)
+EP_TOKENS = (64, 1024, 8192)
+EP_HARDWARE = ("H100 SXM", "H200 SXM", "TPU v5e", "TPU v6e")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -49,11 +56,55 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=False,
         help="microbenchmark the current JAX device and measure a MoE knee",
     )
+    p.add_argument(
+        "--ep-comm",
+        action="store_true",
+        help="print only the expert-parallel dispatch section (all-reduce vs all_to_all)",
+    )
     return p.parse_args(argv)
+
+
+def print_ep_comm(models: Sequence[str] = EP_MODELS) -> None:
+    """The expert-parallel communication section: bytes, crossover and `auto`'s pick."""
+    hardware = [get_hardware(name) for name in EP_HARDWARE]
+    for name in models:
+        shape = resolve_model(name)
+        print(
+            f"model {shape.name}: D={shape.hidden_size} k={shape.top_k} E={shape.num_experts}"
+            f" act bytes={shape.dtype_bytes}; MoE layers {shape.num_moe_layers}\n"
+        )
+        print(
+            report.render(
+                f"{shape.name}: bytes one device sends per MoE layer (uniform routing;"
+                " capacity = one round, factor 2); auto = fewer bytes (ragged)",
+                report.ep_bytes_table(shape, EP_SIZES, EP_TOKENS),
+            )
+        )
+        print()
+        print(
+            report.render(
+                f"{shape.name}: tokens per layer step above which all_to_all (ragged) is"
+                " faster (time model: bytes / one-way link bandwidth + steps x latency)",
+                report.ep_crossover_table(shape, EP_SIZES, hardware, "ragged"),
+            )
+        )
+        print()
+    print(
+        "notes: link latencies are ASSUMED (hardware.py); torus hops = mean hops of an\n"
+        "all_to_all on the most even 2D sub-slice with wraparound (v5e/v6e), 1 on NVSwitch.\n"
+        "H100/H200 HGX NVLink reaches 8 GPUs: ep > 8 rows assume one NVLink domain of ep\n"
+        "GPUs; across HGX nodes the traffic goes over InfiniBand, much slower (not modelled).\n"
+        "auto picks by bytes alone, which ignores the all_to_all's extra collective steps:\n"
+        "below the crossover the all-reduce is faster even where auto picks A2A;\n"
+        "choose_dispatch(..., link=ep_comm.Link.from_hardware(hw)) picks by the time model."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ep_comm:
+        print_ep_comm()
+        return 0
     shape = resolve_model(args.model)
     if not shape.is_moe:
         print(f"{shape.name} has no routed experts; the MoE roofline tables do not apply")

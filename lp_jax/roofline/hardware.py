@@ -12,7 +12,10 @@ Conventions, applied to every entry:
 - byte counts use the vendor's unit as printed (decimal GB unless the vendor says GiB);
 - on-chip memory is the largest kernel-visible SRAM pool: L2 for GPUs (shared memory is
   per SM and noted in the source), VMEM summed over TensorCores plus CMEM for TPUs;
-- interconnect is the vendor's per-chip aggregate, bidirectional (NVLink, ICI).
+- interconnect is the vendor's per-chip aggregate, bidirectional (NVLink, ICI);
+- link latency is the fixed cost of one collective step (one ring step, one peer message),
+  used by ep_comm.py's time model; no vendor prints it, so every value is ASSUMED from a
+  cited model; the topology says how chips reach each other (NVSwitch or a torus).
 Where a number is uncertain, or derived rather than printed, the source says so.
 
 `measure_current_device()` adds a "measured" entry for whatever device JAX runs on.
@@ -39,9 +42,19 @@ class Sources:
     hbm_bytes: str
     onchip_bytes: str
     interconnect_bw: str
+    link_latency_s: str = "not given"
+    link_topology: str = "not given"
 
     def __post_init__(self) -> None:
-        for name in ("peak_flops", "hbm_bw", "hbm_bytes", "onchip_bytes", "interconnect_bw"):
+        for name in (
+            "peak_flops",
+            "hbm_bw",
+            "hbm_bytes",
+            "onchip_bytes",
+            "interconnect_bw",
+            "link_latency_s",
+            "link_topology",
+        ):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"Sources.{name} must be a non-empty string")
 
@@ -57,6 +70,8 @@ class Hardware:
     onchip_bytes: float  # L2 or VMEM(+CMEM), bytes (0 when unknown)
     interconnect_bw: float  # NVLink / ICI per chip, bidirectional B/s (0 when none)
     sources: Sources
+    link_latency_s: float = 0.0  # seconds per collective step (ASSUMED, see sources)
+    link_topology: str = "switch"  # "switch" (NVSwitch), "torus2d" or "torus3d" (ICI)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -69,6 +84,10 @@ class Hardware:
             value = getattr(self, field)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Hardware.{field} must be a finite number >= 0, got {value}")
+        if not (math.isfinite(self.link_latency_s) and self.link_latency_s >= 0):
+            raise ValueError(f"Hardware.link_latency_s must be >= 0, got {self.link_latency_s}")
+        if self.link_topology not in ("switch", "torus2d", "torus3d"):
+            raise ValueError(f"Hardware.link_topology unknown: {self.link_topology!r}")
         if not isinstance(self.sources, Sources):
             raise TypeError("Hardware.sources must be a Sources instance")
 
@@ -82,6 +101,27 @@ _NV_H100 = "https://www.nvidia.com/en-us/data-center/h100/ (H100 datasheet)"
 _NV_H200 = "https://www.nvidia.com/en-us/data-center/h200/ (H200 datasheet)"
 _GCP = "https://cloud.google.com/tpu/docs/"
 _JAX_TPU_INFO = "jax/_src/tpu_info.py in jax 0.11.2 (per-TensorCore VMEM/CMEM table)"
+_NVLINK_STEP_S = 1.9e-6
+_NVLINK_LATENCY = (
+    "ASSUMED: NCCL's tuning model (src/graph/tuning.cc, 2.18+), hwLat[NVLINK][Ring][LL128]"
+    " = 1.9 us per ring step (LL 0.6, Simple 3.4); its per-collective baseLat (6.6-14 us)"
+    " is not modelled"
+)
+_NVSWITCH = "HGX baseboard: every GPU reaches every other through NVSwitch in one hop"
+_ICI_STEP_S = 1e-6
+_TORUS2D = (
+    f"{_GCP}system-architecture-tpu-vm: v5e / v6e chips have 4 ICI links in a 2D torus;"
+    " wraparound links in every sub-slice ASSUMED (optimistic for all-to-all)"
+)
+_TORUS3D = (
+    f"{_GCP}system-architecture-tpu-vm: v4 / v5p / Ironwood chips have 6 ICI links in a 3D"
+    " torus (wraparound from a full 4x4x4 cube)"
+)
+_ICI_LATENCY = (
+    "ASSUMED: 1 us per collective step; Google prints no ICI latency, neighbour links are"
+    " described as sub-microsecond (e.g. 'ICI, OCS & the 3D torus' talk notes), plus DMA"
+    " issue and synchronisation"
+)
 
 _TABLE: tuple[Hardware, ...] = (
     Hardware(
@@ -91,6 +131,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=80 * GB,
         onchip_bytes=40 * MiB,
         interconnect_bw=600 * GB,
+        link_latency_s=_NVLINK_STEP_S,
+        link_topology="switch",
         sources=Sources(
             peak_flops="NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf):"
             " BF16 Tensor Core 312 TFLOPS dense, 624 with sparsity",
@@ -99,6 +141,8 @@ _TABLE: tuple[Hardware, ...] = (
             onchip_bytes="NVIDIA Ampere architecture whitepaper: 40 MB L2 (deviceQuery 41,943,040"
             " bytes); shared memory up to 164 KB per SM x 108 SMs is separate",
             interconnect_bw="NVIDIA A100 datasheet: NVLink 3 600 GB/s per GPU (bidirectional)",
+            link_latency_s=_NVLINK_LATENCY,
+            link_topology=_NVSWITCH,
         ),
     ),
     Hardware(
@@ -110,6 +154,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=80 * GB,
         onchip_bytes=40 * MiB,
         interconnect_bw=400 * GB,
+        link_latency_s=_NVLINK_STEP_S,
+        link_topology="switch",
         sources=Sources(
             peak_flops="derived: NVIDIA's statement on the A800 (Reuters, 7 Nov 2022) says only"
             " the interconnect differs from the A100; A100 datasheet BF16 312 TFLOPS dense",
@@ -119,6 +165,8 @@ _TABLE: tuple[Hardware, ...] = (
             onchip_bytes="same GA100 die as the A100: 40 MB L2 (Ampere whitepaper)",
             interconnect_bw="NVIDIA's statement on the A800 (Reuters, 7 Nov 2022): NVLink"
             " 400 GB/s per GPU (bidirectional), vs 600 GB/s on the A100",
+            link_latency_s=_NVLINK_LATENCY,
+            link_topology=_NVSWITCH,
         ),
     ),
     Hardware(
@@ -128,6 +176,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=80 * GB,
         onchip_bytes=50 * MiB,
         interconnect_bw=900 * GB,
+        link_latency_s=_NVLINK_STEP_S,
+        link_topology="switch",
         sources=Sources(
             peak_flops=f"{_NV_H100}: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.4 dense"
             " (Hopper whitepaper table)",
@@ -136,6 +186,8 @@ _TABLE: tuple[Hardware, ...] = (
             onchip_bytes="NVIDIA Hopper architecture whitepaper: 50 MB L2; shared memory up to"
             " 228 KB per SM x 132 SMs is separate",
             interconnect_bw=f"{_NV_H100}: NVLink 4 900 GB/s per GPU (bidirectional)",
+            link_latency_s=_NVLINK_LATENCY,
+            link_topology=_NVSWITCH,
         ),
     ),
     Hardware(
@@ -145,6 +197,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=141 * GB,
         onchip_bytes=50 * MiB,
         interconnect_bw=900 * GB,
+        link_latency_s=_NVLINK_STEP_S,
+        link_topology="switch",
         sources=Sources(
             peak_flops=f"{_NV_H200}: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.4 dense"
             " (same GH100 compute as H100 SXM)",
@@ -152,6 +206,8 @@ _TABLE: tuple[Hardware, ...] = (
             hbm_bytes=f"{_NV_H200}: 141 GB HBM3e",
             onchip_bytes="same GH100 die as H100: 50 MB L2 (Hopper whitepaper)",
             interconnect_bw=f"{_NV_H200}: NVLink 4 900 GB/s per GPU (bidirectional)",
+            link_latency_s=_NVLINK_LATENCY,
+            link_topology=_NVSWITCH,
         ),
     ),
     Hardware(
@@ -161,6 +217,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=180 * GB,
         onchip_bytes=126 * MiB,
         interconnect_bw=1800 * GB,
+        link_latency_s=_NVLINK_STEP_S,
+        link_topology="switch",
         sources=Sources(
             peak_flops="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200, 1000 W):"
             " FP16/BF16 36 PFLOPS per 8 GPUs with sparsity -> 2.25 PFLOPS dense per GPU;"
@@ -171,6 +229,8 @@ _TABLE: tuple[Hardware, ...] = (
             onchip_bytes="uncertain: 126 MB L2 as measured by chipsandcheese.com 'Nvidia's B200:"
             " Keeping the CUDA Juggernaut Rolling'; NVIDIA does not print it in the datasheet",
             interconnect_bw="NVIDIA HGX B200 spec: NVLink 5 1.8 TB/s GPU-to-GPU (bidirectional)",
+            link_latency_s=_NVLINK_LATENCY,
+            link_topology=_NVSWITCH,
         ),
     ),
     Hardware(
@@ -180,6 +240,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=32 * GiB,
         onchip_bytes=2 * 16 * MiB + 128 * MiB,
         interconnect_bw=600 * GB,
+        link_latency_s=_ICI_STEP_S,
+        link_topology="torus3d",
         sources=Sources(
             peak_flops=f"{_GCP}v4: peak compute per chip 275 TFLOPS (bf16 or int8)",
             hbm_bw=f"{_GCP}v4: HBM2 32 GiB, 1200 GBps",
@@ -189,6 +251,8 @@ _TABLE: tuple[Hardware, ...] = (
             interconnect_bw="uncertain, derived: 6 ICI links x ~400 Gb/s per direction"
             " (glennklockwood.com/garden/processors/TPUv4; TPU v4 ISCA 2023 paper) -> ~600 GB/s"
             " bidirectional per chip; GCP does not print a per-chip figure",
+            link_latency_s=_ICI_LATENCY,
+            link_topology=_TORUS3D,
         ),
     ),
     Hardware(
@@ -198,12 +262,16 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=16 * GB,
         onchip_bytes=128 * MiB,
         interconnect_bw=400 * GB,
+        link_latency_s=_ICI_STEP_S,
+        link_topology="torus2d",
         sources=Sources(
             peak_flops=f"{_GCP}v5e: peak compute per chip (bf16) 197 TFLOPs",
             hbm_bw=f"{_GCP}v5e: HBM2 16 GB, 819 GBps (a newer revision prints 800 GiBps)",
             hbm_bytes=f"{_GCP}v5e: HBM2 16 GB",
             onchip_bytes=f"{_JAX_TPU_INFO}: 128 MiB VMEM (one TensorCore per chip)",
             interconnect_bw=f"{_GCP}v5e: bidirectional ICI bandwidth per chip 400 GBps (1600 Gbps)",
+            link_latency_s=_ICI_LATENCY,
+            link_topology=_TORUS2D,
         ),
     ),
     Hardware(
@@ -213,6 +281,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=95 * GB,
         onchip_bytes=2 * 64 * MiB,
         interconnect_bw=600 * GB,
+        link_latency_s=_ICI_STEP_S,
+        link_topology="torus3d",
         sources=Sources(
             peak_flops=f"{_GCP}v5p: peak compute per chip (bf16) 459 TFLOPs",
             hbm_bw=f"{_GCP}v5p: HBM2e 95 GB, 2765 GBps",
@@ -220,6 +290,8 @@ _TABLE: tuple[Hardware, ...] = (
             onchip_bytes=f"{_JAX_TPU_INFO}: 64 MiB VMEM per TensorCore x 2 TensorCores",
             interconnect_bw=f"{_GCP}v5p: interchip interconnect BW 4800 Gbps = 600 GB/s"
             " (bidirectional per chip assumed)",
+            link_latency_s=_ICI_LATENCY,
+            link_topology=_TORUS3D,
         ),
     ),
     Hardware(
@@ -229,12 +301,16 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=32 * GB,
         onchip_bytes=128 * MiB,
         interconnect_bw=800 * GB,
+        link_latency_s=_ICI_STEP_S,
+        link_topology="torus2d",
         sources=Sources(
             peak_flops=f"{_GCP}v6e (Trillium): peak compute per chip (bf16) 918 TFLOPs",
             hbm_bw=f"{_GCP}v6e: HBM bandwidth per chip 1638 GBps (older revision: 1640)",
             hbm_bytes=f"{_GCP}v6e: HBM capacity per chip 32 GB",
             onchip_bytes=f"{_JAX_TPU_INFO}: 128 MiB VMEM (one TensorCore per chip)",
             interconnect_bw=f"{_GCP}v6e: bidirectional ICI bandwidth per chip 800 GBps",
+            link_latency_s=_ICI_LATENCY,
+            link_topology=_TORUS2D,
         ),
     ),
     Hardware(
@@ -244,6 +320,8 @@ _TABLE: tuple[Hardware, ...] = (
         hbm_bytes=192 * GiB,
         onchip_bytes=2 * 64 * MiB,
         interconnect_bw=1200 * GB,
+        link_latency_s=_ICI_STEP_S,
+        link_topology="torus3d",
         sources=Sources(
             peak_flops=f"{_GCP}tpu7x: peak compute per chip (BF16) 2307 TFLOPs (FP8 4614)",
             hbm_bw="uncertain: the GCP tpu7x table row was not retrievable here; jax 0.11.2"
@@ -253,6 +331,8 @@ _TABLE: tuple[Hardware, ...] = (
             " TensorCores, CMEM not listed",
             interconnect_bw="Google Cloud Ironwood announcement (April 2025): ICI 1.2 TB/s"
             " bidirectional per chip",
+            link_latency_s=_ICI_LATENCY,
+            link_topology=_TORUS3D,
         ),
     ),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lp_jax.roofline import ep_comm
 from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.knee import KneeResult
 from lp_jax.roofline.model_shape import ModelShape
@@ -156,4 +157,70 @@ def knee_table(result: KneeResult) -> Table:
         ]
         for p in result.points
     ]
+    return headers, rows
+
+
+_SCHEME_SHORT = {"allreduce": "AR", "all_to_all": "A2A"}
+
+
+def ep_bytes_table(shape: ModelShape, eps: Sequence[int], tokens: Sequence[int]) -> Table:
+    """Bytes one device sends per MoE layer: all-reduce vs all_to_all, and `auto`'s pick."""
+    d, k = shape.hidden_size, shape.top_k
+    headers = ["ep", "T", "allreduce KiB", "a2a ragged KiB", "a2a capacity KiB", "ragged/AR"]
+    headers.append("auto")
+    rows = []
+    for ep in eps:
+        for t in tokens:
+            ar = ep_comm.allreduce_bytes(t, d, ep)
+            ragged = ep_comm.comm_bytes("all_to_all", t, d, k, ep, act_bytes=shape.dtype_bytes)
+            capacity = ep_comm.comm_bytes(
+                "all_to_all", t, d, k, ep, act_bytes=shape.dtype_bytes, transport="capacity"
+            )
+            pick = ep_comm.choose_dispatch(t, d, k, ep, act_bytes=shape.dtype_bytes)
+            rows.append(
+                [
+                    str(ep),
+                    f"{t:,}",
+                    f"{ar / 2**10:,.0f}",
+                    f"{ragged / 2**10:,.0f}",
+                    f"{capacity / 2**10:,.0f}",
+                    f"{ragged / ar:.2f}" if ar else "-",
+                    _SCHEME_SHORT[pick],
+                ]
+            )
+    return headers, rows
+
+
+def _crossover_cell(tokens: int | None) -> str:
+    if tokens is None:
+        return "none: AR"
+    return "A2A always" if tokens == 1 else f"A2A > {tokens - 1:,}"
+
+
+def ep_crossover_table(
+    shape: ModelShape, eps: Sequence[int], hardware: Sequence[Hardware], transport: str
+) -> Table:
+    """Tokens per layer step above which all_to_all is faster, under the time model."""
+    d, k = shape.hidden_size, shape.top_k
+    links = [ep_comm.Link.from_hardware(hw) for hw in hardware]
+    headers = ["ep", "bytes ratio T->inf", "torus hops"] + [
+        f"{hw.name} ({link.step_latency_s * 1e6:g} us/step)"
+        for hw, link in zip(hardware, links, strict=True)
+    ]
+    rows = []
+    for ep in eps:
+        big = 2**20 * ep  # large enough for padding not to matter
+        ratio = ep_comm.comm_bytes(
+            "all_to_all", big, d, k, ep, act_bytes=shape.dtype_bytes, transport=transport
+        ) / ep_comm.allreduce_bytes(big, d, ep)
+        cells = [
+            _crossover_cell(
+                ep_comm.crossover_tokens(
+                    d, k, ep, link, act_bytes=shape.dtype_bytes, transport=transport
+                )
+            )
+            for link in links
+        ]
+        hops = f"{ep_comm.mean_hops(ep, 'torus2d'):.2f}"
+        rows.append([str(ep), f"{ratio:.2f}", hops] + cells)
     return headers, rows
