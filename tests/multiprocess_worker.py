@@ -2,7 +2,7 @@
 
     python tests/multiprocess_worker.py MODEL_DIR OUT_JSON
 with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked and
-then a layered engine on a (2, 4) expert x tensor mesh over both processes, and the
+then a layered engine (plan channels "host", then "device") on a (2, 4) expert x tensor mesh over both processes, and the
 leader writes each policy's greedy tokens (and plan-channel stats) to OUT_JSON.
 """
 
@@ -14,8 +14,9 @@ from tests.multiprocess_common import ENGINE_ARGS, NEW_TOKENS, PROMPTS
 
 model_dir, out_path = sys.argv[1], sys.argv[2]
 results = {}
-for policy in ("chunked", "layered"):
-    llm = LLM(model_dir, scheduling=policy, mesh_shape=(2, 4), **ENGINE_ARGS)
+for policy, transport in (("chunked", "host"), ("layered", "device")):
+    llm = LLM(model_dir, scheduling=policy, mesh_shape=(2, 4), plan_channel=transport,
+              **ENGINE_ARGS)
     outs = llm.generate(prompt_token_ids=PROMPTS,
                         sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     if llm.is_leader:

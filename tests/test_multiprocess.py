@@ -2,7 +2,8 @@
 leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
 
 * LLM on a (2, 4) expert x tensor mesh spanning both processes gives one process's
-  greedy tokens, under chunked and layered; the leader's shutdown ends the follower
+  greedy tokens, under chunked (host plan channel) and layered (device broadcast); the
+  leader's shutdown ends the follower
   (exit 0), and no program compiles while serving.
 * lp-serve on two processes: the leader answers HTTP with the same tokens; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
@@ -56,11 +57,11 @@ def test_two_process_engine_matches_one_process(tiny_dir, one_process_tokens, tm
     logs = [p.communicate(timeout=400)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     results = json.loads(out.read_text())
-    for policy in ("chunked", "layered"):
+    for policy, transport in (("chunked", "host"), ("layered", "device")):
         assert results[policy]["tokens"] == one_process_tokens[0], policy
         assert results[policy]["compilations_after_warmup"] == 0
         channel = results[policy]["plan_channel"]
-        assert channel["transport"] == "host" and channel["steps_sent"] >= NEW_TOKENS
+        assert channel["transport"] == transport and channel["steps_sent"] >= NEW_TOKENS
     assert "leader of 2 processes (8 devices)" in logs[0]
 
 

@@ -155,7 +155,8 @@ class LLMEngine:
                            mesh=self.mesh, dtype=config.dtype)
         compiles_before = compile_guard.compilations()
         backends, self.kernel_report = check_backends(
-            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend),
+            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
+                                      moe_dispatch=config.moe_dispatch),
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log)
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)

@@ -32,11 +32,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lp_jax.config import ModelConfig
+from lp_jax.models.expert_dispatch import DISPATCHES
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.sharded_kernels import (
     is_pallas_attention,
     is_pallas_moe,
     kernel_mesh,
+    resolve_moe_dispatch,
     sharded_decode_attention,
     sharded_moe_ffn,
     sharded_ragged_paged_attention,
@@ -46,10 +48,18 @@ from pallas_kernels.attention import write_kv
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackends:
-    """Which kernel implementation each op uses ("auto", "xla", "tpu", "gpu")."""
+    """Which kernel implementation each op uses ("auto", "xla", "tpu", "gpu"), and how a
+    MoE layer with its experts split over the "expert" mesh axis exchanges tokens:
+    `moe_dispatch` "allreduce", "all_to_all" or "auto" (see models/expert_dispatch.py)."""
 
     moe: str = "auto"
     attention: str = "auto"
+    moe_dispatch: str = "auto"
+
+    def __post_init__(self):
+        if self.moe_dispatch not in DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {DISPATCHES}, "
+                             f"got {self.moe_dispatch!r}")
 
 
 def _param(rngs: nnx.Rngs, shape, axes, dtype, *, fan_in: int | None = None, ones=False):
@@ -230,18 +240,25 @@ class Qwen3MoeForCausalLM(nnx.Module):
             return decode()
         return jax.lax.cond(decode_only, decode, ragged)
 
-    def _moe(self, j, h_TD, token_mask_T, backend):
+    def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
         """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
         the layer index, and address the layer themselves (no [E, D, 2F] slice is made)."""
         cfg, mlp = self.config, self.model.layers.mlp
+        backend, top_k = backends.moe, cfg.num_experts_per_tok
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
         w_gate_up_LEDF2, w_down_LEFD = mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...]
-        # A Pallas kernel on a multi-device mesh runs per expert shard; see sharded_kernels.
-        mesh = kernel_mesh(w_gate_up_LEDF2) if is_pallas_moe(backend) else None
+        # On a multi-device mesh, a Pallas kernel runs per expert shard, and so does any
+        # backend under the all_to_all dispatch; the xla backends under allreduce stay
+        # under GSPMD. See sharded_kernels.
+        mesh = kernel_mesh(w_gate_up_LEDF2)
+        dispatch = resolve_moe_dispatch(mesh, backends.moe_dispatch, h_TD, w_gate_up_LEDF2,
+                                        top_k)
+        if dispatch == "allreduce" and not is_pallas_moe(backend):
+            mesh = None
         y_TD, stats = sharded_moe_ffn(
-            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j,
-            top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, backend=backend,
-            token_mask_T=token_mask_T,
+            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j, top_k=top_k,
+            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
+            dispatch=dispatch,
         )
         return y_TD, stats["experts_activated"]
 
@@ -251,14 +268,14 @@ class Qwen3MoeForCausalLM(nnx.Module):
         u_TF = _dot(h_TD, mlp.up_proj[j])
         return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j]), jnp.int32(0)
 
-    def _mlp(self, i, x_TD, token_mask_T, backend):
+    def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
         """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns
         (x_TD, experts activated). In a model mixing both kinds, the kind is chosen at run
         time from the layer index, so one loop body serves every layer."""
         cfg = self.config
         h_TD = rms_norm(x_TD, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
         stack_j = jnp.asarray(self._stack_index, jnp.int32)[i]
-        moe = lambda: self._moe(stack_j, h_TD, token_mask_T, backend)
+        moe = lambda: self._moe(stack_j, h_TD, token_mask_T, backends)
         dense = lambda: self._dense_mlp(stack_j, h_TD)
         if not cfg.moe_layers:
             y_TD, activated = dense()
@@ -313,7 +330,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 lambda x, kv: self._attention(i, x, kv, meta, decode_only, backends.attention),
                 lambda x, kv: (x, kv), x, kv)
             x, activated = jax.lax.cond(
-                2 * i + 1 < hi, lambda x: self._mlp(i, x, token_mask_T, backends.moe),
+                2 * i + 1 < hi, lambda x: self._mlp(i, x, token_mask_T, backends),
                 lambda x: (x, jnp.int32(0)), x)
             return x, kv, n + activated
 

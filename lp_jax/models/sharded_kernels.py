@@ -4,7 +4,8 @@ GSPMD cannot partition a `pallas_call`: given sharded operands it gathers them w
 onto every device (the KV pool, the expert weights) and runs the kernel replicated.
 Under a multi-device mesh the model therefore calls its Pallas kernels through these
 wrappers, which run the per-device kernel inside `jax.shard_map` on the shards the
-operands already have. The "xla" backends stay under GSPMD and never come here.
+operands already have. The "xla" backends stay under GSPMD and come here only for
+the MoE's all_to_all dispatch (`expert_dispatch`), which is explicit communication.
 
 Where the mesh comes from. The model holds no mesh, and its callers (`ModelRunner`,
 `simple.greedy_generate`) jit it without a mesh context: the mesh lives in the
@@ -28,7 +29,8 @@ the runner give the operands, and entering the shard_map moves no data:
   replicated. `write_kv` stays under GSPMD: its scatter keeps the pool's sharding.
 * MoE: expert weights [E, D, 2F] / [E, F, D], or the stacked [L, E, D, 2F] /
   [L, E, F, D] with a layer index, split over "expert" on their E axis (when it
-  divides E; otherwise replicated); see `sharded_moe_ffn`.
+  divides E; otherwise replicated); tokens replicated ("allreduce") or split over
+  "expert" ("all_to_all"); see `sharded_moe_ffn`.
 
 Every shard_map runs with check_vma=False: the kernels declare their outputs with
 plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
@@ -44,6 +46,13 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
+from lp_jax.models.expert_dispatch import (
+    CAPACITY_FACTOR,
+    all_to_all_moe,
+    default_transport,
+    mesh_platform,
+    resolve_dispatch,
+)
 from lp_jax.sharding import LOGICAL_RULES
 from pallas_kernels import attention, moe
 from pallas_kernels.moe.ref import combine, moe_stats, route
@@ -64,6 +73,23 @@ def is_pallas_attention(backend: str) -> bool:
 
 def is_pallas_moe(backend: str) -> bool:
     return moe.resolve_backend(backend) in PALLAS_MOE_BACKENDS
+
+
+def resolve_moe_dispatch(mesh, dispatch: str, x_TD, w_gate_up, top_k: int,
+                         transport: str | None = None) -> str:
+    """"allreduce" or "all_to_all": the scheme `sharded_moe_ffn(mesh, ...)` runs for
+    `dispatch` on these operands ("auto" asks `expert_dispatch.resolve_dispatch`).
+    "allreduce" when mesh is None or the expert axis does not split the experts."""
+    experts = None if mesh is None else _axis_dividing("experts", w_gate_up.shape[-3], mesh)
+    act_bytes = jnp.dtype(x_TD.dtype).itemsize
+    # The allreduce path psums float32 partials, but TPU's compiler moves the cast to the
+    # activation dtype ahead of the all-reduce (compiled HLO, launch/bench_ep_comm.py).
+    tpu = mesh is not None and mesh_platform(mesh) == "tpu"
+    return resolve_dispatch(
+        dispatch, ep=1 if experts is None else mesh.shape[experts], tokens=x_TD.shape[0],
+        hidden=x_TD.shape[1], top_k=top_k, act_bytes=act_bytes,
+        transport=transport or (default_transport(mesh) if mesh is not None else "ragged"),
+        reduce_bytes=act_bytes if tpu else 4)
 
 
 def _axis_dividing(logical: str, size: int, mesh) -> str | None:
@@ -144,7 +170,8 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
 
 
 def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
-                    norm_topk_prob, backend, token_mask_T=None, interpret=None):
+                    norm_topk_prob, backend, token_mask_T=None, interpret=None,
+                    dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None):
     """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
     directly when `mesh` is None).
 
@@ -152,16 +179,22 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     [L, E, D, 2F] / [L, E, F, D] with `layer`, split on their E axis (dim 1 when
     stacked): each shard addresses the layer inside its own shard, no weight copy.
 
-    Returns moe_ffn's (y_TD, stats), stats as global figures: the shards'
-    tokens_per_expert are concatenated in expert order, and the rest is derived
-    from them by `moe_stats`, as moe_ffn does.
+    Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
+    schemes: tokens_per_expert over all E experts, and the rest derived from it by
+    `moe_stats`, as moe_ffn does (expert_bytes_loaded: each activated expert's bytes
+    once, summed over the expert shards: what one device holding them all would read).
 
-    Tokens (and router logits) are replicated over "expert": every device routes
-    all T tokens, runs its local experts on the rows routed to them
-    (`_local_experts_moe`) and the partial outputs are psum'ed (T x D float32).
-    The next step is expert parallelism proper: an all-to-all that sends each
-    device only the rows routed to its experts and returns their outputs, which
-    feeds the row-per-(token, slot) form the kernel already runs in here.
+    `dispatch` (see `expert_dispatch`, and `resolve_moe_dispatch` for "auto"):
+    * "allreduce": tokens (and router logits) are replicated over "expert": every
+      device routes all T tokens, runs its local experts on the rows routed to them
+      (`_local_experts_moe`) and the partial outputs are psum'ed (T x D float32).
+    * "all_to_all": each device routes T / ep of the tokens and sends each (token,
+      slot) row only to the device owning its expert (`expert_dispatch.all_to_all_moe`);
+      the outputs come back, are combined, and all_gather'ed over "expert".
+    With ep == 1 (the axis is absent or does not divide E) both are the same: the
+    kernel runs on whole experts on every device, with no collective.
+    `capacity_factor` sizes the CPU transport's rounds; `_transport` ("ragged",
+    "capacity", "ref_ragged"; None: by the mesh's platform) is for tests.
     """
     if mesh is None:
         return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
@@ -169,10 +202,19 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
                            token_mask_T=token_mask_T, interpret=interpret)
     T = x_TD.shape[0]
     experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
+    transport = _transport or default_transport(mesh)
+    dispatch = resolve_moe_dispatch(mesh, dispatch, x_TD, w_gate_up, top_k, transport)
     if token_mask_T is None:
         token_mask_T = jnp.ones((T,), bool)
     # The layer index travels as a replicated operand (it may be a loop counter).
     layer_args = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
+    if dispatch == "all_to_all":
+        return _all_to_all_moe_ffn(
+            mesh, experts, x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T,
+            layer_args, w_spec, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            backend=backend, interpret=interpret, transport=transport,
+            capacity_factor=capacity_factor)
 
     def per_shard(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_arg):
         E_local = w_gate_up.shape[-3]
@@ -186,10 +228,35 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
 
-    w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
     y_TD, tokens_per_expert_E = jax.shard_map(
         per_shard, mesh=mesh,
         in_specs=(P(), P(), w_spec, w_spec, P(), *(P() for _ in layer_args)),
         out_specs=(P(), P(experts)), check_vma=False,
     )(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_args)
     return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down)
+
+
+def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, w_gate_up, w_down,
+                        token_mask_T, layer_args, w_spec, **kw):
+    """The "all_to_all" scheme: T padded to a multiple of ep and split over `experts`
+    (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D]."""
+    T = x_TD.shape[0]
+    pad = -T % mesh.shape[experts]
+    x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    logits_TE_pad = jnp.pad(router_logits_TE, ((0, pad), (0, 0)))
+    mask_T_pad = jnp.pad(token_mask_T.astype(bool), (0, pad))  # the pad sends nothing
+
+    def per_shard(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, *layer_arg):
+        y_tD, tokens_per_expert_E = all_to_all_moe(
+            x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down,
+            layer_arg[0] if layer_arg else None, axis=experts, **kw)
+        y_TD = jax.lax.all_gather(y_tD.astype(x_tD.dtype), experts, axis=0, tiled=True)
+        return y_TD, tokens_per_expert_E
+
+    tokens = P(experts)
+    y_TD, tokens_per_expert_E = jax.shard_map(  # the counts: all experts, on every shard
+        per_shard, mesh=mesh,
+        in_specs=(tokens, tokens, tokens, w_spec, w_spec, *(P() for _ in layer_args)),
+        out_specs=(P(), P()), check_vma=False,
+    )(x_TD_pad, logits_TE_pad, mask_T_pad, w_gate_up, w_down, *layer_args)
+    return y_TD[:T], moe_stats(tokens_per_expert_E, w_gate_up, w_down)

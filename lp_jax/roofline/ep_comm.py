@@ -87,10 +87,14 @@ def capacity_rows(tokens: int, top_k: int, ep: int, capacity_factor: float) -> i
     return max(1, math.ceil(capacity_factor * t * top_k / ep))
 
 
-def allreduce_bytes(tokens: int, hidden: int, ep: int) -> float:
-    """Bytes one device sends in a ring all-reduce of y_TD in float32: 2(ep-1)/ep T D 4."""
-    _check(tokens, hidden, 1, ep, 1, "ragged")
-    return 2 * (ep - 1) / ep * tokens * hidden * F32_BYTES
+def allreduce_bytes(tokens: int, hidden: int, ep: int, *, reduce_bytes: int = F32_BYTES) -> float:
+    """Bytes one device sends in a ring all-reduce of y_TD: 2(ep-1)/ep T D reduce_bytes.
+
+    The source sums in float32 (reduce_bytes 4). TPU's compiler moves the cast to the
+    activation dtype before the all-reduce and reduces in bf16 (2 bytes; read from the
+    compiled HLO by launch/bench_ep_comm.py): pass reduce_bytes=2 for TPU."""
+    _check(tokens, hidden, 1, ep, reduce_bytes, "ragged")
+    return 2 * (ep - 1) / ep * tokens * hidden * reduce_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +149,11 @@ def comm_bytes(
     act_bytes: int = 2,
     transport: str = "ragged",
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    reduce_bytes: int = F32_BYTES,
 ) -> float:
     """Bytes one device sends for one MoE layer under `scheme`."""
     if scheme == "allreduce":
-        return allreduce_bytes(tokens, hidden, ep)
+        return allreduce_bytes(tokens, hidden, ep, reduce_bytes=reduce_bytes)
     if scheme == "all_to_all":
         return all_to_all_bytes(
             tokens,
@@ -276,15 +281,18 @@ def choose_dispatch(
     act_bytes: int = 2,
     transport: str = "ragged",
     link: Link | None = None,
+    reduce_bytes: int = F32_BYTES,
 ) -> str:
     """Returns "allreduce" or "all_to_all": the scheme with fewer bytes per device per layer, or
-    with `link`, the faster one under the time model. Ties and ep == 1 -> "allreduce"."""
+    with `link`, the faster one under the time model. Ties and ep == 1 -> "allreduce".
+    `reduce_bytes`: the all-reduce's element width (see allreduce_bytes)."""
     _check(tokens, hidden, top_k, ep, act_bytes, transport)
     if ep == 1:
         return "allreduce"
     if link is None:
         cost = lambda scheme: comm_bytes(  # noqa: E731
-            scheme, tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport
+            scheme, tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport,
+            reduce_bytes=reduce_bytes,
         )
     else:
         cost = lambda scheme: comm_seconds(  # noqa: E731
