@@ -45,6 +45,12 @@ A crossover in tokens exists only because all_to_all takes more collective steps
 it the all-reduce's fewer steps win, above it all_to_all's fewer bytes do. Its value is
 therefore only as good as the step latency, which is an assumption (see hardware.py).
 
+The all-reduce's width. The source sums the partial outputs in float32, and so does
+XLA for GPU and CPU; TPU's compiler moves the cast to bf16 ahead of the all-reduce and
+reduces in bf16 (read from the compiled HLO: launch/bench_ep_comm.py). `reduce_bytes`
+(and `Link.reduce_bytes`, 2 for TPU links) says which: with bf16 the all-reduce's bytes
+halve, and on TPU all_to_all no longer wins for Qwen3-MoE at any ep in the table.
+
 `choose_dispatch` picks by bytes (the scheme `auto` uses, as specified); given a `Link`
 it picks by the time model instead.
 """
@@ -219,6 +225,9 @@ class Link:
     bandwidth: float  # B/s, one direction (a device's egress)
     step_latency_s: float  # fixed cost of one collective step
     topology: str  # "switch" or "torus2d" / "torus3d"
+    # The all-reduce's element width: float32 as the source sums; TPU's compiler casts to
+    # the activation dtype first (compiled HLO, launch/bench_ep_comm.py).
+    reduce_bytes: int = F32_BYTES
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.step_latency_s >= 0):
@@ -230,7 +239,9 @@ class Link:
     def from_hardware(cls, hw: Hardware) -> Link:
         if hw.interconnect_bw <= 0:
             raise ValueError(f"{hw.name} has no interconnect bandwidth in the table")
-        return cls(hw.name, hw.interconnect_bw / 2, hw.link_latency_s, hw.link_topology)
+        reduce_bytes = 2 if hw.name.startswith("TPU") else F32_BYTES
+        return cls(hw.name, hw.interconnect_bw / 2, hw.link_latency_s, hw.link_topology,
+                   reduce_bytes)
 
 
 def collective_steps(scheme: str, ep: int, *, transport: str = "ragged") -> int:
@@ -258,7 +269,8 @@ def comm_seconds(
     """Modelled seconds of one MoE layer's communication on `link` (module docstring)."""
     latency = collective_steps(scheme, ep, transport=transport) * link.step_latency_s
     if scheme == "allreduce":
-        return allreduce_bytes(tokens, hidden, ep) / link.bandwidth + latency
+        return (allreduce_bytes(tokens, hidden, ep, reduce_bytes=link.reduce_bytes)
+                / link.bandwidth + latency)
     b = all_to_all_bytes(
         tokens,
         hidden,
