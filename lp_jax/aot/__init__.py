@@ -65,6 +65,7 @@ class AotConfig:
     dtype: str | None = None
     token_buckets: tuple[int, ...] | None = None
     max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
+    moe_dispatch: str = "auto"  # expert-parallel MoE: allreduce, all_to_all or auto
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
@@ -154,7 +155,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
     kernel = "tpu" if cfg.platform == "tpu" else "gpu"
-    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel))
+    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
+                                                    moe_dispatch=cfg.moe_dispatch))
     per_layer = 0
     if model_cfg.moe_layers:
         mlp = state["model"]["layers"]["mlp"]

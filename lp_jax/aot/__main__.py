@@ -41,6 +41,8 @@ def main(argv=None) -> int:
                          "the TPU slice on the expert axis, one device for cuda")
     ap.add_argument("--topology", default="v6e:2x4", help="TPU slice, e.g. v6e:2x4, v5e:4x4")
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
+                    help="expert-parallel MoE communication (default: auto)")
     ap.add_argument("--token-buckets", default=None,
                     help="comma-separated row buckets (default: the engine's)")
     ap.add_argument("--out", required=True)
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
             kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
             dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
+            moe_dispatch=args.moe_dispatch,
             token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
                            if args.token_buckets else None))
         summary = run(model_cfg, cfg, Path(args.out))
