@@ -35,7 +35,12 @@ from lp_jax.engine.kernel_check import check_backends
 from lp_jax.engine.latency import LatencyModel, ModelDims
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.model_runner import ModelRunner, StepHandle, resolve_buckets
-from lp_jax.engine.plan_channel import FollowerChannel, LeaderChannel, run_follower
+from lp_jax.engine.plan_channel import (
+    FollowerChannel,
+    LeaderChannel,
+    run_follower,
+    warm_broadcasts,
+)
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
 from lp_jax.engine.sequence import Sequence
@@ -187,6 +192,8 @@ class LLMEngine:
         if config.warmup:
             self.runner.warmup(log=self.log)
         if self.process.multi_process:
+            if config.plan_channel == "device":  # every process, in the same order
+                warm_broadcasts(self.runner.codec.max_message_bytes())
             if self.is_leader:
                 self.channel.wait_ready(timeout_s=3600.0)
                 self.runner.channel = self.channel

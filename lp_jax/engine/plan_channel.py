@@ -25,7 +25,8 @@ compares them with its own).
   publishes host:port in JAX's coordination-service key-value store, so no extra port
   or flag is needed.
 - "device": `multihost_utils.broadcast_one_to_all` of a fixed [4] int32 header and then
-  the payload padded to a power of two (so a handful of small programs serve every step).
+  the payload padded to 4 KiB x 16^i (a handful of small programs, run once at start-up
+  by `warm_broadcasts` so none compiles while serving).
 The TCP connections carry the hand-shake, the acks and STOP in both modes.
 
 **Failures.** A follower that exits or crashes closes its connection: the leader sees
@@ -97,6 +98,11 @@ class StepCodec:
                 parts.append(np.ascontiguousarray(x, dtype).reshape(shape).tobytes())
         return b"".join(parts)
 
+    def max_message_bytes(self) -> int:
+        """The largest step message: MAX_CALLS calls of the largest bucket."""
+        layout = self._layout(self.spec.buckets[-1])[1]
+        return 8 * 8 + MAX_CALLS * sum(nbytes for _, _, nbytes in layout)
+
     def decode(self, payload: bytes) -> tuple[int, int, list[tuple[int, dict]]]:
         header = np.frombuffer(payload, np.int64, 8)
         if int(header[0]) != MAGIC:
@@ -154,21 +160,40 @@ def _kv_client():
     return jax_distributed.global_state.client
 
 
+def _slot(nbytes: int) -> int:
+    """The device transport's payload sizes: 4 KiB x 16^i, so a few programs (compiled at
+    start-up, `warm_broadcasts`) carry every step."""
+    size = 4096
+    while size < nbytes:
+        size *= 16
+    return size
+
+
 def _broadcast(header_4: np.ndarray, payload: np.ndarray | None = None):
     """Device broadcast from process 0: a [4] int32 header, then (if header[1] > 0)
-    the payload padded to a power of two of uint8."""
+    the payload in a uint8 buffer of `_slot` size."""
     from jax.experimental import multihost_utils
 
     header_4 = np.asarray(multihost_utils.broadcast_one_to_all(header_4))
     nbytes = int(header_4[1])
     if nbytes == 0:
         return header_4, b""
-    size = 1 << max(10, (nbytes - 1).bit_length())
-    buf = np.zeros(size, np.uint8)
+    buf = np.zeros(_slot(nbytes), np.uint8)
     if payload is not None:
         buf[:nbytes] = payload
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return header_4, out[:nbytes].tobytes()
+
+
+def warm_broadcasts(max_bytes: int):
+    """Runs every broadcast program the device transport can use once, on every process
+    in the same order (they are collectives), so none compiles while serving."""
+    size = 4096
+    while True:
+        _broadcast(np.array([0, size, 0, 0], np.int32), np.zeros(size, np.uint8))
+        if size >= max_bytes:
+            return
+        size *= 16
 
 
 # ------------------------------------------------------------------------- leader
@@ -343,7 +368,9 @@ class FollowerChannel:
         _send(self._sock, HELLO, json.dumps({"process_id": info.process_id}).encode())
         self._acks: queue.Queue = queue.Queue()
         self._send_lock = threading.Lock()
-        threading.Thread(target=self._ack_loop, daemon=True, name="lp-acks").start()
+        self._closing = False
+        self._ack_thread = threading.Thread(target=self._ack_loop, daemon=True, name="lp-acks")
+        self._ack_thread.start()
 
     def setup(self) -> dict:
         msg = _recv(self._sock)
@@ -370,8 +397,8 @@ class FollowerChannel:
         self._acks.put((step_id, tokens_R))
 
     def _ack_loop(self):
-        while True:
-            step_id, tokens_R = self._acks.get()
+        while (item := self._acks.get()) is not None:
+            step_id, tokens_R = item
             crc = tokens_crc(None if tokens_R is None else host_array(tokens_R))
             self._send(ACK, struct.pack("!qQ", step_id, crc))
 
@@ -380,9 +407,14 @@ class FollowerChannel:
             try:
                 _send(self._sock, kind, payload)
             except OSError as e:
-                distributed.fatal(f"lost the leader ({e}); exiting")
+                if not self._closing:  # after STOP the leader may be gone: nothing is lost
+                    distributed.fatal(f"lost the leader ({e}); exiting")
 
     def close(self):
+        """After STOP: sends the acks still queued, then closes the connection."""
+        self._closing = True
+        self._acks.put(None)
+        self._ack_thread.join(timeout=30)
         try:
             self._sock.close()
         except OSError:
