@@ -86,7 +86,8 @@ def test_the_audit_catches_a_weight_copy(mid_dir, tmp_path, monkeypatch):
     from lp_jax.models.qwen3_moe import KernelBackends
 
     monkeypatch.setattr(aot, "KernelBackends",
-                        lambda moe, attention: KernelBackends(moe="xla", attention=attention))
+                        lambda moe, attention, **kw: KernelBackends(moe="xla", attention=attention,
+                                                                    **kw))
     summary = run(load_config(str(mid_dir)), AotConfig(platform="cuda", **ENGINE), tmp_path,
                   log=None)
     assert summary["violations"] and "one layer's experts" in summary["violations"][0]
