@@ -1,4 +1,4 @@
-"""Deterministic tiny Qwen3 / Qwen3-MoE checkpoints in the Hugging Face layout.
+"""Deterministic tiny Qwen3 / Qwen3-MoE / GPT-OSS checkpoints in the Hugging Face layout.
 
 A preset becomes a model directory that `transformers.AutoModelForCausalLM` loads as is:
 config.json, model.safetensors (or two shards plus an index), tokenizer.json,
@@ -97,6 +97,53 @@ PRESETS: dict[str, dict] = {
     "tiny-h128": {**_TINY, "num_hidden_layers": 4, "head_dim": 128, "num_attention_heads": 8},
 }
 
+# GPT-OSS (GptOssForCausalLM): 4 layers alternating sliding (window 8, shorter than the
+# 17- and 40-token golden prompts) and full attention, sinks, biases everywhere, YaRN as in
+# gpt-oss-20b, 8 experts top-2. swiglu_limit 1.5 (20b: 7.0) so the clamp of the SwiGLU
+# really cuts values at this scale. Kept apart from PRESETS, whose tests assume Qwen3.
+_GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000.0,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 8,
+    "swiglu_limit": 1.5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "vocab_size": 512,
+}
+
+GPT_OSS_PRESETS: dict[str, dict] = {
+    "tiny-gpt-oss": dict(_GPT_OSS),
+    # The same model with its experts stored as MXFP4 blocks and scales, as the published
+    # checkpoints are (weights drawn on the FP4 grid; see make_weights).
+    "tiny-gpt-oss-mxfp4": {**_GPT_OSS, "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4"}},
+}
+ALL_PRESETS = {**PRESETS, **GPT_OSS_PRESETS}
+
 _EXPERT_KEYS = (
     "decoder_sparse_step",
     "mlp_only_layers",
@@ -147,8 +194,14 @@ CHAT_TEMPLATE = (
 
 def build_config(preset: str = "tiny") -> dict:
     """The Hugging Face config.json contents for a preset."""
-    if preset not in PRESETS:
-        raise KeyError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if preset not in ALL_PRESETS:
+        raise KeyError(f"unknown preset {preset!r}; choose from {sorted(ALL_PRESETS)}")
+    if preset in GPT_OSS_PRESETS:
+        cfg = dict(GPT_OSS_PRESETS[preset])
+        vocab = cfg["vocab_size"]
+        cfg["bos_token_id"] = cfg["pad_token_id"] = special_token_id(vocab, ENDOFTEXT)
+        cfg["eos_token_id"] = special_token_id(vocab, IM_END)
+        return dict(sorted(cfg.items()))
     cfg = {**_SHARED, **PRESETS[preset]}
     cfg["max_window_layers"] = cfg["num_hidden_layers"]
     vocab = cfg["vocab_size"]
@@ -191,6 +244,8 @@ def make_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     Linear weights are N(0, 1/fan_in), so activations keep their scale through a layer;
     norm weights are their mean plus N(0, 0.1^2) noise, so a misapplied norm shows.
     """
+    if cfg["model_type"] == "gpt_oss":
+        return make_gpt_oss_weights(cfg, seed)
     rng = np.random.RandomState(seed)
     d, v = cfg["hidden_size"], cfg["vocab_size"]
     h, n, k = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -230,6 +285,64 @@ def make_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     norm("model.norm.weight", d)
     if not cfg["tie_word_embeddings"]:
         normal("lm_head.weight", (v, d), SCALES["head"] * d**-0.5)
+    return out
+
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _mxfp4(rng: np.random.RandomState, e: int, n_out: int, n_in: int, std: float):
+    """Random MXFP4 blocks [e, n_out, n_in/32, 16] and scales [e, n_out, n_in/32] with
+    values of about `std`: uniform nibbles (rms 2.9) and exponents from two powers of 2."""
+    g = n_in // 32
+    blocks = rng.randint(0, 256, (e, n_out, g, 16)).astype(np.uint8)
+    exp = int(np.floor(np.log2(std / 2.9)))
+    scales = (127 + exp + rng.randint(0, 2, (e, n_out, g))).astype(np.uint8)
+    return blocks, scales
+
+
+def make_gpt_oss_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """GPT-OSS tensors under the checkpoint's names: linear layers [out, in], experts
+    [E, in, out] with gate/up columns interleaved, or, with an MXFP4 quantization_config,
+    expert `*_blocks` / `*_scales` (see `_mxfp4`). Biases N(0, 0.1^2) (router 0.5^2),
+    sinks N(0, 1) so they take a visible share of attention, q_proj doubled (no q/k norm
+    here to sharpen attention)."""
+    rng = np.random.RandomState(seed)
+    d, v = cfg["hidden_size"], cfg["vocab_size"]
+    h, n, k = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    e, f = cfg["num_local_experts"], cfg["intermediate_size"]
+    mxfp4 = cfg.get("quantization_config", {}).get("quant_method") == "mxfp4"
+    out: dict[str, np.ndarray] = {}
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+
+    normal("model.embed_tokens.weight", (v, d), SCALES["embed"] * d**-0.5)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}.{norm}.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        for name, n_out, n_in, gain in (("q_proj", n * h, d, SCALES["qk_norm"]),
+                                        ("k_proj", k * h, d, 1.0), ("v_proj", k * h, d, 1.0),
+                                        ("o_proj", d, n * h, 1.0)):
+            normal(f"{p}.self_attn.{name}.weight", (n_out, n_in), gain * n_in**-0.5)
+            normal(f"{p}.self_attn.{name}.bias", (n_out,), 0.1)
+        normal(f"{p}.self_attn.sinks", (n,), 1.0)
+        normal(f"{p}.mlp.router.weight", (e, d), SCALES["router"] * d**-0.5)
+        normal(f"{p}.mlp.router.bias", (e,), 0.5)
+        x = f"{p}.mlp.experts"
+        if mxfp4:
+            for name, n_out, n_in in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+                blocks, scales = _mxfp4(rng, e, n_out, n_in, n_in**-0.5)
+                out[f"{x}.{name}_blocks"], out[f"{x}.{name}_scales"] = blocks, scales
+        else:
+            normal(f"{x}.gate_up_proj", (e, d, 2 * f), d**-0.5)
+            normal(f"{x}.down_proj", (e, f, d), f**-0.5)
+        normal(f"{x}.gate_up_proj_bias", (e, 2 * f), 0.1)
+        normal(f"{x}.down_proj_bias", (e, d), 0.1)
+    out["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    normal("lm_head.weight", (v, d), SCALES["head"] * d**-0.5)
     return out
 
 
@@ -400,7 +513,7 @@ def weights_digest(model_dir: str | os.PathLike) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
     ap.add_argument("--out", help="target directory (default: checkpoints/tiny/<preset>)")
     ap.add_argument("--sharded", action="store_true", help="two shards plus an index")
     ap.add_argument("--seed", type=int, default=0)

@@ -3,6 +3,13 @@
 One frozen dataclass holds what the model code needs and nothing else. Both config
 dialects in the wild are accepted: `num_experts` or `num_local_experts`, and
 `rope_theta` at top level or inside `rope_parameters` (newer transformers).
+
+Model types: "qwen3_moe" and "qwen3" (Qwen3MoeForCausalLM / Qwen3ForCausalLM), and
+"gpt_oss" (GptOssForCausalLM). GPT-OSS adds per-layer sliding windows (`layer_types`,
+`sliding_window`), learned attention sinks, biases on the attention projections, the
+router and both expert projections, a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)
+and YaRN RoPE; its experts are `intermediate_size` wide, all its layers are MoE, and
+its router renormalises over the top-k (softmax of the top-k logits).
 """
 
 from __future__ import annotations
@@ -11,7 +18,36 @@ import dataclasses
 import json
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """YaRN RoPE parameters (`rope_type: "yarn"`), as transformers'
+    `_compute_yarn_parameters` reads them; `attention_factor` None means 0.1 ln(factor) + 1."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @classmethod
+    def from_hf(cls, rope: dict, *, max_position_embeddings: int) -> RopeScaling:
+        if rope.get("mscale") or rope.get("mscale_all_dim"):
+            raise ValueError("YaRN with mscale / mscale_all_dim is not supported yet")
+        original = rope.get("original_max_position_embeddings") or max_position_embeddings
+        factor = rope.get("factor") or max_position_embeddings / original
+        return cls(factor=float(factor), original_max_position_embeddings=int(original),
+                   beta_fast=float(rope.get("beta_fast") or 32.0),
+                   beta_slow=float(rope.get("beta_slow") or 1.0),
+                   truncate=bool(rope.get("truncate", True)),
+                   attention_factor=rope.get("attention_factor"))
+
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,6 +73,13 @@ class ModelConfig:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # GPT-OSS; the defaults are Qwen3's (no window, no biases, plain SiLU, default RoPE).
+    rope_scaling: RopeScaling | None = None
+    layer_types: tuple[str, ...] = ()  # per layer, from LAYER_TYPES; () = all full
+    sliding_window: int = 0  # keys a sliding layer sees, its own position included
+    attention_bias: bool = False  # biases on q/k/v/o projections
+    swiglu_limit: float | None = None  # None: SiLU(gate) * up; else the clamped SwiGLU
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -68,6 +111,15 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"mlp_only_layers {bad} outside [0, {self.num_hidden_layers})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"unknown layer_types {unknown}; expected {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ValueError("sliding_attention layers need sliding_window > 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
@@ -89,11 +141,31 @@ class ModelConfig:
     def has_dense_layers(self) -> bool:
         return len(self.dense_layers) > 0
 
+    def layer_window(self, layer: int) -> int | None:
+        """Keys a layer's queries see (the query's own position included; HF's mask is
+        `key > query - sliding_window`), or None for a full-attention layer."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_attention_sinks(self) -> bool:
+        """Learned per-head sink logits in the softmax denominator (GPT-OSS)."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def has_moe_bias(self) -> bool:
+        """Biases on the router and on both expert projections (GPT-OSS)."""
+        return self.model_type == "gpt_oss"
+
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (gate, up, down) in the model dtype."""
+        """Bytes of one expert's weights (gate, up, down, and biases if any) in the model
+        dtype."""
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return 3 * self.hidden_size * self.moe_intermediate_size * itemsize
+        D, F = self.hidden_size, self.moe_intermediate_size
+        bias = 2 * F + D if self.has_moe_bias else 0
+        return (3 * D * F + bias) * itemsize
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
@@ -103,11 +175,15 @@ class ModelConfig:
                 f"{source}: unsupported model_type {model_type!r}; lp_jax supports "
                 f"{SUPPORTED_MODEL_TYPES}"
             )
+        gpt_oss = model_type == "gpt_oss"
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if gpt_oss and not rope.get("rope_type", rope.get("type")):
+            rope = {**_GPT_OSS_ROPE, **rope}  # GptOssConfig's default
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
+        if rope_type not in ("default", None, "yarn"):
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet")
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10_000.0))
+        default_theta = 150_000.0 if gpt_oss else 10_000.0
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", default_theta))
         num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
         if model_type == "qwen3":
             num_experts = 0
@@ -115,7 +191,29 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        max_pos = hf.get("max_position_embeddings", 131072 if gpt_oss else 40960)
         try:
+            moe = dict(
+                moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+                num_experts_per_tok=hf.get("num_experts_per_tok", 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            ) if num_experts else {}
+            extra = {}
+            if gpt_oss:  # every layer MoE, experts intermediate_size wide, top-k softmax
+                moe.update(moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
+                           num_experts_per_tok=hf.get("num_experts_per_tok", 4))
+                L = hf["num_hidden_layers"]
+                extra = dict(
+                    layer_types=tuple(hf.get("layer_types") or (
+                        "sliding_attention" if (i + 1) % 2 else "full_attention"
+                        for i in range(L))),
+                    sliding_window=hf.get("sliding_window") or 0,
+                    attention_bias=bool(hf.get("attention_bias", True)),
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                )
+            if rope_type == "yarn":
+                extra["rope_scaling"] = RopeScaling.from_hf(rope, max_position_embeddings=max_pos)
             return cls(
                 model_type=model_type,
                 vocab_size=hf["vocab_size"],
@@ -125,19 +223,18 @@ class ModelConfig:
                 num_key_value_heads=hf.get("num_key_value_heads", heads),
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                 intermediate_size=hf.get("intermediate_size", 0),
-                moe_intermediate_size=hf.get("moe_intermediate_size", 0) if num_experts else 0,
                 num_experts=num_experts,
-                num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-                rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rms_norm_eps=hf.get("rms_norm_eps", 1e-5 if gpt_oss else 1e-6),
                 rope_theta=float(rope_theta),
-                max_position_embeddings=hf.get("max_position_embeddings", 40960),
+                max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos,
+                **moe,
+                **extra,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None

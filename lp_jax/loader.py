@@ -1,5 +1,6 @@
-"""Builds a sharded Qwen3MoeForCausalLM from a Hugging Face directory, random
-weights ("dummy"), or an orbax checkpoint of converted parameters.
+"""Builds a sharded model (the class of its `model_type`: Qwen3MoeForCausalLM,
+GptOssForCausalLM) from a Hugging Face directory, random weights ("dummy"), or an
+orbax checkpoint of converted parameters.
 
 Loading streams: the model is first built abstractly (`nnx.eval_shape`), each
 parameter gets its NamedSharding from its logical axes, and every device shard is
@@ -8,6 +9,12 @@ slices it covers (per-expert tensors transposed and stacked on the fly). The hos
 never holds more than one shard's worth of a parameter, so no second copy of the
 model exists. Before anything is read, every expected tensor is checked for
 presence and shape, so a bad checkpoint fails whole, not half-loaded.
+
+GPT-OSS checkpoints keep each layer's experts in one tensor, [E, D, 2F] with gate and
+up columns interleaved (bf16, as transformers saves them), or in MXFP4 (`*_blocks`
+uint8 [E, out, G, 16]: two FP4 values a byte, low nibble first; `*_scales` uint8
+[E, out, G]: a power-of-two exponent + 127 per 32 values; `dequantize_mxfp4`). Either
+way one expert is read (and dequantised) at a time, for the shards that hold it.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lp_jax.config import ModelConfig
-from lp_jax.models.qwen3_moe import Qwen3MoeForCausalLM
+from lp_jax.models import StackedCausalLM, model_class
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -36,7 +43,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 class _Source:
     """How one stacked parameter is read: its leading stacked axes enumerate
     checkpoint tensors; `names(*idx)` lists the tensors for one entry and
-    `build` turns their arrays into that entry's [trailing dims] block."""
+    `build` turns their arrays into that entry's [trailing dims] block. A name may be
+    (name, i): row i of that tensor (one expert of a per-layer expert tensor);
+    `shapes` gives the whole tensors' shapes."""
 
     stack_sizes: tuple[int, ...]
     names: Callable[..., list[str]]
@@ -56,48 +65,122 @@ def _gate_up(arrs):
     return np.concatenate([arrs[0].T, arrs[1].T], axis=-1)
 
 
-def hf_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
-    """The Hugging Face tensor names behind every parameter path of the model."""
-    L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    moe, dense = cfg.moe_layers, cfg.dense_layers
-    E, F, Fd = cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+def _deinterleave(a):
+    """[..., 2F] with gate/up columns interleaved (GPT-OSS) -> [gate | up] halves."""
+    return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
+
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [..., G, B] uint8 and scales [..., G] uint8 -> float32 [..., G*2B]:
+    value j of a block is FP4_VALUES[nibble] * 2^(scale - 127), the low nibble of byte b
+    first (transformers' `convert_moe_packed_tensors`, before its final transpose)."""
+    blocks = np.asarray(blocks, np.uint8)
+    if blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
+    out = np.empty((*blocks.shape, 2), np.float32)
+    out[..., 0] = FP4_VALUES[blocks & 0x0F]
+    out[..., 1] = FP4_VALUES[blocks >> 4]
+    exp = np.asarray(scales, np.int32) - 127
+    out = np.ldexp(out, exp[..., None, None])
+    return out.reshape(*blocks.shape[:-2], -1)
+
+
+def _mxfp4_expert(arrs):
+    """One expert's [out, G, B] blocks and [out, G] scales -> [in, out] float32."""
+    return dequantize_mxfp4(arrs[0], arrs[1]).T
+
+
+def hf_sources(cfg: ModelConfig, *, mxfp4: bool = False) -> dict[tuple[str, ...], _Source]:
+    """The Hugging Face tensor names behind every parameter path of the model (for
+    GPT-OSS, `mxfp4` says the experts are stored as MXFP4 blocks and scales)."""
+    if cfg.model_type == "gpt_oss":
+        return _gpt_oss_sources(cfg, mxfp4)
+    return _qwen3_sources(cfg)
+
+
+def _per_layer(layers, suffix, shape, build=_transpose):
     lay = "model.layers.{}."
+    return _Source((len(layers),), lambda i: [lay.format(layers[i]) + suffix], build,
+                   lambda i: [shape])
 
-    def per_layer(suffix, shape, build=_transpose, layers=None):
-        layers = tuple(range(L)) if layers is None else layers
-        return _Source(
-            (len(layers),),
-            lambda i: [lay.format(layers[i]) + suffix],
-            build,
-            lambda i: [shape],
-        )
 
+def _shared_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
+    """Embedding, final norm, head and the two layer norms (every model type)."""
+    L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    layers = tuple(range(L))
     src = {
         ("model", "embed_tokens"): _Source((), lambda: ["model.embed_tokens.weight"], _identity,
                                            lambda: [(V, D)]),
         ("model", "norm"): _Source((), lambda: ["model.norm.weight"], _identity, lambda: [(D,)]),
-        ("model", "layers", "input_layernorm"): per_layer("input_layernorm.weight", (D,),
-                                                          _identity),
-        ("model", "layers", "post_attention_layernorm"): per_layer(
-            "post_attention_layernorm.weight", (D,), _identity),
-        ("model", "layers", "self_attn", "q_proj"): per_layer("self_attn.q_proj.weight",
-                                                              (N * H, D)),
-        ("model", "layers", "self_attn", "k_proj"): per_layer("self_attn.k_proj.weight",
-                                                              (K * H, D)),
-        ("model", "layers", "self_attn", "v_proj"): per_layer("self_attn.v_proj.weight",
-                                                              (K * H, D)),
-        ("model", "layers", "self_attn", "o_proj"): per_layer("self_attn.o_proj.weight",
-                                                              (D, N * H)),
-        ("model", "layers", "self_attn", "q_norm"): per_layer("self_attn.q_norm.weight", (H,),
-                                                              _identity),
-        ("model", "layers", "self_attn", "k_norm"): per_layer("self_attn.k_norm.weight", (H,),
-                                                              _identity),
+        ("model", "layers", "input_layernorm"): _per_layer(layers, "input_layernorm.weight",
+                                                           (D,), _identity),
+        ("model", "layers", "post_attention_layernorm"): _per_layer(
+            layers, "post_attention_layernorm.weight", (D,), _identity),
     }
     if not cfg.tie_word_embeddings:
         src[("lm_head",)] = _Source((), lambda: ["lm_head.weight"], _transpose, lambda: [(V, D)])
+    return src
+
+
+def _gpt_oss_sources(cfg: ModelConfig, mxfp4: bool) -> dict[tuple[str, ...], _Source]:
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, F = cfg.num_experts, cfg.moe_intermediate_size
+    layers = tuple(range(L))
+    attn, mlp = ("model", "layers", "self_attn"), ("model", "layers", "mlp")
+    src = _shared_sources(cfg)
+    for name, (n_out, n_in) in {"q_proj": (N * H, D), "k_proj": (K * H, D),
+                                "v_proj": (K * H, D), "o_proj": (D, N * H)}.items():
+        src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", (n_out, n_in))
+        if cfg.attention_bias:
+            src[(*attn, f"{name}_bias")] = _per_layer(layers, f"self_attn.{name}.bias",
+                                                      (n_out,), _identity)
+    src[(*attn, "sinks")] = _per_layer(layers, "self_attn.sinks", (N,), _identity)
+    src[(*mlp, "router")] = _per_layer(layers, "mlp.router.weight", (E, D))
+    src[(*mlp, "router_bias")] = _per_layer(layers, "mlp.router.bias", (E,), _identity)
+    experts = "model.layers.{}.mlp.experts."
+
+    def per_expert(tensors, shapes, build):  # row e of per-layer [E, ...] tensors
+        return _Source((L, E), lambda j, e: [(experts.format(j) + t, e) for t in tensors],
+                       build, lambda j, e: shapes)
+
+    if mxfp4:
+        G = D // 32  # gate_up's input is D; down's is F
+        src[(*mlp, "experts_gate_up_proj")] = per_expert(
+            ["gate_up_proj_blocks", "gate_up_proj_scales"],
+            [(E, 2 * F, G, 16), (E, 2 * F, G)], lambda a: _deinterleave(_mxfp4_expert(a)))
+        src[(*mlp, "experts_down_proj")] = per_expert(
+            ["down_proj_blocks", "down_proj_scales"],
+            [(E, D, F // 32, 16), (E, D, F // 32)], _mxfp4_expert)
+    else:
+        src[(*mlp, "experts_gate_up_proj")] = per_expert(
+            ["gate_up_proj"], [(E, D, 2 * F)], lambda a: _deinterleave(a[0]))
+        src[(*mlp, "experts_down_proj")] = per_expert(["down_proj"], [(E, F, D)], _identity)
+    src[(*mlp, "experts_gate_up_proj_bias")] = per_expert(
+        ["gate_up_proj_bias"], [(E, 2 * F)], lambda a: _deinterleave(a[0]))
+    src[(*mlp, "experts_down_proj_bias")] = per_expert(["down_proj_bias"], [(E, D)], _identity)
+    return src
+
+
+def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
+    L, D = cfg.num_hidden_layers, cfg.hidden_size
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    moe, dense = cfg.moe_layers, cfg.dense_layers
+    E, F, Fd = cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    layers, lay = tuple(range(L)), "model.layers.{}."
+    attn = ("model", "layers", "self_attn")
+    src = _shared_sources(cfg)
+    for name, shape in {"q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
+                        "o_proj": (D, N * H)}.items():
+        src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", shape)
+    for name in ("q_norm", "k_norm"):
+        src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", (H,), _identity)
     if moe:
-        src[("model", "layers", "mlp", "gate")] = per_layer("mlp.gate.weight", (E, D), layers=moe)
+        src[("model", "layers", "mlp", "gate")] = _per_layer(moe, "mlp.gate.weight", (E, D))
         expert = lay + "mlp.experts.{}."
         src[("model", "layers", "mlp", "experts_gate_up_proj")] = _Source(
             (len(moe), E),
@@ -114,8 +197,8 @@ def hf_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
         )
     if dense:
         for name, shape in (("gate_proj", (Fd, D)), ("up_proj", (Fd, D)), ("down_proj", (D, Fd))):
-            src[("model", "layers", "dense_mlp", name)] = per_layer(f"mlp.{name}.weight", shape,
-                                                                    layers=dense)
+            src[("model", "layers", "dense_mlp", name)] = _per_layer(dense, f"mlp.{name}.weight",
+                                                                     shape)
     return src
 
 
@@ -152,6 +235,7 @@ class HFCheckpoint:
         for src in sources.values():
             for idx in np.ndindex(*src.stack_sizes):
                 for name, shape in zip(src.names(*idx), src.shapes(*idx), strict=True):
+                    name = name[0] if isinstance(name, tuple) else name
                     f = self.where.get(name)
                     if f is None:
                         raise CheckpointError(
@@ -164,6 +248,15 @@ class HFCheckpoint:
                             f"expected {shape}"
                         )
 
+    def _tensor(self, name) -> np.ndarray:
+        """A zero-copy view of a tensor, or of its row i for name = (name, i)."""
+        if isinstance(name, tuple):
+            return self.where[name[0]].get(name[0])[name[1]]
+        return self.where[name].get(name)
+
+    def has_mxfp4_experts(self) -> bool:
+        return any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in self.where)
+
     def read(self, src: _Source, index: tuple[slice, ...], dtype) -> np.ndarray:
         """The block of the stacked parameter covered by `index` (a shard's slices)."""
         n_stack = len(src.stack_sizes)
@@ -172,7 +265,7 @@ class HFCheckpoint:
         blocks = []
         for idx in np.ndindex(*[len(r) for r in stack_ranges]):
             entry = tuple(r[i] for r, i in zip(stack_ranges, idx, strict=True))
-            arrs = [self.where[n].get(n) for n in src.names(*entry)]
+            arrs = [self._tensor(n) for n in src.names(*entry)]
             blocks.append(np.asarray(src.build(arrs)[inner], dtype=dtype))
         if not n_stack:
             return blocks[0]
@@ -180,8 +273,10 @@ class HFCheckpoint:
 
 
 def abstract_model(cfg: ModelConfig, dtype=None):
-    """(graphdef, abstract state) of the model without allocating anything."""
-    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    """(graphdef, abstract state) of the model (the class of cfg.model_type) without
+    allocating anything."""
+    cls = model_class(cfg.model_type)
+    model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     return nnx.split(model)
 
 
@@ -199,11 +294,13 @@ def _dummy_param(path, var, sharding, key):
 
     Stacked parameters are drawn one leading slice at a time (`lax.map`), so a 30B
     model needs temporaries of one layer's slice, not float32 copies of everything.
-    Norm weights are ones, as at init.
+    Norm weights are ones, biases and attention sinks zeros, as at init.
     """
     shape, dtype = var.shape, var.dtype
     if path[-1].endswith("norm"):
         return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
+    if path[-1].endswith("_bias") or path[-1] == "sinks":
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     fan_in = shape[-1] if path[-1] == "embed_tokens" else shape[-2]
     std = 1.0 / math.sqrt(fan_in)
 
@@ -234,7 +331,7 @@ def load_model(
     mesh: Mesh | None = None,
     dtype=None,
     seed: int = 0,
-) -> Qwen3MoeForCausalLM:
+) -> StackedCausalLM:
     """Builds the model sharded over `mesh` (default: one device).
 
     load_format: "safetensors" (a Hugging Face directory), "dummy" (random weights
@@ -263,7 +360,7 @@ def load_model(
             abstract, lambda p, v: _dummy_param(p, v, flat_shardings[p], next(keys))))
 
     ckpt = HFCheckpoint(model_dir)
-    sources = hf_sources(config)
+    sources = hf_sources(config, mxfp4=ckpt.has_mxfp4_experts())
     missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
     if missing:  # a model parameter without a checkpoint mapping is a bug here
         raise AssertionError(f"no checkpoint mapping for parameters {sorted(missing)}")
@@ -280,7 +377,7 @@ def load_model(
 
 
 # ------------------------------------------------------------------ orbax
-def save_params(model: Qwen3MoeForCausalLM, path: str | Path):
+def save_params(model: StackedCausalLM, path: str | Path):
     """Saves converted parameters with orbax (a directory; must not exist)."""
     import orbax.checkpoint as ocp
 
@@ -289,7 +386,7 @@ def save_params(model: Qwen3MoeForCausalLM, path: str | Path):
 
 
 def restore_params(cfg: ModelConfig, path: str | Path, *, mesh: Mesh | None = None,
-                   dtype=None) -> Qwen3MoeForCausalLM:
+                   dtype=None) -> StackedCausalLM:
     """Restores `save_params` output straight into the target sharding."""
     import orbax.checkpoint as ocp
 
@@ -312,4 +409,5 @@ def _get_path(tree, path):
     return tree
 
 
-__all__ = ["CheckpointError", "load_model", "save_params", "restore_params", "hf_sources"]
+__all__ = ["CheckpointError", "load_model", "save_params", "restore_params", "hf_sources",
+           "dequantize_mxfp4"]

@@ -20,6 +20,10 @@ Linear weights are stored [in, out] (the transpose of torch's [out, in]). Expert
 weights use the kernel layout: `gate_up_proj` [E, D, 2F] (gate in [..., :F], up
 in [..., F:]) and `down_proj` [E, F, D]. Every parameter declares its logical
 axes (`logical_axes` metadata) for lp_jax.sharding.
+
+What does not depend on the architecture (embedding, head, the attention half around
+the model's projections, the operator-unit loop) lives in `StackedCausalLM`, which
+GPT-OSS (gpt_oss.py) shares; a model supplies `_qkv`, `_o_proj` and `_mlp`.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from lp_jax.models.sharded_kernels import (
     sharded_moe_ffn,
     sharded_ragged_paged_attention,
 )
+from pallas_kernels import attention
 from pallas_kernels.attention import write_kv
 
 
@@ -71,20 +76,53 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, *, fan_in: int | None = None, one
     return nnx.Param(value, logical_axes=axes)
 
 
-def rms_norm(x, weight, eps):
-    """HF Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x, weight, eps, *, scale_in_float32=False):
+    """HF Qwen3RMSNorm: normalise in float32, cast back, then scale. With
+    `scale_in_float32` (GptOssRMSNorm): scale in float32, then cast back."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale_in_float32:
+        return (weight.astype(jnp.float32) * x32).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
-def apply_rope(x_TNH, positions_T, theta: float):
-    """Rotary embedding in the rotate-half (non-interleaved) form Qwen3 uses."""
-    H = x_TNH.shape[-1]
+def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
+    """(inv_freq [H/2] float32, cos/sin scale), computed as transformers does: the
+    default RoPE, or YaRN (`_compute_yarn_parameters`) when cfg.rope_scaling is set."""
+    H, theta, yarn = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-    freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    if yarn is None:
+        return inv_freq, 1.0
+    scale = yarn.attention_factor
+    if scale is None:
+        scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+
+    def correction_dim(rotations):
+        return (H * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, H - 1)
+    high = high + 0.001 if low == high else high  # as HF: no zero-width ramp
+    ramp = jnp.clip((jnp.arange(H // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate by factor
+    pos_freqs = theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H)
+    inv_freq = (1.0 / (yarn.factor * pos_freqs) * (1 - extrapolation)
+                + 1.0 / pos_freqs * extrapolation)
+    return inv_freq, float(scale)
+
+
+def apply_rope(x_TNH, positions_T, inv_freq_H2, scale: float = 1.0):
+    """Rotary embedding in the rotate-half (non-interleaved) form Qwen3 and GPT-OSS use;
+    `scale` multiplies cos and sin (YaRN's attention factor)."""
+    H = x_TNH.shape[-1]
+    freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq_H2[None, :]
     emb_TH = jnp.concatenate([freqs_TH2, freqs_TH2], axis=-1)
     cos, sin = jnp.cos(emb_TH)[:, None, :], jnp.sin(emb_TH)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     cos, sin = cos.astype(x_TNH.dtype), sin.astype(x_TNH.dtype)
     x1, x2 = x_TNH[..., : H // 2], x_TNH[..., H // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -151,54 +189,57 @@ class Qwen3MoeModel(nnx.Module):
         self.norm = _param(rngs, (D,), ("embed",), dtype, ones=True)
 
 
-class Qwen3MoeForCausalLM(nnx.Module):
-    """Qwen3MoeForCausalLM / Qwen3ForCausalLM. Use `run_layers` for any layer range."""
+class StackedCausalLM(nnx.Module):
+    """The architecture-independent part of a stacked decoder: embedding, final norm
+    and head, the attention half of a layer around the model's projections, and the
+    operator-unit loop. A model sets `config`, `dtype`, `model` (with `embed_tokens`,
+    `norm`, `layers.input_layernorm`, `layers.self_attn.q_proj`) and `lm_head` (None
+    when tied), and supplies `_qkv`, `_o_proj` and `_mlp`; `_attention_extras` and
+    `_norm` have defaults."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
-        dtype = jnp.dtype(dtype or cfg.dtype)
-        self.config = cfg
-        self.dtype = dtype
-        self.model = Qwen3MoeModel(cfg, dtype, rngs=rngs)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = _param(
-                rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype
-            )
-        # Position of each layer inside its kind's stack (MoE or dense).
-        moe, dense = cfg.moe_layers, cfg.dense_layers
-        self._stack_index = tuple(
-            moe.index(i) if i in moe else dense.index(i) for i in range(cfg.num_hidden_layers)
-        )
+    config: ModelConfig
 
     # ----------------------------------------------------------------- pieces
     def embed(self, token_ids_T: jax.Array) -> jax.Array:
         return jnp.take(self.model.embed_tokens[...], token_ids_T, axis=0)
 
+    def _norm(self, x_TD, weight):
+        return rms_norm(x_TD, weight, self.config.rms_norm_eps)
+
     def compute_logits(self, x_TD: jax.Array) -> jax.Array:
         """Final RMSNorm and lm_head; float32 logits [T, V]."""
-        h_TD = rms_norm(x_TD, self.model.norm[...], self.config.rms_norm_eps)
+        h_TD = self._norm(x_TD, self.model.norm[...])
         if self.lm_head is None:
             w_VD = self.model.embed_tokens[...]
             return jnp.einsum("td,vd->tv", h_TD, w_VD, preferred_element_type=jnp.float32)
         return jnp.dot(h_TD, self.lm_head[...], preferred_element_type=jnp.float32)
 
+    def _qkv(self, i, h_TD, positions_T):
+        """Layer i's q_TNH, k_TKH, v_TKH from the normed hidden states, RoPE applied."""
+        raise NotImplementedError
+
+    def _o_proj(self, i, o_TX):
+        """Layer i's output projection of the attention output [T, N*H]."""
+        raise NotImplementedError
+
+    def _attention_extras(self, i) -> dict:
+        """Keyword arguments for the attention reference (sinks, window); {} for none."""
+        return {}
+
+    def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
+        """MLP half of layer i with its residual: (x_TD, experts activated)."""
+        raise NotImplementedError
+
     def _attention(self, i, x_TD, kv_pages_PSJH, meta: AttentionMetadata, decode_only, backend):
         """Attention half of layer i (a traced index): pre-norm, projections, RoPE, KV write,
         paged attention, output projection and residual."""
-        cfg, attn = self.config, self.model.layers.self_attn
+        cfg = self.config
         T = x_TD.shape[0]
-        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        N, H = cfg.num_attention_heads, cfg.head_dim
         # The projections are XLA dots on w[i]: XLA addresses the layer in place (TPU
         # operand fusion, GPU dynamic-slice fusion); `python -m lp_jax.aot` audits it.
-        h_TD = rms_norm(x_TD, self.model.layers.input_layernorm[i], cfg.rms_norm_eps)
-        q_TNH = _dot(h_TD, attn.q_proj[i]).reshape(T, N, H)
-        k_TKH = _dot(h_TD, attn.k_proj[i]).reshape(T, K, H)
-        v_TKH = _dot(h_TD, attn.v_proj[i]).reshape(T, K, H)
-        q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
-        k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)
-        q_TNH = apply_rope(q_TNH, meta.positions_T, cfg.rope_theta)
-        k_TKH = apply_rope(k_TKH, meta.positions_T, cfg.rope_theta)
+        h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
+        q_TNH, k_TKH, v_TKH = self._qkv(i, h_TD, meta.positions_T)
 
         # Logical pages -> this layer's physical pages in the shared pool.
         P_total, S = kv_pages_PSJH.shape[:2]
@@ -206,20 +247,27 @@ class Qwen3MoeForCausalLM(nnx.Module):
         slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
         kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T)
         page_table_BC = meta.page_table_BC + page_offset
-        o_TNH = self._attend(q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend)
-        x_TD = x_TD + _dot(o_TNH.reshape(T, N * H), attn.o_proj[i])
+        o_TNH = self._attend(i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only,
+                             backend)
+        x_TD = x_TD + self._o_proj(i, o_TNH.reshape(T, N * H))
         return x_TD, kv_pages_PSJH
 
-    def _attend(self, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend):
+    def _attend(self, i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend):
         """Paged attention. `decode_only` (a bool, or a traced bool chosen per call) picks a
         backend's decode kernel where it has one distinct from its ragged kernel."""
         sm_scale = self.config.head_dim**-0.5
+        extras = self._attention_extras(i)
         # A Pallas kernel on a multi-device mesh runs per head shard (GSPMD would
         # gather the whole pool onto every device); see sharded_kernels.
         attn = self.model.layers.self_attn
         mesh = kernel_mesh(attn.q_proj[...]) if is_pallas_attention(backend) else None
 
         def ragged():
+            if mesh is None:
+                return attention.ragged_paged_attention(
+                    q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
+                    page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend,
+                    **extras)
             return sharded_ragged_paged_attention(
                 mesh, q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
                 page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend)
@@ -239,52 +287,6 @@ class Qwen3MoeForCausalLM(nnx.Module):
         if decode_only is True:
             return decode()
         return jax.lax.cond(decode_only, decode, ragged)
-
-    def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
-        """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
-        the layer index, and address the layer themselves (no [E, D, 2F] slice is made)."""
-        cfg, mlp = self.config, self.model.layers.mlp
-        backend, top_k = backends.moe, cfg.num_experts_per_tok
-        logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
-        w_gate_up_LEDF2, w_down_LEFD = mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...]
-        # On a multi-device mesh, a Pallas kernel runs per expert shard, and so does any
-        # backend under the all_to_all dispatch; the xla backends under allreduce stay
-        # under GSPMD. See sharded_kernels.
-        mesh = kernel_mesh(w_gate_up_LEDF2)
-        dispatch = resolve_moe_dispatch(mesh, backends.moe_dispatch, h_TD, w_gate_up_LEDF2,
-                                        top_k)
-        if dispatch == "allreduce" and not is_pallas_moe(backend):
-            mesh = None
-        y_TD, stats = sharded_moe_ffn(
-            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j, top_k=top_k,
-            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
-            dispatch=dispatch,
-        )
-        return y_TD, stats["experts_activated"]
-
-    def _dense_mlp(self, j, h_TD):
-        mlp = self.model.layers.dense_mlp
-        g_TF = _dot(h_TD, mlp.gate_proj[j])
-        u_TF = _dot(h_TD, mlp.up_proj[j])
-        return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j]), jnp.int32(0)
-
-    def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
-        """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns
-        (x_TD, experts activated). In a model mixing both kinds, the kind is chosen at run
-        time from the layer index, so one loop body serves every layer."""
-        cfg = self.config
-        h_TD = rms_norm(x_TD, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
-        stack_j = jnp.asarray(self._stack_index, jnp.int32)[i]
-        moe = lambda: self._moe(stack_j, h_TD, token_mask_T, backends)
-        dense = lambda: self._dense_mlp(stack_j, h_TD)
-        if not cfg.moe_layers:
-            y_TD, activated = dense()
-        elif not cfg.dense_layers:
-            y_TD, activated = moe()
-        else:
-            is_moe = jnp.asarray([cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers)])
-            y_TD, activated = jax.lax.cond(is_moe[i], moe, dense)
-        return x_TD + y_TD, activated
 
     # ------------------------------------------------------------- layer range
     def run_layers(self, x_TD, kv_pages_PSJH, meta, start, end, *, decode_only=False,
@@ -336,6 +338,91 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
         return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
                                  (x_TD, kv_pages_PSJH, jnp.int32(0)))
+
+
+class Qwen3MoeForCausalLM(StackedCausalLM):
+    """Qwen3MoeForCausalLM / Qwen3ForCausalLM. Use `run_layers` for any layer range."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        self.config = cfg
+        self.dtype = dtype
+        self.model = Qwen3MoeModel(cfg, dtype, rngs=rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(
+                rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype
+            )
+        # Position of each layer inside its kind's stack (MoE or dense).
+        moe, dense = cfg.moe_layers, cfg.dense_layers
+        self._stack_index = tuple(
+            moe.index(i) if i in moe else dense.index(i) for i in range(cfg.num_hidden_layers)
+        )
+
+    def _qkv(self, i, h_TD, positions_T):
+        """Projections, per-head q/k RMSNorm, RoPE."""
+        cfg, attn = self.config, self.model.layers.self_attn
+        T = h_TD.shape[0]
+        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_TNH = _dot(h_TD, attn.q_proj[i]).reshape(T, N, H)
+        k_TKH = _dot(h_TD, attn.k_proj[i]).reshape(T, K, H)
+        v_TKH = _dot(h_TD, attn.v_proj[i]).reshape(T, K, H)
+        q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
+        k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)
+        inv_freq_H2, scale = rope_frequencies(cfg)
+        q_TNH = apply_rope(q_TNH, positions_T, inv_freq_H2, scale)
+        k_TKH = apply_rope(k_TKH, positions_T, inv_freq_H2, scale)
+        return q_TNH, k_TKH, v_TKH
+
+    def _o_proj(self, i, o_TX):
+        return _dot(o_TX, self.model.layers.self_attn.o_proj[i])
+
+    def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
+        """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
+        the layer index, and address the layer themselves (no [E, D, 2F] slice is made)."""
+        cfg, mlp = self.config, self.model.layers.mlp
+        backend, top_k = backends.moe, cfg.num_experts_per_tok
+        logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
+        w_gate_up_LEDF2, w_down_LEFD = mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...]
+        # On a multi-device mesh, a Pallas kernel runs per expert shard, and so does any
+        # backend under the all_to_all dispatch; the xla backends under allreduce stay
+        # under GSPMD. See sharded_kernels.
+        mesh = kernel_mesh(w_gate_up_LEDF2)
+        dispatch = resolve_moe_dispatch(mesh, backends.moe_dispatch, h_TD, w_gate_up_LEDF2,
+                                        top_k)
+        if dispatch == "allreduce" and not is_pallas_moe(backend):
+            mesh = None
+        y_TD, stats = sharded_moe_ffn(
+            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j, top_k=top_k,
+            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
+            dispatch=dispatch,
+        )
+        return y_TD, stats["experts_activated"]
+
+    def _dense_mlp(self, j, h_TD):
+        mlp = self.model.layers.dense_mlp
+        g_TF = _dot(h_TD, mlp.gate_proj[j])
+        u_TF = _dot(h_TD, mlp.up_proj[j])
+        return _dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j]), jnp.int32(0)
+
+    def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
+        """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns
+        (x_TD, experts activated). In a model mixing both kinds, the kind is chosen at run
+        time from the layer index, so one loop body serves every layer."""
+        cfg = self.config
+        h_TD = rms_norm(x_TD, self.model.layers.post_attention_layernorm[i], cfg.rms_norm_eps)
+        stack_j = jnp.asarray(self._stack_index, jnp.int32)[i]
+        moe = lambda: self._moe(stack_j, h_TD, token_mask_T, backends)
+        dense = lambda: self._dense_mlp(stack_j, h_TD)
+        if not cfg.moe_layers:
+            y_TD, activated = dense()
+        elif not cfg.dense_layers:
+            y_TD, activated = moe()
+        else:
+            is_moe = jnp.asarray([cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers)])
+            y_TD, activated = jax.lax.cond(is_moe[i], moe, dense)
+        return x_TD + y_TD, activated
 
 
 KV_CACHE_AXES = ("kv_pages", None, "kv_combined_heads", None)  # logical axes of the pool

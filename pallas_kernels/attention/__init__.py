@@ -13,6 +13,11 @@ ragged batch), `decode_attention` (one token per sequence). Backends:
 * "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`platform.target_platform()`:
   the host's backend, or the target of an ahead-of-time compile).
 
+Attention sinks and sliding windows (GPT-OSS; `sinks_N=`, `sliding_window=`, see
+ref.py) exist in "xla" only so far: a kernel backend given either raises ValueError
+(the GPT-OSS model picks "xla" for its layers itself, with a warning; see
+lp_jax/models/gpt_oss.py).
+
 A kernel backend raises ValueError, naming the failed constraint, for inputs it
 does not support (e.g. TPU needs head_dim % 128 == 0, GPU needs power-of-two
 head_dim and page size); it never falls back silently. Asking for "tpu" or "gpu"
@@ -98,24 +103,37 @@ def _kernel_backend(backend: str) -> tuple[str, bool]:
     return resolved, interpret
 
 
+def _reference_only(resolved: str, sinks_N, sliding_window) -> dict:
+    """The sink / window keyword arguments for the reference; raises for a kernel."""
+    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
+              if v is not None}
+    if extras and resolved != "xla":
+        raise ValueError(f"attention backend {resolved!r} has no {' / '.join(extras)} "
+                         "support yet (GPT-OSS layers); use backend='xla'")
+    return extras
+
+
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
-                           num_seqs, *, sm_scale, backend="auto"):
+                           num_seqs, *, sm_scale, backend="auto", sinks_N=None,
+                           sliding_window=None):
     """Causal attention of a ragged batch's tokens to their paged context (ref.py)."""
     resolved, interpret = _kernel_backend(backend)
+    extras = _reference_only(resolved, sinks_N, sliding_window)
     args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
     if resolved == "xla":
-        return ref_ragged_paged_attention(*args, sm_scale=sm_scale)
+        return ref_ragged_paged_attention(*args, sm_scale=sm_scale, **extras)
     kernels = _KERNELS[resolved]
     return kernels.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
 
 
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
-                     backend="auto"):
+                     backend="auto", sinks_N=None, sliding_window=None):
     """One query token per sequence; seq_len 0 sequences return zeros."""
     resolved, interpret = _kernel_backend(backend)
+    extras = _reference_only(resolved, sinks_N, sliding_window)
     args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
     if resolved == "xla":
-        return ref_decode_attention(*args, sm_scale=sm_scale)
+        return ref_decode_attention(*args, sm_scale=sm_scale, **extras)
     return _KERNELS[resolved].decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
 
 

@@ -17,6 +17,17 @@ step's KV write, has seq_lens_B[b] tokens of context, so its i-th query token
 sits at position seq_lens_B[b] - q_len_b + i and attends causally to positions
 <= its own. Decode is the case q_len_b = 1. Tokens past query_start_B1[num_seqs]
 are padding and return zeros.
+
+Two optional features (GPT-OSS), off by default:
+
+* `sliding_window` W (a Python int or a traced int32 scalar, so one program serves
+  layers of both kinds; None or <= 0: full causal attention): the query at position p
+  sees keys in (p - W, p], HF's `key > query - sliding_window`. Pages wholly before
+  the window of every token of a query block are skipped, not just masked.
+* `sinks_N` [N]: a learned logit per query head that joins the softmax denominator
+  (an extra key whose value is zero): softmax over [scores, sink], sink column dropped.
+  The online softmax starts from it (running max = sink, running sum = 1), so a row
+  that sees no key returns zeros, as it does without sinks.
 """
 
 from __future__ import annotations
@@ -102,12 +113,15 @@ def ref_ragged_paged_attention(
     *,
     sm_scale: float,
     block_q: int = 64,
+    sinks_N: jax.Array | None = None,
+    sliding_window=None,
 ) -> jax.Array:
     """Causal paged attention for a ragged batch (prefill, decode, or both).
 
     Flash-style: query blocks of `block_q` tokens walk their sequences' pages one
-    page at a time with an online softmax, stopping at the last page any token of
-    the block can see. Memory is O(block_q * S), not O(T * context).
+    page at a time with an online softmax, from the first page any token of the block
+    can see (0 without a window) to the last. Memory is O(block_q * S), not
+    O(T * context). `sinks_N` and `sliding_window`: see the module docstring.
     """
     T, N, H = q_TNH.shape
     _, S, J, _ = kv_pages_PSJH.shape
@@ -122,12 +136,18 @@ def ref_ragged_paged_attention(
     q_QKGH = jnp.pad(q_TNH, ((0, pad), (0, 0), (0, 0))).reshape(num_blocks, block_q, K, G, H)
     seq_Q = jnp.pad(seq_T, (0, pad)).reshape(num_blocks, block_q)
     pos_Q = jnp.pad(pos_T, (0, pad), constant_values=-1).reshape(num_blocks, block_q)
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
 
     def one_block(args):
         q_bKGH, seq_b, pos_b = args
         q_bKGH = q_bKGH.astype(jnp.float32) * sm_scale
         pages_bC = page_table_BC[seq_b]
-        num_pages = jnp.max(pos_b) // S + 1  # 0 when the whole block is padding
+        last_pos = jnp.max(pos_b)
+        num_pages = last_pos // S + 1  # 0 when the whole block is padding
+        first_page = 0
+        if window is not None:  # the page of the oldest key any real row still sees
+            first_pos = jnp.min(jnp.where(pos_b >= 0, pos_b, last_pos))
+            first_page = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0) // S, 0)
 
         def body(c, carry):
             m_bKG, l_bKG, acc_bKGH = carry
@@ -136,6 +156,9 @@ def ref_ragged_paged_attention(
             s_bKGS = jnp.einsum("bkgh,bskh->bkgs", q_bKGH, k_bSKH)
             key_pos_S = c * S + jnp.arange(S)
             visible_bS = key_pos_S[None, :] <= pos_b[:, None]
+            if window is not None:
+                in_window_bS = key_pos_S[None, :] > pos_b[:, None] - window
+                visible_bS &= (window <= 0) | in_window_bS
             s_bKGS = jnp.where(visible_bS[:, None, None, :], s_bKGS, MASK_VALUE)
             m_new = jnp.maximum(m_bKG, jnp.max(s_bKGS, axis=-1))
             p_bKGS = jnp.exp(s_bKGS - m_new[..., None])
@@ -145,20 +168,23 @@ def ref_ragged_paged_attention(
             acc_new = alpha[..., None] * acc_bKGH + jnp.einsum("bkgs,bskh->bkgh", p_bKGS, v_bSKH)
             return m_new, l_new, acc_new
 
-        init = (
-            jnp.full(q_bKGH.shape[:3], MASK_VALUE, jnp.float32),
-            jnp.zeros(q_bKGH.shape[:3], jnp.float32),
-            jnp.zeros(q_bKGH.shape, jnp.float32),
-        )
-        _, l_bKG, acc_bKGH = jax.lax.fori_loop(0, num_pages, body, init)
+        if sinks_N is None:
+            m0, l0 = jnp.full(q_bKGH.shape[:3], MASK_VALUE, jnp.float32), 0.0
+        else:  # the sink is the first "key": max = sink, sum = exp(sink - sink) = 1
+            m0, l0 = jnp.broadcast_to(sink_KG, q_bKGH.shape[:3]), 1.0
+        init = (m0, jnp.full(q_bKGH.shape[:3], l0, jnp.float32),
+                jnp.zeros(q_bKGH.shape, jnp.float32))
+        _, l_bKG, acc_bKGH = jax.lax.fori_loop(first_page, num_pages, body, init)
         return acc_bKGH / jnp.where(l_bKG == 0.0, 1.0, l_bKG)[..., None]
 
+    sink_KG = None if sinks_N is None else sinks_N.astype(jnp.float32).reshape(K, G)
     o_QKGH = jax.lax.map(one_block, (q_QKGH, seq_Q, pos_Q))
     o_TNH = o_QKGH.reshape(num_blocks * block_q, N, H)[:T]
     return jnp.where(valid_T[:, None, None], o_TNH, 0.0).astype(q_TNH.dtype)
 
 
-def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale):
+def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
+                         sinks_N=None, sliding_window=None):
     """One query token per sequence; sequences with seq_len 0 are padding (zeros)."""
     B = q_BNH.shape[0]
     query_start_B1 = jnp.arange(B + 1, dtype=jnp.int32)
@@ -166,7 +192,7 @@ def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_
     # Padding sequences must sit at the end for the ragged form; decode batches do.
     return ref_ragged_paged_attention(
         q_BNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs,
-        sm_scale=sm_scale, block_q=B,
+        sm_scale=sm_scale, block_q=B, sinks_N=sinks_N, sliding_window=sliding_window,
     )
 
 

@@ -19,6 +19,10 @@ inside a layer loop is fine). The kernel backends address the layer inside the w
 arrays (`ref.stacked_experts`: the expert ids are offset by layer*E into the
 [L*E, ...] view), so a layer loop copies no weights; the xla reference slices.
 
+GPT-OSS experts (biases `b_gate_up` / `b_down`, `activation="gpt_oss_clamped"`; see
+ref.py) run on "xla" and "xla_tiles" only so far: "auto" then picks "xla_tiles", and
+a named "tpu" or "gpu" raises ValueError (never a silent wrong result).
+
 All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
 (`layout.py`) and never read the weights of an expert with no rows.
@@ -86,6 +90,11 @@ def moe_ffn(
     backend: str = "auto",
     token_mask_T: jax.Array | None = None,
     interpret=None,
+    b_gate_up=None,
+    b_down=None,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
 ):
     """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
 
@@ -96,13 +105,24 @@ def moe_ffn(
     interpret: run the Pallas backends in interpret mode: True/False, None (default:
       $LP_JAX_PALLAS_INTERPRET), or a `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`
       for the tpu / gpu backend. Ignored by xla.
+    b_gate_up / b_down, activation, swiglu_limit / swiglu_alpha: GPT-OSS experts (ref.py);
+      xla and xla_tiles only.
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
     if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
+    gpt_oss = b_gate_up is not None or b_down is not None or activation != "silu"
+    if gpt_oss and backend in ("tpu", "gpu"):
+        if not auto:
+            raise ValueError(f"MoE backend {backend!r} has no expert biases / clamped SwiGLU "
+                             "yet (GPT-OSS); use 'xla_tiles' or 'xla'")
+        backend = "xla_tiles"
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T)
+    if gpt_oss:
+        kwargs.update(b_gate_up=b_gate_up, b_down=b_down, activation=activation,
+                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)

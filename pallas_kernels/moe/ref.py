@@ -16,6 +16,11 @@ stacked form into [L*E, ...] (a free reshape) and the offset layer*E that the ke
 add to their expert ids, so they address the layer inside the whole array. This
 reference takes the slice w[layer] instead, a copy of one layer's experts: it is the
 oracle, not a path that has to be fast.
+
+GPT-OSS experts (off by default): biases on both projections, `b_gate_up` [E, 2F] and
+`b_down` [E, D] (stacked [L, E, 2F] / [L, E, D] with `layer`), in the same [gate | up]
+order as the weights, and the clamped SwiGLU `activation="gpt_oss_clamped"` (`glu`).
+The router bias is the model's: it is in the router logits before they get here.
 """
 
 from __future__ import annotations
@@ -24,6 +29,39 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+ACTIVATIONS = ("silu", "gpt_oss_clamped")
+
+
+def glu(gate_up_xF2: jax.Array, activation: str = "silu", *, swiglu_limit: float = 7.0,
+        swiglu_alpha: float = 1.702) -> jax.Array:
+    """The gated activation of fused [gate | up] rows (in float32 if given float32).
+
+    "silu": SiLU(gate) * up (Qwen3). "gpt_oss_clamped" (transformers' GptOssExperts):
+    gate clamped above at the limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate).
+    """
+    F = gate_up_xF2.shape[-1] // 2
+    gate, up = gate_up_xF2[..., :F], gate_up_xF2[..., F:]
+    if activation == "silu":
+        return jax.nn.silu(gate) * up
+    if activation != "gpt_oss_clamped":
+        raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
+    gate = jnp.minimum(gate, swiglu_limit)
+    up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * swiglu_alpha))
+
+
+def check_bias(b_gate_up, b_down, w_gate_up, w_down) -> None:
+    """Biases come both or neither, shaped like the weights without their input axis."""
+    if (b_gate_up is None) != (b_down is None):
+        raise ValueError("expert biases come in pairs: pass both b_gate_up and b_down")
+    if b_gate_up is None:
+        return
+    want = (w_gate_up.shape[:-2] + w_gate_up.shape[-1:], w_down.shape[:-2] + w_down.shape[-1:])
+    if (b_gate_up.shape, b_down.shape) != want:
+        raise ValueError(f"expert biases {b_gate_up.shape} / {b_down.shape} do not match the "
+                         f"weights {w_gate_up.shape} / {w_down.shape}: want {want}")
 
 
 def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -76,15 +114,18 @@ def stacked_experts(w_gate_up, w_down, layer):
             jnp.asarray(layer, jnp.int32) * E)
 
 
-def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array):
+def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+              *biases: jax.Array | None):
     """Expert traffic of one call: experts with at least one row are read once, whole.
 
-    The weights are one layer's [E, ...] or the stacked [L, E, ...]: bytes per expert
-    are those of one expert of one layer, in the dtype the arrays have.
+    The weights (and biases, if given) are one layer's [E, ...] or the stacked
+    [L, E, ...]: bytes per expert are those of one expert of one layer, in the dtype the
+    arrays have.
     """
     experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
     bytes_per_expert = (math.prod(w_gate_up.shape[-2:]) * w_gate_up.dtype.itemsize
-                        + math.prod(w_down.shape[-2:]) * w_down.dtype.itemsize)
+                        + math.prod(w_down.shape[-2:]) * w_down.dtype.itemsize
+                        + sum(b.shape[-1] * b.dtype.itemsize for b in biases if b is not None))
     return {
         "tokens_per_expert": group_sizes_E,
         "experts_activated": experts_activated,
@@ -112,45 +153,63 @@ def ref_moe_ffn(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
+    b_gate_up=None,
+    b_down=None,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
 ):
     """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats).
 
     With `layer`, slices w[layer] out of the stacked weights: a copy of one layer's
     experts, acceptable for the reference only (the kernels address the layer in place).
+    Biases and `activation`: see the module docstring.
     """
     stacked_experts(w_gate_up_LEDF2, w_down_LEFD, layer)  # checks the shapes
+    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
     if layer is None:
         w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2, w_down_LEFD
+        b_gate_up_EF2, b_down_ED = b_gate_up, b_down
     else:
         w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2[layer], w_down_LEFD[layer]
+        b_gate_up_EF2, b_down_ED = (None, None) if b_gate_up is None else (b_gate_up[layer],
+                                                                          b_down[layer])
     T = x_TD.shape[0]
-    E, _, F2 = w_gate_up_EDF2.shape
-    F = F2 // 2
+    E = w_gate_up_EDF2.shape[0]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     sort_order_R, token_ids_R, group_sizes_E = dispatch(expert_ids_TA, E, token_mask_T)
     x_RD = x_TD[token_ids_R]
     gate_up_RF2 = jax.lax.ragged_dot(x_RD, w_gate_up_EDF2, group_sizes_E)
-    h_RF = jax.nn.silu(gate_up_RF2[:, :F]) * gate_up_RF2[:, F:]
+    if b_gate_up_EF2 is not None:  # rows of masked tokens get some bias; their weight is 0
+        expert_R = expert_ids_TA.reshape(-1)[sort_order_R]
+        gate_up_RF2 = gate_up_RF2 + b_gate_up_EF2[expert_R].astype(gate_up_RF2.dtype)
+    h_RF = glu(gate_up_RF2, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     y_RD = jax.lax.ragged_dot(h_RF.astype(w_down_EFD.dtype), w_down_EFD, group_sizes_E)
+    if b_down_ED is not None:
+        y_RD = y_RD + b_down_ED[expert_R].astype(y_RD.dtype)
     y_TD = combine(y_RD, sort_order_R, weights_TA, T).astype(x_TD.dtype)
-    return y_TD, moe_stats(group_sizes_E, w_gate_up_EDF2, w_down_EFD)
+    return y_TD, moe_stats(group_sizes_E, w_gate_up_EDF2, w_down_EFD, b_gate_up_EF2, b_down_ED)
 
 
 def ref_moe_ffn_dense(
     x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k, norm_topk_prob,
-    token_mask_T=None,
+    token_mask_T=None, b_gate_up=None, b_down=None, activation="silu", swiglu_limit=7.0,
+    swiglu_alpha=1.702,
 ):
     """Every expert on every token, weighted by the routing: the oracle for tests only."""
-    E, _, F2 = w_gate_up_EDF2.shape
-    F = F2 // 2
+    E = w_gate_up_EDF2.shape[0]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     dense_w_TE = jnp.sum(jax.nn.one_hot(expert_ids_TA, E) * weights_TA[..., None], axis=1)
     x32 = x_TD.astype(jnp.float32)
     gate_up_TEF2 = jnp.einsum("td,edf->tef", x32, w_gate_up_EDF2.astype(jnp.float32))
-    h_TEF = jax.nn.silu(gate_up_TEF2[..., :F]) * gate_up_TEF2[..., F:]
+    if b_gate_up is not None:
+        gate_up_TEF2 = gate_up_TEF2 + b_gate_up.astype(jnp.float32)
+    h_TEF = glu(gate_up_TEF2, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     y_TED = jnp.einsum("tef,efd->ted", h_TEF, w_down_EFD.astype(jnp.float32))
+    if b_down is not None:
+        y_TED = y_TED + b_down.astype(jnp.float32)
     return jnp.einsum("ted,te->td", y_TED, dense_w_TE).astype(x_TD.dtype)

@@ -9,7 +9,8 @@ weight reads scale with the rows and the activated experts, as on an accelerator
 
 Stacked weights [L, E, ...] are reshaped (for free) to [L*E, ...] and a tile of
 expert e reads group layer*E + e: each tile indexes one expert of one layer out of
-the whole array, never a copy of the layer.
+the whole array, never a copy of the layer. Expert biases and the activation (GPT-OSS)
+are as in `ref.ref_moe_ffn`; the biases are addressed the same way.
 """
 
 from __future__ import annotations
@@ -18,18 +19,23 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
+from pallas_kernels.moe.ref import check_bias, glu, moe_stats, route, stacked_experts
 
 TILE_ROWS = 32
 
 
 def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, layer=None,
-                      top_k, norm_topk_prob, token_mask_T=None, tm: int = TILE_ROWS):
+                      top_k, norm_topk_prob, token_mask_T=None, b_gate_up=None, b_down=None,
+                      activation="silu", swiglu_limit=7.0, swiglu_alpha=1.702,
+                      tm: int = TILE_ROWS):
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
+    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
+    if b_gate_up is not None:  # [L*E, ...] like the weights: a free reshape
+        b_gate_up_GF2 = b_gate_up.reshape(-1, b_gate_up.shape[-1])
+        b_down_GD = b_down.reshape(-1, b_down.shape[-1])
     E = w_gate_up_LEDF2.shape[-3]
-    F = w_down_GFD.shape[1]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
     x_MtD = x_TD[layout.token_ids_P].reshape(-1, tm, D)
@@ -37,10 +43,16 @@ def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, l
     def tile(m, y_MtD):
         g = layout.tile_group_M[m] + group_offset
         gate_up_tF2 = jnp.dot(x_MtD[m], w_gate_up_GDF2[g], preferred_element_type=jnp.float32)
-        h_tF = (jax.nn.silu(gate_up_tF2[:, :F]) * gate_up_tF2[:, F:]).astype(w_down_GFD.dtype)
+        if b_gate_up is not None:
+            gate_up_tF2 = gate_up_tF2 + b_gate_up_GF2[g].astype(jnp.float32)
+        h_tF = glu(gate_up_tF2, activation, swiglu_limit=swiglu_limit,
+                   swiglu_alpha=swiglu_alpha).astype(w_down_GFD.dtype)
         y_tD = jnp.dot(h_tF, w_down_GFD[g], preferred_element_type=jnp.float32)
+        if b_down is not None:
+            y_tD = y_tD + b_down_GD[g].astype(jnp.float32)
         return y_MtD.at[m].set(y_tD.astype(y_MtD.dtype))
 
     y_MtD = jax.lax.fori_loop(0, layout.num_tiles, tile, jnp.zeros_like(x_MtD))
     y_TD = combine_padded(y_MtD.reshape(-1, D), layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
+                           b_gate_up, b_down)

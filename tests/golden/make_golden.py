@@ -19,7 +19,9 @@ attention, and writes tests/golden/<preset>.npz with, for prompt i in 0..2:
     text_1, text_2   str            the text that prompts 1 and 2 were cut from
 
 plus preset, weights_digest (make_tiny.weights_digest of the model), and the
-transformers / torch versions. The margins say how much numerical slack a comparison has.
+transformers / torch versions. The MXFP4 preset adds `mxfp4_*` arrays: transformers'
+dequantisation of hand-made blocks and scales, and of layer 0's experts
+(`mxfp4_reference`). The margins say how much numerical slack a comparison has.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
@@ -67,8 +69,24 @@ def prompts(tok, vocab_size: int, n_special: int) -> tuple[list[list[int]], dict
     return out, {"text_1": TEXT_1, "text_2": text_2}
 
 
+def check_gpt_oss_structure(model, cfg: dict) -> None:
+    """GPT-OSS: window per layer, clamp limit, YaRN scale and the dequantised experts."""
+    inner = model.model
+    for i, layer in enumerate(inner.layers):
+        sliding = cfg["layer_types"][i] == "sliding_attention"
+        assert layer.self_attn.sliding_window == (cfg["sliding_window"] if sliding else None), i
+        assert layer.mlp.experts.limit == cfg["swiglu_limit"]
+        assert layer.mlp.experts.gate_up_proj.dtype == torch.float32
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    factor = cfg["rope_scaling"]["factor"]
+    assert abs(inner.rotary_emb.attention_scaling - (0.1 * np.log(factor) + 1)) < 1e-6
+    assert not cfg["tie_word_embeddings"]
+
+
 def check_structure(model, cfg: dict, make_tiny) -> None:
     """Fail loudly if transformers read the config differently from what make_tiny meant."""
+    if cfg["model_type"] == "gpt_oss":
+        return check_gpt_oss_structure(model, cfg)
     inner = model.model
     assert model.config.head_dim == cfg["head_dim"]
     h = cfg["head_dim"]
@@ -116,11 +134,38 @@ def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray
     }
 
 
+def mxfp4_reference(model) -> dict[str, np.ndarray]:
+    """transformers' MXFP4 dequantisation, for the loader's own to be checked against:
+    `convert_moe_packed_tensors` on every byte value under a range of exponents, and
+    layer 0's expert weights as the MXFP4 model loaded them (interleaved gate/up)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks = np.arange(256, dtype=np.uint8).reshape(1, 2, 8, 16)  # [E, out, G, 16]
+    scales = np.array([[[120, 124, 126, 127, 128, 130, 134, 140]] * 2], np.uint8)
+    deq = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                     dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    return {
+        "mxfp4_blocks": blocks,
+        "mxfp4_scales": scales,
+        "mxfp4_dequantized": deq.numpy(),  # [E, in = G*32, out]
+        "mxfp4_layer0_gate_up_proj": experts.gate_up_proj.detach().numpy(),
+        "mxfp4_layer0_down_proj": experts.down_proj.detach().numpy(),
+    }
+
+
 def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
     model_dir = make_tiny.write_model_dir(tmp / preset, preset)
     cfg = make_tiny.build_config(preset)
+    extra = {}
+    if cfg["model_type"] == "gpt_oss":
+        extra["experts_implementation"] = "eager"  # GptOssExperts.forward as written
+    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        # transformers' own MXFP4 dequantisation (convert_moe_packed_tensors), to float32
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     model, info = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+        **extra,
     )
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"{preset}: loading problems {bad}"
@@ -128,7 +173,8 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
     check_structure(model, cfg, make_tiny)
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids_list, texts = prompts(tok, cfg["vocab_size"], len(make_tiny.SPECIAL_TOKENS))
-    top_k = cfg.get("num_experts_per_tok") if cfg.get("num_experts", 0) else None
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+    top_k = cfg.get("num_experts_per_tok") if num_experts else None
     record: dict[str, np.ndarray] = {
         "preset": np.array(preset),
         "weights_digest": np.array(make_tiny.weights_digest(model_dir)),
@@ -136,6 +182,8 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
         "torch_version": np.array(torch.__version__),
         **{k: np.array(v) for k, v in texts.items()},
     }
+    if "quantization_config" in extra:
+        record.update(mxfp4_reference(model))
     for i, ids in enumerate(ids_list):
         record[f"prompt_{i}"] = np.array(ids, dtype=np.int32)
         for key, val in run_prompt(model, ids, top_k).items():
@@ -148,7 +196,7 @@ def main() -> None:
     torch.set_num_threads(1)
     make_tiny = load_make_tiny()
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in sys.argv[1:] or make_tiny.PRESETS:
+        for preset in sys.argv[1:] or make_tiny.ALL_PRESETS:
             rec = make_preset(make_tiny, preset, Path(tmp))
             for i in range(len(PROMPT_LENS)):
                 g = rec[f"greedy_{i}"]

@@ -1,0 +1,199 @@
+"""GPT-OSS (Hugging Face `gpt_oss`, GptOssForCausalLM) in Flax NNX, on the same stacked
+layer loop as Qwen3 (`StackedCausalLM` in qwen3_moe.py).
+
+What differs from Qwen3, each checked against transformers' modeling_gpt_oss.py:
+
+* attention: biases on q/k/v/o, no q/k norm, YaRN RoPE, and a learned sink logit per
+  query head (`sinks` [L, N]) in the softmax denominator;
+* layers alternate sliding-window (`sliding_window` keys, the query's own included)
+  and full attention (`layer_types`). The window is a runtime scalar read from a
+  per-layer table by the loop counter (0 = full), so both kinds share the one loop
+  body and add no compiled program;
+* every layer is MoE: a router with a bias, softmax over the top-k logits (the same
+  weights as softmax, top-k, renormalise), experts `intermediate_size` wide with
+  biases on both projections and the clamped SwiGLU
+  (`pallas_kernels.moe.ref.glu(..., "gpt_oss_clamped")`);
+* RMSNorm scales in float32 before the cast (GptOssRMSNorm).
+
+Parameter names follow the checkpoint (`model.layers.N.self_attn.sinks`,
+`mlp.router.weight`, `mlp.experts.gate_up_proj_bias`, ...), flattened as in Qwen3:
+`q_proj` / `q_proj_bias`, `router` / `router_bias`, `experts_gate_up_proj` /
+`experts_gate_up_proj_bias`. Expert weights use the kernel layout, [gate | up] halves
+(the checkpoint interleaves gate and up columns; the loader splits them).
+
+Kernels. Sinks and windows exist in the attention reference only, and expert biases
+with the clamped SwiGLU in the "xla" / "xla_tiles" MoE backends only, so far. A
+Pallas backend asked for here is swapped, once, when the step is traced (the program
+is built), for the reference of the same op: attention -> "xla", MoE -> "xla_tiles",
+with a warning (`serving_backends`); the kernel entry points themselves refuse these
+features, so nothing can silently compute without them. The MoE runs on the
+experts where GSPMD puts them (the all_to_all dispatch is Qwen3-only for now).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax.numpy as jnp
+from flax import nnx
+
+from lp_jax.config import ModelConfig
+from lp_jax.models.qwen3_moe import (
+    KernelBackends,
+    StackedCausalLM,
+    _dot,
+    _param,
+    apply_rope,
+    rms_norm,
+    rope_frequencies,
+)
+from pallas_kernels import attention, moe
+
+_WARNED: set[str] = set()
+
+
+def serving_backends(backends: KernelBackends) -> KernelBackends:
+    """The backends GPT-OSS layers run with: Pallas attention -> "xla", Pallas MoE ->
+    "xla_tiles" (they lack sinks, windows, expert biases and the clamped SwiGLU), with a
+    warning once per distinct fallback. "auto" resolves for the target platform at
+    trace time, as the kernels' own entry points do."""
+    chosen = {"moe": moe.resolve_backend(backends.moe),
+              "attention": attention.resolve_backend(backends.attention)}
+    fallback = {}
+    if chosen["attention"] != "xla":
+        fallback["attention"] = "xla"
+    if chosen["moe"] in ("tpu", "gpu"):
+        fallback["moe"] = "xla_tiles"
+    message = ("GPT-OSS: " + ", ".join(f"{op} backend {chosen[op]!r} -> {b!r}"
+                                       for op, b in fallback.items())
+               + " (the Pallas kernels have no attention sinks / sliding windows / expert "
+                 "biases / clamped SwiGLU yet)")
+    if fallback and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=2)
+    return dataclasses.replace(backends, **{**chosen, **fallback})
+
+
+class GptOssAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        L, D, N = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
+        NH, KH = N * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = _param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype)
+        self.k_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
+        self.v_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
+        self.o_proj = _param(rngs, (L, NH, D), ("layers", "q_heads", "embed"), dtype)
+        if cfg.attention_bias:
+            self.q_proj_bias = _zeros((L, NH), ("layers", "q_heads"), dtype)
+            self.k_proj_bias = _zeros((L, KH), ("layers", "kv_heads"), dtype)
+            self.v_proj_bias = _zeros((L, KH), ("layers", "kv_heads"), dtype)
+            self.o_proj_bias = _zeros((L, D), ("layers", "embed"), dtype)
+        self.sinks = _zeros((L, N), ("layers", None), dtype)
+
+
+class GptOssMLP(nnx.Module):
+    """Router and experts (with biases), stacked over the layers."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        L, D, E, F = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts,
+                      cfg.moe_intermediate_size)
+        self.router = _param(rngs, (L, D, E), ("layers", "embed", None), dtype)
+        self.router_bias = _zeros((L, E), ("layers", None), dtype)
+        self.experts_gate_up_proj = _param(
+            rngs, (L, E, D, 2 * F), ("layers", "experts", "embed", "expert_mlp"), dtype)
+        self.experts_gate_up_proj_bias = _zeros((L, E, 2 * F),
+                                                ("layers", "experts", "expert_mlp"), dtype)
+        self.experts_down_proj = _param(
+            rngs, (L, E, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype)
+        self.experts_down_proj_bias = _zeros((L, E, D), ("layers", "experts", "embed"), dtype)
+
+
+def _zeros(shape, axes, dtype):
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class GptOssDecoderLayers(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        L, D = cfg.num_hidden_layers, cfg.hidden_size
+        self.input_layernorm = _param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
+        self.post_attention_layernorm = _param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
+        self.self_attn = GptOssAttention(cfg, dtype, rngs=rngs)
+        self.mlp = GptOssMLP(cfg, dtype, rngs=rngs)
+
+
+class GptOssModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = _param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
+        self.layers = GptOssDecoderLayers(cfg, dtype, rngs=rngs)
+        self.norm = _param(rngs, (D,), ("embed",), dtype, ones=True)
+
+
+class GptOssForCausalLM(StackedCausalLM):
+    """GptOssForCausalLM. Use `run_layers` / `run_units` for any layer range."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
+        if cfg.model_type != "gpt_oss":
+            raise ValueError(f"GptOssForCausalLM needs model_type 'gpt_oss', got "
+                             f"{cfg.model_type!r}")
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        self.config = cfg
+        self.dtype = dtype
+        self.model = GptOssModel(cfg, dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(
+            rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+        # Keys each layer sees; 0 = full attention. Read by the loop counter at run time.
+        self._windows = tuple(cfg.layer_window(i) or 0 for i in range(cfg.num_hidden_layers))
+
+    def _norm(self, x_TD, weight):
+        return rms_norm(x_TD, weight, self.config.rms_norm_eps, scale_in_float32=True)
+
+    def _linear(self, i, h_TX, name):
+        attn = self.model.layers.self_attn
+        y = _dot(h_TX, getattr(attn, name)[i])
+        if self.config.attention_bias:
+            y = y + getattr(attn, f"{name}_bias")[i]
+        return y
+
+    def _qkv(self, i, h_TD, positions_T):
+        cfg = self.config
+        T = h_TD.shape[0]
+        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_TNH = self._linear(i, h_TD, "q_proj").reshape(T, N, H)
+        k_TKH = self._linear(i, h_TD, "k_proj").reshape(T, K, H)
+        v_TKH = self._linear(i, h_TD, "v_proj").reshape(T, K, H)
+        inv_freq_H2, scale = rope_frequencies(cfg)
+        return (apply_rope(q_TNH, positions_T, inv_freq_H2, scale),
+                apply_rope(k_TKH, positions_T, inv_freq_H2, scale), v_TKH)
+
+    def _o_proj(self, i, o_TX):
+        return self._linear(i, o_TX, "o_proj")
+
+    def _attention_extras(self, i) -> dict:
+        extras = {"sinks_N": self.model.layers.self_attn.sinks[i]}
+        if any(self._windows):
+            extras["sliding_window"] = jnp.asarray(self._windows, jnp.int32)[i]
+        return extras
+
+    def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
+        """Post-attention norm, router (with bias), experts, residual. The MoE backends
+        get the whole stacked expert weights and biases and the layer index."""
+        cfg, mlp = self.config, self.model.layers.mlp
+        h_TD = self._norm(x_TD, self.model.layers.post_attention_layernorm[i])
+        logits_TE = (jnp.dot(h_TD.astype(jnp.float32), mlp.router[i].astype(jnp.float32))
+                     + mlp.router_bias[i].astype(jnp.float32))
+        y_TD, stats = moe.moe_ffn(
+            h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
+            layer=i, top_k=cfg.num_experts_per_tok, norm_topk_prob=True,
+            backend=backends.moe, token_mask_T=token_mask_T,
+            b_gate_up=mlp.experts_gate_up_proj_bias[...], b_down=mlp.experts_down_proj_bias[...],
+            activation="gpt_oss_clamped", swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha)
+        return x_TD + y_TD, stats["experts_activated"]
+
+    def run_units(self, x_TD, kv_pages_PSJH, meta, lo, hi, *, decode_only=False,
+                  backends: KernelBackends = KernelBackends()):
+        """`StackedCausalLM.run_units` with the backends GPT-OSS layers can run
+        (`serving_backends`)."""
+        return super().run_units(x_TD, kv_pages_PSJH, meta, lo, hi, decode_only=decode_only,
+                                 backends=serving_backends(backends))
