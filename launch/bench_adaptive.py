@@ -79,7 +79,8 @@ def main(argv=None) -> dict:
 
     engine = LLMEngine(EngineConfig(
         model=args.model, scheduling="layered", max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs), log=print)
+        max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False), log=print)  # prompts repeat: measure prefill
     base = engine.scheduler.config
     profile_engine(engine, output_tokens=4, seed=args.seed)
     use_policy(engine, base, policy="chunked", max_num_batched_tokens=512)

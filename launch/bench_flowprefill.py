@@ -123,7 +123,8 @@ def main(argv=None) -> dict:
 
     engine = LLMEngine(EngineConfig(
         model=args.model, scheduling="flowprefill", max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.budget, max_num_seqs=16, prefill_only=True), log=print)
+        max_num_batched_tokens=args.budget, max_num_seqs=16, prefill_only=True,
+        enable_prefix_caching=False), log=print)  # the same prompts are timed repeatedly
     base = engine.scheduler.config
     limit = args.max_model_len - 1
     classes = tuple(dataclasses.replace(

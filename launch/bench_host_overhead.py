@@ -32,7 +32,7 @@ def measure(n: int, steps: int, scheduling: str, async_scheduling: bool,
     budget = max(512, n * 8)
     llm = LLM(scheduling=scheduling, max_num_seqs=n + extra, max_model_len=512,
               max_num_batched_tokens=budget, token_buckets=(n, n + extra, budget + n + extra),
-              async_scheduling=async_scheduling, log=None)
+              async_scheduling=async_scheduling, enable_prefix_caching=False, log=None)
     eng = llm.engine
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=steps + 8,
                             ignore_eos=True)

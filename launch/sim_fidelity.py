@@ -97,6 +97,7 @@ def build_engine(policy: str, model_dir: str):
         max_num_batched_tokens=BUDGET[policy],
         layer_groups=2,
         async_scheduling=False,
+        enable_prefix_caching=False,  # the simulator models no cache
         log=None,
         **ENGINE,
     )

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'paper', 'pow2', 'adaptive' (with --tbt-slo-ms) or a fixed group count")
     e.add_argument("--max-layer-groups", type=_positive_int, default=16)
     e.add_argument("--page-size", type=_positive_int, default=16, help="KV page (block) size")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share the KV pages of equal prompt prefixes "
+                                      "[default: on]")
     e.add_argument("--kv-pages", type=_positive_int, default=None)
     e.add_argument("--kv-memory-fraction", type=float, default=0.5)
     e.add_argument("--load-format", choices=("auto", "safetensors", "dummy", "orbax"),
@@ -189,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
-                "kv_pages", "kv_memory_fraction", "load_format", "mesh_shape", "dtype",
-                "moe_backend", "attention_backend", "backends", "seed", "token_buckets", "warmup",
+                "enable_prefix_caching", "kv_pages", "kv_memory_fraction", "load_format",
+                "mesh_shape", "dtype", "moe_backend", "attention_backend", "backends", "seed",
+                "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
                 "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",

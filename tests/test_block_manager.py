@@ -1,4 +1,5 @@
-"""BlockManager: page accounting, decode growth, slots and misuse detection."""
+"""BlockManager: page accounting, decode growth, slots and misuse detection. Prefix
+caching (hashes, sharing, eviction) is in test_prefix_cache.py."""
 
 import pytest
 
@@ -17,13 +18,13 @@ def test_pages_for():
 def test_allocate_and_free_round_trip():
     bm = BlockManager(8, 4)
     a, b = seq(0, 9), seq(1, 4)
-    assert bm.can_allocate(9) and bm.num_free_pages == 8
+    assert bm.can_allocate(a, 9) and bm.num_free_pages == 8
     bm.allocate(a, 9)
     bm.allocate(b, 4)
     assert len(a.page_ids) == 3 and len(b.page_ids) == 1
     assert not set(a.page_ids) & set(b.page_ids)
     assert bm.num_free_pages == 4
-    assert bm.can_allocate(16) and not bm.can_allocate(17)
+    assert bm.can_allocate(seq(2, 17), 16) and not bm.can_allocate(seq(2, 17), 17)
     bm.free(a)
     bm.free(b)
     assert a.page_ids == [] and b.page_ids == []
@@ -33,6 +34,7 @@ def test_allocate_and_free_round_trip():
 def test_allocate_refuses_without_changing_state():
     bm = BlockManager(2, 4)
     a = seq(0, 9)
+    assert not bm.can_allocate(a, 9)
     with pytest.raises(RuntimeError, match="needs 3 pages"):
         bm.allocate(a, 9)
     assert a.page_ids == [] and bm.num_free_pages == 2
@@ -58,7 +60,7 @@ def test_double_free_raises():
     with pytest.raises(RuntimeError, match="no pages"):
         bm.free(a)
     a.page_ids = pages  # a stale copy of the page list
-    with pytest.raises(RuntimeError, match="does not own"):
+    with pytest.raises(RuntimeError, match="does not hold"):
         bm.free(a)
     assert bm.num_free_pages == 4
 
@@ -68,7 +70,7 @@ def test_free_of_foreign_pages_raises():
     a, b = seq(0, 3), seq(1, 3)
     bm.allocate(a, 3)
     b.page_ids = list(a.page_ids)
-    with pytest.raises(RuntimeError, match="does not own"):
+    with pytest.raises(RuntimeError, match="does not hold"):
         bm.free(b)
     a.page_ids = a.page_ids * 2
     with pytest.raises(RuntimeError, match="twice"):

@@ -1,10 +1,14 @@
 """Scheduler tests with a fake executor standing in for the model.
 
-`FakeExecutor` checks every plan against a fake KV cache (slot -> (seq_id, position)) and a
-per-chunk record of the layers it crossed, and "samples" token = f(seq_id, position). Because
-the token depends only on the sequence and the position, every policy and every preemption
-pattern must produce the same token streams.
+`FakeExecutor` checks every plan against a fake KV cache (slot -> the sequence that wrote
+it and the position) and a per-chunk record of the layers it crossed, and "samples" token =
+f(seq_id, position). Because the token depends only on the sequence and the position, every
+policy and every preemption pattern must produce the same token streams. A slot's KV is
+valid for any reader whose tokens up to that position equal its writer's, so sequences
+that share cached prefix pages (prefix caching) are checked too.
 """
+
+from collections import Counter
 
 import pytest
 from hypothesis import event, given, settings
@@ -48,7 +52,8 @@ class FakeExecutor:
     def __init__(self, sched, token_fn=fake_token):
         self.sched = sched
         self.token_fn = token_fn
-        self.kv = {}  # slot -> (seq_id, position)
+        self.kv = {}  # slot -> (writer Sequence, position)
+        self.prefix = {}  # seq_id -> running hash of its tokens [0, pos], per pos
         self.layers = {}  # (batch_id, seq_id, start, end) -> operator units crossed, in order
         self.rows = {}  # batch_id -> (hidden rows it holds, its seq ids) until it ends
         self.plans = []
@@ -59,21 +64,36 @@ class FakeExecutor:
         assert 0 <= pos < len(seq.page_ids) * S, (seq, pos)
         return seq.page_ids[pos // S] * S + pos % S
 
+    def _prefix_hash(self, seq, pos):
+        """A hash of seq's tokens [0, pos] (None if one is not a real token yet)."""
+        hs = self.prefix.setdefault(seq.seq_id, [])
+        while len(hs) <= pos:
+            i = len(hs)
+            if i >= len(seq.token_ids) or seq.token_ids[i] == PENDING_TOKEN:
+                return None
+            hs.append(hash((hs[-1] if hs else None, seq.token_ids[i])))
+        return hs[pos]
+
     def _check_kv(self, seq, upto):
         for pos in range(upto):
-            assert self.kv.get(self._slot(seq, pos)) == (seq.seq_id, pos), (seq, pos)
+            writer, at = self.kv.get(self._slot(seq, pos), (None, None))
+            assert at == pos and (writer is seq or self._prefix_hash(writer, pos)
+                                  == self._prefix_hash(seq, pos) is not None), (seq, pos)
 
     def run(self, plan):
         num_layers = self.sched.config.num_layers
         self.plans.append(plan)
-        for sid in plan.preempted:  # recompute preemption: forget the sequence's KV
-            self.kv = {k: v for k, v in self.kv.items() if v[0] != sid}
+        if plan.preempted:  # recompute preemption: the sequence's KV is gone, but for the
+            cached = self.sched.block_manager._hash_of  # pages the prefix cache keeps
+            S = self.sched.block_manager.page_size
+            self.kv = {k: v for k, v in self.kv.items()
+                       if v[0].seq_id not in plan.preempted or k // S in cached}
         assert not set(plan.preempted) & {c.seq.seq_id for c in plan.prefill}
         for seq in plan.decode:
             # (planned over an uncommitted plan, its last token is still a placeholder)
             assert seq.status is RUNNING and seq.num_computed_tokens == seq.num_tokens - 1
             self._check_kv(seq, seq.num_tokens - 1)
-            self.kv[self._slot(seq, seq.num_tokens - 1)] = (seq.seq_id, seq.num_tokens - 1)
+            self.kv[self._slot(seq, seq.num_tokens - 1)] = (seq, seq.num_tokens - 1)
         if plan.prefill and not (plan.is_first_group and plan.is_last_group):
             self._check_rows(plan)  # a batch that spans plans carries hidden rows
         for c in plan.prefill:
@@ -88,7 +108,7 @@ class FakeExecutor:
             if plan.is_last_group:
                 assert self.layers[key] == list(range(2 * num_layers))  # each unit once
                 for pos in range(c.start, c.end):
-                    self.kv[self._slot(c.seq, pos)] = (c.seq.seq_id, pos)
+                    self.kv[self._slot(c.seq, pos)] = (c.seq, pos)
         return {
             s.seq_id: self.token_fn(s.seq_id, s.num_tokens)
             for s in plan.sampling_seqs
@@ -125,9 +145,14 @@ class FakeExecutor:
 def check_invariants(sched):
     bm, cfg = sched.block_manager, sched.config
     holders = sched.running + sched.prefilling + sched._zombies
-    pages = [p for s in holders for p in s.page_ids]
-    assert len(pages) == len(set(pages)), "a page is held twice"
-    assert bm.num_free_pages + len(pages) == cfg.num_pages, "a page leaked"
+    for s in holders:
+        assert len(set(s.page_ids)) == len(s.page_ids), "a page is listed twice"
+    refs = Counter(p for s in holders for p in s.page_ids)
+    assert bm.num_free_pages + len(refs) == cfg.num_pages, "a page leaked"
+    assert {p: len(h) for p, h in bm._holders.items()} == dict(refs), "a reference count"
+    for p, n in refs.items():  # only published pages are shared
+        assert n == 1 or p in bm._hash_of, f"page {p} is shared but not cached"
+    assert len(bm._hash_of) == len(bm._page_of) == bm.num_cached_pages
     assert len(sched.running) + len(sched.prefilling) <= cfg.max_num_seqs
     keys = [s.sort_key for s in sched.waiting]
     assert keys == sorted(keys)
@@ -907,6 +932,7 @@ def workloads(draw, policy):
         max_layer_groups=draw(st.integers(1, 16)),
         eos_token_id=draw(st.one_of(st.none(), st.integers(0, 31))),
         vocab_size=32,  # small, so eos and stop tokens do occur
+        enable_prefix_caching=draw(st.booleans()),
     )
     preemptive = policy == "flowprefill" or (policy == "layered" and draw(st.booleans()))
     if policy == "layered" and not preemptive and draw(st.booleans()):
@@ -918,6 +944,9 @@ def workloads(draw, policy):
                    max_paused_prefills=draw(st.integers(0, 2)),
                    slo_alpha=draw(st.sampled_from([0.0, 0.1, 0.5])))
     reqs = []
+    # Prompts open with one of two shared "system prompts" (or none), so that prefix
+    # caching hits, in full sometimes (an equal prompt), and part-way through pages.
+    systems = [[(7 * k + j * j) % 32 for j in range(cfg["max_model_len"])] for k in (1, 2)]
     for i in range(draw(st.integers(1, 10))):
         plen = draw(st.integers(1, cfg["max_model_len"]))
         params = SamplingParams(
@@ -925,7 +954,9 @@ def workloads(draw, policy):
             stop_token_ids=draw(st.lists(st.integers(0, 31), max_size=2)),
             ignore_eos=draw(st.booleans()),
         )
-        prompt = [(i + j) % 32 for j in range(plen)]
+        shared = draw(st.integers(0, plen)) if draw(st.booleans()) else 0
+        system = systems[draw(st.integers(0, 1))]
+        prompt = system[:shared] + [(i + j) % 32 for j in range(plen - shared)]
         arrival = draw(st.integers(0, 12))
         priority = draw(st.integers(0, 2))
         slo = None
@@ -988,4 +1019,11 @@ def test_random_workloads(policy, driver, data):
     event(f"multi-group batches={any(p.num_groups > 1 for p in ex.plans)}")
     event(f"adaptive={cfg.layer_groups == 'adaptive'}")
     event(f"overlapped={ex.overlapped > 0}")
-    assert sched.block_manager.num_free_pages == cfg.num_pages
+    event(f"prefix cache hits={st_['prefix_cache_hits'] > 0}")
+    bm = sched.block_manager
+    assert bm.num_free_pages == cfg.num_pages and not bm._holders and not bm._published
+    if cfg.enable_prefix_caching:
+        assert st_["prefix_cache_hits"] <= st_["prefix_cache_queries"]
+        assert st_["prefix_cache_hits"] % cfg.page_size == 0
+    else:
+        assert st_["prefix_cache_queries"] == st_["prefix_cache_hits"] == 0

@@ -10,6 +10,13 @@ writes results.json, summary.png and TensorBoard scalars (tb/) to --output-dir.
 
 sends FlowPrefill's mix of task classes, each request with its own TTFT objective, and
 reports attainment per class.
+
+    lp-bench --workload multi-turn --turns 4 --system-len 1024 --prompt-len 64 \
+        --output-len 64 --turn-gap 2 --request-rate 0.5 --scrape-metrics
+
+sends chat conversations whose every turn resends the whole history (--request-rate:
+conversations per second), the workload prefix caching serves; the server's
+lp:prefix_cache_hits_total lands in the results with --scrape-metrics.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ from lp_jax.bench.progress import ProgressBar
 from lp_jax.bench.workload import (
     LENGTH_MODELS,
     MULTI_SLO,
+    MULTI_TURN,
     QWEN_TRACE_CLASSES,
     build_multi_slo_workload,
+    build_multi_turn_workload,
     build_workload,
     load_trace,
     parse_slo_class,
@@ -87,14 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--extra-body", type=json.loads, default=None,
                    help="JSON object merged into every request body")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=(*LENGTH_MODELS, MULTI_SLO), default="sharegpt",
+    w.add_argument("--workload", choices=(*LENGTH_MODELS, MULTI_SLO, MULTI_TURN),
+                   default="sharegpt",
                    help="length model (ignored with --trace): sharegpt = ShareGPT-8k "
                    "quantiles; arxiv = whole articles, lognormal prompts (median 7000, "
                    "2048-16384) and outputs (median 200, 32-512); arxiv-4k / azure-conv = "
                    "lengths resampled from the bundled traces; fixed = --prompt-len / "
                    "--output-len; multi-slo = a mix of --slo-class task classes, each "
                    "request sending its class's ttft_slo_ms / tbt_slo_ms, outputs "
-                   "--output-len")
+                   "--output-len; multi-turn = chat conversations resending their history "
+                   "each turn (see the multi-turn options)")
     w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp (optional), "
                    "prompt_len, output_len (aliases: lp_jax.sim.workload.load_trace)")
     w.add_argument("--time-scale", type=float, default=1.0,
@@ -141,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also send slo_class, so the server labels its SLO metrics by "
                    "class (it must know the classes: start it with --slo-classes set to "
                    "results.json's server_slo_classes)")
+    c = p.add_argument_group("multi-turn chat (--workload multi-turn)")
+    c.add_argument("--turns", type=int, default=4,
+                   help="turns per conversation; --num-requests / turns conversations start "
+                   "at --request-rate per second; a user turn adds --prompt-len tokens, an "
+                   "answer --output-len")
+    c.add_argument("--system-len", type=int, default=0,
+                   help="tokens of a system prompt every conversation opens with")
+    c.add_argument("--turn-gap", type=float, default=1.0,
+                   help="seconds between a conversation's turns (open loop)")
     r = p.add_argument_group("run and results")
     r.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     r.add_argument("--itl-slo", type=float, default=0.1, help="max inter-token latency, s")
@@ -178,8 +198,9 @@ async def run(args) -> dict:
     base = args.base_url.rstrip("/")
     model = args.model
     multi = args.workload == MULTI_SLO
+    own_lengths = multi or args.workload == MULTI_TURN  # workloads that draw their lengths
     models = None
-    if model is None or (multi and args.max_prompt_len is None):
+    if model is None or (own_lengths and args.max_prompt_len is None):
         try:
             models = (await _get_json(f"{base}/v1/models", args.api_key))["data"]
             model = model or models[0]["id"]
@@ -189,16 +210,17 @@ async def run(args) -> dict:
                                  "pass --model") from None
     if args.endpoint == "chat" and args.prompt_kind != "text":
         raise SystemExit("lp-bench: --endpoint chat needs --prompt-kind text")
-    if multi and args.trace:
-        raise SystemExit("lp-bench: --workload multi-slo draws its own lengths; drop --trace")
+    if own_lengths and args.trace:
+        raise SystemExit(f"lp-bench: --workload {args.workload} draws its own lengths; "
+                         "drop --trace")
     max_prompt_len = args.max_prompt_len
-    if multi and max_prompt_len is None:  # fit prompt + output in the server's context
+    if own_lengths and max_prompt_len is None:  # fit prompt + output in the server's context
         limit = next((m.get("max_model_len") for m in models or () if m.get("id") == model),
                      None)
         max_prompt_len = max(1, limit - args.output_len) if isinstance(limit, int) else None
     classes = tuple(args.slo_classes or QWEN_TRACE_CLASSES)
     trace = load_trace(args.trace) if args.trace else None
-    lengths = None if trace is not None or multi else resolve_length_model(  # once for all
+    lengths = None if trace is not None or own_lengths else resolve_length_model(  # once
         args.workload, prompt_len=args.prompt_len, output_len=args.output_len)
     tokenizer = _load_tokenizer(args.tokenizer)
     assumed = {c.name: c.assumed for c in classes} if multi else None
@@ -254,6 +276,14 @@ def _specs(args, rate: float, classes, lengths, trace, tokenizer, max_prompt_len
                   max_prompt_len=max_prompt_len, output_len=args.output_len,
                   prompt_kind=args.prompt_kind, vocab_size=args.vocab_size,
                   tokenizer=tokenizer)
+    if args.workload == MULTI_TURN:
+        n = 100 if args.num_requests is None else args.num_requests
+        return build_multi_turn_workload(
+            num_conversations=max(1, -(-n // args.turns)), turns=args.turns, rate=rate,
+            seed=args.seed, system_len=args.system_len, user_len=args.prompt_len,
+            output_len=args.output_len, turn_gap=args.turn_gap, process=args.arrival,
+            burstiness=args.burstiness, max_prompt_len=max_prompt_len,
+            prompt_kind=args.prompt_kind, vocab_size=args.vocab_size, tokenizer=tokenizer)
     if classes is not None:
         return build_multi_slo_workload(classes, length_scale=args.length_scale,
                                         slo_scale=args.slo_scale,

@@ -48,7 +48,7 @@ def build_engine(scale, cfg_dict: dict, model_dir: Path, verdict: dict, cache_di
         model=str(model_dir), scheduling="layered", max_model_len=scale.long_prompt + 2 * PAGE_SIZE,
         max_num_seqs=B, max_num_batched_tokens=scale.long_prompt, layer_groups=scale.groups,
         max_layer_groups=scale.groups, page_size=PAGE_SIZE, kv_pages=kv_pages,
-        load_format="dummy", dtype="bfloat16",
+        load_format="dummy", dtype="bfloat16", enable_prefix_caching=False,
         moe_backend={True: "gpu", False: "xla_tiles"}.get(verdict.get("moe"), "auto"),
         attention_backend={True: "gpu", False: "xla"}.get(verdict.get("attention"), "auto"),
         backends="off" if checked else "fallback",

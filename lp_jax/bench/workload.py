@@ -44,6 +44,16 @@ image_understanding's length, every class's TTFT objective and the equal weights
 the paper and are ASSUMED. Each request carries its objectives (times `slo_scale`) as
 `ttft_slo_ms` / `tbt_slo_ms`, which any lp-serve takes without configuration.
 
+Multi-turn chat (`--workload multi-turn`, `build_multi_turn_workload`): conversations start
+at the arrival process's times; turn k of a conversation is sent `turn_gap` seconds after
+turn k - 1 (open loop: it does not wait for the answer) and resends the whole history, a
+shared system prompt of `system_len` tokens, then user turns of `user_len` tokens each
+followed by an assistant turn of `output_len` tokens, and the new user turn. The client
+does not send back the answers it got: the assistant turns are random tokens of the same
+length, so a server with prefix caching hits the previous turn's prompt, and not the
+previous answer it generated (a lower bound on a real chat's hits). A conversation ends
+after `turns` turns or before its prompt would exceed `max_prompt_len`.
+
 Prompts: `token-ids` sends `prompt` as a list of random token ids in [0, vocab_size)
 (exact lengths; /v1/completions only); `text` sends random text: with --tokenizer, random
 token ids decoded to text (close to the intended length), otherwise random common words
@@ -62,13 +72,14 @@ import numpy as np
 from lp_jax.sim import workload as sim
 from lp_jax.sim.workload import LengthModel, TraceRow, load_trace, synthesize
 
-__all__ = ["LENGTH_MODELS", "MULTI_SLO", "QWEN_TRACE_CLASSES", "FixedLengths", "RequestSpec",
-           "SLOClass", "arrival_cv", "arrival_times", "build_multi_slo_workload",
-           "build_workload", "fit_lengths", "load_trace", "make_prompt", "parse_slo_class",
-           "resolve_length_model", "slo_classes_config"]
+__all__ = ["LENGTH_MODELS", "MULTI_SLO", "MULTI_TURN", "QWEN_TRACE_CLASSES", "FixedLengths",
+           "RequestSpec", "SLOClass", "arrival_cv", "arrival_times", "build_multi_slo_workload",
+           "build_multi_turn_workload", "build_workload", "fit_lengths", "load_trace",
+           "make_prompt", "parse_slo_class", "resolve_length_model", "slo_classes_config"]
 
 LENGTH_MODELS = ("sharegpt", "arxiv", "arxiv-4k", "azure-conv", "fixed")
 MULTI_SLO = "multi-slo"
+MULTI_TURN = "multi-turn"
 
 _WORDS = ("the of and to in is that it for as with was on be by at this from or an are not "
           "have which one but all were they we there their been has more if will would about "
@@ -228,6 +239,53 @@ def build_workload(*, num_requests: int | None, rate: float, seed: int = 0,
                         make_prompt(int(p[i]), prompt_rng, kind=prompt_kind,
                                     vocab_size=vocab_size, tokenizer=tokenizer))
             for i in range(len(p))]
+
+
+# ------------------------------------------------------------------------ multi-turn chat
+def build_multi_turn_workload(*, num_conversations: int, turns: int, rate: float,
+                              seed: int = 0, system_len: int = 0, user_len: int = 64,
+                              output_len: int = 64, turn_gap: float = 1.0,
+                              process: str = "poisson", burstiness: float = 1.0,
+                              max_prompt_len: int | None = None,
+                              prompt_kind: str = "token-ids", vocab_size: int = 500,
+                              tokenizer=None) -> list[RequestSpec]:
+    """The requests of a multi-turn chat run, sorted by arrival (see the module
+    docstring); `rate` is conversations per second.
+
+    Streams of `np.random.default_rng([seed, i])`: 0 conversation starts, 2 prompt text."""
+    _check_rate(rate)
+    for name, v in (("num_conversations", num_conversations), ("turns", turns),
+                    ("user_len", user_len), ("output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if system_len < 0 or not (math.isfinite(turn_gap) and turn_gap >= 0):
+        raise ValueError(f"need system_len >= 0 and a finite turn_gap >= 0, got "
+                         f"{system_len}, {turn_gap}")
+    starts = arrival_times(num_conversations, rate, np.random.default_rng([seed, 0]),
+                           process=process, burstiness=burstiness)
+    rng = np.random.default_rng([seed, 2])
+    text = prompt_kind == "text"
+
+    def part(n: int):
+        return make_prompt(n, rng, kind=prompt_kind, vocab_size=vocab_size,
+                           tokenizer=tokenizer)
+
+    def join(a, b):
+        return (f"{a} {b}" if a else b) if text else a + b
+
+    system = part(system_len) if system_len else ("" if text else [])
+    turns_out = []  # (arrival, conversation, turn, prompt length, prompt)
+    for c, start in enumerate(starts):
+        history, length = system, system_len
+        for k in range(turns):
+            if max_prompt_len is not None and length + user_len > max_prompt_len:
+                break
+            prompt, length = join(history, part(user_len)), length + user_len
+            turns_out.append((float(start) + k * turn_gap, c, k, length, prompt))
+            history, length = join(prompt, part(output_len)), length + output_len
+    turns_out.sort(key=lambda t: t[:3])
+    return [RequestSpec(i, t, n, output_len, prompt)
+            for i, (t, _, _, n, prompt) in enumerate(turns_out)]
 
 
 # ------------------------------------------------------------------------ multi-SLO mix

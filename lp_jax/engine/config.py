@@ -33,6 +33,9 @@ class EngineConfig:
     latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.latency)
     prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)
     page_size: int = 16
+    # Share the KV pages of equal prompt prefixes between requests (block_manager.py), on
+    # by default as in vLLM v1.
+    enable_prefix_caching: bool = True
     kv_pages: int | None = None  # logical pages (per layer); None: from kv_memory_fraction
     kv_memory_fraction: float = 0.5  # of free accelerator memory, when kv_pages is None
     load_format: str = "auto"  # "auto", "safetensors", "dummy", "orbax"
@@ -77,6 +80,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got "
+                             f"{self.enable_prefix_caching!r}")
         if self.moe_dispatch not in ("allreduce", "all_to_all", "auto"):
             raise ValueError("moe_dispatch must be allreduce, all_to_all or auto, got "
                              f"{self.moe_dispatch!r}")

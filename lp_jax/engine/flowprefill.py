@@ -10,7 +10,9 @@ an urgent request waits for at most two segments.
 
 A paused batch keeps its KV pages and its boundary hidden states: every batch owns one of
 `1 + max_paused_prefills` row areas of the executor's hidden buffer
-(`StepPlan.prefill_rows`), so it resumes where it stopped with nothing recomputed.
+(`StepPlan.prefill_rows`), so it resumes where it stopped with nothing recomputed. Its
+pages reach the prefix cache only when its last segment has run (scheduler.py); a paused
+or preempted batch publishes nothing, and a request admitted meanwhile recomputes them.
 
 Scheduling rounds run only on events: an arrival, an abort, a finished request, a
 preemption, or the end of a batch. Between events, a plan is the running batch's next
@@ -230,8 +232,8 @@ class FlowPrefillPolicy(PausableBatches):
 
     # ------------------------------------------------------------------ ranking
     def _seq_key(self, q: Sequence, now: float) -> tuple:
-        remaining = self._remaining([(q.prefill_target - q.num_computed_tokens,
-                                      q.num_computed_tokens)], 0)
+        start = self.sched.prefill_start(q)  # a waiting request's cached prefix is free
+        remaining = self._remaining([(q.prefill_target - start, start)], 0)
         return self._key(q.priority, q.deadline, now, remaining, q.arrival_time, q.seq_id)
 
     def _batch_key(self, b: _Batch, now: float) -> tuple:
@@ -267,10 +269,13 @@ class FlowPrefillPolicy(PausableBatches):
         chunks: list[PrefillChunk] = []
         left = cfg.max_num_batched_tokens
         for q in candidates:
-            n = min(q.prefill_target - q.num_computed_tokens, left)
-            if n < q.prefill_target - q.num_computed_tokens and chunks:
+            # A waiting request starts after its cached prefix, which admission (just
+            # below, with the pool unchanged in between) takes as computed.
+            start = s.prefill_start(q)
+            n = min(q.prefill_target - start, left)
+            if n < q.prefill_target - start and chunks:
                 break  # prompts are cut only when they open a batch
-            trial = chunks + [PrefillChunk(q, q.num_computed_tokens, q.num_computed_tokens + n)]
+            trial = chunks + [PrefillChunk(q, start, start + n)]
             if chunks and not self._keeps_slo(trial, now):
                 break
             if q.status is SequenceStatus.WAITING and s.admit(q) is None:

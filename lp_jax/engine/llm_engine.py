@@ -97,6 +97,11 @@ class RequestOutput:
         return self._seq.token_ids[start : start + self._num_out]
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held when the request was first admitted."""
+        return self._seq.num_cached_tokens
+
+    @property
     def metrics(self) -> RequestMetrics:
         if self._metrics is None:
             self._metrics = self._seq.metrics(self._num_out)
@@ -141,6 +146,7 @@ class LLMEngine:
             preemption_granularity=config.preemption_granularity,
             preemptible=config.preemptible, slo_alpha=config.slo_alpha,
             max_paused_prefills=config.max_paused_prefills,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.slo_classes = parse_slo_classes(config.slo_classes or {})
         dims = ModelDims.from_config(model_cfg)
@@ -309,6 +315,11 @@ class LLMEngine:
                 m = seq.metrics()     # first token: its objectives were met or missed
                 self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
         return seq is not None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV page, as vLLM's: only while no request holds a page
+        (none running, none in flight); returns whether it did."""
+        return self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         """True while a request is live, a step is in flight, or an abort is unreported."""

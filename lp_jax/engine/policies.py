@@ -5,6 +5,10 @@ ids) and returns a `PrefillPart`. Everything else a plan holds, decodes,
 preemptions and bookkeeping, is the core's (scheduler.py). Adding a policy is a
 subclass plus an entry in `scheduler.POLICIES`. FlowPrefill's preemptible policy is in
 flowprefill.py.
+
+With prefix caching an admitted sequence's prefill starts at its first uncached token
+(`seq.num_computed_tokens`), and budgets count only the tokens a chunk computes; before
+admission, `Scheduler.prefill_start` says where it would start.
 """
 
 from __future__ import annotations
@@ -85,6 +89,16 @@ class Policy:
         every step only delays those by one step, so the default is yes."""
         return True
 
+    def _uncached(self, seq: Sequence) -> int:
+        """Prefill tokens `seq` still has to compute (its cached prefix excluded)."""
+        return seq.prefill_target - self.sched.prefill_start(seq)
+
+    def _admitted_chunk(self, seq: Sequence, left: int) -> PrefillChunk:
+        """The first chunk of a just admitted sequence: from its first uncached token, at
+        most `left` tokens."""
+        start = seq.num_computed_tokens
+        return PrefillChunk(seq, start, start + min(seq.prefill_target - start, left))
+
     def _whole_stack(self, chunks: list[PrefillChunk]) -> PrefillPart:
         return PrefillPart(tuple(chunks), self.sched.new_batch_id() if chunks else None)
 
@@ -110,12 +124,12 @@ class OrcaPolicy(Policy):
 
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
         s, left, chunks = self.sched, self.sched.config.max_num_batched_tokens, []
-        while admit and s.waiting and not (chunks and s.waiting[0].prefill_target > left):
+        while admit and s.waiting and not (chunks and self._uncached(s.waiting[0]) > left):
             seq = s.admit_head()
             if seq is None:
                 break
-            chunks.append(PrefillChunk(seq, 0, seq.prefill_target))
-            left -= seq.prefill_target
+            chunks.append(self._admitted_chunk(seq, seq.prefill_target))
+            left -= chunks[-1].num_tokens
         return self._whole_stack(chunks)
 
 
@@ -138,9 +152,8 @@ class ChunkedPolicy(Policy):
         s = self.sched
         chunks, left = self._continue_partials(s.config.max_num_batched_tokens - num_decode)
         while admit and left > 0 and (seq := s.admit_head()) is not None:
-            n = min(seq.prefill_target, left)
-            chunks.append(PrefillChunk(seq, 0, n))
-            left -= n
+            chunks.append(self._admitted_chunk(seq, left))
+            left -= chunks[-1].num_tokens
         return self._whole_stack(chunks)
 
 
@@ -227,14 +240,13 @@ class LayeredPolicy(Policy):
         chunks, left = self._continue_partials(cfg.max_num_batched_tokens)
         # Whole prompts while they fit; a prompt longer than the budget opens a batch alone.
         while admit and left > 0 and s.waiting:
-            if chunks and s.waiting[0].prefill_target > left:
+            if chunks and self._uncached(s.waiting[0]) > left:
                 break
             seq = s.admit_head()
             if seq is None:
                 break
-            n = min(seq.prefill_target, left)
-            chunks.append(PrefillChunk(seq, 0, n))
-            left -= n
+            chunks.append(self._admitted_chunk(seq, left))
+            left -= chunks[-1].num_tokens
         if not chunks:
             return None
         g = num_layer_groups(
@@ -273,7 +285,10 @@ class LayeredPolicy(Policy):
         done = {c.seq.seq_id: c.end for c in pending.prefill}  # once `pending` ends
         tokens = sum(q.prefill_target - done.get(q.seq_id, q.num_computed_tokens)
                      for q in s.prefilling)
-        tokens += sum(q.prefill_target for q in s.waiting)
+        for q in s.waiting:  # until the batch would be full: a long queue costs nothing
+            if tokens >= cfg.max_num_batched_tokens:
+                break
+            tokens += self._uncached(q)
         groups = num_layer_groups(min(tokens, cfg.max_num_batched_tokens), cfg.layer_groups,
                                   max_layer_groups=cfg.max_layer_groups,
                                   num_layers=cfg.num_layers)

@@ -25,6 +25,15 @@ Every admitted request holds the pages for its whole prefill target; a decode th
 page and finds none preempts from the tail of the running decodes (lowest priority, latest
 arrival), possibly itself. Pages of a sequence that finishes or is aborted while a planned
 step may still write its KV are freed only when that step (or layered batch) completes.
+
+Prefix caching (`enable_prefix_caching`, block_manager.py): admission takes the cached
+prefix of a request's prefill target by reference and sets its computed tokens there, so
+its first chunk starts at the first uncached token and the policies' budgets, and the
+layered G, count only uncached tokens. `_advance` publishes pages only when a plan that
+ends the stack has written them (a prefill chunk's last group, a decode's token): a
+layered or FlowPrefill batch part-way through its layers, paused or preempted, publishes
+nothing. A plan dispatched later reads them after the device has written them: steps run
+in dispatch order.
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ _POSITIVE_FIELDS = (
 _STAT_KEYS = (
     "iterations iterations_decode iterations_prefill iterations_hybrid iterations_idle "
     "prefill_tokens decode_tokens prefill_batches preemptions finished aborted "
-    "scheduling_rounds prefill_pauses prefill_resumes paused_prefills_preempted"
+    "scheduling_rounds prefill_pauses prefill_resumes paused_prefills_preempted "
+    "prefix_cache_queries prefix_cache_hits"
 ).split()
 
 
@@ -83,6 +93,9 @@ class SchedulerConfig:
     preemptible: bool = False
     slo_alpha: float = 0.1
     max_paused_prefills: int = 8
+    # Share KV pages of equal prefixes (block_manager.py). EngineConfig turns it on; off
+    # here, so the simulator and the plan-shape tests see whole prefills.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,8 +118,9 @@ class SchedulerConfig:
         if self.preemption_granularity not in GRANULARITIES:
             raise ValueError(f"preemption_granularity must be one of {GRANULARITIES}, "
                              f"got {self.preemption_granularity!r}")
-        if not isinstance(self.preemptible, bool):
-            raise ValueError(f"preemptible must be a bool, got {self.preemptible!r}")
+        for name in ("preemptible", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemptible and self.policy != "layered":
             raise ValueError("preemptible applies to the layered policy (flowprefill always "
                              "is); use scheduling='flowprefill' or 'layered'")
@@ -141,7 +155,8 @@ class Scheduler:
         # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
         # from measured steps through observe().
         self.latency = latency or LatencyModel(ModelDims(config.num_layers))
-        self.block_manager = BlockManager(config.num_pages, config.page_size)
+        self.block_manager = BlockManager(config.num_pages, config.page_size,
+                                          enable_caching=config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.prefilling: list[Sequence] = []  # admitted, prefill not complete
         self.running: list[Sequence] = []  # decoding
@@ -225,7 +240,9 @@ class Scheduler:
         return bool(self._live or self._zombies)
 
     def stats(self) -> dict[str, int]:
-        """Counters: iterations (per phase too), tokens, batches, preemptions, finishes."""
+        """Counters: iterations (per phase too), tokens, batches, preemptions, finishes;
+        prefix_cache_queries / _hits: tokens looked up in the cache at admissions and
+        found there; prefill_tokens counts only the tokens computed."""
         return {k: self._stats[k] for k in _STAT_KEYS}
 
     # ----- one iteration -----
@@ -316,18 +333,36 @@ class Scheduler:
         return self.admit(self.waiting[0]) if self.waiting else None
 
     def admit(self, seq: Sequence) -> Sequence | None:
-        """Admit a waiting sequence if a sequence slot and its pages are free."""
+        """Admit a waiting sequence if a sequence slot and its pages are free; its cached
+        prefix counts as computed, so its prefill starts after it."""
         if len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
             return None
-        if seq.num_pending_tokens or not self.block_manager.can_allocate(seq.prefill_target):
+        bm = self.block_manager
+        if seq.num_pending_tokens or not bm.can_allocate(seq, seq.prefill_target):
             return None
         self.waiting.remove(seq)
-        self.block_manager.allocate(seq, seq.prefill_target)
+        cached = bm.allocate(seq, seq.prefill_target)
+        seq.num_computed_tokens = cached
+        if bm.enable_caching and seq.reads_prefix_cache:
+            self._stats["prefix_cache_queries"] += seq.prefill_target
+            self._stats["prefix_cache_hits"] += cached
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self._now
+            seq.num_cached_tokens = cached
         self.prefilling.append(seq)
         return seq
+
+    def prefill_start(self, seq: Sequence) -> int:
+        """Where seq's next prefill chunk starts: its computed tokens once admitted; for a
+        waiting sequence, the cached prefix an admission now would take."""
+        if seq.status is SequenceStatus.WAITING:
+            return self.block_manager.cached_prefix(seq, seq.prefill_target)
+        return seq.num_computed_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page; only while no request holds a page (as vLLM)."""
+        return self.block_manager.reset_prefix_cache()
 
     def new_batch_id(self) -> int:
         self._next_batch += 1
@@ -339,14 +374,17 @@ class Scheduler:
 
         Decodes now hold KV for all their tokens; a last-group plan's chunks are
         prefilled, and the sequences whose prompt they finish join the decodes; the
-        policy moves on. Every sequence the plan samples for gets a placeholder for the
-        token. Returns the ids of those the token may finish by length: they sit out a
-        plan scheduled before the commit.
+        full pages either wrote are published to the prefix cache; the policy moves on.
+        Every sequence the plan samples for gets a placeholder for the token. Returns the
+        ids of those the token may finish by length: they sit out a plan scheduled
+        before the commit.
         """
         sampling = []
+        publish = self.block_manager.publish  # the plan's KV is in every layer now
         for seq in plan.decode:
             if not seq.is_finished:
                 seq.num_computed_tokens = seq.num_tokens
+                publish(seq, seq.num_tokens)
                 sampling.append(seq)
         if plan.is_last_group:
             for chunk in plan.prefill:
@@ -354,6 +392,7 @@ class Scheduler:
                 if seq.is_finished:
                     continue
                 seq.num_computed_tokens = chunk.end
+                publish(seq, chunk.end)
                 if chunk.samples:
                     self.prefilling.remove(seq)
                     self.running.append(seq)

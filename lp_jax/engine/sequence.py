@@ -9,6 +9,10 @@ admission, or every token so far (prompt + outputs) after a recompute preemption
 writes KV for positions [0, prefill_target) and samples the token at position
 `prefill_target`; each decode step writes KV for its last token and samples the next one.
 
+`num_cached_tokens` is how much of the prompt the prefix cache held at the first
+admission (block_manager.py): the prefill then started there. `page_hashes` memoizes the
+chained hashes of the full pages of real tokens, computed as the block manager needs them.
+
 Under overlapped scheduling a decode may be planned before the step that samples its
 last token has been committed: `token_ids` then ends in `PENDING_TOKEN`, a placeholder
 the commit of that step replaces (`num_pending_tokens` counts them, 0 or 1).
@@ -58,6 +62,8 @@ class Sequence:
         "num_preemptions",
         "num_pending_tokens",
         "slo",
+        "num_cached_tokens",
+        "page_hashes",
     )
 
     def __init__(
@@ -86,6 +92,8 @@ class Sequence:
         self.num_preemptions = 0
         self.num_pending_tokens = 0  # placeholders at the end of token_ids (0 or 1)
         self.slo = slo  # latency objectives; None: best-effort
+        self.num_cached_tokens = 0  # prompt tokens hit in the prefix cache at first admission
+        self.page_hashes: list[bytes] = []  # chained hashes of the first full pages
 
     def __repr__(self) -> str:
         return (
@@ -113,6 +121,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether admission may take this request's prefix from the cache. The hook for
+        prompt log-probabilities (not supported yet): a request for them must compute
+        every prompt position it scores, so it will say False here, as vLLM's requests
+        with prompt_logprobs skip the cache lookup. Its pages are still published."""
+        return True
 
     @property
     def is_finished(self) -> bool:

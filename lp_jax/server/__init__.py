@@ -11,6 +11,7 @@ Endpoints
 | `GET /v1/models` | the served model name(s), with `max_model_len` (never the model's path) |
 | `GET /health` | 200 `{"status": "ok"}`; 503 while draining or once the engine thread died |
 | `GET /metrics` | Prometheus text format; names in lp_jax/server/metrics.py |
+| `POST /reset_prefix_cache` | forgets the prefix cache: 200, or 409 (`busy`) while requests hold KV pages (as vLLM); needs the API key when one is set |
 
 Request fields: `model` (optional; if given it must be a served name, else 404),
 `max_tokens` (chat: also `max_completion_tokens`; default: the rest of the context;
@@ -29,7 +30,8 @@ every policy counts attainment in `lp:slo_attained_total` / `lp:slo_requests_tot
 `logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools` and non-text `response_format`
 are rejected with 400 and a message naming the field. Unknown fields are ignored.
 
-Usage: every response carries `usage` (prompt_tokens, completion_tokens, total_tokens).
+Usage: every response carries `usage` (prompt_tokens, completion_tokens, total_tokens, and
+`prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held).
 When streaming, the last chunk before `data: [DONE]` always carries it: the chunk with the
 `finish_reason` does, or, with `stream_options: {"include_usage": true}`, a final chunk with
 empty `choices` and `usage`, as OpenAI sends it. Streams send one chunk per generated token

@@ -136,6 +136,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app[SERVER_KEY] = self
         return app
 
@@ -182,7 +183,8 @@ class OpenAIServer:
     def _needs_key(self, request) -> bool:
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else request.path
-        return path.startswith("/v1") or (path == "/metrics" and not self.metrics_public)
+        return (path.startswith("/v1") or path == "/reset_prefix_cache"
+                or (path == "/metrics" and not self.metrics_public))
 
     # ------------------------------------------------------------- endpoints
     async def health(self, request) -> web.Response:
@@ -209,6 +211,20 @@ class OpenAIServer:
         self.metrics.update_from_engine(stats, running=running, waiting=waiting)
         return web.Response(body=self.metrics.render().encode(),
                             headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request) -> web.Response:
+        """POST /reset_prefix_cache, as vLLM's: forgets every cached KV page. 200 once
+        done; 409, as vLLM, while requests hold pages (the cache resets only when idle)."""
+        try:
+            done = await self.engine_loop.call(lambda e: e.reset_prefix_cache(), timeout=30.0)
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), type="internal_server_error",
+                           code="engine_dead") from None
+        if not done:
+            raise APIError(409, "prefix cache reset failed: requests still hold KV pages; "
+                           "retry once they finish", type="conflict_error", code="busy")
+        log.info("prefix cache reset")
+        return web.Response(status=200)
 
     async def completions(self, request) -> web.StreamResponse:
         return await self._generate(request, protocol.parse_completion)
@@ -358,9 +374,11 @@ class OpenAIServer:
         model = req.model or self.model_name
         asm = TextAssembler(self.tokenizer, ids, req.stop)
         last = reason = resp = None
+        cached = None  # prompt tokens the prefix cache served, known from the first delta
         try:
             async for delta in handle:
                 last = delta
+                cached = delta.output.num_cached_tokens
                 text = asm.push(delta.new_token_ids)
                 if asm.stopped:
                     reason = "stop"
@@ -375,14 +393,15 @@ class OpenAIServer:
                         await resp.prepare(request)
                     await resp.write(self._chunk(req, rid, created, model, text, reason,
                                                  first=first,
-                                                 usage_=(len(ids), asm.num_tokens)))
+                                                 usage_=(len(ids), asm.num_tokens, cached)))
                 if reason is not None:
                     break
             if req.stream:
                 if req.include_usage:
                     await resp.write(_sse({"id": rid, "object": self._chunk_object(req),
                                            "created": created, "model": model, "choices": [],
-                                           "usage": protocol.usage(len(ids), asm.num_tokens)}))
+                                           "usage": protocol.usage(len(ids), asm.num_tokens,
+                                                                   cached)}))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
@@ -406,7 +425,7 @@ class OpenAIServer:
                                           metrics=last.metrics if last else None,
                                           num_tokens=asm.num_tokens,
                                           num_prompt_tokens=len(ids))
-        usage = protocol.usage(len(ids), asm.num_tokens)
+        usage = protocol.usage(len(ids), asm.num_tokens, cached)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": asm.text},
                       "logprobs": None, "finish_reason": reason}

@@ -24,6 +24,8 @@ Times are in seconds. Every sample carries a `model_name` label (the served mode
 | `lp:num_preemptions_total` | counter | recompute preemptions |
 | `lp:iterations_total` | counter | engine iterations by `phase` (3) |
 | `lp:expert_bytes_loaded_total` | counter | expert weight bytes the MoE layers read |
+| `lp:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
+| `lp:prefix_cache_hits_total` | counter | those of them found there (prefill skipped) |
 | `lp:kernel_backend_info` | gauge | 1 for the backend each op (`moe`, `attention`) runs |
 | `lp:slo_requests_total` | counter | finished requests with an SLO, by `slo_class`, `kind` (4) |
 | `lp:slo_attained_total` | counter | those of them that met it, by `slo_class`, `kind` (4) |
@@ -99,6 +101,10 @@ class ServerMetrics:
                                     ("phase",))
         self.expert_bytes = r.counter("lp:expert_bytes_loaded_total",
                                       "Expert weight bytes read by the MoE layers.")
+        self.prefix_queries = r.counter("lp:prefix_cache_queries_total",
+                                        "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = r.counter("lp:prefix_cache_hits_total",
+                                     "Prompt tokens found in the prefix cache.")
         self.compilations_after_warmup = r.gauge(
             "lp:compilations_after_warmup", "XLA compilations after warm-up (should stay 0).")
         self.kernel_backend = r.gauge("lp:kernel_backend_info",
@@ -151,6 +157,8 @@ class ServerMetrics:
             self.iterations.set_total(stats.get(f"iterations_{phase}", 0), phase=phase)
         self.expert_bytes.set_total(stats.get("expert_bytes_loaded", 0))
         self.preemptions.set_total(stats.get("preemptions", 0))
+        self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
+        self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))
         self.compilations_after_warmup.set(stats.get("compilations_after_warmup", 0))
         for op, backend in stats.get("kernel_backends", {}).items():
             self.kernel_backend.set(1, op=op, backend=backend)

@@ -34,6 +34,7 @@ class MockOutput:
     metrics: RequestMetrics
     text: str | None = None
     new_text: str | None = None
+    num_cached_tokens: int | None = None  # None: no prefix cache (no usage details)
 
 
 @dataclass
@@ -134,6 +135,10 @@ class MockEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._done)
+
+    def reset_prefix_cache(self) -> bool:
+        """As LLMEngine's; there is no cache, so only whether no request holds pages."""
+        return self.free_pages == self.num_pages
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         self.free_pages += seq.pages

@@ -339,6 +339,12 @@ def parse_chat(body: dict) -> GenerationRequest:
     return req
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object. `cached_tokens`: prompt tokens served from the prefix cache,
+    reported as prompt_tokens_details.cached_tokens; None (an engine without a prefix
+    cache): no details, as vLLM without them."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
