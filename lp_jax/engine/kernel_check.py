@@ -108,6 +108,10 @@ def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_si
     with, {op: (backend, None | the error that made it fall back)})."""
     if mode not in MODES:
         raise ValueError(f"backends must be one of {MODES}, got {mode!r}")
+    if cfg.model_type == "gpt_oss":  # its features exist in the references only so far
+        from lp_jax.models.gpt_oss import serving_backends
+
+        backends = serving_backends(backends)
     chosen = {"moe": moe.resolve_backend(backends.moe),
               "attention": attention.resolve_backend(backends.attention)}
     if backends.moe == "auto" and chosen["moe"] == "gpu" and jnp.dtype(dtype).itemsize != 2:

@@ -51,7 +51,7 @@ from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.qwen3_moe import (
     KV_CACHE_AXES,
     KernelBackends,
-    Qwen3MoeForCausalLM,
+    StackedCausalLM,
     init_kv_cache,
 )
 from lp_jax.sharding import named_sharding, replicated
@@ -103,7 +103,7 @@ def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3MoeForCausalLM, *, mesh, num_pages: int, page_size: int,
+    def __init__(self, model: StackedCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, max_prefill_tokens: int,
                  policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None,
                  hidden_slots: int = 0):

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.models.metadata import build_metadata
-from lp_jax.models.qwen3_moe import KernelBackends, Qwen3MoeForCausalLM, init_kv_cache
+from lp_jax.models.qwen3_moe import KernelBackends, StackedCausalLM, init_kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "decode_only", "backends"),
@@ -30,7 +30,7 @@ def _forward(graphdef, state, kv_pages, token_ids_T, meta, *, decode_only, backe
     return model.compute_logits(x_TD), kv_pages
 
 
-def greedy_generate(model: Qwen3MoeForCausalLM, prompt: list[int], max_new_tokens: int, *,
+def greedy_generate(model: StackedCausalLM, prompt: list[int], max_new_tokens: int, *,
                     page_size: int = 16, backends: KernelBackends = KernelBackends(),
                     return_prompt_logits: bool = False):
     """Returns the greedy continuation (and the prompt's float32 logits if asked)."""
