@@ -1,6 +1,13 @@
-"""Shared by test_multiprocess.py and its worker processes."""
+"""Shared by test_multiprocess.py and its worker processes: two of the Hugging Face
+golden prompts of the tiny model (tests/golden/tiny.npz) and the engine arguments."""
 
-PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 311, 64, 128, 9], [8, 200, 31, 4, 77]]
+from pathlib import Path
+
+import numpy as np
+
+_GOLDEN = np.load(Path(__file__).parent / "golden" / "tiny.npz")
+PROMPTS = [_GOLDEN[f"prompt_{i}"].tolist() for i in range(2)]
 NEW_TOKENS = 6
+GOLDEN_TOKENS = [_GOLDEN[f"greedy_{i}"][:NEW_TOKENS].tolist() for i in range(2)]
 ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 64),
                    layer_groups=2, compilation_cache_dir=None)

@@ -1,11 +1,11 @@
 """One engine over two processes (jax.distributed, gloo, 4 host devices each): the
 leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
 
-* LLM on a (2, 4) expert x tensor mesh spanning both processes gives one process's
-  greedy tokens, under chunked (host plan channel) and layered (device broadcast); the
+* LLM on a (2, 4) expert x tensor mesh spanning both processes gives the Hugging Face
+  golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host plan channel) and layered (device broadcast); the
   leader's shutdown ends the follower
   (exit 0), and no program compiles while serving.
-* lp-serve on two processes: the leader answers HTTP with the same tokens; the follower
+* lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
   line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
 * The wire format round-trips, and bad distributed arguments are refused.
@@ -25,11 +25,10 @@ import numpy as np
 import pytest
 
 from launch.multihost import free_port, process_env
-from lp_jax import LLM, SamplingParams
 from lp_jax.engine import distributed
 from lp_jax.engine.plan_channel import StepCodec
 from lp_jax.engine.step import StepSpec, empty_inputs
-from tests.multiprocess_common import ENGINE_ARGS, NEW_TOKENS, PROMPTS
+from tests.multiprocess_common import ENGINE_ARGS, GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,14 +40,13 @@ def _env(pid, port):
 
 
 @pytest.fixture(scope="module")
-def one_process_tokens(tiny_dir):
-    llm = LLM(str(tiny_dir), scheduling="chunked", **ENGINE_ARGS, log=None)
-    outs = llm.generate(prompt_token_ids=PROMPTS,
-                        sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
-    return [o.token_ids for o in outs], [o.text for o in outs]
+def golden_text(tiny_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(GOLDEN_TOKENS[0])
 
 
-def test_two_process_engine_matches_one_process(tiny_dir, one_process_tokens, tmp_path):
+def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
     port, out = free_port(), tmp_path / "tokens.json"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
                                str(tiny_dir), str(out)], env=_env(pid, port), cwd=ROOT,
@@ -59,7 +57,7 @@ def test_two_process_engine_matches_one_process(tiny_dir, one_process_tokens, tm
         f"--- process {pid} ---\n" + _tail(log) for pid, log in enumerate(logs))
     results = json.loads(out.read_text())
     for policy, transport in (("chunked", "host"), ("layered", "device")):
-        assert results[policy]["tokens"] == one_process_tokens[0], policy
+        assert results[policy]["tokens"] == GOLDEN_TOKENS, policy
         assert results[policy]["compilations_after_warmup"] == 0
         channel = results[policy]["plan_channel"]
         assert channel["transport"] == transport and channel["steps_sent"] >= NEW_TOKENS
@@ -80,7 +78,7 @@ def _post(port, body, timeout=120):
     return conn, conn.getresponse()
 
 
-def test_server_on_two_processes_and_a_dying_follower(tiny_dir, one_process_tokens):
+def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
     port = free_port()
     args = ["-m", "lp_jax.serve", "--model", str(tiny_dir), "--port", "0",
             "--mesh-shape", "2,4", "--scheduling", "chunked", "--max-num-seqs", "4",
@@ -102,7 +100,7 @@ def test_server_on_two_processes_and_a_dying_follower(tiny_dir, one_process_toke
         assert resp.status == 200
         body = json.loads(resp.read())
         conn.close()
-        assert body["choices"][0]["text"] == one_process_tokens[1][0]
+        assert body["choices"][0]["text"] == golden_text
         # A follower killed mid-stream: the leader ends itself, with its own line.
         conn, resp = _post(http_port, {"prompt": PROMPTS[1], "max_tokens": 400,
                                        "ignore_eos": True, "stream": True})
