@@ -23,8 +23,9 @@ from lp_jax.engine.step import default_token_buckets
 
 MAX_PROGRAMS = 32
 ENGINES = {  # default arguments, with the policies and budgets a user would try first
+    # (chunked's default program set is layered's up to its last bucket, 8192 against
+    # 8224 rows: the count tests below cover it, and test_engine its tokens)
     "orca": dict(scheduling="orca"),
-    "chunked": dict(scheduling="chunked"),
     "layered": dict(scheduling="layered"),
     # A small budget; FlowPrefill's segments and paused batches reuse the row-bucket
     # programs (its default 8192 budget has layered's buckets, checked by the count test)
@@ -37,7 +38,7 @@ OPTIONS = {"defaults": {}}
 def test_default_engines_start_in_one_process_and_match_golden(option, tiny_dir):
     """The tiny checkpoint has max_position_embeddings 4096 (so max_model_len 4096): with
     the old (prefill x decode x group) keys its default layered engine compiled 104+
-    programs and aborted the process; now four engines start side by side and each
+    programs and aborted the process; now three engines start side by side and each
     reproduces the Hugging Face golden tokens without compiling while serving."""
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
@@ -53,6 +54,32 @@ def test_default_engines_start_in_one_process_and_match_golden(option, tiny_dir)
         assert [o.token_ids for o in outs] == want, name
         assert llm.stats()["compilations_after_warmup"] == 0
     assert len(engines) == len(ENGINES)  # all alive at once
+
+
+def test_sampling_features_add_no_programs(tiny_dir):
+    """Every per-request sampling feature on at once (log-probabilities, the three
+    penalties, logit_bias, min_tokens with a stop id) on a layered engine with its default
+    row buckets: the same program count, the golden greedy tokens (penalties this small
+    and a zero bias keep them, while still running the count state, the bias rows and
+    the log-probability outputs), and no compile while serving."""
+    golden = np.load("tests/golden/tiny.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
+    want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
+    unused = next(t for t in range(1000) if all(t not in w for w in want))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=len(want[0]), ignore_eos=True, logprobs=5,
+        presence_penalty=1e-6, frequency_penalty=1e-6, repetition_penalty=1 + 1e-6,
+        logit_bias={0: 0.0}, min_tokens=len(want[0]), stop_token_ids=[unused])
+    llm = LLM(tiny_dir, compilation_cache_dir=None, log=None, scheduling="layered",
+              max_num_batched_tokens=256)
+    stats = llm.stats()
+    assert stats["programs"] == len(resolve_buckets(None, "layered", 256, llm.engine.config
+                                                    .max_num_seqs))
+    assert stats["startup_compilations"] <= MAX_PROGRAMS
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == want
+    assert all(len(o.logprobs) == len(w) for o, w in zip(outs, want, strict=True))
+    assert llm.stats()["compilations_after_warmup"] == 0
 
 
 @pytest.mark.parametrize("max_num_seqs", [8, 32, 128, 256])

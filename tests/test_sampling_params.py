@@ -67,3 +67,34 @@ def test_frozen_slotted_hashable():
 def test_invalid_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_penalties_bias_and_min_tokens():
+    sp = SamplingParams(logprobs=20, min_tokens=3, presence_penalty=-2, frequency_penalty=2,
+                        repetition_penalty=1.2, logit_bias={5: 1, 2: -100.0})
+    assert sp.logprobs == 20 and sp.min_tokens == 3 and sp.has_penalties
+    assert sp.logit_bias == ((2, -100.0), (5, 1.0))  # sorted pairs: the params stay hashable
+    assert isinstance(sp.presence_penalty, float)
+    hash(sp)
+    assert not SamplingParams().has_penalties and SamplingParams().logprobs is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=math.nan), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty="1"), "repetition_penalty"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={1: math.inf}), "logit_bias"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+    (dict(logit_bias=5), "logit_bias"),
+])
+def test_new_fields_reject_bad_values_naming_them(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

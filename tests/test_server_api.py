@@ -126,8 +126,10 @@ def test_errors_through_openai_client(client):
         client.completions.create(model=MODEL, prompt="x", n=2)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt=[1] * 300, max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="log-probabilities"):
-        client.completions.create(model=MODEL, prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="x", echo=True)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert client.models.list().data[0].id == MODEL
@@ -233,3 +235,103 @@ def test_huge_top_k_is_clamped(client, server):
                                      extra_body={"top_k": 2 ** 40, "ignore_eos": True})
     assert resp.usage.completion_tokens == 2
     assert server.server.engine_loop.healthy
+
+
+# ---------------------------------------------- log-probabilities, penalties, bias
+def _param(exc) -> str | None:
+    return exc.value.body.get("param") if isinstance(exc.value.body, dict) else None
+
+
+def test_completion_logprobs_stream_matches_non_stream(client, server):
+    kw = dict(model=MODEL, prompt="The engine serves", max_tokens=8, temperature=0, logprobs=3,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert v <= 0 and 3 <= len(top) <= 4 and top[tok] == v
+        assert v == max(top.values())  # greedy takes the most likely token
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(x, key) for x in streamed), []) == getattr(lp, key)
+    # without logprobs nothing is copied back
+    assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+
+
+def test_chat_logprobs_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+              temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob
+        assert c.bytes == list(c.token.encode())
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("kind, kw, field", [
+    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", dict(top_logprobs=2), "top_logprobs"),
+    ("completion", dict(logprobs=21), "logprobs"),
+    ("completion", dict(presence_penalty=2.5), "presence_penalty"),
+    ("completion", dict(frequency_penalty=-3), "frequency_penalty"),
+    ("completion", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    ("completion", dict(logit_bias={"999999": 1}), "logit_bias"),
+    ("completion", dict(logit_bias={"5": 101}), "logit_bias"),
+    ("completion", dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    ("completion", dict(logit_bias={"x": 1}), "logit_bias"),
+    ("completion", dict(extra_body={"min_tokens": 9}), "min_tokens"),
+    ("completion", dict(extra_body={"min_tokens": -1}), "min_tokens"),
+])
+def test_bad_sampling_fields_name_the_field(client, kind, kw, field):
+    with pytest.raises(openai.BadRequestError) as exc:
+        if kind == "chat":
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                   "content": "x"}],
+                                           max_tokens=8, **kw)
+        else:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=8, **kw)
+    assert _param(exc) == field
+
+
+def test_penalties_bias_and_min_tokens_through_the_api(client, server):
+    """A +100 bias makes greedy decoding emit one token throughout; penalties change a
+    greedy continuation; min_tokens holds off a stop token that greedy would emit at
+    once; streaming agrees with non-streaming; the engine keeps serving and frees all."""
+    base = dict(model=MODEL, prompt="one two one two one two", max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    biased = client.completions.create(logit_bias={"42": 100}, logprobs=0, **base).choices[0]
+    assert biased.logprobs.tokens == [biased.logprobs.tokens[0]] * 10
+    # a milder bias repeats token 42; the penalties then push it down after it appears
+    mild = {**base, "logit_bias": {"42": 14}, "logprobs": 0}
+    pen = dict(presence_penalty=2, frequency_penalty=2,
+               extra_body={"ignore_eos": True, "repetition_penalty": 2})
+    repeated = client.completions.create(**mild).choices[0].logprobs.tokens
+    penalized = client.completions.create(**{**mild, **pen}).choices[0]
+    t42 = biased.logprobs.tokens[0]
+    assert repeated.count(t42) == 10 and penalized.logprobs.tokens.count(t42) <= 2
+    streamed = list(client.completions.create(stream=True, **{**mild, **pen}))
+    assert "".join(c.choices[0].text for c in streamed) == penalized.text
+    # the token greedy picks first, as a stop token: min_tokens holds it off
+    stop_id = client.completions.create(**{**base, "max_tokens": 1}, logprobs=0)
+    tok = stop_id.choices[0].logprobs.tokens[0]
+    ids = server.engine_call(lambda e: e.tokenizer.encode(tok, add_special_tokens=False).ids)
+    if len(ids) != 1:
+        pytest.skip(f"first token {tok!r} does not round-trip")
+    held = client.completions.create(**{**base, "extra_body": {
+        "ignore_eos": True, "stop_token_ids": ids, "min_tokens": 4}})
+    early = client.completions.create(**{**base, "extra_body": {
+        "ignore_eos": True, "stop_token_ids": ids}})
+    assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1
+    assert held.usage.completion_tokens >= 4
+    assert wait_idle(server)["compilations_after_warmup"] == 0

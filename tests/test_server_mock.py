@@ -148,7 +148,7 @@ def test_models_health_and_unknown_routes(mock_server):
     ({"prompt": "x", "max_tokens": 10 ** 9}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": ""}, "prompt"),

@@ -37,7 +37,7 @@ from flax import nnx
 from lp_jax.config import ModelConfig
 from lp_jax.engine.model_runner import resolve_buckets
 from lp_jax.engine.scheduler import POLICIES
-from lp_jax.engine.step import StepSpec, empty_inputs, make_step
+from lp_jax.engine.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends
 from lp_jax.roofline.hardware import get_hardware
@@ -156,7 +156,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                                   sharding=replicated(mesh))
     kernel = "tpu" if cfg.platform == "tpu" else "gpu"
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
-                                                    moe_dispatch=cfg.moe_dispatch))
+                                                    moe_dispatch=cfg.moe_dispatch),
+                     counts_sharding=replicated(mesh))
     per_layer = 0
     if model_cfg.moe_layers:
         mlp = state["model"]["layers"]["mlp"]
@@ -187,11 +188,19 @@ def _abstract_inputs(spec: StepSpec, N: int, mesh):
         empty_inputs(spec, N))
 
 
+def _abstract_counts(b: Build):
+    """The sampler's token-count state, as the engine holds it (replicated, donated)."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(b.mesh)),
+        init_counts(b.spec, b.model_config.vocab_size))
+
+
 def lower_program(b: Build, cfg: AotConfig, N: int) -> dict:
-    """Lowers (and on TPU compiles) the N-row program. Returns its record: the StableHLO
-    text, times, sizes, and the TPU's memory analysis and optimized HLO."""
-    args = (*b.args, _abstract_inputs(b.spec, N, b.mesh))
-    jitted = jax.jit(b.step, donate_argnums=(1, 2))
+    """Lowers (and on TPU compiles) the N-row program, with the engine's arguments and
+    donations. Returns its record: the StableHLO text, times, sizes, and the TPU's memory
+    analysis and optimized HLO."""
+    args = (*b.args, _abstract_inputs(b.spec, N, b.mesh), _abstract_counts(b))
+    jitted = jax.jit(b.step, donate_argnums=(1, 2, 4))
     rec = {"rows": N}
     t0 = time.perf_counter()
     if cfg.platform == "tpu":

@@ -97,6 +97,21 @@ class RequestOutput:
         return self._seq.token_ids[start : start + self._num_out]
 
     @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        """Per output token, {token_id: logprob}: the sampled token and the top
+        `SamplingParams.logprobs` alternatives (None when the request asked none)."""
+        lps = self._seq.logprobs
+        return None if lps is None else lps[: self._num_out]
+
+    @property
+    def new_logprobs(self) -> list[dict[int, float]] | None:
+        """The entries of `logprobs` for `new_token_ids`."""
+        lps = self._seq.logprobs
+        if lps is None:
+            return None
+        return lps[self._num_out - len(self.new_token_ids) : self._num_out]
+
+    @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens the prefix cache held when the request was first admitted."""
         return self._seq.num_cached_tokens
@@ -373,6 +388,10 @@ class LLMEngine:
         self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
+        by_id = {s.seq_id: s for s in alive}
+        for sid, lp in self.runner.collect_logprobs(handle, sampled).items():
+            if sid in by_id:  # appended before the commit, so a stop token has its entry
+                by_id[sid].logprobs.append(lp)
         for seq in self.scheduler.commit(plan, sampled, time.perf_counter()):
             m = seq.metrics()
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)

@@ -23,6 +23,12 @@ restarts cheap. The KV pool and the hidden buffer are donated to every call.
 in one fixed-size array; a decode whose last token is still a placeholder (its step was
 planned before the step sampling that token was committed; see scheduler.py) reads it on
 device from `prev`'s array, so step k+1 is planned and dispatched while step k runs.
+
+Sampling options are per-row inputs of the same programs (`_fill_sampling`). Penalties
+read token counts kept on device (step.py `counts`): the runner gives each admitted
+sequence with penalties a count slot, freed once it finishes or is preempted (a
+re-prefill starts at position 0 and resets its slot). Log-probabilities are always
+outputs of a sampling call, copied to the host only for steps where a row asked.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ from flax import nnx
 
 from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.plan_channel import StepCodec, host_array
+from lp_jax.engine.sequence import SequenceStatus
 from lp_jax.engine.step import (
     StepSpec,
     bucket_for,
     default_token_buckets,
     empty_inputs,
+    init_counts,
     make_step,
 )
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
@@ -70,6 +78,10 @@ class StepHandle:
     rows: dict[int, int]  # seq_id -> row of tokens_R
     dispatched_at: float = 0.0  # perf_counter when its calls were launched
     step_id: int = 0  # the runner's count of dispatched steps (the plan channel's id)
+    # (logprob_R, top_logprob_RK, top_id_RK) device arrays and {seq_id: top count} when a
+    # sampling row asked for log-probabilities; else None
+    logprobs: tuple | None = None
+    wants_logprobs: dict[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -85,6 +97,9 @@ class _Call:
     decode_only: bool
     sample_rows: list[int] = dataclasses.field(default_factory=list)
     sampling: list = dataclasses.field(default_factory=list)  # (seq, position) per row
+    count_reset: list = dataclasses.field(default_factory=list)  # count slots to zero
+    count_slot: np.ndarray | None = None  # per row: count slot of its token, or -1
+    count_output: np.ndarray | None = None  # per row: an output (not prompt) token
 
 
 def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
@@ -130,7 +145,13 @@ class ModelRunner:
         self.hidden_RD = jax.device_put(
             np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
-        self._step = jax.jit(make_step(self.graphdef, self.spec, backends), donate_argnums=(1, 2))
+        self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), self._replicated)
+        self._slots: dict[int, tuple[int, object]] = {}  # seq_id -> (count slot, seq)
+        self._free_slots = list(range(max_num_seqs))
+        self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
+                                       counts_sharding=self._replicated),
+                             donate_argnums=(1, 2, 4))
+        self._sample_out = None  # the last sampling call's outputs
         self.programs: dict[int, jax.stages.Compiled] = {}
         # A multi-process leader's LeaderChannel (plan_channel.py); None otherwise.
         self.channel = None
@@ -156,7 +177,7 @@ class ModelRunner:
 
     def _compile(self, N: int) -> jax.stages.Compiled:
         return self._step.lower(self.state, self.kv_pages, self.hidden_RD,
-                                empty_inputs(self.spec, N)).compile()
+                                empty_inputs(self.spec, N), self.counts).compile()
 
     def _program(self, N: int):
         prog = self.programs.get(N)
@@ -191,9 +212,16 @@ class ModelRunner:
             calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
         # The prefill group (or the whole stack): decode rows first, then the chunks.
         pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
+        count_reset, count_slot, count_output = [], [np.full(n_dec, -1, np.int32)], []
         offset = n_dec
         for c in plan.prefill:
             pre_tokens.append(np.asarray(c.seq.token_ids[c.start : c.end], np.int32))
+            # A penalized sequence's tokens are counted once, in its chunk's first group.
+            slot = self._slot(c.seq) if a == 0 and c.seq.sampling_params.has_penalties else -1
+            if slot >= 0 and c.start == 0:
+                count_reset.append(slot)
+            count_slot.append(np.full(c.num_tokens, slot, np.int32))
+            count_output.append(np.arange(c.start, c.end) >= c.seq.num_prompt_tokens)
             pre_seqs.append((c.start, c.num_tokens, c.seq.page_ids))
             offset += c.num_tokens
             if c.samples and plan.is_last_group:
@@ -217,7 +245,9 @@ class ModelRunner:
             dst=np.concatenate([dec_rows if after else none,
                                 pre_rows if b < 2 * L else pre_none]),
             prev_rows=np.concatenate([dec_in[2], pre_none]),
-            decode_only=not plan.prefill)
+            decode_only=not plan.prefill, count_reset=count_reset,
+            count_slot=np.concatenate(count_slot),
+            count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]))
         if not after:
             mixed.sample_rows = list(range(n_dec)) + sample_rows
             mixed.sampling = dec_sampling + sampling
@@ -244,15 +274,49 @@ class ModelRunner:
         else:
             inputs["meta"] = build_metadata(call.seqs, page_size=S, num_tokens=N, num_seqs=B,
                                             pages_per_seq=C)
+        if call.count_slot is not None:
+            inputs["count_slot_N"][:n] = call.count_slot
+            inputs["count_output_N"][:n] = call.count_output
+            inputs["count_reset_B"][: len(call.count_reset)] = call.count_reset
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
+            inputs["do_logprobs"] = np.bool_(any(
+                s.sampling_params.logprobs is not None for s, _ in call.sampling))
             inputs["sample_rows_S"][: len(call.sample_rows)] = call.sample_rows
             self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
 
+    def _slot(self, seq) -> int:
+        """seq's count slot, taking a free one the first time."""
+        got = self._slots.get(seq.seq_id)
+        if got is None:
+            got = self._slots[seq.seq_id] = (self._free_slots.pop(), seq)
+        return got[0]
+
+    def _free_count_slots(self):
+        """Frees the slots of finished and preempted sequences. A dispatched step may still
+        count into a freed slot; its next owner's reset runs after it, in device order."""
+        for sid, (slot, seq) in list(self._slots.items()):
+            if seq.is_finished or seq.status is SequenceStatus.WAITING:
+                del self._slots[sid]
+                self._free_slots.append(slot)
+
     def _fill_sampling(self, out: dict, rows: list):
+        eos = self.cfg.eos_token_id
         for i, (seq, pos) in enumerate(rows):
             p = seq.sampling_params
+            if p.has_penalties:
+                out["count_slot"][i] = self._slot(seq)
+                out["presence"][i], out["frequency"][i] = p.presence_penalty, p.frequency_penalty
+                out["repetition"][i] = p.repetition_penalty
+            bias = list(p.logit_bias)
+            if pos - seq.num_prompt_tokens < p.min_tokens:  # eos and stop ids masked
+                stops = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos
+                                                 else set())
+                bias += [(t, -np.inf) for t in sorted(stops)]
+            if bias:
+                ids, vals = zip(*bias, strict=True)
+                out["bias_ids"][i, : len(ids)], out["bias"][i, : len(ids)] = ids, vals
             # top_k past the vocabulary is no limit at all (and may not fit int32).
             out["top_k"][i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
             out["temperature"][i], out["top_p"][i] = p.temperature, p.top_p
@@ -271,6 +335,7 @@ class ModelRunner:
         With a plan channel (a multi-process leader), the calls' inputs go to every
         follower first, and each runs the same calls (`run_calls`)."""
         t0 = time.perf_counter()
+        self._free_count_slots()
         calls, mixed = self._plan_calls(plan, prev)
         batch, useful, padded = [], 0.0, 0.0
         for call in calls:
@@ -284,14 +349,23 @@ class ModelRunner:
         if self.channel is not None:
             prev_id = prev.step_id if prev_tokens is not None else -1
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
+        self._sample_out = None
         counts, tokens_R = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
         n_dec = len(plan.decode)
         rows = {s.seq_id: j for j, s in enumerate(plan.decode)}
+        sampling_seqs = list(plan.decode)
         if plan.is_last_group:
             ending = [c.seq for c in plan.prefill if c.samples]
             rows.update({s.seq_id: n_dec + k for k, s in enumerate(ending)})
-        return StepHandle(plan, tokens_R, counts, mixed, rows, t0, step_id)
+            sampling_seqs += ending
+        wants = {s.seq_id: s.sampling_params.logprobs for s in sampling_seqs
+                 if s.sampling_params.logprobs is not None}
+        out = self._sample_out
+        logprobs = (out["logprob_R"], out["top_logprob_RK"], out["top_id_RK"]) if (
+            wants and out is not None) else None
+        return StepHandle(plan, tokens_R, counts, mixed, rows, t0, step_id, logprobs,
+                          wants or None)
 
     def run_calls(self, batch: list[tuple[int, dict]], prev_tokens_R: jax.Array | None):
         """Runs (bucket, inputs) calls in order; returns (experts activated per call, the
@@ -302,10 +376,12 @@ class ModelRunner:
         for N, inputs in batch:
             inputs["prev_tokens_R"] = prev
             self.kv_pages, self.hidden_RD, out = self._program(N)(
-                self.state, self.kv_pages, self.hidden_RD, inputs)
+                self.state, self.kv_pages, self.hidden_RD, inputs, self.counts)
+            self.counts = out["counts"]
             counts.append(out["experts_activated"])
             if inputs["do_sample"]:
                 tokens_R = out["tokens_R"]
+                self._sample_out = out
         return counts, tokens_R
 
     def _count_padding(self, useful: float, padded: float):
@@ -325,3 +401,18 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.record_tokens(handle.step_id, tokens)
         return sampled, [int(host_array(c)) for c in handle.counts]
+
+    def collect_logprobs(self, handle: StepHandle, sampled: dict[int, int]) -> dict:
+        """{seq_id: {token_id: logprob}} for the step's rows that asked: the sampled token
+        first, then the top `logprobs` alternatives, as vLLM's per-token dicts."""
+        if handle.logprobs is None:
+            return {}
+        chosen_R, top_RK, ids_RK = (host_array(x) for x in handle.logprobs)
+        out = {}
+        for sid, k in handle.wants_logprobs.items():
+            r = handle.rows[sid]
+            d = {sampled[sid]: float(chosen_R[r])}
+            for t, v in zip(ids_RK[r, :k].tolist(), top_RK[r, :k].tolist(), strict=True):
+                d.setdefault(t, v)
+            out[sid] = d
+        return out

@@ -7,12 +7,47 @@ tokens whatever it is batched with, and recompute after preemption reproduces it
 Sorting the vocabulary (151,936 entries for Qwen3) for top-k/top-p costs more than
 the rest of sampling, so it runs only when some row asks for it (`lax.cond`), and an
 all-greedy batch skips randomness entirely.
+
+Before sampling, `process_logits` applies per-row logit biases (min_tokens' masks are
+-inf biases) and then vLLM's penalties from each row's token counts; `token_logprobs`
+reports log-probabilities of the raw model distribution (vLLM's default), with the top
+MAX_LOGPROBS alternatives. Both run for every row at fixed shapes: no program per feature.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from lp_jax.engine.sampling_params import MAX_LOGPROBS
+
+
+def apply_bias(logits_SV, ids_SK, bias_SK):
+    """Adds bias_SK[s, k] to logits_SV[s, ids_SK[s, k]]; ids < 0 are padding."""
+    S, V = logits_SV.shape
+    ids_SK = jnp.where(ids_SK < 0, V, ids_SK)
+    return logits_SV.at[jnp.arange(S)[:, None], ids_SK].add(bias_SK, mode="drop")
+
+
+def apply_penalties(logits_SV, counts_SV, prompt_SV, presence_S, frequency_S, repetition_S):
+    """vLLM's penalties: repetition over prompt and output tokens (divides positive
+    logits, multiplies negative ones), then frequency (x output count) and presence
+    (output token seen) subtracted."""
+    seen_SV = prompt_SV | (counts_SV > 0)
+    rep_SV = jnp.where(seen_SV, repetition_S[:, None], 1.0)
+    logits_SV = jnp.where(logits_SV > 0, logits_SV / rep_SV, logits_SV * rep_SV)
+    logits_SV = logits_SV - frequency_S[:, None] * counts_SV.astype(jnp.float32)
+    return logits_SV - presence_S[:, None] * (counts_SV > 0).astype(jnp.float32)
+
+
+def token_logprobs(logits_SV, tokens_S):
+    """Log-softmax of the (raw) logits: the chosen token's [S] and the top MAX_LOGPROBS
+    ([S, 20] values, ids)."""
+    logp_SV = jax.nn.log_softmax(logits_SV.astype(jnp.float32), axis=-1)
+    chosen_S = jnp.take_along_axis(logp_SV, tokens_S[:, None], axis=-1)[:, 0]
+    k = min(MAX_LOGPROBS, logits_SV.shape[-1])
+    top_SK, ids_SK = jax.lax.top_k(logp_SV, k)
+    return chosen_S, top_SK, ids_SK.astype(jnp.int32)
 
 
 def _filter_top_k_top_p(scaled_RV, top_k_R, top_p_R):

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 
 MAX_STOP_TOKEN_IDS = 64  # every sampled token is checked against them, like `stop` strings
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's cap; the sampler's rows are this wide
 
 
 def _is_int(x: object) -> bool:
@@ -26,6 +28,15 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # Log-probabilities of the raw model distribution (before penalties, bias and
+    # temperature, as vLLM's default): the sampled token's and the top `logprobs` others.
+    logprobs: int | None = None
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many outputs
+    presence_penalty: float = 0.0  # vLLM's definitions; over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens
+    # {token_id: bias} added to the logits; kept as sorted (id, bias) pairs (hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
@@ -60,7 +71,49 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", frozenset(stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.0, math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            if not lo <= v <= hi or (name == "repetition_penalty" and v <= 0):
+                rng = "> 0" if hi == math.inf else f"in [{lo}, {hi}]"
+                raise ValueError(f"{name} must be {rng}, got {v}")
+            object.__setattr__(self, name, float(v))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the sequence's token counts (device state)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping or pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(t, b) for t, b in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    for t, b in pairs:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b):
+            raise ValueError(f"logit_bias values must be finite numbers, got {b!r} for {t}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias has a token id twice")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(pairs)}")
+    return tuple(sorted((t, float(b)) for t, b in pairs))

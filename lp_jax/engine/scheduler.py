@@ -203,6 +203,11 @@ class Scheduler:
             raise ValueError(
                 f"seq {seq.seq_id}: stop_token_ids {bad} >= vocab_size {cfg.vocab_size}"
             )
+        bad = [t for t, _ in seq.sampling_params.logit_bias if t >= cfg.vocab_size]
+        if bad:
+            raise ValueError(
+                f"seq {seq.seq_id}: logit_bias ids {bad[:5]} >= vocab_size {cfg.vocab_size}"
+            )
         # The most KV it can ever hold: every token but the last, with outputs cut at
         # max_model_len (a prompt of exactly max_model_len still yields one token).
         final = min(n + seq.sampling_params.max_tokens, max(cfg.max_model_len, n + 1))

@@ -64,6 +64,7 @@ class Sequence:
         "slo",
         "num_cached_tokens",
         "page_hashes",
+        "logprobs",
     )
 
     def __init__(
@@ -94,6 +95,9 @@ class Sequence:
         self.slo = slo  # latency objectives; None: best-effort
         self.num_cached_tokens = 0  # prompt tokens hit in the prefix cache at first admission
         self.page_hashes: list[bytes] = []  # chained hashes of the first full pages
+        # One {token_id: logprob} per output token when sampling_params.logprobs is set.
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if self.sampling_params.logprobs is not None else None)
 
     def __repr__(self) -> str:
         return (
@@ -127,8 +131,10 @@ class Sequence:
         """Whether admission may take this request's prefix from the cache. The hook for
         prompt log-probabilities (not supported yet): a request for them must compute
         every prompt position it scores, so it will say False here, as vLLM's requests
-        with prompt_logprobs skip the cache lookup. Its pages are still published."""
-        return True
+        with prompt_logprobs skip the cache lookup. Its pages are still published.
+        Penalties count every token of the prompt on device as its prefill runs, so a
+        penalized request computes them all too."""
+        return not self.sampling_params.has_penalties
 
     @property
     def is_finished(self) -> bool:

@@ -18,6 +18,13 @@ decode rows through [b, L). `hidden_RD` is a persistent device buffer, donated l
 KV pool: rows [0, max_num_seqs) carry the decode rows between the calls of one step, rows
 [max_num_seqs, ...) a layered prefill batch's hidden states between its groups.
 
+`counts` (optional, donated like the KV pool) is the sampler's per-sequence token state:
+`output_XV` int32 counts of each slot's output tokens and `prompt_XV` its prompt tokens,
+for the penalties. The step resets the slots of sequences that start a prefill, counts
+the prefill rows' tokens (`count_slot_N`, in a chunk's first-group call) and then each
+sampled token, so the newest token, which under overlapped scheduling exists only on
+device, is counted where it is made, and every process updates the same state.
+
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
 """
@@ -31,10 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lp_jax.engine.sampler import sample
+from lp_jax.engine.sampler import apply_bias, apply_penalties, sample, token_logprobs
+from lp_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.qwen3_moe import KernelBackends
 
+# Per-row bias entries: the logit_bias cap, then min_tokens' masks (stop ids and eos).
+BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 4
 _POW2_UP_TO = 512  # buckets double up to here, then grow by 1.5x (padding <= 1.5x)
 
 
@@ -78,12 +88,36 @@ class StepSpec:
         return min(N, self.max_num_seqs)
 
 
-def make_step(graphdef, spec: StepSpec, backends: KernelBackends):
-    """step(state, kv_pages, hidden_RD, inputs) -> (kv_pages, hidden_RD, out); jit it with
-    kv_pages and hidden_RD donated."""
+def init_counts(spec: StepSpec, vocab_size: int) -> dict:
+    """The sampler's token-count state (numpy), one slot per admitted sequence."""
+    X = spec.max_num_seqs
+    return {"output_XV": np.zeros((X, vocab_size), np.int32),
+            "prompt_XV": np.zeros((X, vocab_size), np.bool_)}
+
+
+def _count_tokens(counts, inputs, tokens_N):
+    """Resets starting slots, then counts the prefill rows' tokens into them."""
+    out_XV, prompt_XV = counts["output_XV"], counts["prompt_XV"]
+    X = out_XV.shape[0]
+    reset_B = jnp.where(inputs["count_reset_B"] < 0, X, inputs["count_reset_B"])
+    out_XV = out_XV.at[reset_B].set(0, mode="drop")
+    prompt_XV = prompt_XV.at[reset_B].set(False, mode="drop")
+    slot_N, is_out_N = inputs["count_slot_N"], inputs["count_output_N"]
+    out_XV = out_XV.at[jnp.where((slot_N >= 0) & is_out_N, slot_N, X), tokens_N].add(
+        1, mode="drop")
+    prompt_XV = prompt_XV.at[jnp.where((slot_N >= 0) & ~is_out_N, slot_N, X), tokens_N].set(
+        True, mode="drop")
+    return {"output_XV": out_XV, "prompt_XV": prompt_XV}
+
+
+def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_sharding=None):
+    """step(state, kv_pages, hidden_RD, inputs, counts=None) -> (kv_pages, hidden_RD, out);
+    jit it with kv_pages, hidden_RD and counts donated; out["counts"] is the new counts, kept
+    in `counts_sharding` (else the vocab-sharded logits would reshard it, and the next call
+    would not match its program)."""
     R = spec.max_num_seqs
 
-    def step(state, kv_pages, hidden_RD, inputs):
+    def step(state, kv_pages, hidden_RD, inputs, counts=None):
         model = nnx.merge(graphdef, state)
         prev_N = inputs["prev_rows_N"]  # >= 0: the token is in the previous step's tokens_R
         tokens_N = jnp.where(prev_N >= 0, inputs["prev_tokens_R"][jnp.maximum(prev_N, 0)],
@@ -98,16 +132,54 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends):
         dst_N = jnp.where(inputs["dst_N"] < 0, hidden_RD.shape[0], inputs["dst_N"])
         hidden_RD = hidden_RD.at[dst_N].set(x_ND, mode="drop")
 
+        if counts is not None:
+            counts = _count_tokens(counts, inputs, tokens_N)
+        S = spec.seqs_for(tokens_N.shape[0])
+
+        s = inputs["sampling"]
+        slot_S = s["count_slot"]
+
         def logits_and_sample():
-            s = inputs["sampling"]
-            logits_SV = model.compute_logits(x_ND[inputs["sample_rows_S"]])
+            raw_SV = model.compute_logits(x_ND[inputs["sample_rows_S"]]).astype(jnp.float32)
+            logits_SV = apply_bias(raw_SV, s["bias_ids"], s["bias"])
+            if counts is not None:
+                def penalize(x_SV):
+                    at_S = jnp.maximum(slot_S, 0)
+                    mine_S = (slot_S >= 0)[:, None]
+                    return apply_penalties(
+                        x_SV, jnp.where(mine_S, counts["output_XV"][at_S], 0),
+                        mine_S & counts["prompt_XV"][at_S], s["presence"], s["frequency"],
+                        s["repetition"])
+                logits_SV = jax.lax.cond(jnp.any(slot_S >= 0), penalize, lambda x: x,
+                                         logits_SV)
             tokens_S = sample(logits_SV, s["temperature"], s["top_k"], s["top_p"], s["seed_S2"],
                               s["position"])
-            return jnp.pad(tokens_S, (0, R - tokens_S.shape[0]))
+            lp = jax.lax.cond(
+                inputs["do_logprobs"], lambda: token_logprobs(raw_SV, tokens_S),
+                lambda: (jnp.zeros(S, jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
+                         jnp.zeros((S, MAX_LOGPROBS), jnp.int32)))
+            pad = lambda x: jnp.pad(x, [(0, R - S)] + [(0, 0)] * (x.ndim - 1))
+            return (pad(tokens_S), *map(pad, lp))
 
-        tokens_R = jax.lax.cond(inputs["do_sample"], logits_and_sample,
-                                lambda: jnp.zeros((R,), jnp.int32))
-        return kv_pages, hidden_RD, {"tokens_R": tokens_R, "experts_activated": activated}
+        def no_sample():
+            return (jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.float32),
+                    jnp.zeros((R, MAX_LOGPROBS), jnp.float32),
+                    jnp.zeros((R, MAX_LOGPROBS), jnp.int32))
+
+        # The counts are only read inside the cond: the donated buffer is updated in place.
+        tokens_R, logprob_R, top_logprob_RK, top_id_RK = jax.lax.cond(
+            inputs["do_sample"], logits_and_sample, no_sample)
+        if counts is not None:  # each sampled token joins its slot's output counts
+            X = counts["output_XV"].shape[0]
+            at_S = jnp.where(inputs["do_sample"] & (slot_S >= 0), slot_S, X)
+            counts = dict(counts, output_XV=counts["output_XV"].at[at_S, tokens_R[:S]].add(
+                1, mode="drop"))
+        out = {"tokens_R": tokens_R, "experts_activated": activated, "logprob_R": logprob_R,
+               "top_logprob_RK": top_logprob_RK, "top_id_RK": top_id_RK}
+        if counts is not None:
+            out["counts"] = counts if counts_sharding is None else jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
+        return kv_pages, hidden_RD, out
 
     return step
 
@@ -128,9 +200,17 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
         "meta": AttentionMetadata(
             positions_T=i32(N), slots_T=i32(N, -1), query_start_B1=i32(B + 1),
             seq_lens_B=i32(B), page_table_BC=np.zeros((B, C), np.int32), num_seqs=np.int32(0)),
+        "count_reset_B": i32(B, -1),
+        "count_slot_N": i32(N, -1),
+        "count_output_N": np.zeros(N, np.bool_),
         "do_sample": np.bool_(False),
+        "do_logprobs": np.bool_(False),
         "sample_rows_S": i32(B),
         "sampling": {"temperature": np.zeros(B, np.float32), "top_k": i32(B),
                      "top_p": np.ones(B, np.float32), "seed_S2": np.zeros((B, 2), np.uint32),
-                     "position": i32(B)},
+                     "position": i32(B), "count_slot": i32(B, -1),
+                     "presence": np.zeros(B, np.float32), "frequency": np.zeros(B, np.float32),
+                     "repetition": np.ones(B, np.float32),
+                     "bias_ids": np.full((B, BIAS_SLOTS), -1, np.int32),
+                     "bias": np.zeros((B, BIAS_SLOTS), np.float32)},
     }

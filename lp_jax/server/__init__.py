@@ -27,8 +27,19 @@ a class from `lp-serve --slo-classes`; explicit values override the class's). Th
 client sends these through `extra_body`. An unknown class or a bad value is a 400 naming
 the field, and nothing is queued; `flowprefill` scheduling orders prefills by TTFT deadline,
 every policy counts attainment in `lp:slo_attained_total` / `lp:slo_requests_total`.
-`logprobs`, `echo`, `suffix`, `logit_bias`, penalties, `tools` and non-text `response_format`
-are rejected with 400 and a message naming the field. Unknown fields are ignored.
+Sampling, per row inside the compiled sampler: `logprobs` (completions: an int 0 to 20,
+OpenAI's legacy object of tokens, token_logprobs, top_logprobs with the sampled token and
+the top `logprobs`, as vLLM's, and text_offset; chat: `logprobs: true` with `top_logprobs`
+0 to 20, OpenAI's `content` entries; the raw model distribution, before penalties, bias
+and temperature, as vLLM's default; streamed chunks carry their tokens' entries),
+`presence_penalty` and `frequency_penalty` ([-2, 2], over output tokens),
+`repetition_penalty` (> 0, over prompt and output tokens; vLLM's definitions),
+`min_tokens` (eos and `stop_token_ids` are masked until that many tokens), and
+`logit_bias` (up to 300 {"token id": bias in [-100, 100]}; ids outside the vocabulary are
+a 400). A request with penalties computes its whole prompt (no prefix-cache hit): the
+penalty counts are built on device as its prefill runs.
+`n` > 1, `best_of`, `echo`, `suffix`, `tools` and non-text `response_format` are rejected
+with 400 and a message naming the field. Unknown fields are ignored.
 
 Usage: every response carries `usage` (prompt_tokens, completion_tokens, total_tokens, and
 `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held).

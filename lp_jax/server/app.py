@@ -373,6 +373,8 @@ class OpenAIServer:
         created = int(time.time())
         model = req.model or self.model_name
         asm = TextAssembler(self.tokenizer, ids, req.stop)
+        lps = None if req.logprobs is None else LogprobFormatter(self.tokenizer, req)
+        lp_tokens, lp_entries = [], []  # the whole request's, for a non-streaming answer
         last = reason = resp = None
         cached = None  # prompt tokens the prefix cache served, known from the first delta
         try:
@@ -380,6 +382,16 @@ class OpenAIServer:
                 last = delta
                 cached = delta.output.num_cached_tokens
                 text = asm.push(delta.new_token_ids)
+                lp_delta = None
+                # An engine without log-probabilities (the mock) answers logprobs: null.
+                new_lps = getattr(delta.output, "new_logprobs", None)
+                if lps is not None and new_lps is not None:
+                    lp_tokens += delta.new_token_ids
+                    lp_entries += new_lps
+                    if req.stream:
+                        lp_delta = lps.format(delta.new_token_ids, new_lps)
+                elif new_lps is None:
+                    lps = None
                 if asm.stopped:
                     reason = "stop"
                     handle.abort()  # the engine stops generating; the client is answered
@@ -392,7 +404,7 @@ class OpenAIServer:
                         resp = web.StreamResponse(headers=_SSE_HEADERS)
                         await resp.prepare(request)
                     await resp.write(self._chunk(req, rid, created, model, text, reason,
-                                                 first=first,
+                                                 first=first, logprobs=lp_delta,
                                                  usage_=(len(ids), asm.num_tokens, cached)))
                 if reason is not None:
                     break
@@ -426,12 +438,13 @@ class OpenAIServer:
                                           num_tokens=asm.num_tokens,
                                           num_prompt_tokens=len(ids))
         usage = protocol.usage(len(ids), asm.num_tokens, cached)
+        lp_all = None if lps is None else lps.format(lp_tokens, lp_entries)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": asm.text},
-                      "logprobs": None, "finish_reason": reason}
+                      "logprobs": lp_all, "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": asm.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": asm.text, "logprobs": lp_all, "finish_reason": reason}
             obj = "text_completion"
         return web.Response(text=_dumps({"id": rid, "object": obj, "created": created,
                                          "model": model, "choices": [choice],
@@ -442,17 +455,56 @@ class OpenAIServer:
     def _chunk_object(req) -> str:
         return "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-    def _chunk(self, req, rid, created, model, text, reason, *, first, usage_) -> bytes:
+    def _chunk(self, req, rid, created, model, text, reason, *, first, usage_,
+               logprobs=None) -> bytes:
         if req.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         chunk = {"id": rid, "object": self._chunk_object(req), "created": created,
                  "model": model, "choices": [choice]}
         if reason is not None and not req.include_usage:
             chunk["usage"] = protocol.usage(*usage_)  # usage always ends the stream
         return _sse(chunk)
+
+
+class LogprobFormatter:
+    """OpenAI `logprobs` objects for a request's tokens, chunk by chunk or whole (the same
+    tokens give the same entries either way). Completions: the legacy shape (tokens,
+    token_logprobs, top_logprobs with the sampled token and the top `logprobs`, as vLLM's,
+    text_offset); chat: content entries with the top `top_logprobs` alternatives. Token
+    text is each id decoded alone (special tokens kept), so it may be a partial character."""
+
+    def __init__(self, tokenizer, req):
+        self.tokenizer, self.chat, self.top = tokenizer, req.kind == "chat", req.logprobs
+        self.offset = 0  # completions: the next token's character offset in the text
+
+    def _text(self, t: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{t}"
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def _entry(self, t: int, lp: float) -> dict:
+        text = self._text(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    def format(self, token_ids: list[int], entries: list[dict]) -> dict:
+        if self.chat:
+            return {"content": [
+                {**self._entry(t, d[t]),
+                 "top_logprobs": [self._entry(a, v) for a, v in
+                                  sorted(d.items(), key=lambda kv: -kv[1])[: self.top]]}
+                for t, d in zip(token_ids, entries, strict=True)]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, d in zip(token_ids, entries, strict=True):
+            text = self._text(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(d[t])
+            out["top_logprobs"].append({self._text(a): v for a, v in d.items()})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
 
 
 class ServerThread:

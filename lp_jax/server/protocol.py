@@ -3,8 +3,8 @@
 Every field is checked here with its type and range, so a bad request becomes a 4xx with an
 OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
 well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
-servers do; fields the engine cannot honour (n > 1, logprobs, penalties, logit_bias, echo,
-suffix, tools, non-text response formats) are rejected with a message that says so.
+servers do; fields the engine cannot honour (n > 1, best_of, echo, suffix, tools, non-text
+response formats) are rejected with a message that says so.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import json
 import math
 from dataclasses import dataclass
 
-from lp_jax.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from lp_jax.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from lp_jax.engine.slo import SLO
 
 MAX_STOP_STRINGS = 16
@@ -164,21 +169,36 @@ class GenerationRequest:
     slo_fields: dict | None = None
     slo: SLO | None = None  # the engine's SLO; None: best-effort
     prompt_bytes: int = 0  # UTF-8 size of the prompt text (chat: of the messages)
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         top_k = -1 if self.top_k == 0 or self.top_k >= vocab_size else self.top_k
-        outside = sorted(t for t in self.stop_token_ids if t >= vocab_size)
-        if outside:
-            raise bad(f"'stop_token_ids' {outside[:5]} outside the vocabulary [0, "
-                      f"{vocab_size})", "stop_token_ids")
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", self.logit_bias or ())):
+            outside = sorted(t for t in ids if t >= vocab_size)
+            if outside:
+                raise bad(f"'{name}' ids {outside[:5]} outside the vocabulary [0, "
+                          f"{vocab_size})", name)
+        if self.min_tokens > max_tokens:
+            raise bad(f"'min_tokens' ({self.min_tokens}) is more than the completion's "
+                      f"{max_tokens} tokens", "min_tokens")
         try:
             return SamplingParams(
                 temperature=self.temperature, top_k=top_k, top_p=self.top_p, seed=self.seed,
                 max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
+                ignore_eos=self.ignore_eos, logprobs=self.logprobs, min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or (),
             )
-        except ValueError as exc:
-            raise bad(str(exc)) from None
+        except ValueError as exc:  # its message starts with the field's name
+            name = str(exc).split(" ")[0]
+            raise bad(str(exc), name if name in SamplingParams.__slots__ else None) from None
 
 
 def parse_slo_fields(body: dict) -> dict | None:
@@ -201,17 +221,17 @@ def parse_slo_fields(body: dict) -> dict | None:
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
-    for name in ("n", "best_of"):
-        n = get_int(body, name, 1)
-        if n != 1:
-            raise unsupported(name, f"only 1 choice per request (got {n})")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_num(body, name, 0.0) != 0.0:
-            raise unsupported(name, "penalties are not implemented")
-    if get_num(body, "repetition_penalty", 1.0) != 1.0:
-        raise unsupported("repetition_penalty", "penalties are not implemented")
-    if body.get("logit_bias") not in (None, {}):
-        raise unsupported("logit_bias", "logit biases are not implemented")
+    n = get_int(body, "n", 1)
+    if n != 1:
+        raise unsupported("n", f"only 1 choice per request (got {n})")
+    if get_int(body, "best_of", 1) != 1:
+        raise unsupported("best_of", "vLLM v1 dropped it")
+    req.presence_penalty = get_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
+    req.frequency_penalty = get_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
+    req.repetition_penalty = get_num(body, "repetition_penalty", 1.0, lo=0.0, hi=100.0,
+                                     lo_open=True)
+    req.min_tokens = get_int(body, "min_tokens", 0, lo=0, hi=2 ** 31 - 1)
+    req.logit_bias = parse_logit_bias(body)
     req.temperature = get_num(body, "temperature", 1.0, lo=0.0, hi=100.0)
     req.top_p = get_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
     req.top_k = get_int(body, "top_k", -1, lo=-1, hi=_INT64 - 1)
@@ -257,6 +277,29 @@ def _common(body: dict, req: GenerationRequest) -> None:
         raise bad("'user' must be a string", "user")
 
 
+def parse_logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most MAX_LOGIT_BIAS."""
+    lb = body.get("logit_bias")
+    if lb is None or lb == {}:
+        return None
+    if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids",
+                  "logit_bias")
+    out = {}
+    for k, v in lb.items():
+        key = k.strip() if isinstance(k, str) else ""
+        if not key.isdigit() or len(key) > 18:
+            raise bad(f"'logit_bias' keys must be token ids, got {json.dumps(k)[:40]}",
+                      "logit_bias")
+        if not _is_num(v) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got "
+                      f"{json.dumps(v)[:40]} for {key}", "logit_bias")
+        if int(key) in out:
+            raise bad(f"'logit_bias' has token id {int(key)} twice", "logit_bias")
+        out[int(key)] = float(v)
+    return out
+
+
 def parse_completion(body: dict) -> GenerationRequest:
     req = GenerationRequest(kind="completion", model="")
     _common(body, req)
@@ -279,9 +322,7 @@ def parse_completion(body: dict) -> GenerationRequest:
                   "prompt")
     req.prompt = prompt
     req.max_tokens = get_int(body, "max_tokens", None, lo=1)
-    lp = body.get("logprobs")
-    if lp is not None:
-        raise unsupported("logprobs", "the engine does not return log-probabilities")
+    req.logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if get_bool(body, "echo", False):
         raise unsupported("echo", "echoing the prompt is not implemented")
     if body.get("suffix") not in (None, ""):
@@ -327,10 +368,11 @@ def parse_chat(body: dict) -> GenerationRequest:
     mct = get_int(body, "max_completion_tokens", None, lo=1)
     mt = get_int(body, "max_tokens", None, lo=1)
     req.max_tokens = mct if mct is not None else mt
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if get_bool(body, "logprobs", False):
-        raise unsupported("logprobs", "the engine does not return log-probabilities")
-    if body.get("top_logprobs") is not None:
-        raise unsupported("top_logprobs", "the engine does not return log-probabilities")
+        req.logprobs = top or 0
+    elif top is not None:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if body.get("tools") not in (None, []):
         raise unsupported("tools", "tool calling is not implemented")
     rf = body.get("response_format")
