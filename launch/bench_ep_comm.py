@@ -114,12 +114,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={EP}")
     import jax
+    import numpy as np
     from jax.sharding import Mesh
 
     from lp_jax.roofline import ep_comm
     from pallas_kernels.compile_targets import tpu_topology_devices
-
-    import numpy as np
 
     tpu = Mesh(np.asarray(tpu_topology_devices(args.topology)[:EP]), ("expert",))
     cpu = Mesh(np.asarray(jax.devices("cpu")[:EP]), ("expert",))

@@ -96,8 +96,9 @@ def main(argv=None) -> int:
         print(f"{r['transport']:10} {r['steps']:>6} {r['bytes_per_step']:>11,.0f} "
               f"{r['channel_ms_per_step']:>16.3f} {r['wall_ms_per_step']:>13.1f}")
     host, device = results
-    print(f"device / host: channel {device['channel_ms_per_step'] / host['channel_ms_per_step']:.1f}x,"
-          f" wall {device['wall_ms_per_step'] / host['wall_ms_per_step']:.2f}x")
+    channel = device["channel_ms_per_step"] / host["channel_ms_per_step"]
+    wall = device["wall_ms_per_step"] / host["wall_ms_per_step"]
+    print(f"device / host: channel {channel:.1f}x, wall {wall:.2f}x")
     return 0
 
 

@@ -2,8 +2,9 @@
 
     python tests/multiprocess_worker.py MODEL_DIR OUT_JSON
 with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked and
-then a layered engine (plan channels "host", then "device") on a (2, 4) expert x tensor mesh over both processes, and the
-leader writes each policy's greedy tokens (and plan-channel stats) to OUT_JSON.
+then a layered engine (plan channels "host", then "device") on a (2, 4) expert x tensor
+mesh over both processes, and the leader writes each policy's greedy tokens (and
+plan-channel stats) to OUT_JSON.
 """
 
 import json

@@ -2,8 +2,8 @@
 leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
 
 * LLM on a (2, 4) expert x tensor mesh spanning both processes gives the Hugging Face
-  golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host plan channel) and layered (device broadcast); the
-  leader's shutdown ends the follower
+  golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
+  plan channel) and layered (device broadcast); the leader's shutdown ends the follower
   (exit 0), and no program compiles while serving.
 * lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
@@ -13,7 +13,6 @@ leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
 
 import http.client
 import json
-import os
 import re
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from launch.multihost import free_port, process_env
 from lp_jax.engine import distributed
 from lp_jax.engine.plan_channel import StepCodec
 from lp_jax.engine.step import StepSpec, empty_inputs
-from tests.multiprocess_common import ENGINE_ARGS, GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
+from tests.multiprocess_common import GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

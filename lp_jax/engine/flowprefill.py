@@ -108,6 +108,19 @@ class PausableBatches(Policy):
                 return b.seqs
         return []
 
+    def _begin_round(self, admit: bool):
+        """Counts a scheduling round and returns (now, the live batches, the candidates
+        not in a batch: admitted prefills, and the waiting requests when `admit`)."""
+        s = self.sched
+        s._stats["scheduling_rounds"] += 1
+        self._event = not admit  # a round that could not admit is retried next plan
+        batches = ([self._running] if self._running else []) + self._paused
+        in_batch = {q.seq_id for b in batches for q in b.seqs}
+        free = [q for q in s.prefilling if q.seq_id not in in_batch]
+        if admit:
+            free += s.waiting
+        return s._now, batches, free
+
     def _batch_key(self, b, now: float) -> tuple:
         """Rank of a batch (lower runs first)."""
         raise NotImplementedError
@@ -202,15 +215,7 @@ class FlowPrefillPolicy(PausableBatches):
                            rows=tuple(b.rows))
 
     def _round(self, admit: bool) -> None:
-        s = self.sched
-        s._stats["scheduling_rounds"] += 1
-        self._event = not admit  # a round that could not admit is retried next plan
-        now = s._now
-        batches = ([self._running] if self._running else []) + self._paused
-        in_batch = {q.seq_id for b in batches for q in b.seqs}
-        free = [q for q in s.prefilling if q.seq_id not in in_batch]
-        if admit:
-            free += s.waiting
+        now, batches, free = self._begin_round(admit)
         ranked = sorted([(self._batch_key(b, now), 0, b) for b in batches]
                         + [(self._seq_key(q, now), 1, q) for q in free],
                         key=lambda t: t[:2])

@@ -211,7 +211,6 @@ class LeaderChannel:
         host = socket.gethostbyname(socket.gethostname())
         _kv_client().key_value_set(self._key,
                                    f"{host}:{server.getsockname()[1]}")
-        server.settimeout(connect_timeout_s)
         self._socks: dict[int, socket.socket] = {}
         deadline = time.monotonic() + connect_timeout_s
         while len(self._socks) < len(self.followers):

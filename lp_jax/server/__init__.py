@@ -11,7 +11,9 @@ Endpoints
 | `GET /v1/models` | the served model name(s), with `max_model_len` (never the model's path) |
 | `GET /health` | 200 `{"status": "ok"}`; 503 while draining or once the engine thread died |
 | `GET /metrics` | Prometheus text format; names in lp_jax/server/metrics.py |
-| `POST /reset_prefix_cache` | forgets the prefix cache: 200, or 409 (`busy`) while requests hold KV pages (as vLLM); needs the API key when one is set |
+| `POST /reset_prefix_cache` | drops the prefix cache: 200; 409 while pages are held (vLLM) |
+
+`/reset_prefix_cache` needs the API key when one is set.
 
 Request fields: `model` (optional; if given it must be a served name, else 404),
 `max_tokens` (chat: also `max_completion_tokens`; default: the rest of the context;

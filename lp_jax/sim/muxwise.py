@@ -481,15 +481,7 @@ class MuxWisePolicy(PausableBatches):
                           np.concatenate([[0.0], np.cumsum(mem_U)]))
 
     def _round(self, admit: bool) -> None:
-        s = self.sched
-        s._stats["scheduling_rounds"] += 1
-        self._event = not admit
-        now = s._now
-        batches = ([self._running] if self._running else []) + self._paused
-        in_batch = {q.seq_id for b in batches for q in b.seqs}
-        free = [q for q in s.prefilling if q.seq_id not in in_batch]
-        if admit:
-            free += s.waiting
+        now, _, free = self._begin_round(admit)
         free.sort(key=lambda q: self._seq_key(q, now))
         r = self._running
         if r is None:
