@@ -3,25 +3,40 @@
 Runs in its own Python 3.11 venv with CPU torch, outside the repo, never under pytest:
 
     python3 -m venv /tmp/hfref
-    /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
+    /tmp/hfref/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+    /tmp/hfref/bin/pip install transformers==5.24.0 safetensors==0.8.0 tokenizers==0.23.3 \
+        numpy==2.4.6
     /tmp/hfref/bin/python tests/golden/make_golden.py [preset ...]   # from the repo root
+
+(tests/golden/README.md records the versions and machine each file came from; float32
+logits move by ~1e-5 between CPUs with different SIMD widths.)
 
 It loads checkpoints/make_tiny.py by path (that module needs no jax), writes each preset
 to a temporary directory, loads it with AutoModelForCausalLM in float32 with eager
 attention, and writes tests/golden/<preset>.npz with, for prompt i in 0..2:
 
-    prompt_i         int32 [T]      prompt token ids (lengths 5, 17, 40)
-    logits_i         float32 [T, V] logits at every prompt position
-    greedy_i         int32 [32]     greedy continuation, argmax each step, no eos stop
-    greedy_margin_i  float32 [32]   top-1 minus top-2 logit at each greedy step
-    router_margin_i  float32 []     smallest gap between the k-th and (k+1)-th router
-                                    logit over all MoE layers and positions (inf if dense)
-    text_1, text_2   str            the text that prompts 1 and 2 were cut from
+    prompt_i               int32 [T]        prompt token ids (lengths 5, 17, 40)
+    logits_i               float32 [T, V]   logits at every prompt position
+    prompt_logprobs_i      float32 [T, V]   log_softmax of logits_i
+    greedy_i               int32 [32]       greedy continuation, argmax each step, no eos stop
+    greedy_margin_i        float32 [32]     top-1 minus top-2 logit at each greedy step
+    greedy_logprobs_i      float32 [32]     log-probability of greedy token j at step j
+    greedy_top_logprobs_i  float32 [32, 20] the 20 largest log-probabilities at each greedy
+                                            step, descending
+    greedy_top_ids_i       int32 [32, 20]   their token ids (column 0 is greedy_i)
+    router_margin_i        float32 []       smallest gap between the k-th and (k+1)-th router
+                                            logit over all MoE layers and positions (inf if
+                                            dense)
+    text_1, text_2         str              the text that prompts 1 and 2 were cut from
 
 plus preset, weights_digest (make_tiny.weights_digest of the model), and the
 transformers / torch versions. The MXFP4 preset adds `mxfp4_*` arrays: transformers'
 dequantisation of hand-made blocks and scales, and of layer 0's experts
 (`mxfp4_reference`). The margins say how much numerical slack a comparison has.
+
+Log-probabilities are torch.log_softmax in float64 of the float32 logits, rounded to
+float32, so float32(numpy float64 log-softmax of `logits_i`) equals `prompt_logprobs_i`.
+The greedy-step ones come from the same one-pass logits as greedy_margin_i (not stored).
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
 N_NEW = 32
+TOP_LOGPROBS = 20
 PROMPT_LENS = (5, 17, 40)
 TEXT_1 = "The forecast promises rain on Friday, so the onion soup will simmer while the wind blows."
 CHAT = [
@@ -58,9 +74,13 @@ def load_make_tiny():
 
 
 def prompts(tok, vocab_size: int, n_special: int) -> tuple[list[list[int]], dict[str, str]]:
-    """Prompt 0: random ordinary ids; 1: plain text; 2: a ChatML conversation."""
+    """Prompt 0: random ordinary ids; 1: plain text; 2: a ChatML conversation, rendered
+    with make_tiny's ChatML template for every preset (the GPT-OSS checkpoints ship a
+    harmony template that prints the current date, which would make the file depend on
+    the day it was made)."""
     ids0 = np.random.RandomState(1234).randint(0, vocab_size - n_special, PROMPT_LENS[0]).tolist()
-    text_2 = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    text_2 = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True,
+                                     chat_template=load_make_tiny().CHAT_TEMPLATE)
     out = [ids0]
     for text, n in ((TEXT_1, PROMPT_LENS[1]), (text_2, PROMPT_LENS[2])):
         ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -102,7 +122,8 @@ def check_structure(model, cfg: dict, make_tiny) -> None:
 def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray]:
     """Prompt logits, then a greedy loop that recomputes the whole sequence each step."""
     seq = torch.tensor([ids])
-    prompt_logits = model(seq).logits[0].numpy().astype(np.float32)
+    prompt_logits_t = model(seq).logits[0]
+    prompt_logits = prompt_logits_t.numpy().astype(np.float32)
     for _ in range(N_NEW):
         nxt = model(seq).logits[0, -1].argmax()
         seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
@@ -112,6 +133,12 @@ def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray
     steps = out.logits[0, len(ids) - 1 :]
     assert torch.equal(steps.argmax(-1), greedy), "full-sequence pass disagrees with the loop"
     top2 = steps.topk(2, dim=-1).values
+    # Log-probabilities: float64 log_softmax of the float32 logits, stored as float32.
+    prompt_logprobs = torch.log_softmax(prompt_logits_t.double(), dim=-1)
+    step_logprobs = torch.log_softmax(steps.double(), dim=-1)
+    greedy_logprobs = step_logprobs.gather(-1, greedy.view(-1, 1))[:, 0]
+    top = step_logprobs.topk(TOP_LOGPROBS, dim=-1)  # sorted, descending
+    assert torch.equal(top.indices[:, 0], greedy), "top-1 log-probability is not greedy"
     router_margin = np.float32(np.inf)
     if top_k is not None:
         gaps = [r.topk(top_k + 1, dim=-1).values for r in out.router_logits]
@@ -130,6 +157,10 @@ def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray
         "logits": prompt_logits,
         "greedy": greedy.numpy().astype(np.int32),
         "greedy_margin": (top2[:, 0] - top2[:, 1]).numpy().astype(np.float32),
+        "prompt_logprobs": prompt_logprobs.numpy().astype(np.float32),
+        "greedy_logprobs": greedy_logprobs.numpy().astype(np.float32),
+        "greedy_top_logprobs": top.values.numpy().astype(np.float32),
+        "greedy_top_ids": top.indices.numpy().astype(np.int32),
         "router_margin": router_margin,
     }
 
