@@ -191,6 +191,51 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# GPT-OSS's "harmony" format, written here from the format's description: each message is
+# <|start|>{role}<|message|>{content}<|end|>, an assistant turn names its channel
+# (<|start|>assistant<|channel|>final<|message|>...), a reply is prompted by
+# <|start|>assistant and a finished one ends with <|return|>. System and developer messages
+# become the developer message's instructions; the system message states the identity,
+# knowledge cutoff, today's date, reasoning effort and channels. It uses the constructs of
+# the published template (macro, namespace, loop.last, strftime_now, raise_exception,
+# tojson, str.startswith, trim) but not its text: real checkpoints ship their own.
+# The tiny tokenizer's 512 ids are taken, so the markers are plain text to it.
+HARMONY_TEMPLATE = (
+    "{%- macro turn(header, body, end='<|end|>') %}"
+    "{{- '<|start|>' ~ header ~ '<|message|>' ~ body ~ end }}"
+    "{%- endmacro %}\n"
+    "{%- set ns = namespace(instructions='', conversation=false) %}\n"
+    "{%- for message in messages %}\n"
+    "  {%- if message.role in ['system', 'developer'] %}\n"
+    "    {%- if ns.conversation %}"
+    "{{- raise_exception('system and developer messages must come first') }}{%- endif %}\n"
+    "    {%- set text = message.content | trim %}\n"
+    "    {%- set ns.instructions = ns.instructions ~ '\\n\\n' ~ text "
+    "if ns.instructions else text %}\n"
+    "  {%- else %}{%- set ns.conversation = true %}{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{{- turn('system', (model_identity | default('You are a helpful assistant.'))"
+    " ~ '\\nKnowledge cutoff: 2024-06\\nCurrent date: ' ~ strftime_now('%Y-%m-%d')"
+    " ~ '\\n\\nReasoning: ' ~ (reasoning_effort | default('medium'))"
+    " ~ '\\n\\n# Valid channels: analysis, commentary, final. Every assistant message"
+    " names one.') }}\n"
+    "{%- if ns.instructions %}\n"
+    "  {%- set header = '' if ns.instructions.startswith('# Instructions')"
+    " else '# Instructions\\n\\n' %}\n"
+    "  {{- turn('developer', header ~ ns.instructions) }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "  {%- if message.role == 'user' %}{{- turn('user', message.content) }}\n"
+    "  {%- elif message.role == 'assistant' %}\n"
+    "    {%- set end = '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' %}\n"
+    "    {{- turn('assistant<|channel|>final', message.content | trim, end) }}\n"
+    "  {%- elif message.role not in ['system', 'developer'] %}\n"
+    "    {{- raise_exception('role ' ~ message.role | tojson ~ ' is not supported') }}\n"
+    "  {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}\n"
+)
+
 
 def build_config(preset: str = "tiny") -> dict:
     """The Hugging Face config.json contents for a preset."""
@@ -434,19 +479,20 @@ def write_model_dir(
     _dump_json(out / "config.json", cfg)
     _write_weights(out, make_weights(cfg, seed), cfg, write_sharded)
     build_tokenizer(vocab).save(str(out / "tokenizer.json"))
-    _dump_json(
-        out / "tokenizer_config.json",
-        {
-            "add_bos_token": False,
-            "bos_token": ENDOFTEXT,
-            "chat_template": CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": IM_END,
-            "model_max_length": cfg["max_position_embeddings"],
-            "pad_token": ENDOFTEXT,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-        },
-    )
+    tokenizer_config = {
+        "add_bos_token": False,
+        "bos_token": ENDOFTEXT,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": IM_END,
+        "model_max_length": cfg["max_position_embeddings"],
+        "pad_token": ENDOFTEXT,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if preset in GPT_OSS_PRESETS:  # as the published checkpoints: a chat_template.jinja file
+        del tokenizer_config["chat_template"]
+        (out / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    _dump_json(out / "tokenizer_config.json", tokenizer_config)
     _dump_json(
         out / "generation_config.json",
         {

@@ -2,7 +2,10 @@
 
 A small MoE (8 layers, 32 experts, top-4, hidden 512; random weights) serves the
 same Poisson workload of long prompts under `chunked` (512-token budget) and
-`layered` (8192-token budget, paper groups). Reported per policy: TTFT p50/p99,
+`layered` (8192-token budget, paper groups), and `orca` (whole prompts) if asked.
+`--model` picks the small Qwen3-MoE, a GPT-OSS of the same sizes (alternating
+128-token sliding windows, sinks, biases, clamped SwiGLU), or both in turn.
+Reported per model and policy: TTFT p50/p99,
 max-ITL p99, E2E, expert bytes loaded, host overhead per iteration. Then one
 8192-token prompt alone, whose expert-bytes ratio layered : chunked is ideally 1/16.
 
@@ -15,6 +18,7 @@ time, and overlapped scheduling, the default), interleaved in the same process, 
 prints async : sync per policy.
 
     python launch/bench_policies.py [--requests 10] [--rate 0.25] [--modes async]
+                                    [--model qwen3,gpt-oss] [--policies chunked,layered,orca]
                                     [--out runs/bench_policies]
 """
 
@@ -40,9 +44,23 @@ SMALL_MOE = {
     "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32",
     "eos_token_id": 0,
 }
+# SMALL_MOE's sizes in GPT-OSS's form: every layer MoE with experts intermediate_size wide,
+# sliding (window 128, gpt-oss-20b's) and full attention alternating.
+SMALL_GPT_OSS = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+    "vocab_size": 8192, "hidden_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "intermediate_size": 256, "num_local_experts": 32, "num_experts_per_tok": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 4, "sliding_window": 128,
+    "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+    "max_position_embeddings": 16384, "tie_word_embeddings": False, "torch_dtype": "float32",
+    "eos_token_id": 0,
+}
+MODELS = {"qwen3": SMALL_MOE, "gpt-oss": SMALL_GPT_OSS}
 POLICIES = {  # default row buckets (model_runner.resolve_buckets)
     "chunked": dict(scheduling="chunked", max_num_batched_tokens=512),
     "layered": dict(scheduling="layered", max_num_batched_tokens=8192),
+    "orca": dict(scheduling="orca"),  # budget: max_model_len
 }
 # The scheme before row buckets (programs keyed by prefill bucket x decode bucket), with the
 # buckets this benchmark used then: its padding is recomputed from the same plans.
@@ -81,10 +99,12 @@ def padding(stats, before, plans, name):
     """Padded / useful row-layers of the new scheme (engine counters) and the old one."""
     useful = stats["row_layers_useful"] - before["row_layers_useful"]
     padded = stats["row_layers_padded"] - before["row_layers_padded"]
+    new = {"padding_new": padded / useful, "max_step_padding_new": stats["max_step_padding_ratio"]}
+    if name not in OLD_BUCKETS:
+        return new
     old = [old_scheme_row_layers(p, *OLD_BUCKETS[name]) for p in plans]
     old_useful, old_padded = sum(u for u, _ in old), sum(p for _, p in old)
-    return {"padding_new": padded / useful, "padding_old": old_padded / old_useful,
-            "max_step_padding_new": stats["max_step_padding_ratio"],
+    return {**new, "padding_old": old_padded / old_useful,
             "max_step_padding_old": max(p / u for u, p in old if u)}
 
 
@@ -156,52 +176,70 @@ def main(argv=None):
     ap.add_argument("--modes", default="async",
                     help="engine modes, comma-separated: async (overlapped, the default), "
                          "sync (one step at a time)")
+    ap.add_argument("--model", default="qwen3",
+                    help=f"small models, comma-separated, from {sorted(MODELS)}")
+    ap.add_argument("--policies", default="chunked,layered",
+                    help=f"comma-separated, from {sorted(POLICIES)}; chunked first (the "
+                         "ratios' baseline)")
     args = ap.parse_args(argv)
-    modes = args.modes.split(",")
+    modes, models = args.modes.split(","), args.model.split(",")
+    policies = args.policies.split(",")
     if not modes or set(modes) - {"sync", "async"}:
         ap.error(f"--modes takes sync and/or async, got {args.modes!r}")
+    if set(models) - set(MODELS):
+        ap.error(f"--model takes {sorted(MODELS)}, got {args.model!r}")
+    if set(policies) - set(POLICIES) or policies[0] != "chunked":
+        ap.error(f"--policies takes chunked first, then {sorted(POLICIES)}")
 
     from lp_jax import LLM, SamplingParams
     from lp_jax.roofline.hardware import measure_current_device
 
     out = Path(args.out)
-    model_dir = out / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(SMALL_MOE, indent=1))
     requests, out_len = workload(args.requests, args.rate, args.prompt_min, args.prompt_max,
                                  args.output_len, args.seed)
     print(f"workload: {args.requests} requests, Poisson {args.rate}/s, prompts "
           f"{args.prompt_min}-{args.prompt_max} tokens, {out_len} output tokens")
 
-    results, single = {m: {} for m in modes}, {}
-    for name, kw in POLICIES.items():
-        t = time.perf_counter()
-        llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
-                  max_model_len=args.single + 64 if args.single else 8192,
-                  enable_prefix_caching=False, **kw)  # each mode re-sends the prompts
-        print(f"[{name}] engine ready in {time.perf_counter() - t:.1f} s")
-        plans = []
-        record_plans(llm, plans)
-        for mode in modes:
-            llm.engine.config = dataclasses.replace(llm.engine.config,
-                                                    async_scheduling=mode == "async")
-            before = llm.stats()
-            outs = serve(llm, requests, out_len)
-            results[mode][name] = summarize(outs, llm.stats(), before)
-            results[mode][name].update(padding(llm.stats(), before, plans, name))
-            plans.clear()
-            print(f"[{name}, {mode}] {json.dumps(results[mode][name])}")
-        if args.single:
-            before = llm.stats()["expert_bytes_loaded"]
-            prompt = np.random.default_rng(1).integers(1, 8192, args.single).tolist()
+    results = {m: {mode: {} for mode in modes} for m in models}
+    single = {m: {} for m in models}
+    for model in models:
+        model_dir = out / ("model" if model == "qwen3" else f"model-{model}")
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(MODELS[model], indent=1))
+        for name in policies:
             t = time.perf_counter()
-            llm.generate(prompt_token_ids=[prompt],
-                         sampling_params=SamplingParams(temperature=0, max_tokens=1,
-                                                        ignore_eos=True))
-            single[name] = {"expert_bytes": llm.stats()["expert_bytes_loaded"] - before,
-                            "seconds": time.perf_counter() - t}
-            print(f"[{name}] single {args.single}-token prompt: {single[name]}")
-        del llm
+            llm = LLM(str(model_dir), load_format="dummy", max_num_seqs=8,
+                      max_model_len=args.single + 64 if args.single else 8192,
+                      enable_prefix_caching=False, **POLICIES[name])  # modes re-send prompts
+            print(f"[{model} {name}] engine ready in {time.perf_counter() - t:.1f} s")
+            plans = []
+            record_plans(llm, plans)
+            for mode in modes:
+                llm.engine.config = dataclasses.replace(llm.engine.config,
+                                                        async_scheduling=mode == "async")
+                before = llm.stats()
+                t = time.perf_counter()
+                outs = serve(llm, requests, out_len)
+                res = results[model][mode][name] = summarize(outs, llm.stats(), before)
+                res.update(padding(llm.stats(), before, plans, name))
+                res["serve_s"] = time.perf_counter() - t
+                res["throughput_tok_s"] = sum(len(o.token_ids) for o in outs) / res["serve_s"]
+                plans.clear()
+                print(f"[{model} {name}, {mode}] {json.dumps(res)}")
+            if args.single:
+                before = llm.stats()["expert_bytes_loaded"]
+                prompt = np.random.default_rng(1).integers(1, 8192, args.single).tolist()
+                t = time.perf_counter()
+                llm.generate(prompt_token_ids=[prompt],
+                             sampling_params=SamplingParams(temperature=0, max_tokens=1,
+                                                            ignore_eos=True))
+                single[model][name] = {
+                    "expert_bytes": llm.stats()["expert_bytes_loaded"] - before,
+                    "seconds": time.perf_counter() - t}
+                print(f"[{model} {name}] single {args.single}-token prompt: "
+                      f"{single[model][name]}")
+            llm.shutdown()
+            del llm
 
     hw = measure_current_device()
     E, k = SMALL_MOE["num_experts"], SMALL_MOE["num_experts_per_tok"]
@@ -210,33 +248,43 @@ def main(argv=None):
     report = {
         "date": date.today().isoformat(), "machine": f"{platform.machine()} CPU, "
         f"{platform.processor() or 'unknown'}", "command": "python launch/bench_policies.py "
-        + " ".join(argv or []), "args": vars(args), "policies": results, "single_prompt": single,
+        + " ".join(argv or []), "args": vars(args), "models": results, "single_prompt": single,
         "cpu_ridge_flop_per_byte": hw.ridge_point, "cpu_peak_flops": hw.peak_flops,
         "cpu_bandwidth": hw.hbm_bw, "moe_intensity_chunk512": intensity,
     }
     (out / "results.json").write_text(json.dumps(report, indent=1))
 
-    keys = ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "expert_bytes",
-            "iterations", "host_ms_per_iter", "host_overhead_fraction", "programs", "compile_s",
-            "padding_new", "padding_old", "max_step_padding_new", "max_step_padding_old")
-    for mode in modes:
-        c, lay = results[mode]["chunked"], results[mode]["layered"]
-        print(f"\n{mode}:\n| metric | chunked-512 | layered | layered / chunked |\n"
-              "|---|---|---|---|")
-        for key in keys:
-            ratio = lay[key] / c[key] if c[key] else float("nan")
-            print(f"| {key} | {c[key]:.4g} | {lay[key]:.4g} | {ratio:.3f} |")
-    if len(modes) == 2:
-        print("\n| metric | chunked async / sync | layered async / sync |\n|---|---|---|")
-        for key in keys:
-            r = [results["async"][p][key] / results["sync"][p][key]
-                 if results["sync"][p][key] else float("nan") for p in POLICIES]
-            print(f"| {key} | {r[0]:.3f} | {r[1]:.3f} |")
-    if single:
-        r = single["layered"]["expert_bytes"] / single["chunked"]["expert_bytes"]
-        print(f"\nsingle {args.single}-token prompt: expert bytes layered : chunked = {r:.4f} "
-              f"(1/{1 / r:.1f}; ideal 1/16); time {single['layered']['seconds']:.2f} s vs "
-              f"{single['chunked']['seconds']:.2f} s")
+    keys = ("ttft_p50_s", "ttft_p99_s", "max_itl_p99_s", "e2e_mean_s", "throughput_tok_s",
+            "expert_bytes", "iterations", "host_ms_per_iter", "host_overhead_fraction",
+            "programs", "compile_s", "padding_new", "padding_old", "max_step_padding_new",
+            "max_step_padding_old")
+    for model in models:
+        for mode in modes:
+            res = results[model][mode]
+            others = policies[1:]
+            print(f"\n{model}, {mode}:\n| metric | " + " | ".join(policies) + " | "
+                  + " | ".join(f"{p} / chunked" for p in others) + " |\n"
+                  + "|---" * (len(policies) + len(others) + 1) + "|")
+            for key in keys:
+                vals = [res[p].get(key, float("nan")) for p in policies]
+                ratios = [v / vals[0] if vals[0] else float("nan") for v in vals[1:]]
+                print(f"| {key} | " + " | ".join(f"{v:.4g}" for v in vals) + " | "
+                      + " | ".join(f"{r:.3f}" for r in ratios) + " |")
+        if len(modes) == 2:
+            print(f"\n{model}:\n| metric | "
+                  + " | ".join(f"{p} async / sync" for p in policies) + " |\n"
+                  + "|---" * (len(policies) + 1) + "|")
+            for key in keys:
+                r = [results[model]["async"][p].get(key, float("nan"))
+                     / results[model]["sync"][p].get(key, float("nan"))
+                     if results[model]["sync"][p].get(key) else float("nan") for p in policies]
+                print(f"| {key} | " + " | ".join(f"{x:.3f}" for x in r) + " |")
+        one = single[model]
+        if "layered" in one:
+            r = one["layered"]["expert_bytes"] / one["chunked"]["expert_bytes"]
+            print(f"\n{model}: single {args.single}-token prompt: expert bytes layered : "
+                  f"chunked = {r:.4f} (1/{1 / r:.1f}; ideal 1/16); time "
+                  f"{one['layered']['seconds']:.2f} s vs {one['chunked']['seconds']:.2f} s")
     print(f"\nCPU: {hw.peak_flops / 1e9:.1f} GFLOP/s, {hw.hbm_bw / 1e9:.1f} GB/s, ridge "
           f"{hw.ridge_point:.1f} FLOP/B; MoE at a 512-token chunk: {rows_per_expert:.0f} rows "
           f"per expert = {intensity:.0f} FLOP/B (float32) -> "

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from lp_jax.config import ModelConfig
 from lp_jax.models import StackedCausalLM, model_class
+from lp_jax.models.qwen3_moe import embed_width
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -113,8 +114,9 @@ def _shared_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
     L, D, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     layers = tuple(range(L))
     src = {
-        ("model", "embed_tokens"): _Source((), lambda: ["model.embed_tokens.weight"], _identity,
-                                           lambda: [(V, D)]),
+        ("model", "embed_tokens"): _Source(
+            (), lambda: ["model.embed_tokens.weight"],
+            lambda a: np.pad(a[0], ((0, 0), (0, embed_width(cfg) - D))), lambda: [(V, D)]),
         ("model", "norm"): _Source((), lambda: ["model.norm.weight"], _identity, lambda: [(D,)]),
         ("model", "layers", "input_layernorm"): _per_layer(layers, "input_layernorm.weight",
                                                            (D,), _identity),
@@ -135,7 +137,9 @@ def _gpt_oss_sources(cfg: ModelConfig, mxfp4: bool) -> dict[tuple[str, ...], _So
     src = _shared_sources(cfg)
     for name, (n_out, n_in) in {"q_proj": (N * H, D), "k_proj": (K * H, D),
                                 "v_proj": (K * H, D), "o_proj": (D, N * H)}.items():
-        src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", (n_out, n_in))
+        # o_proj stays [out, in] (see GptOssAttention); the others become [in, out]
+        src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", (n_out, n_in),
+                                        _identity if name == "o_proj" else _transpose)
         if cfg.attention_bias:
             src[(*attn, f"{name}_bias")] = _per_layer(layers, f"self_attn.{name}.bias",
                                                       (n_out,), _identity)
@@ -302,6 +306,8 @@ def _dummy_param(path, var, sharding, key):
     if path[-1].endswith("_bias") or path[-1] == "sinks":
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     fan_in = shape[-1] if path[-1] == "embed_tokens" else shape[-2]
+    if path[-1] == "o_proj" and var.get_metadata().get("logical_axes", ())[-1] == "q_heads":
+        fan_in = shape[-1]  # GPT-OSS keeps o_proj [out, in]
     std = 1.0 / math.sqrt(fan_in)
 
     def draw(k, shp):

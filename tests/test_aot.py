@@ -110,3 +110,16 @@ def test_qwen3_30b_needs_a_slice_not_one_chip():
 def test_cli_reports_a_bad_configuration(capsys):
     assert main(["--platform", "cuda", "--config", "/nonexistent", "--out", "/tmp/x"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_gpt_oss_20b_preset_exports_for_cuda(tmp_path):
+    """The gpt-oss-20b preset, abstractly (no weights): one program exports and passes the
+    audit. Its [E, D] = [32, 2880] expert biases share their shape with a 32-row tile of
+    activations, so the audit must not count them as expert weights."""
+    cfg = load_config("gpt-oss-20b")
+    assert cfg.model_type == "gpt_oss" and [cfg.layer_window(i) for i in (0, 1)] == [128, None]
+    summary = run(cfg, AotConfig(platform="cuda", **ENGINE), tmp_path, log=None)
+    assert summary["violations"] == [] and summary["num_programs"] == 1
+    D = F = 2880
+    assert summary["layer_expert_bytes_per_device"] == 32 * (D * 2 * F + F * D) * 2
+    assert 41e9 < summary["weight_bytes_per_device"] < 43e9  # 21B parameters in bf16

@@ -18,6 +18,7 @@ are tiny: the Pallas interpreter runs on CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,24 +66,35 @@ def as_dtype(x, dtype):
     return np.asarray(x).astype(jnp.dtype(dtype)).astype(np.float32)
 
 
-def dense_oracle(q_LNH, k_LKH, v_LKH, sm_scale):
-    """Causal attention over one contiguous sequence in float64 numpy."""
+def dense_oracle(q_LNH, k_LKH, v_LKH, sm_scale, sinks_N=None, window=None):
+    """Causal attention over one contiguous sequence in float64 numpy. sinks_N: a logit
+    per head joining the softmax as a key of value zero; window W: query t sees keys
+    in (t - W, t] (GPT-OSS)."""
     L, N, _ = q_LNH.shape
     G = N // k_LKH.shape[1]
     k = np.repeat(k_LKH, G, axis=1).astype(np.float64)
     v = np.repeat(v_LKH, G, axis=1).astype(np.float64)
     s = np.einsum("tnh,snh->nts", q_LNH.astype(np.float64), k) * sm_scale
-    s = np.where(np.tril(np.ones((L, L), bool))[None], s, -np.inf)
+    t, key = np.arange(L)[:, None], np.arange(L)[None, :]
+    visible = key <= t
+    if window:
+        visible &= key > t - window
+    s = np.where(visible[None], s, -np.inf)
+    if sinks_N is not None:  # the sink column, dropped after the softmax
+        sink = np.broadcast_to(np.asarray(sinks_N, np.float64)[:, None, None], (N, L, 1))
+        s = np.concatenate([s, sink], axis=-1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("nts,snh->tnh", p, v).astype(np.float32)
+    return np.einsum("nts,snh->tnh", p[..., :L], v).astype(np.float32)
 
 
-def make_batch(seqs, *, S, K, G, H, dtype, T=None, B=None, C=None, extra_pages=3, seed=0):
+def make_batch(seqs, *, S, K, G, H, dtype, T=None, B=None, C=None, extra_pages=3, seed=0,
+               sinks_N=None, window=None):
     """seqs: (cached prefix length, new tokens) per sequence; q_len 0 with prefix 0 is
     a padding sequence. Each sequence's pages are scattered randomly over the pool and
     its whole context is written with write_kv; the oracle attends over the context
-    and keeps the new tokens' rows. Data is rounded to `dtype` first."""
+    (with sinks_N / a sliding window if given) and keeps the new tokens' rows. Data is
+    rounded to `dtype` first."""
     rng = np.random.default_rng(seed)
     N = K * G
     B = B or len(seqs)
@@ -122,7 +134,8 @@ def make_batch(seqs, *, S, K, G, H, dtype, T=None, B=None, C=None, extra_pages=3
         q_full = as_dtype(rng.normal(size=(L, N, H)), dtype)
         t0 = query_start[b]
         q_full[prefix:] = q_TNH[t0:t0 + n]
-        expected[t0:t0 + n] = dense_oracle(q_full, k_LKH, v_LKH, sm_scale)[prefix:]
+        expected[t0:t0 + n] = dense_oracle(q_full, k_LKH, v_LKH, sm_scale, sinks_N,
+                                           window)[prefix:]
     kv = kv0
     if ks:
         kv = write_kv(kv0, jnp.asarray(np.concatenate(ks), dtype),
@@ -180,6 +193,24 @@ def test_write_kv_skips_negative_slots_and_writes_mid_page():
                                jnp.array([4], jnp.int32)))
     np.testing.assert_array_equal(out2[1, 1], want[1, 1])
     assert (out2[1, 0] == 7).all()
+
+
+def test_packed_pool_is_the_same_bytes():
+    """write_kv into a packed [P, S, K, 2H] pool writes what it writes into [P, S, 2K, H]
+    (same bytes), and the reference reads either form."""
+    b = decode_batch([13, 6], S=8, K=2, G=2, H=16, dtype=jnp.float32)
+    P, S, J, H = b.kv_pages_PSJH.shape
+    rng = np.random.default_rng(2)
+    k, v = (jnp.asarray(rng.normal(size=(3, 2, H)), jnp.float32) for _ in range(2))
+    slots = jnp.array([5, -1, 17], jnp.int32)
+    kv = write_kv(b.kv_pages_PSJH, k, v, slots)
+    kv_packed = write_kv(packed(b).kv_pages_PSJH, k, v, slots)
+    assert kv_packed.shape == (P, S, J // 2, 2 * H)
+    np.testing.assert_array_equal(np.asarray(kv_packed).reshape(kv.shape), np.asarray(kv))
+    ref = jax.jit(functools.partial(ref_decode_attention, sm_scale=b.sm_scale))
+    for x in (b, packed(b)):
+        out = ref(x.q_TNH, x.kv_pages_PSJH, x.seq_lens_B, x.page_table_BC)
+        assert rel_err(out, b.expected_TNH) < 1e-5
 
 
 def test_ref_attention_dense_matches_oracle():
@@ -327,6 +358,35 @@ def test_gpu_kernels_lower_to_triton(G, dtype, monkeypatch):
     assert "lp_paged_prefill_attention" in m2
     assert len(modules) == 2 and all("tt.dot" in m for m in modules)
     assert not any("tf32" in m for m in modules)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_gpu_kernels_lower_with_sinks_and_window():
+    """Both kernels lower for CUDA (an H200; only ptxas needs a GPU) at GPT-OSS-20B
+    attention shapes: 64 query heads, 8 KV heads, head_dim 64, bf16 sinks, a traced
+    window; the window and sinks are extra operands of the Triton calls."""
+    from pallas_kernels import compile_targets
+
+    N, K, H, S, P, B, T, C = 64, 8, 64, 16, 256, 8, 64, 16
+    sd, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    kv, sinks, w = sd((P, S, 2 * K, H), bf16), sd((N,), bf16), sd((), i32)
+    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    dec = compile_targets.export_cuda(
+        lambda q, kv, l, pt, s, w: gpu.decode_attention(
+            q, kv, l, pt, sm_scale=H ** -0.5, sinks_N=s, sliding_window=w),
+        (sd((B, N, H), bf16), kv, sd((B,), i32), sd((B, C), i32), sinks, w),
+        disabled_checks=check).mlir_module()
+    pre = compile_targets.export_cuda(
+        lambda q, kv, qs, l, pt, n, s, w: gpu.ragged_paged_attention(
+            q, kv, qs, l, pt, n, sm_scale=H ** -0.5, sinks_N=s, sliding_window=w),
+        (sd((T, N, H), bf16), kv, sd((B + 1,), i32), sd((B,), i32), sd((B, C), i32),
+         sd((), i32), sinks, w), disabled_checks=check).mlir_module()
+    assert "lp_paged_decode_attention" in dec and "lp_paged_prefill_attention" in pre
+    # decode: seq_lens, pages, q, K, V, window; prefill: also the sinks [K, Gp] (decode
+    # merges them into its splits in XLA)
+    for module, operands in ((dec, 6), (pre, 7)):
+        (call,) = [ln for ln in module.splitlines() if "xla.gpu.triton" in ln]
+        assert call.split("(", 1)[1].split(")", 1)[0].count("%") == operands
 
 
 # ------------------------------------------------------------------------------ TPU
@@ -513,6 +573,116 @@ def test_tpu_jax_kernel_lowers_to_mosaic():
     assert "tpu_custom_call" in m
 
 
+# ------------------------------------------------- sinks and sliding windows (GPT-OSS)
+
+# A sliding layer's batch (window 40, pages of 8): a chunk of 2 new tokens at 70 whose
+# window starts on page 3 (pages 0-2 are skipped; with two-page TPU key blocks a block
+# is interior to both the causal mask and the window), a decode token, a prefill whose
+# rows all see their whole prefix, and a decode token at 52 whose window skips page 0.
+SLIDING, WINDOW = [(70, 2), (6, 1), (0, 20), (52, 1)], 40
+
+
+def poison_before_window(b: Batch, first_pos_B, window: int) -> Batch:
+    """The batch with every page wholly before the window of its sequence's first query
+    (so of every query) filled with NaN: a kernel that reads one, even masked, returns
+    NaN (0 * NaN), so finite outputs equal to the oracle prove the pages were skipped."""
+    S = b.kv_pages_PSJH.shape[1]
+    table = np.asarray(b.page_table_BC)
+    poisoned = [table[seq, p] for seq, pos in enumerate(first_pos_B)
+                for p in range(max(pos - window + 1, 0) // S)]
+    assert poisoned, "the case must have pages wholly outside the window"
+    kv = b.kv_pages_PSJH.at[np.asarray(poisoned)].set(jnp.nan)
+    return dataclasses.replace(b, kv_pages_PSJH=kv)
+
+
+def gpt_oss_layers(make, first_pos_B, N, dtype, seed=3):
+    """(sinks_N, full layer's batch, sliding layer's batch): the same data, oracles with
+    sinks and without / with WINDOW; the sliding one poisoned before its windows."""
+    sinks_N = as_dtype(np.random.default_rng(seed).normal(size=N) * 2.0, dtype)
+    full = make(sinks_N=sinks_N, window=None)
+    sliding = poison_before_window(make(sinks_N=sinks_N, window=WINDOW), first_pos_B, WINDOW)
+    return jnp.asarray(sinks_N, dtype), full, sliding
+
+
+def check_layer_kinds(kernel, full: Batch, sliding: Batch, dtype, decode=False):
+    """kernel: jitted (window, *arrays) -> out, the window a traced int32. One program
+    runs window 0 (a full layer) on the clean pool, then WINDOW on the poisoned one;
+    both match their oracles, and padding tokens give exact zeros."""
+    def arrays(b):
+        return ((b.q_TNH, b.kv_pages_PSJH, b.seq_lens_B, b.page_table_BC) if decode
+                else b.ragged_args())
+
+    outs = [kernel(jnp.int32(w), *arrays(b)) for b, w in ((full, 0), (sliding, WINDOW))]
+    assert kernel._cache_size() == 1  # both layer kinds ran the same program
+    for out, b in zip(outs, (full, sliding), strict=True):
+        assert out.dtype == dtype
+        assert rel_err(out, b.expected_TNH) < TOL[dtype]  # finite: no poisoned page read
+        padding_T = ~b.expected_TNH.any(axis=(1, 2))
+        assert padding_T.any() and not np.asarray(out, np.float32)[padding_T].any()
+
+
+def test_ref_sinks_and_window_skip_pages():
+    make = functools.partial(make_batch, SLIDING, S=8, K=2, G=4, H=16, dtype=jnp.float32,
+                             T=32, B=6)
+    sinks_N, full, sliding = gpt_oss_layers(make, [p for p, _ in SLIDING], 8, jnp.float32)
+    # One-token blocks: the reference's blocks may span sequences, and a block skips
+    # only the pages before the window of all its tokens.
+    ref = jax.jit(lambda w, *a: ref_ragged_paged_attention(
+        *a, sm_scale=full.sm_scale, block_q=1, sinks_N=sinks_N, sliding_window=w))
+    check_layer_kinds(ref, full, sliding, jnp.float32)
+
+
+def _sink_window_kernel(backend, entry, sinks_N, sm_scale):
+    """The kernel under test as jitted (window, *arrays), with small blocks: TPU two-page
+    key blocks (windows start mid-block) and 8-token items, its interpreter checking
+    races on NaN-filled fresh buffers; GPU 4-token blocks, decode split in two."""
+    extras = dict(sm_scale=sm_scale, sinks_N=sinks_N)
+    if backend == "tpu":
+        extras.update(interpret=_tpu_interpret(), pages_per_block=2)
+        if entry == "ragged":
+            return jax.jit(lambda w, *a: tpu.ragged_paged_attention(
+                *a, block_q=8, sliding_window=w, **extras))
+        return jax.jit(lambda w, *a: tpu.decode_attention(*a, sliding_window=w, **extras))
+    extras.update(interpret=True)
+    if entry == "ragged":
+        return jax.jit(lambda w, *a: gpu.ragged_paged_attention(
+            *a, block_rows=16, pages_per_block=2, sliding_window=w, **extras))
+    return jax.jit(lambda w, *a: gpu.decode_attention(
+        *a, pages_per_block=1, num_splits=2, sliding_window=w, **extras))
+
+
+def packed(b: Batch) -> Batch:
+    """The batch with its pool packed [P, S, K, 2H] (ref.py): the same bytes."""
+    P, S, J, H = b.kv_pages_PSJH.shape
+    return dataclasses.replace(b, kv_pages_PSJH=b.kv_pages_PSJH.reshape(P, S, J // 2, 2 * H))
+
+
+@pytest.mark.parametrize("backend,entry,G,dtype,H,pack", [
+    ("tpu", "ragged", 4, jnp.float32, 128, False),
+    ("tpu", "decode", 8, jnp.bfloat16, 64, True),  # GPT-OSS's head_dim, packed pool
+    ("gpu", "ragged", 4, jnp.float32, 32, False),
+    ("gpu", "decode", 8, jnp.bfloat16, 64, False)])
+def test_kernel_sinks_and_window_interpret(backend, entry, G, dtype, H, pack):
+    """GPT-OSS layers through our kernels: a full layer with sinks and a sliding layer
+    with sinks and a 40-token window (shorter than the contexts, its skipped pages NaN),
+    the window a traced scalar, against the float64 oracle."""
+    if entry == "ragged":
+        first_pos_B = [p for p, _ in SLIDING]
+        make = functools.partial(make_batch, SLIDING, T=32, B=6)
+    else:  # a 9-page context whose window skips 3 pages, padding in the middle
+        ctx = [71, 1, 0, 60, 9]
+        first_pos_B = [c - 1 for c in ctx]
+        make = functools.partial(decode_batch, ctx, C=9)
+    make = functools.partial(make, S=8, K=2, G=G, H=H, dtype=dtype)
+    sinks_N, full, sliding = gpt_oss_layers(make, first_pos_B, 2 * G, dtype)
+    if pack:
+        full, sliding = packed(full), packed(sliding)
+    kernel = _sink_window_kernel(backend, entry, sinks_N, full.sm_scale)
+    check_layer_kinds(kernel, full, sliding, dtype, decode=entry == "decode")
+    if backend == "tpu":
+        _assert_no_races()
+
+
 # ----------------------------------------------------------------- entry points, bench
 
 
@@ -535,6 +705,45 @@ def test_entry_points_dispatch():
     assert not attention.interpret_enabled()
     assert rel_err(out, b.expected_TNH) < 1e-5
     assert rel_err(dec, d.expected_TNH) < 1e-5
+
+
+def test_entry_points_pass_sinks_and_window(monkeypatch):
+    """"tpu" and "gpu" hand sinks_N / sliding_window to their kernels, and nothing when
+    both are None (the plain call, unchanged); "tpu_jax" refuses them."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return args[0]
+
+    for module in (tpu, gpu):
+        monkeypatch.setattr(module, "ragged_paged_attention", record)
+        monkeypatch.setattr(module, "decode_attention", record)
+    d = decode_batch([5, 17], S=8, K=2, G=4, H=16, dtype=jnp.float32)
+    dec_args = (d.q_TNH, d.kv_pages_PSJH, d.seq_lens_B, d.page_table_BC)
+    sinks_N, window = jnp.zeros((8,), jnp.float32), jnp.int32(4)
+    with attention.interpret_mode():
+        for backend in ("tpu", "gpu"):
+            attention.decode_attention(*dec_args, sm_scale=0.1, backend=backend,
+                                       sinks_N=sinks_N, sliding_window=window)
+            attention.ragged_paged_attention(*dec_args[:2], jnp.arange(3), *dec_args[2:],
+                                             2, sm_scale=0.1, backend=backend)
+        with pytest.raises(ValueError, match="'tpu_jax' has no sinks_N / sliding_window"):
+            attention.decode_attention(*dec_args, sm_scale=0.1, backend="tpu_jax",
+                                       sinks_N=sinks_N, sliding_window=window)
+    full = ["interpret", "sinks_N", "sliding_window", "sm_scale"]
+    assert calls == [full, ["interpret", "sm_scale"]] * 2
+    # A packed pool: "tpu" reads it as it is, "gpu" through its [P, S, 2K, H] view.
+    pools = []
+    for module in (tpu, gpu):
+        monkeypatch.setattr(module, "decode_attention",
+                            lambda q, kv, *a, **kw: pools.append(kv.shape) or q)
+    with attention.interpret_mode():
+        for backend in ("tpu", "gpu"):
+            attention.decode_attention(d.q_TNH, packed(d).kv_pages_PSJH, *dec_args[2:],
+                                       sm_scale=0.1, backend=backend)
+    P, S, J, H = d.kv_pages_PSJH.shape
+    assert pools == [(P, S, J // 2, 2 * H), (P, S, J, H)]
 
 
 def test_decode_bench_small():

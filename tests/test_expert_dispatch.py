@@ -7,6 +7,8 @@
   (the capacity transport then needs several rounds).
 * `ref_ragged_all_to_all` against a numpy model of `lax.ragged_all_to_all`.
 * Every MoE backend runs under all_to_all (xla_tiles; tpu, the Pallas kernel interpreted).
+* GPT-OSS experts (biases, clamped SwiGLU) under all_to_all and allreduce equal the
+  single-device moe_ffn (xla; tpu interpreted).
 * The all_to_all program moves tokens by all-to-all, with no all-reduce of [T, D];
   "auto" runs what `roofline.ep_comm.choose_dispatch` picks.
 * With libtpu: the ragged transport compiles for a v6e slice.
@@ -151,6 +153,54 @@ def test_all_to_all_runs_every_moe_backend(backend):
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
     for stat in want_stats:
         np.testing.assert_array_equal(stats[stat], want_stats[stat], err_msg=stat)
+
+
+def _gpt_oss_experts(mesh):
+    """Stacked [L, E, ...] weights and GPT-OSS biases, sharded as the model shards them
+    (experts over "expert") when a mesh is given."""
+    rng = np.random.default_rng(18)
+    b_gate_up = jnp.asarray(rng.normal(size=(L, E, 2 * F)), jnp.float32)
+    b_down = jnp.asarray(rng.normal(size=(L, E, D)) * 0.5, jnp.float32)
+    arrays = (*_weights(), b_gate_up, b_down)
+    if mesh is None:
+        return arrays
+    axes = (*W_AXES, ("layers", "experts", "expert_mlp"), ("layers", "experts", "embed"))
+    return tuple(jax.device_put(a, named_sharding(ax, a.shape, mesh))
+                 for a, ax in zip(arrays, axes, strict=True))
+
+
+GPT_OSS_ACT = dict(activation="gpt_oss_clamped", swiglu_limit=0.5, swiglu_alpha=1.702)
+
+
+@pytest.mark.parametrize("backend", ["xla", "tpu"])  # tpu: the Pallas kernel, interpreted
+def test_gpt_oss_experts_under_all_to_all(backend):
+    """GPT-OSS-shaped experts (biases on both projections, the clamped SwiGLU at a limit
+    the rows pass) split over 4 expert shards: all_to_all (both transports) and
+    allreduce give the single-device moe_ffn's outputs and stats (biases counted), with a
+    traced layer of stacked weights and biases."""
+    mesh = make_mesh(expert=4, tensor=2)
+    x_TD, logits_TE, mask_T = _tokens(13, hot=False, seed=18)
+    wg, wd, bg, bd = _gpt_oss_experts(None)
+    kw = dict(top_k=A, norm_topk_prob=True, token_mask_T=mask_T, **GPT_OSS_ACT)
+    want_y, want_stats = moe_ffn(x_TD, logits_TE, wg, wd, layer=LAYER, backend="xla",
+                                 b_gate_up=bg, b_down=bd, **kw)
+    free_y, _ = moe_ffn(x_TD, logits_TE, wg, wd, layer=LAYER, backend="xla", b_gate_up=bg,
+                        b_down=bd, **{**kw, "swiglu_limit": 1e9})
+    assert np.linalg.norm(free_y - want_y) > 0.1 * np.linalg.norm(want_y)  # clamped
+    schemes = SCHEMES if backend == "xla" else {"capacity": SCHEMES["capacity"]}
+
+    def run(x, lg, wg, wd, bg, bd, layer):
+        return {name: sharded_moe_ffn(kernel_mesh(wg), x, lg, wg, wd, layer=layer,
+                                      backend=backend, interpret=True, b_gate_up=bg,
+                                      b_down=bd, **kw, **scheme)
+                for name, scheme in schemes.items()}
+
+    args = (x_TD, logits_TE, *_gpt_oss_experts(mesh), jnp.int32(LAYER))
+    got = jax.jit(run).lower(*args).compile(FAST_COMPILE)(*args)
+    for name, (y, stats) in got.items():
+        np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5, err_msg=name)
+        for stat in want_stats:
+            np.testing.assert_array_equal(stats[stat], want_stats[stat], err_msg=stat)
 
 
 # ------------------------------------------------------------ ref_ragged_all_to_all

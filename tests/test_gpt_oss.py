@@ -133,17 +133,21 @@ def test_decode_attention_sinks_window_and_page_skipping():
     assert np.isfinite(got).all() and not got[2].any()
 
 
-def test_pallas_backends_refuse_sinks_and_windows(monkeypatch):
+def test_tpu_jax_refuses_sinks_and_gpt_oss_swaps_it(monkeypatch):
+    """JAX's shipped TPU kernel has no sinks or windows: its entry point refuses them,
+    and GPT-OSS layers asked to run on it take our TPU kernel, with a warning; every
+    other backend serves GPT-OSS as asked."""
     kv, tables, q, sinks = _paged_problem([1], [9], pad_tokens=0)
     with attention.interpret_mode(), pytest.raises(ValueError, match="sinks_N"):
         attention.decode_attention(*map(jnp.asarray, (q, kv, [9], tables)), sm_scale=0.25,
-                                   backend="gpu", sinks_N=jnp.asarray(sinks))
+                                   backend="tpu_jax", sinks_N=jnp.asarray(sinks))
     monkeypatch.setattr(gpt_oss, "_WARNED", set())  # warned once per process
-    with pytest.warns(UserWarning, match="GPT-OSS: attention backend 'gpu' -> 'xla'"):
-        chosen = serving_backends(KernelBackends(moe="tpu", attention="gpu"))
-    assert (chosen.moe, chosen.attention) == ("xla_tiles", "xla")
-    assert serving_backends(KernelBackends()) == KernelBackends(moe="xla_tiles",
-                                                                attention="xla")  # on CPU
+    with pytest.warns(UserWarning, match="GPT-OSS: attention backend 'tpu_jax' -> 'tpu'"):
+        chosen = serving_backends(KernelBackends(moe="tpu", attention="tpu_jax"))
+    assert (chosen.moe, chosen.attention) == ("tpu", "tpu")
+    for b in (KernelBackends(), KernelBackends(moe="gpu", attention="gpu"),
+              KernelBackends(moe="tpu", attention="tpu")):
+        assert serving_backends(b) == b
 
 
 # --------------------------------------------------------------------------- MoE
@@ -183,8 +187,11 @@ def test_moe_biases_and_clamped_swiglu():
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, err_msg=fn.__name__)
         per_expert = (D * 2 * F + F * D + 2 * F + D) * 4  # weights and biases, float32
         assert float(stats["expert_bytes_loaded"]) == int(stats["experts_activated"]) * per_expert
-    with pytest.raises(ValueError, match="clamped SwiGLU"):
-        moe.moe_ffn(x, logits, wgu, wd, backend="tpu", **kw)
+    for backend in ("tpu", "gpu"):  # the Pallas kernels take them too (parity:
+        # tests/test_moe_kernels.py); tracing them is enough here
+        got = jax.eval_shape(lambda *a, b=backend: moe.moe_ffn(
+            *a, backend=b, interpret=True, **kw)[0], x, logits, wgu, wd)
+        assert got.shape == x.shape
 
 
 def test_mxfp4_dequantization_matches_transformers():
@@ -217,15 +224,39 @@ def test_matches_transformers(preset):
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
 
 
-def test_mesh_2x4_matches_transformers():
-    """Experts over "expert" (2), heads over "tensor" (4): GSPMD partitions the reference
-    kernels; the numbers stay Hugging Face's."""
+@pytest.mark.parametrize("expert,tensor", [(2, 4), (1, 8), (8, 1)])
+def test_mesh_matches_transformers(expert, tensor):
+    """Experts over "expert", heads over "tensor": GSPMD partitions the reference kernels;
+    the numbers stay Hugging Face's. The tiny model has 4 query and 2 KV heads, so 8-way
+    tensor parallelism cuts inside heads (q_proj: half a head per device, k/v_proj a
+    quarter; sinks and the KV pool stay replicated), unlike gpt-oss-20b's 64 / 8 heads;
+    8-way expert parallelism puts one of its 8 experts on each device."""
     golden = np.load(GOLDEN.format("tiny-gpt-oss"))
-    model = load_model(ensure_tiny(preset="tiny-gpt-oss"), mesh=make_mesh(expert=2, tensor=4))
+    mesh = make_mesh(expert=expert, tensor=tensor)
+    model = load_model(ensure_tiny(preset="tiny-gpt-oss"), mesh=mesh)
+    if tensor == 8:
+        q = model.model.layers.self_attn.q_proj[...]
+        assert q.sharding.shard_shape(q.shape)[-1] == 64 // 8  # 8 of a head's 16 columns
+    if expert == 8:
+        w = model.model.layers.mlp.experts_gate_up_proj[...]
+        assert w.sharding.shard_shape(w.shape)[1] == 1
     tokens, logits = greedy_generate(model, golden["prompt_1"].tolist(), 8,
                                      return_prompt_logits=True)
     np.testing.assert_allclose(logits, golden["logits_1"], rtol=0, atol=1e-4)
     assert tokens == golden["greedy_1"][:8].tolist()
+
+
+def test_mesh_all_to_all_matches_transformers():
+    """The MoE under the all_to_all dispatch (experts over "expert" (2), each routed row
+    sent to its expert's shard with the biases and clamped SwiGLU there, heads over
+    "tensor" (4)): the numbers stay Hugging Face's."""
+    golden = np.load(GOLDEN.format("tiny-gpt-oss"))
+    model = load_model(ensure_tiny(preset="tiny-gpt-oss"), mesh=make_mesh(expert=2, tensor=4))
+    tokens, logits = greedy_generate(model, golden["prompt_1"].tolist(), 1,
+                                     return_prompt_logits=True,
+                                     backends=KernelBackends(moe_dispatch="all_to_all"))
+    np.testing.assert_allclose(logits, golden["logits_1"], rtol=0, atol=1e-4)
+    assert tokens == golden["greedy_1"][:1].tolist()
 
 
 # ------------------------------------------------------------------------ engine
@@ -234,6 +265,9 @@ ENGINES = {
     "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(8, 32)),
     "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
                     token_buckets=(8, 68)),
+    # FlowPrefill: operator-level preemption points, slack-aware EDF over the prefills
+    "flowprefill": dict(scheduling="flowprefill", max_num_batched_tokens=64,
+                        token_buckets=(8, 68)),
 }
 
 
@@ -273,7 +307,8 @@ def test_20b_builds_abstractly_with_expected_bytes():
     attn = 2 * D * NH + 2 * D * KH + NH + 2 * KH + D + N
     mlp = D * E + E + E * (D * 2 * F + 2 * F + F * D + D)
     params = 2 * V * D + D + L * (attn + 2 * D + mlp)
-    assert sum(math.prod(v.shape) for _, v in flat) == params
+    # the embedding table is padded to 2944 = 23 x 128 columns (qwen3_moe.embed_width)
+    assert sum(math.prod(v.shape) for _, v in flat) == params + V * (2944 - D)
     assert 20.5e9 < params < 21.5e9  # "gpt-oss-20b": 21B parameters
     assert cfg.expert_bytes == (3 * D * F + 2 * F + D) * 2
     # The shardings a 2 x 4 (expert x tensor) mesh gives it, from shapes alone.

@@ -22,6 +22,13 @@ inference and the shared-memory budget included) for an H200; the StableHLO show
 that each kernel takes the stacked weights whole (no slice of a layer), and the
 lowered Mosaic GPU modules that every pipelined WGMMA loop waits for its WGMMAs
 before TMA refills their shared memory. Real TPU compiles: tests/test_tpu_compile.py.
+
+GPT-OSS experts (issue 18): biases on both projections and the clamped SwiGLU, with
+values past the clamp, stacked [2, E, ...] weights and biases and a traced layer: every
+Pallas path (tpu with split and with joint [gate | up] blocks, tpu_gmm, gpu) equals
+`ref_moe_ffn`; "auto" lowers to the kernels; at GPT-OSS-20B shapes (2880 wide) the TPU
+kernels compile for a v6e (libtpu) taking the stacked weights and biases whole, and
+the GPU kernels export for cuda. Qwen3's kernels keep their operand lists.
 """
 
 from __future__ import annotations
@@ -503,6 +510,10 @@ def test_tpu_kernels_lower_to_mosaic_with_stacked_weights(fused_gather):
     mlir = _export_tpu(_layer_loop(_tpu_moe(fused_gather)))
     assert mlir.count("stablehlo.custom_call @tpu_custom_call") == 2
     assert _weight_slice_problems(mlir, "tpu_custom_call") == []
+    # No bias operands without biases (issue 18): grid size, scalar prefetch, rows or
+    # ids and x, then gate and up weights; down: grid size, groups, h, weights.
+    calls = compile_targets.custom_call_operand_shapes(mlir, "tpu_custom_call")
+    assert [len(c) for c in calls] == [7 if fused_gather else 5, 4]
 
 
 def test_weight_slice_check_catches_a_sliced_layer():
@@ -529,6 +540,8 @@ def test_gpu_kernels_lower_to_mosaic_gpu_with_stacked_weights():
     mlir, modules = _gpu_export()
     assert mlir.count("custom_call @mosaic_gpu_v2") == 2 and len(modules) == 2
     assert _weight_slice_problems(mlir, "mosaic_gpu_v2") == []
+    calls = compile_targets.custom_call_operand_shapes(mlir, "mosaic_gpu_v2")
+    assert [len(c) for c in calls] == [5, 5]  # no bias operands without biases
 
 
 def test_gpu_pipelines_wait_for_wgmma_before_refill():
@@ -589,3 +602,188 @@ def test_auto_never_picks_a_path_that_reads_every_expert(device_kind, platform, 
     carries a dense every-expert fallback)."""
     with compile_targets.pallas_target(device_kind, platform=platform):
         assert moe.resolve_backend("auto") == want
+
+
+# ------------------------------------------------------------ GPT-OSS experts (issue 18)
+# Biases on both projections and the clamped SwiGLU, stacked [L=2, E, ...] weights and
+# biases and a traced layer. The weights are large enough that the pre-activations pass
+# the clamp limit (checked), so a kernel that skipped the clamp would fail.
+OSS_LIMIT, OSS_DEAD = 7.0, 3  # swiglu_limit; an expert no token picks
+OSS_TILINGS = {  # backend -> (kernel, keyword arguments)
+    "tpu": TPU_TILING,  # gate and up in two 16-wide blocks each
+    # tn=None: F (32) is no multiple of 128, so one [gate | up] block (as for GPT-OSS's
+    # F = 2880), cut in the epilogue; tk=16 adds the K accumulation.
+    "tpu_joint": tpu.TpuTiling(tm=TM, tk=16, down_tk=16, down_tn=16),
+    "tpu_gmm": TPU_TILING,
+    "gpu": GPU_TILING,
+}
+
+
+@functools.cache
+def _oss_case():
+    """x, logits, mask and [2, E, ...] weights and biases (numpy: no compile per op)."""
+    rng = np.random.default_rng(18)
+    T = 16
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
+    logits[:, OSS_DEAD] = -30.0
+    wgu = (rng.standard_normal((2, E, D, 2 * F)) * 1.1).astype(np.float32)  # |z| ~ 6
+    wd = (rng.standard_normal((2, E, F, D)) / np.sqrt(F)).astype(np.float32)
+    bgu = (rng.standard_normal((2, E, 2 * F)) * 2).astype(np.float32)
+    bd = rng.standard_normal((2, E, D)).astype(np.float32)
+    mask = np.arange(T) % 7 != 3
+    return x, logits, wgu, wd, bgu, bd, mask
+
+
+def _oss_kwargs(mask, **kw):
+    return dict(top_k=2, norm_topk_prob=True, token_mask_T=jnp.asarray(mask),
+                activation="gpt_oss_clamped", swiglu_limit=OSS_LIMIT, **kw)
+
+
+def test_gpt_oss_case_passes_the_clamp():
+    """In numpy: the case's routed rows have gate > limit and |up| > limit in both
+    layers, and the clamp changes their activations by far more than the tolerance."""
+    x, logits, wgu, wd, bgu, bd, mask = _oss_case()
+    top = np.argsort(-logits, axis=1)[:, :2][mask]
+    tok = np.nonzero(mask)[0][:, None]
+    for layer in range(2):
+        z = np.einsum("rd,radf->raf", x[tok[:, 0]], wgu[layer][top]) + bgu[layer][top]
+        gate, up = z[..., :F], z[..., F:]
+        assert (gate > OSS_LIMIT).mean() > 0.05, layer
+        assert (np.abs(up) > OSS_LIMIT).mean() > 0.05, layer
+        glu = lambda g, u: (u + 1) * g / (1 + np.exp(-1.702 * g))
+        h = glu(np.minimum(gate, OSS_LIMIT), np.clip(up, -OSS_LIMIT, OSS_LIMIT))
+        assert rel_err(h, glu(gate, up)) > 0.1, layer
+
+
+def _oss_call(backend, x, logits, wgu, wd, bgu, bd, mask, layer):
+    kw = _oss_kwargs(mask, layer=layer, b_gate_up=bgu, b_down=bd)
+    tiling = OSS_TILINGS[backend]
+    if backend == "gpu":
+        return gpu.moe_ffn_gpu(x, logits, wgu, wd, **kw, tiling=tiling, num_sms=GPU_SMS,
+                               interpret=True)
+    return tpu.moe_ffn_tpu(x, logits, wgu, wd, **kw, tiling=tiling,
+                           fused_gather=backend != "tpu_gmm", interpret=True)
+
+
+@pytest.mark.parametrize("backend", list(OSS_TILINGS))
+def test_gpt_oss_experts_match_reference(backend):
+    """Each layer of the stacked weights, the layer traced (one program for both):
+    outputs and stats (biases counted) equal `ref_moe_ffn`'s, padding tokens output 0
+    (not a bias), and NaN weights and biases of the expert no token picks stay unread
+    (the TPU kernels read a layer's bias rows of all experts and must select, not
+    multiply, the tile's)."""
+    x, logits, wgu, wd, bgu, bd, mask = map(jnp.asarray, _oss_case())
+    poisoned = [a.at[:, OSS_DEAD].set(jnp.nan) for a in (wgu, wd, bgu, bd)]
+    run_layer = jax.jit(functools.partial(_oss_call, backend))
+    for layer in range(2):
+        y, stats = run_layer(x, logits, *poisoned, mask, jnp.int32(layer))
+        y_ref, stats_ref = ref_moe_ffn(x, logits, wgu, wd, **_oss_kwargs(
+            mask, layer=layer, b_gate_up=bgu, b_down=bd))
+        assert rel_err(y, y_ref) < 1e-5, layer
+        assert not np.asarray(y)[~np.asarray(mask)].any(), "padding tokens output 0"
+        for key in stats_ref:
+            np.testing.assert_array_equal(stats[key], stats_ref[key], err_msg=key)
+
+
+def test_gpt_oss_auto_backend_is_the_kernel():
+    """moe_ffn(backend="auto") with biases and the clamped SwiGLU resolves as for Qwen3
+    (no longer to xla_tiles): for a TPU v6e it lowers to the two Mosaic TPU kernels, for
+    an H200 (bfloat16) to the two Mosaic GPU kernels, default tilings."""
+    x, logits, wgu, wd, bgu, bd, mask = (jnp.asarray(a, jnp.bfloat16)
+                                         for a in _oss_case())
+    kw = _oss_kwargs(mask.astype(bool), layer=0)
+
+    def fn(x, logits, wgu, wd, bgu, bd):
+        return moe.moe_ffn(x, logits, wgu, wd, b_gate_up=bgu, b_down=bd, **kw)[0]
+
+    args = (x, logits.astype(jnp.float32), wgu, wd, bgu, bd)
+    with compile_targets.tpu_target("v6e"):
+        mlir = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+    assert mlir.count("stablehlo.custom_call @tpu_custom_call") == 2
+    mlir = compile_targets.export_cuda(fn, args).mlir_module()
+    assert mlir.count("custom_call @mosaic_gpu_v2") == 2
+
+
+# GPT-OSS-20B's experts: hidden 2880, 32 experts, top-4, width 2880, bfloat16. Neither
+# 2880 is a multiple of 128: the gate/up kernel takes whole [gate | up] rows (tn = F, see
+# tpu._gate_up_blocks), the down kernel whole F x D blocks (_pick_block finds no
+# 128-multiple divisor), the GPU kernel 64-wide blocks (_fit_block halves 128 / 256).
+OSS20B = dict(T=64, D=2880, F=2880, E=32, A=4, L=2)
+
+
+def _oss20b_args():
+    sd = jax.ShapeDtypeStruct
+    T, D_, F_, E_, L_ = (OSS20B[k] for k in "TDFEL")
+    return (sd((T, D_), jnp.bfloat16), sd((T, E_), jnp.float32),
+            sd((L_, E_, D_, 2 * F_), jnp.bfloat16), sd((L_, E_, F_, D_), jnp.bfloat16),
+            sd((L_, E_, 2 * F_), jnp.bfloat16), sd((L_, E_, D_), jnp.bfloat16),
+            sd((), jnp.int32))
+
+
+def _oss20b_moe(kernel, **kw):
+    return lambda x, logits, wgu, wd, bgu, bd, layer: kernel(
+        x, logits, wgu, wd, layer=layer, top_k=OSS20B["A"], norm_topk_prob=True,
+        b_gate_up=bgu, b_down=bd, activation="gpt_oss_clamped", **kw)
+
+
+def _hlo_roots(hlo: str, target: str) -> list[list[tuple[str, str]]]:
+    """(opcode, type) of what each operand of each `target` custom call comes from, in
+    compiled HLO text, following bitcasts and copy-start / copy-done (XLA moving a whole
+    array to another memory space: same shape, not a slice)."""
+    pattern = r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+?\[[\d,]*\])\S* ([\w\-]+)\((.*?)\)"
+    insts = {m.group(1): (re.sub(r"\{.*", "", m.group(2)), m.group(3),
+                          re.findall(r"%([\w.\-]+)", m.group(4)))
+             for m in re.finditer(pattern, hlo, re.M)}
+    calls = []
+    for name, (_, opcode, operands) in insts.items():
+        if opcode != "custom-call" or not re.search(
+                rf'%{re.escape(name)} = .*custom_call_target="{target}"', hlo):
+            continue
+        roots = []
+        for op in operands:
+            while insts[op][1] in ("bitcast", "copy-done", "copy-start"):
+                op = insts[op][2][0]
+            roots.append((insts[op][1], insts[op][0]))
+        calls.append(roots)
+    return calls
+
+
+@pytest.mark.skipif(not compile_targets.libtpu_available(),
+                    reason=f"libtpu is not importable: {compile_targets.LIBTPU_HINT}")
+def test_gpt_oss_20b_tpu_kernels_compile_with_stacked_weights_and_biases():
+    """The real TPU compiler (v6e) at GPT-OSS-20B expert shapes, stacked [2, E, ...]
+    weights and biases, traced layer: each Mosaic call takes its weight and its bias as
+    the stacked parameters themselves (no slice, no copy of a layer), and temporaries
+    stay below one layer's experts."""
+    L_, E_, D_, F_ = (OSS20B[k] for k in "LEDF")
+    compiled = compile_targets.compile_tpu(_oss20b_moe(tpu.moe_ffn_tpu), _oss20b_args(),
+                                           topology="v6e:2x2", mesh_shape=(1,))
+    calls = _hlo_roots(compiled.as_text(), "tpu_custom_call")
+    params = [sorted(t for op, t in roots if op == "parameter" and t.startswith("bf16"))
+              for roots in calls]
+    assert sorted(params) == sorted([
+        sorted([f"bf16[{L_},{E_},{D_},{2 * F_}]", f"bf16[{L_},{E_},{2 * F_}]"]),  # gate/up
+        sorted([f"bf16[{L_},{E_},{F_},{D_}]", f"bf16[{L_},{E_},{D_}]"]),  # down
+    ]), calls
+    one_layer = {(E_, D_, 2 * F_), (E_, F_, D_), (E_, 2 * F_), (E_, D_)}
+    assert not one_layer & _result_dims(compiled.as_text())
+    assert compiled.memory_analysis().temp_size_in_bytes < E_ * D_ * 2 * F_ * 2
+
+
+def test_gpt_oss_20b_gpu_kernels_export_for_cuda():
+    """The Hopper kernels with biases through Mosaic GPU lowering (layout inference of
+    the bias broadcast, the shared-memory budget) for an H200 at GPT-OSS-20B expert
+    shapes: two calls, each taking its stacked weight and stacked bias whole (as free
+    [L*E, ...] views), and WGMMA-safe pipelines."""
+    L_, E_, D_, F_ = (OSS20B[k] for k in "LEDF")
+    with compile_targets.mosaic_gpu_modules() as modules:
+        exported = compile_targets.export_cuda(
+            _oss20b_moe(gpu.moe_ffn_gpu, num_sms=132), _oss20b_args())
+    calls = compile_targets.custom_call_operand_shapes(exported.mlir_module(), "mosaic_gpu_v2")
+    G = L_ * E_
+    assert [c[-2:] for c in calls] == [[(G, D_, 2 * F_), (G, 2 * F_)], [(G, F_, D_), (G, D_)]]
+    assert len(modules) == 2
+    for module in modules:
+        loops, unsafe = compile_targets.wgmma_refill_check(module)
+        assert loops > 0 and unsafe == 0

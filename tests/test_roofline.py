@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from lp_jax.config import ModelConfig
 from lp_jax.roofline import (
     GPT_OSS_20B,
     HARDWARE,
@@ -104,6 +105,29 @@ def test_gpt_oss_builtin_and_validation():
     assert GPT_OSS_20B.vocab_size == 201088
     with pytest.raises(ValueError):
         ModelShape("x", 8, 1, 2, 2, 4, 10, num_experts=4, top_k=5, expert_width=8)
+
+
+@pytest.mark.parametrize(("shape", "config"), [(GPT_OSS_20B, "gpt-oss-20b.json"),
+                                               (Q, "Qwen3-30B-A3B.json")])
+def test_builtin_shapes_are_the_engine_config(shape, config):
+    """One description: the presets are the engine's ModelConfig, field by field."""
+    cfg = ModelConfig.from_pretrained_file(CONFIG_DIR / config)
+    assert shape == ModelShape.from_model_config(cfg, shape.name)
+    assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (
+        cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size)
+    assert (shape.num_q_heads, shape.num_kv_heads, shape.head_dim) == (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    assert (shape.num_experts, shape.top_k, shape.expert_width) == (
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    assert shape.dense_layers == cfg.dense_layers == ()
+    assert [shape.sliding_window if shape.is_sliding_layer(i) else None
+            for i in range(shape.num_layers)] == [cfg.layer_window(i)
+                                                  for i in range(cfg.num_hidden_layers)]
+    assert shape.tie_word_embeddings == cfg.tie_word_embeddings and shape.dtype_bytes == 2
+    assert resolve_model(CONFIG_DIR / config) == ModelShape.from_json(CONFIG_DIR / config)
+    # GPT-OSS: 12 sliding layers of 128 keys, as the hand-written shape had them.
+    if shape is GPT_OSS_20B:
+        assert shape.sliding_layers == tuple(range(0, 24, 2)) and shape.sliding_window == 128
 
 
 # ---- routing ----------------------------------------------------------------------------

@@ -218,6 +218,23 @@ def test_kv_pages_from_hbm():
         derive_num_pages(SimConfig(shape=GPT_OSS_20B, hardware=get_hardware("v5e"), tp=1))
 
 
+def test_sim_presets_read_the_engine_config():
+    """The simulator's GPT-OSS-20B and Qwen3-30B-A3B are the engine's ModelConfig: its MoE
+    and sliding layers, and its window."""
+    from lp_jax.config import ModelConfig
+    from lp_jax.roofline.model_shape import CONFIG_DIR
+
+    for shape, config in ((GPT_OSS_20B, "gpt-oss-20b.json"),
+                          (QWEN3_30B_A3B, "Qwen3-30B-A3B.json")):
+        cfg = ModelConfig.from_pretrained_file(CONFIG_DIR / config)
+        assert shape == ModelShape.from_model_config(cfg, shape.name)
+        ex = CostModelExecutor(shape, H100)
+        kinds = [ex._kinds[k] for k in ex._kind_of]
+        assert kinds == [(cfg.is_moe_layer(i), cfg.layer_window(i) is not None)
+                         for i in range(cfg.num_hidden_layers)]
+        assert ex._window == cfg.sliding_window
+
+
 # ----- calibration and energy fits ----------------------------------------------------------
 def test_calibration_fit_recovers_known_factors():
     rng = np.random.default_rng(0)

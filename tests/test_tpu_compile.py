@@ -15,6 +15,11 @@ layer is a traced argument, so the compile sees what a layer loop sees. Checks:
   the kernel as a bitcast of the parameter (the kernel's [P, S * 2K, H] view is free).
   In the decode kernel's final LLO (libtpu's dump, from a fresh process) the head
   split shuffles no sublanes and little spills: issue 12's finding 3.
+* Attention with GPT-OSS-20B's sinks and a traced sliding window (64 query heads, 8 KV
+  heads, head_dim 64, the pool packed [P, S, K, 2H]; and head_dim 128): compiles, the
+  pool a bitcast of the parameter. An unpacked [P, S, 2K, 64] pool compiles too, but
+  XLA lays it out page-minor and copies all of it into the kernel's row-major layout
+  on every call, which is why the kernel refuses it and the packed form exists.
 
 Skipped, with the reason, when libtpu is not installed (`pip install -e '.[tpu]'`).
 """
@@ -145,6 +150,56 @@ def test_attention_kernels_compile(chip):
     for compiled in (ragged, decode):
         # The kernel views the pool as [P, S * 2K, H]: a bitcast, never a copy.
         assert _kernel_operand_root(compiled.as_text(), 3) == pool
+
+
+def _gpt_oss_attention(chip: str, head_dim: int, packed: bool, ragged: bool = True):
+    """Ragged (unless not `ragged`: None) and decode kernels compiled with sinks [N] (bf16,
+    as the checkpoint holds them) and a traced window, at GPT-OSS-20B heads; returns
+    (ragged, decode, pool type)."""
+    from pallas_kernels.attention import tpu
+
+    n, k, pages, batch, pages_per_seq = 64, 8, 4096, 8, 16
+    kv = sd((pages, S, k, 2 * head_dim) if packed else (pages, S, 2 * k, head_dim),
+            jnp.bfloat16)
+    sinks, window, i32 = sd((n,), jnp.bfloat16), sd((), jnp.int32), jnp.int32
+    lens, pt = sd((batch,), i32), sd((batch, pages_per_seq), i32)
+    extras = dict(sm_scale=head_dim ** -0.5)
+    if ragged:
+        ragged = compile_targets.compile_tpu(
+            lambda q, kv, qs, lens, pt, n_seqs, sinks, w: tpu.ragged_paged_attention(
+                q, kv, qs, lens, pt, n_seqs, sinks_N=sinks, sliding_window=w, **extras),
+            (sd((64, n, head_dim), jnp.bfloat16), kv, sd((batch + 1,), i32), lens, pt,
+             sd((), i32), sinks, window), topology=CHIPS[chip], mesh_shape=(1,))
+    decode = compile_targets.compile_tpu(
+        lambda q, kv, lens, pt, sinks, w: tpu.decode_attention(
+            q, kv, lens, pt, sinks_N=sinks, sliding_window=w, **extras),
+        (sd((batch, n, head_dim), jnp.bfloat16), kv, lens, pt, sinks, window),
+        topology=CHIPS[chip], mesh_shape=(1,))
+    return ragged, decode, f"bf16[{','.join(map(str, kv.shape))}]"
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_attention_kernels_compile_with_sinks_and_window(chip):
+    """GPT-OSS-20B layers, head_dim 64 in a packed pool: the window is scalar-prefetched
+    (operand 2), so the pool is operand 4, a bitcast of the parameter ([P, S, K, 128]
+    is row-major)."""
+    ragged, decode, pool = _gpt_oss_attention(chip, head_dim=64, packed=True)
+    for compiled in (ragged, decode):
+        assert _kernel_operand_root(compiled.as_text(), 4) == ("parameter", pool)
+
+
+def test_head_dim_64_unpacked_pool_is_copied_whole(monkeypatch):
+    """Why the kernel refuses an unpacked head_dim 64 pool (tpu.check_constraints): it
+    compiles, but XLA's layout for a [P, S, 2K, 64] bf16 pool puts the page axis minor
+    (64 lanes would be half padding), so a full-size copy into the kernel's row-major
+    layout feeds every call. If this ever fails, the packed form may be unnecessary."""
+    from pallas_kernels.attention import tpu
+
+    monkeypatch.setattr(tpu, "check_constraints", lambda q, kv: None)
+    _, decode, pool = _gpt_oss_attention("v6e", head_dim=64, packed=False, ragged=False)
+    opcode, pool_type = _kernel_operand_root(decode.as_text(), 4)
+    assert (opcode, pool_type) == ("copy", pool)
+    assert decode.memory_analysis().temp_size_in_bytes >= _elements(pool) * 2  # bf16
 
 
 def _kernel_operand_root(hlo: str, index: int) -> tuple[str, str]:

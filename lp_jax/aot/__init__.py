@@ -39,13 +39,13 @@ from lp_jax.engine.model_runner import resolve_buckets
 from lp_jax.engine.scheduler import POLICIES
 from lp_jax.engine.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
-from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends
+from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends, kv_cache_shape, packs_kv
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
-           "qwen3-8b": "Qwen3-8B.json"}
+           "qwen3-8b": "Qwen3-8B.json", "gpt-oss-20b": "gpt-oss-20b.json"}
 CHIPS = {"v5e": "TPU v5e", "v6e": "TPU v6e", "v5p": "TPU v5p", "v4": "TPU v4"}
 
 
@@ -143,7 +143,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     weight_bytes = sum(_shard_bytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state))
     L, S = model_cfg.num_hidden_layers, cfg.page_size
     pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
-    kv_shape = (L * pages, S, 2 * model_cfg.num_key_value_heads, model_cfg.head_dim)
+    kernel = "tpu" if cfg.platform == "tpu" else "gpu"
+    kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel))
     kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
     kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
@@ -154,7 +155,6 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     buckets=buckets)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
-    kernel = "tpu" if cfg.platform == "tpu" else "gpu"
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
                      counts_sharding=replicated(mesh))

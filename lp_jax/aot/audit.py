@@ -6,6 +6,9 @@ Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
    or per device), anywhere in the StableHLO or (TPU) the optimized HLO. The MoE kernels
    take the whole stacked parameter plus a layer index and address the layer themselves;
    a slice of that shape is a copy of one layer's experts (1.2 GB for Qwen3-30B-A3B).
+   Expert biases (GPT-OSS: [E, 2F], [E, D], 0.5 MB a layer) are neither checked nor
+   listed: a copy costs nothing, and with E = 32 their shape is also a 32-row tile of
+   activations.
 2. The KV pool argument is donated and aliased to an output.
 3. TPU, decode-sized programs (at most max_num_seqs rows): temporary bytes stay below
    one layer's expert bytes per device, so a step cannot be hiding a copy of a layer.
@@ -44,7 +47,8 @@ def _slice_shapes(build) -> tuple[set, dict]:
         # one layer, squeezed or as the [1, ...] a dynamic_slice produces
         shapes = {s for one in (x.shape[1:], local[1:]) for s in (tuple(one), (1, *one))}
         if "experts_" in name:
-            experts |= shapes
+            if x.ndim >= 4:  # [L, E, a, b]; not the [L, E, a] biases
+                experts |= shapes
         elif x.shape[0] <= L and x.ndim >= 3:  # [L, a, b]: one layer is a matrix
             short = name.split("/")[-2] if "/" in name else name
             for s in shapes:

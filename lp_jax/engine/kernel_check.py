@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.models.qwen3_moe import KernelBackends
+from lp_jax.models.qwen3_moe import KernelBackends, kv_cache_shape, packs_kv
 from pallas_kernels import attention, moe
 from pallas_kernels.attention.ref import ref_ragged_paged_attention
 from pallas_kernels.moe.ref import ref_moe_ffn
@@ -62,10 +62,18 @@ def check_moe(cfg: ModelConfig, backend: str, dtype) -> None:
     w_down = (jax.random.normal(k[3], (2, E, F, D), jnp.float32) * F**-0.5).astype(dtype)
     mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
     kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T)
-    got, _ = jax.jit(lambda *a: moe.moe_ffn(*a, layer=1, backend=backend, **kw))(
-        x_TD, logits_TE, w_gate_up, w_down)
-    want, _ = jax.jit(lambda *a: ref_moe_ffn(*a, **kw))(x_TD, logits_TE, w_gate_up[1],
-                                                         w_down[1])
+    biases = {}
+    if cfg.swiglu_limit is not None:  # GPT-OSS: expert biases, clamped SwiGLU
+        kb = jax.random.split(jax.random.key(2), 2)
+        biases = dict(b_gate_up=jax.random.normal(kb[0], (2, E, 2 * F)).astype(dtype),
+                      b_down=jax.random.normal(kb[1], (2, E, D)).astype(dtype))
+        kw.update(activation="gpt_oss_clamped", swiglu_limit=cfg.swiglu_limit,
+                  swiglu_alpha=cfg.swiglu_alpha)
+    got, _ = jax.jit(lambda *a, **b: moe.moe_ffn(*a, layer=1, backend=backend, **b, **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, **biases)
+    want, _ = jax.jit(lambda *a, **b: ref_moe_ffn(*a, **b, **kw))(
+        x_TD, logits_TE, w_gate_up[1], w_down[1],
+        **{k: v[1] for k, v in biases.items()})
     err = _rel_err(got, want)
     if not err <= _tolerance(dtype):
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
@@ -74,10 +82,12 @@ def check_moe(cfg: ModelConfig, backend: str, dtype) -> None:
 def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> None:
     """Runs `backend`'s ragged (a prefill chunk after cached context, a fresh prompt, a
     decode token) and decode entry points on a small paged pool; raises on a mismatch."""
-    N, K, H, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, page_size
+    N, H, S = cfg.num_attention_heads, cfg.head_dim, page_size
     pages_per_seq, num_pages = 4, 16
-    k = jax.random.split(jax.random.key(1), 3)
-    kv = jax.random.normal(k[0], (num_pages, S, 2 * K, H), jnp.float32).astype(dtype)
+    k = jax.random.split(jax.random.key(1), 4)
+    shape = kv_cache_shape(cfg.replace(num_hidden_layers=1), num_pages, S,
+                           packed=packs_kv(cfg, backend))
+    kv = jax.random.normal(k[0], shape, jnp.float32).astype(dtype)
     q_lens, ctx = [S + 3, 5, 1], [2 * S + 3, 5, 3 * S - 2]  # context after this step
     T = sum(q_lens)
     q = jax.random.normal(k[1], (T, N, H), jnp.float32).astype(dtype)
@@ -86,17 +96,20 @@ def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> No
     perm = np.asarray(jax.random.permutation(k[2], num_pages))
     table = jnp.asarray(perm[: 3 * pages_per_seq].reshape(3, pages_per_seq), jnp.int32)
     scale = H**-0.5
+    extras = {}
+    if cfg.model_type == "gpt_oss":  # sinks, and a window that skips whole pages
+        extras = dict(sinks_N=jax.random.normal(k[3], (N,)).astype(dtype),
+                      sliding_window=jnp.int32(S + 3))
     args = (q, kv, query_start, seq_lens, table, jnp.int32(3))
-    got = jax.jit(lambda *a: attention.ragged_paged_attention(*a, sm_scale=scale,
-                                                              backend=backend))(*args)
-    want = jax.jit(lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale))(*args)
+    got = jax.jit(lambda *a, **e: attention.ragged_paged_attention(
+        *a, sm_scale=scale, backend=backend, **e))(*args, **extras)
+    want = jax.jit(lambda *a, **e: ref_ragged_paged_attention(*a, sm_scale=scale, **e))(
+        *args, **extras)
     dec_q, dec_lens = q[:3], seq_lens
-    got_dec = jax.jit(lambda *a: attention.decode_attention(*a, sm_scale=scale,
-                                                            backend=backend))(
-        dec_q, kv, dec_lens, table)
-    want_dec = jax.jit(lambda *a: attention.decode_attention(*a, sm_scale=scale,
-                                                             backend="xla"))(
-        dec_q, kv, dec_lens, table)
+    got_dec = jax.jit(lambda *a, **e: attention.decode_attention(
+        *a, sm_scale=scale, backend=backend, **e))(dec_q, kv, dec_lens, table, **extras)
+    want_dec = jax.jit(lambda *a, **e: attention.decode_attention(
+        *a, sm_scale=scale, backend="xla", **e))(dec_q, kv, dec_lens, table, **extras)
     err = max(_rel_err(got, want), _rel_err(got_dec, want_dec))
     if not err <= _tolerance(dtype):
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
@@ -108,7 +121,7 @@ def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_si
     with, {op: (backend, None | the error that made it fall back)})."""
     if mode not in MODES:
         raise ValueError(f"backends must be one of {MODES}, got {mode!r}")
-    if cfg.model_type == "gpt_oss":  # its features exist in the references only so far
+    if cfg.model_type == "gpt_oss":  # JAX's shipped TPU attention has no sinks
         from lp_jax.models.gpt_oss import serving_backends
 
         backends = serving_backends(backends)

@@ -19,7 +19,9 @@ E_local = E / ep experts each. It runs a MoE layer by one of two schemes
         -- transport -->  each row to its owner only; the owner reads the rows' local
                           experts off the plan (runs are sorted), so no id travels
       owner               moe.moe_ffn on the rows it received, one row per (token, slot):
-                          top-1 on one-hot logits (weight exactly 1), empty rows masked
+                          top-1 on one-hot logits (weight exactly 1), empty rows masked;
+                          GPT-OSS: the owner's expert biases and clamped SwiGLU, so a
+                          row comes back with its down bias, weighted at the combine
         <-- transport --  the output rows back to their source, into the same positions
       y_tD                combine: the routing weights times the rows, summed in float32
       y_TD                all_gather over "expert" (tiled): every shard holds all tokens,
@@ -221,9 +223,22 @@ def _transport(name: str):
 
 
 # -------------------------------------------------------- dispatch and combine
-def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret):
-    """experts_fn for the transports: moe_ffn on received rows, one row per (token, slot)."""
+def moe_kwargs(biases, options) -> dict:
+    """moe_ffn's GPT-OSS keywords from biases (() or (b_gate_up, b_down)) and the
+    activation's keywords (options; None: the default SiLU)."""
+    kw = dict(options or {})
+    if biases:
+        kw.update(b_gate_up=biases[0], b_down=biases[1])
+    return kw
+
+
+def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(), options=None):
+    """experts_fn for the transports: moe_ffn on received rows, one row per (token, slot).
+    biases: () or this shard's (b_gate_up, b_down); options: the activation's keywords
+    (`sharded_kernels.expert_options`). A row's output includes its expert's down bias;
+    the source weights it by the routing when it combines."""
     E_local = w_gate_up.shape[-3]
+    gpt_oss = moe_kwargs(biases, options)
 
     def experts_fn(rows_QD, local_ids_Q):
         valid_Q = local_ids_Q >= 0
@@ -233,7 +248,7 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret):
         logits_QE = jnp.where(ids_Q[:, None] == jnp.arange(E_local), 0.0, -jnp.inf)
         y_QD, _ = moe.moe_ffn(rows_QD, logits_QE, w_gate_up, w_down, layer=layer, top_k=1,
                               norm_topk_prob=False, backend=backend, token_mask_T=valid_Q,
-                              interpret=interpret)
+                              interpret=interpret, **gpt_oss)
         return y_QD
 
     return experts_fn
@@ -241,13 +256,15 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret):
 
 def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, layer, *, axis,
                    top_k, norm_topk_prob, backend, interpret, transport,
-                   capacity_factor=CAPACITY_FACTOR):
+                   capacity_factor=CAPACITY_FACTOR, biases=(), options=None):
     """One shard's part of the all_to_all scheme, inside shard_map over `axis`.
 
     x_tD, router_logits_tE, token_mask_t: this shard's t tokens (logits over all E
     experts); weights: the shard's E_local experts ([E_local, ...] or [L, E_local, ...]
-    with `layer`). Returns (y_tD float32 for this shard's tokens, tokens_per_expert [E]
-    over all shards' tokens, the same on every shard).
+    with `layer`), and GPT-OSS's biases and activation likewise (`_owner_experts`;
+    they stay with their owner, only rows travel). Returns (y_tD float32 for this
+    shard's tokens, tokens_per_expert [E] over all shards' tokens, the same on every
+    shard).
     """
     t = x_tD.shape[0]
     A = top_k
@@ -266,7 +283,8 @@ def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, laye
     round_trip, a2a = _transport(transport)
     y_RD = round_trip(
         x_tD[order_R // A], plan,
-        _owner_experts(w_gate_up, w_down, layer, backend=backend, interpret=interpret),
+        _owner_experts(w_gate_up, w_down, layer, backend=backend, interpret=interpret,
+                       biases=biases, options=options),
         axis=axis, ep=ep, max_rows_per_owner=t * min(A, E_local),
         capacity_factor=capacity_factor, a2a=a2a)
     weights_tA = jnp.where(token_mask_t[:, None], weights_tA, 0.0)

@@ -21,13 +21,13 @@ Parameter names follow the checkpoint (`model.layers.N.self_attn.sinks`,
 `experts_gate_up_proj_bias`. Expert weights use the kernel layout, [gate | up] halves
 (the checkpoint interleaves gate and up columns; the loader splits them).
 
-Kernels. Sinks and windows exist in the attention reference only, and expert biases
-with the clamped SwiGLU in the "xla" / "xla_tiles" MoE backends only, so far. A
-Pallas backend asked for here is swapped, once, when the step is traced (the program
-is built), for the reference of the same op: attention -> "xla", MoE -> "xla_tiles",
-with a warning (`serving_backends`); the kernel entry points themselves refuse these
-features, so nothing can silently compute without them. The MoE runs on the
-experts where GSPMD puts them (the all_to_all dispatch is Qwen3-only for now).
+Kernels. Every attention backend we own ("xla", "tpu", "gpu") has sinks and windows
+(the kernels skip pages wholly before a window), and every MoE backend has the expert
+biases and the clamped SwiGLU. JAX's shipped TPU attention ("tpu_jax") has neither:
+`serving_backends` swaps it for "tpu", with a warning, and the entry point itself
+refuses sinks and windows, so nothing can silently compute without them. On TPU the
+KV pool is packed [.., K, 2H] for head_dim 64 (`qwen3_moe.packs_kv`). On a mesh the
+MoE takes Qwen3's path (`sharded_kernels.model_moe_ffn`: allreduce or all_to_all).
 """
 
 from __future__ import annotations
@@ -45,34 +45,30 @@ from lp_jax.models.qwen3_moe import (
     _dot,
     _param,
     apply_rope,
+    embed_width,
     rms_norm,
     rope_frequencies,
 )
-from pallas_kernels import attention, moe
+from lp_jax.models.sharded_kernels import model_moe_ffn
+from pallas_kernels import attention
 
 _WARNED: set[str] = set()
 
 
 def serving_backends(backends: KernelBackends) -> KernelBackends:
-    """The backends GPT-OSS layers run with: Pallas attention -> "xla", Pallas MoE ->
-    "xla_tiles" (they lack sinks, windows, expert biases and the clamped SwiGLU), with a
-    warning once per distinct fallback. "auto" resolves for the target platform at
-    trace time, as the kernels' own entry points do."""
-    chosen = {"moe": moe.resolve_backend(backends.moe),
-              "attention": attention.resolve_backend(backends.attention)}
-    fallback = {}
-    if chosen["attention"] != "xla":
-        fallback["attention"] = "xla"
-    if chosen["moe"] in ("tpu", "gpu"):
-        fallback["moe"] = "xla_tiles"
-    message = ("GPT-OSS: " + ", ".join(f"{op} backend {chosen[op]!r} -> {b!r}"
-                                       for op, b in fallback.items())
-               + " (the Pallas kernels have no attention sinks / sliding windows / expert "
-                 "biases / clamped SwiGLU yet)")
-    if fallback and message not in _WARNED:
+    """The backends GPT-OSS layers run with: JAX's shipped TPU attention kernel
+    ("tpu_jax") has no attention sinks or sliding windows, so those layers take our TPU
+    kernel ("tpu") instead, with a warning once. "auto" resolves for the target platform
+    at trace time, as the kernels' own entry points do. Every other backend has sinks,
+    windows, expert biases and the clamped SwiGLU."""
+    if attention.resolve_backend(backends.attention) != "tpu_jax":
+        return backends
+    message = ("GPT-OSS: attention backend 'tpu_jax' -> 'tpu' (JAX's shipped kernel has no "
+               "attention sinks / sliding windows)")
+    if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, stacklevel=2)
-    return dataclasses.replace(backends, **{**chosen, **fallback})
+    return dataclasses.replace(backends, attention="tpu")
 
 
 class GptOssAttention(nnx.Module):
@@ -82,7 +78,11 @@ class GptOssAttention(nnx.Module):
         self.q_proj = _param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype)
         self.k_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
         self.v_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
-        self.o_proj = _param(rngs, (L, NH, D), ("layers", "q_heads", "embed"), dtype)
+        # [L, D, N*H], the checkpoint's [out, in]: with D = 2880 (not a multiple of 128)
+        # XLA:TPU lays [L, N*H, D] out N*H-minor and copied the whole stack (540 MB) to
+        # the loop's layout every step; this way round the minor axis is N*H.
+        self.o_proj = _param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype,
+                             fan_in=NH)
         if cfg.attention_bias:
             self.q_proj_bias = _zeros((L, NH), ("layers", "q_heads"), dtype)
             self.k_proj_bias = _zeros((L, KH), ("layers", "kv_heads"), dtype)
@@ -124,7 +124,8 @@ class GptOssDecoderLayers(nnx.Module):
 class GptOssModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed_tokens = _param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
+        self.embed_tokens = _param(rngs, (V, embed_width(cfg)), ("vocab", "embed"), dtype,
+                                   fan_in=D)
         self.layers = GptOssDecoderLayers(cfg, dtype, rngs=rngs)
         self.norm = _param(rngs, (D,), ("embed",), dtype, ones=True)
 
@@ -167,7 +168,10 @@ class GptOssForCausalLM(StackedCausalLM):
                 apply_rope(k_TKH, positions_T, inv_freq_H2, scale), v_TKH)
 
     def _o_proj(self, i, o_TX):
-        return self._linear(i, o_TX, "o_proj")
+        attn = self.model.layers.self_attn
+        y_TD = jnp.einsum("tx,dx->td", o_TX, attn.o_proj[i],
+                          preferred_element_type=jnp.float32).astype(o_TX.dtype)
+        return y_TD + attn.o_proj_bias[i] if self.config.attention_bias else y_TD
 
     def _attention_extras(self, i) -> dict:
         extras = {"sinks_N": self.model.layers.self_attn.sinks[i]}
@@ -177,23 +181,28 @@ class GptOssForCausalLM(StackedCausalLM):
 
     def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
         """Post-attention norm, router (with bias), experts, residual. The MoE backends
-        get the whole stacked expert weights and biases and the layer index."""
+        get the whole stacked expert weights and biases and the layer index, on the mesh
+        and with the dispatch (allreduce / all_to_all) Qwen3 uses
+        (`sharded_kernels.model_moe_ffn`)."""
         cfg, mlp = self.config, self.model.layers.mlp
         h_TD = self._norm(x_TD, self.model.layers.post_attention_layernorm[i])
         logits_TE = (jnp.dot(h_TD.astype(jnp.float32), mlp.router[i].astype(jnp.float32))
                      + mlp.router_bias[i].astype(jnp.float32))
-        y_TD, stats = moe.moe_ffn(
+        y_TD, stats = model_moe_ffn(
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=i, top_k=cfg.num_experts_per_tok, norm_topk_prob=True,
-            backend=backends.moe, token_mask_T=token_mask_T,
-            b_gate_up=mlp.experts_gate_up_proj_bias[...], b_down=mlp.experts_down_proj_bias[...],
-            activation="gpt_oss_clamped", swiglu_limit=cfg.swiglu_limit,
-            swiglu_alpha=cfg.swiglu_alpha)
+            backend=backends.moe, moe_dispatch=backends.moe_dispatch,
+            token_mask_T=token_mask_T, b_gate_up=mlp.experts_gate_up_proj_bias[...],
+            b_down=mlp.experts_down_proj_bias[...], activation="gpt_oss_clamped",
+            swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
         return x_TD + y_TD, stats["experts_activated"]
+
+    def serving_backends(self, backends: KernelBackends) -> KernelBackends:
+        return serving_backends(backends)
 
     def run_units(self, x_TD, kv_pages_PSJH, meta, lo, hi, *, decode_only=False,
                   backends: KernelBackends = KernelBackends()):
         """`StackedCausalLM.run_units` with the backends GPT-OSS layers can run
-        (`serving_backends`)."""
+        (`serving_backends`; the executor applies it too, so idempotent)."""
         return super().run_units(x_TD, kv_pages_PSJH, meta, lo, hi, decode_only=decode_only,
                                  backends=serving_backends(backends))

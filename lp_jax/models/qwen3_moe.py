@@ -40,11 +40,9 @@ from lp_jax.models.expert_dispatch import DISPATCHES
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.sharded_kernels import (
     is_pallas_attention,
-    is_pallas_moe,
     kernel_mesh,
-    resolve_moe_dispatch,
+    model_moe_ffn,
     sharded_decode_attention,
-    sharded_moe_ffn,
     sharded_ragged_paged_attention,
 )
 from pallas_kernels import attention
@@ -184,7 +182,8 @@ class Qwen3MoeDecoderLayers(nnx.Module):
 class Qwen3MoeModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed_tokens = _param(rngs, (V, D), ("vocab", "embed"), dtype, fan_in=D)
+        self.embed_tokens = _param(rngs, (V, embed_width(cfg)), ("vocab", "embed"), dtype,
+                                   fan_in=D)
         self.layers = Qwen3MoeDecoderLayers(cfg, dtype, rngs=rngs)
         self.norm = _param(rngs, (D,), ("embed",), dtype, ones=True)
 
@@ -199,9 +198,16 @@ class StackedCausalLM(nnx.Module):
 
     config: ModelConfig
 
+    def serving_backends(self, backends: KernelBackends) -> KernelBackends:
+        """The kernel backends this model's layers run with, given those asked for (a
+        model whose features a backend lacks swaps it; the executor sizes the KV pool
+        for the result, see `packs_kv`)."""
+        return backends
+
     # ----------------------------------------------------------------- pieces
     def embed(self, token_ids_T: jax.Array) -> jax.Array:
-        return jnp.take(self.model.embed_tokens[...], token_ids_T, axis=0)
+        x_TX = jnp.take(self.model.embed_tokens[...], token_ids_T, axis=0)
+        return x_TX[:, : self.config.hidden_size]  # the padding columns (embed_width)
 
     def _norm(self, x_TD, weight):
         return rms_norm(x_TD, weight, self.config.rms_norm_eps)
@@ -210,8 +216,9 @@ class StackedCausalLM(nnx.Module):
         """Final RMSNorm and lm_head; float32 logits [T, V]."""
         h_TD = self._norm(x_TD, self.model.norm[...])
         if self.lm_head is None:
-            w_VD = self.model.embed_tokens[...]
-            return jnp.einsum("td,vd->tv", h_TD, w_VD, preferred_element_type=jnp.float32)
+            w_VX = self.model.embed_tokens[...]
+            h_TX = jnp.pad(h_TD, ((0, 0), (0, w_VX.shape[1] - h_TD.shape[1])))
+            return jnp.einsum("tx,vx->tv", h_TX, w_VX, preferred_element_type=jnp.float32)
         return jnp.dot(h_TD, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def _qkv(self, i, h_TD, positions_T):
@@ -223,7 +230,8 @@ class StackedCausalLM(nnx.Module):
         raise NotImplementedError
 
     def _attention_extras(self, i) -> dict:
-        """Keyword arguments for the attention reference (sinks, window); {} for none."""
+        """Attention keyword arguments of layer i (GPT-OSS: `sinks_N`, `sliding_window`,
+        traced); {} for none."""
         return {}
 
     def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
@@ -270,7 +278,7 @@ class StackedCausalLM(nnx.Module):
                     **extras)
             return sharded_ragged_paged_attention(
                 mesh, q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B,
-                page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend)
+                page_table_BC, meta.num_seqs, sm_scale=sm_scale, backend=backend, **extras)
 
         # The XLA reference serves decode through its ragged path; the kernels' decode
         # entry points take one query row per sequence.
@@ -281,7 +289,8 @@ class StackedCausalLM(nnx.Module):
             # One token per sequence: the first B rows (B = page-table rows) are the queries.
             B, T = meta.seq_lens_B.shape[0], q_TNH.shape[0]
             o_BNH = sharded_decode_attention(mesh, q_TNH[:B], kv_pages_PSJH, meta.seq_lens_B,
-                                             page_table_BC, sm_scale=sm_scale, backend=backend)
+                                             page_table_BC, sm_scale=sm_scale, backend=backend,
+                                             **extras)
             return jnp.pad(o_BNH, ((0, T - B), (0, 0), (0, 0)))
 
         if decode_only is True:
@@ -380,24 +389,15 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
 
     def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
         """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
-        the layer index, and address the layer themselves (no [E, D, 2F] slice is made)."""
+        the layer index, and address the layer themselves (no [E, D, 2F] slice is made);
+        mesh and dispatch as `sharded_kernels.model_moe_ffn` picks them."""
         cfg, mlp = self.config, self.model.layers.mlp
-        backend, top_k = backends.moe, cfg.num_experts_per_tok
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
-        w_gate_up_LEDF2, w_down_LEFD = mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...]
-        # On a multi-device mesh, a Pallas kernel runs per expert shard, and so does any
-        # backend under the all_to_all dispatch; the xla backends under allreduce stay
-        # under GSPMD. See sharded_kernels.
-        mesh = kernel_mesh(w_gate_up_LEDF2)
-        dispatch = resolve_moe_dispatch(mesh, backends.moe_dispatch, h_TD, w_gate_up_LEDF2,
-                                        top_k)
-        if dispatch == "allreduce" and not is_pallas_moe(backend):
-            mesh = None
-        y_TD, stats = sharded_moe_ffn(
-            mesh, h_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD, layer=j, top_k=top_k,
-            norm_topk_prob=cfg.norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
-            dispatch=dispatch,
-        )
+        y_TD, stats = model_moe_ffn(
+            h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
+            layer=j, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+            backend=backends.moe, moe_dispatch=backends.moe_dispatch,
+            token_mask_T=token_mask_T)
         return y_TD, stats["experts_activated"]
 
     def _dense_mlp(self, j, h_TD):
@@ -428,11 +428,34 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
 KV_CACHE_AXES = ("kv_pages", None, "kv_combined_heads", None)  # logical axes of the pool
 
 
+def embed_width(cfg: ModelConfig) -> int:
+    """Columns of the embedding table: hidden_size rounded up to 128 lanes, the padding
+    zero (loader.py). XLA:TPU copies a whole [V, D] table before a row gather when D is
+    not a multiple of 128 (GPT-OSS-20B: 2880, a 1.1 GB copy per step); the padded table
+    is gathered in place, and `embed` drops the padding columns."""
+    return -(-cfg.hidden_size // 128) * 128
+
+
+def packs_kv(cfg: ModelConfig, attention_backend: str) -> bool:
+    """Whether the pool takes the packed [L * P, S, K, 2H] form: for our TPU kernel when
+    head_dim is not a multiple of 128 (GPT-OSS: 64). The same bytes as [.., 2K, H], but
+    a last axis under 128 lanes would make XLA's TPU layout page-minor and copy the
+    whole pool before every kernel call (pallas_kernels/attention/tpu.py)."""
+    return attention.resolve_backend(attention_backend) == "tpu" and cfg.head_dim % 128 != 0
+
+
+def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
+                   packed: bool = False) -> tuple[int, int, int, int]:
+    """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`)."""
+    K, H = cfg.num_key_value_heads, cfg.head_dim
+    heads = (K, 2 * H) if packed else (2 * K, H)
+    return (cfg.num_hidden_layers * pages_per_layer, page_size, *heads)
+
+
 def init_kv_cache(cfg: ModelConfig, pages_per_layer: int, page_size: int, dtype=None,
-                  sharding=None) -> jax.Array:
-    """The shared KV pool kv_pages_PSJH [L * pages_per_layer, S, 2K, H], zeroed."""
-    shape = (cfg.num_hidden_layers * pages_per_layer, page_size,
-             2 * cfg.num_key_value_heads, cfg.head_dim)
+                  sharding=None, *, packed: bool = False) -> jax.Array:
+    """The shared KV pool kv_pages_PSJH (`kv_cache_shape`), zeroed."""
+    shape = kv_cache_shape(cfg, pages_per_layer, page_size, packed=packed)
     dtype = jnp.dtype(dtype or cfg.dtype)
     if sharding is None:
         return jnp.zeros(shape, dtype)

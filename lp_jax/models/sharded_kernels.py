@@ -29,8 +29,10 @@ the runner give the operands, and entering the shard_map moves no data:
   replicated. `write_kv` stays under GSPMD: its scatter keeps the pool's sharding.
 * MoE: expert weights [E, D, 2F] / [E, F, D], or the stacked [L, E, D, 2F] /
   [L, E, F, D] with a layer index, split over "expert" on their E axis (when it
-  divides E; otherwise replicated); tokens replicated ("allreduce") or split over
-  "expert" ("all_to_all"); see `sharded_moe_ffn`.
+  divides E; otherwise replicated), and GPT-OSS's expert biases [(L,) E, 2F] /
+  [(L,) E, D] with them; tokens replicated ("allreduce") or split over "expert"
+  ("all_to_all"); see `sharded_moe_ffn`. `model_moe_ffn` is the models' one entry:
+  it picks the mesh and the scheme for a layer.
 
 Every shard_map runs with check_vma=False: the kernels declare their outputs with
 plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
@@ -51,11 +53,12 @@ from lp_jax.models.expert_dispatch import (
     all_to_all_moe,
     default_transport,
     mesh_platform,
+    moe_kwargs,
     resolve_dispatch,
 )
 from lp_jax.sharding import LOGICAL_RULES
 from pallas_kernels import attention, moe
-from pallas_kernels.moe.ref import combine, moe_stats, route
+from pallas_kernels.moe.ref import check_activation, check_bias, combine, moe_stats, route
 
 PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
@@ -99,55 +102,108 @@ def _axis_dividing(logical: str, size: int, mesh) -> str | None:
 
 
 # ------------------------------------------------------------------ attention
-def _head_specs(mesh, kv_pages_PSJH: jax.Array) -> tuple[P, P]:
-    """(spec of q and of the output, spec of the KV pool)."""
-    heads = _axis_dividing("kv_combined_heads", kv_pages_PSJH.shape[2] // 2, mesh)
+def _head_specs(mesh, q_xNH, kv_pages_PSJH: jax.Array) -> tuple[P, P]:
+    """(spec of q and of the output, spec of the KV pool): both split over the KV heads
+    (dim 2 of the pool: 2K interleaved, or K in the packed [P, S, K, 2H] form)."""
+    K = kv_pages_PSJH.shape[2] if attention.is_packed(q_xNH, kv_pages_PSJH) else (
+        kv_pages_PSJH.shape[2] // 2)
+    heads = _axis_dividing("kv_combined_heads", K, mesh)
     return P(None, heads, None), P(None, None, heads, None)
 
 
+def _sharded_attention(kernel, mesh, q_xNH, kv_pages_PSJH, rest, sinks_N, sliding_window):
+    """kernel(q, kv, *rest, sinks_N=, sliding_window=) on each head shard of `mesh` (called
+    directly when `mesh` is None): the sinks split with the query heads, the window
+    (a traced scalar) replicated; both passed only when given."""
+    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
+              if v is not None}
+    if mesh is None:
+        return kernel(q_xNH, kv_pages_PSJH, *rest, **extras)
+    q_spec, kv_spec = _head_specs(mesh, q_xNH, kv_pages_PSJH)
+    names = tuple(extras)
+    specs = {"sinks_N": P(q_spec[1]), "sliding_window": P()}
+
+    def per_shard(q, kv, *args):
+        n = len(args) - len(names)
+        return kernel(q, kv, *args[:n], **dict(zip(names, args[n:], strict=True)))
+
+    return jax.shard_map(
+        per_shard, mesh=mesh,
+        in_specs=(q_spec, kv_spec, *(P() for _ in rest), *(specs[k] for k in names)),
+        out_specs=q_spec, check_vma=False)(
+        q_xNH, kv_pages_PSJH, *rest,
+        *(jnp.asarray(extras[k], jnp.int32) if k == "sliding_window" else extras[k]
+          for k in names))
+
+
 def sharded_ragged_paged_attention(mesh, q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B,
-                                   page_table_BC, num_seqs, *, sm_scale, backend):
+                                   page_table_BC, num_seqs, *, sm_scale, backend,
+                                   sinks_N=None, sliding_window=None):
     """`attention.ragged_paged_attention` run on each head shard of `mesh` (called
     directly when `mesh` is None)."""
     kernel = functools.partial(attention.ragged_paged_attention, sm_scale=sm_scale,
                                backend=backend)
-    if mesh is None:
-        return kernel(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
-                      num_seqs)
-    q_spec, kv_spec = _head_specs(mesh, kv_pages_PSJH)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, P(), P(), P(), P()),
-                         out_specs=q_spec, check_vma=False)(
-        q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
-        jnp.asarray(num_seqs, jnp.int32))
+    rest = (query_start_B1, seq_lens_B, page_table_BC, jnp.asarray(num_seqs, jnp.int32))
+    return _sharded_attention(kernel, mesh, q_TNH, kv_pages_PSJH, rest, sinks_N,
+                              sliding_window)
 
 
 def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *,
-                             sm_scale, backend):
+                             sm_scale, backend, sinks_N=None, sliding_window=None):
     """`attention.decode_attention` run on each head shard of `mesh` (called directly
     when `mesh` is None)."""
     kernel = functools.partial(attention.decode_attention, sm_scale=sm_scale, backend=backend)
-    if mesh is None:
-        return kernel(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
-    q_spec, kv_spec = _head_specs(mesh, kv_pages_PSJH)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, P(), P()),
-                         out_specs=q_spec, check_vma=False)(
-        q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
+    return _sharded_attention(kernel, mesh, q_BNH, kv_pages_PSJH, (seq_lens_B, page_table_BC),
+                              sinks_N, sliding_window)
 
 
 # ------------------------------------------------------------------------ MoE
+def expert_options(b_gate_up=None, b_down=None, activation="silu", swiglu_limit=7.0,
+                   swiglu_alpha=1.702):
+    """(biases, options): the expert biases as a tuple of operands (empty, or
+    (b_gate_up, b_down): they travel through shard_map beside the weights) and the
+    static keywords of the activation; `expert_dispatch.moe_kwargs` turns both back
+    into moe_ffn's."""
+    check_activation(activation)
+    if (b_gate_up is None) != (b_down is None):
+        raise ValueError("expert biases come in pairs: pass both b_gate_up and b_down")
+    biases = () if b_gate_up is None else (b_gate_up, b_down)
+    return biases, dict(activation=activation, swiglu_limit=swiglu_limit,
+                        swiglu_alpha=swiglu_alpha)
+
+
+def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
+                  norm_topk_prob, backend, moe_dispatch, token_mask_T, **experts):
+    """A model layer's MoE (Qwen3, GPT-OSS): the whole stacked expert weights (and
+    biases, `experts`: see `expert_options`) and the layer index go to the kernels,
+    which address the layer themselves. On a multi-device mesh, read off the weights, a
+    Pallas kernel runs per expert shard, and so does any backend under the all_to_all
+    dispatch; the xla backends under allreduce stay under GSPMD."""
+    mesh = kernel_mesh(w_gate_up)
+    dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
+    if dispatch == "allreduce" and not is_pallas_moe(backend):
+        mesh = None
+    return sharded_moe_ffn(
+        mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
+        norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
+        dispatch=dispatch, **experts)
+
+
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
-                       top_k, norm_topk_prob, token_mask_T, backend, interpret):
+                       top_k, norm_topk_prob, token_mask_T, backend, interpret,
+                       biases=(), options=None):
     """The part of `moe.moe_ffn` computed by one shard's experts.
 
-    The weights hold the shard's E_local experts ([E_local, ...], or the stacked
-    [L, E_local, ...] with `layer`), global ids [expert_offset, expert_offset +
+    The weights (and biases) hold the shard's E_local experts ([E_local, ...], or the
+    stacked [L, E_local, ...] with `layer`), global ids [expert_offset, expert_offset +
     E_local); router_logits_TE covers all experts. Routing runs over all of them
     with `moe.ref.route`, as in moe_ffn, so every shard agrees on each token's
     experts and weights. Each (token, slot) pair then becomes one row, routed top-1
     to its expert's local index (logit 0 there and -inf elsewhere, so its weight is
     exactly 1); rows whose expert lives on another shard, and rows of padding tokens,
     are masked out, so the kernel reads only the weights of local experts that have
-    rows. The rows are combined back to tokens with the routing weights in float32.
+    rows. The rows are combined back to tokens with the routing weights in float32
+    (a row's output, down bias included, times its weight: as in moe_ffn).
 
     Returns (this shard's part of y_TD in float32, tokens_per_expert [E_local]).
     """
@@ -163,6 +219,7 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
         jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up, w_down, layer=layer,
         top_k=1, norm_topk_prob=False, backend=backend,
         token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret,
+        **moe_kwargs(biases, options),
     )
     weights_TA = jnp.where(mine_TA, weights_TA, 0.0)
     y_TD = combine(y_RD, jnp.arange(T * top_k, dtype=jnp.int32), weights_TA, T)
@@ -171,13 +228,16 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
 
 def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
-                    dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None):
+                    dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
+                    **experts):
     """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
     directly when `mesh` is None).
 
     Weights as in moe_ffn: [E, D, 2F] / [E, F, D] with layer=None, or the stacked
     [L, E, D, 2F] / [L, E, F, D] with `layer`, split on their E axis (dim 1 when
     stacked): each shard addresses the layer inside its own shard, no weight copy.
+    `experts`: moe_ffn's GPT-OSS keywords (b_gate_up, b_down, activation, swiglu_limit,
+    swiglu_alpha; see `expert_options`); the biases are split like the weights.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
     schemes: tokens_per_expert over all E experts, and the rest derived from it by
@@ -196,10 +256,14 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     `capacity_factor` sizes the CPU transport's rounds; `_transport` ("ragged",
     "capacity", "ref_ragged"; None: by the mesh's platform) is for tests.
     """
+    biases, options = expert_options(**experts)
+    if biases:
+        check_bias(*biases, w_gate_up, w_down)
     if mesh is None:
         return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
                            top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
-                           token_mask_T=token_mask_T, interpret=interpret)
+                           token_mask_T=token_mask_T, interpret=interpret,
+                           **moe_kwargs(biases, options))
     T = x_TD.shape[0]
     experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
     transport = _transport or default_transport(mesh)
@@ -209,54 +273,61 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     # The layer index travels as a replicated operand (it may be a loop counter).
     layer_args = () if layer is None else (jnp.asarray(layer, jnp.int32),)
     w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
+    b_spec = P(experts, None) if layer is None else P(None, experts, None)
+    # The shard-split operands after the tokens: weights, biases; then the layer.
+    split_args = (w_gate_up, w_down, *biases)
+    split_specs = (w_spec, w_spec, *(b_spec for _ in biases))
     if dispatch == "all_to_all":
         return _all_to_all_moe_ffn(
-            mesh, experts, x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T,
-            layer_args, w_spec, top_k=top_k, norm_topk_prob=norm_topk_prob,
-            backend=backend, interpret=interpret, transport=transport,
-            capacity_factor=capacity_factor)
+            mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args, split_specs,
+            layer_args, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
+            interpret=interpret, transport=transport, capacity_factor=capacity_factor,
+            options=options)
 
-    def per_shard(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_arg):
+    def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
+        biases, layer_arg = rest[:len(split_args) - 2], rest[len(split_args) - 2:]
         E_local = w_gate_up.shape[-3]
         offset = 0 if experts is None else jax.lax.axis_index(experts) * E_local
         y_TD, tokens_per_expert_E = _local_experts_moe(
             x_TD, router_logits_TE, w_gate_up, w_down, offset,
             layer_arg[0] if layer_arg else None,
             top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T,
-            backend=backend, interpret=interpret)
+            backend=backend, interpret=interpret, biases=biases, options=options)
         if experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
 
     y_TD, tokens_per_expert_E = jax.shard_map(
         per_shard, mesh=mesh,
-        in_specs=(P(), P(), w_spec, w_spec, P(), *(P() for _ in layer_args)),
+        in_specs=(P(), P(), P(), *split_specs, *(P() for _ in layer_args)),
         out_specs=(P(), P(experts)), check_vma=False,
-    )(x_TD, router_logits_TE, w_gate_up, w_down, token_mask_T, *layer_args)
-    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down)
+    )(x_TD, router_logits_TE, token_mask_T, *split_args, *layer_args)
+    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down, *biases)
 
 
-def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, w_gate_up, w_down,
-                        token_mask_T, layer_args, w_spec, **kw):
+def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args,
+                        split_specs, layer_args, **kw):
     """The "all_to_all" scheme: T padded to a multiple of ep and split over `experts`
-    (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D]."""
+    (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D].
+    split_args: the weights, then the biases, if any, split over `experts`."""
     T = x_TD.shape[0]
     pad = -T % mesh.shape[experts]
     x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
     logits_TE_pad = jnp.pad(router_logits_TE, ((0, pad), (0, 0)))
     mask_T_pad = jnp.pad(token_mask_T.astype(bool), (0, pad))  # the pad sends nothing
 
-    def per_shard(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, *layer_arg):
+    def per_shard(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, *rest):
+        biases, layer_arg = rest[:len(split_args) - 2], rest[len(split_args) - 2:]
         y_tD, tokens_per_expert_E = all_to_all_moe(
             x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down,
-            layer_arg[0] if layer_arg else None, axis=experts, **kw)
+            layer_arg[0] if layer_arg else None, axis=experts, biases=biases, **kw)
         y_TD = jax.lax.all_gather(y_tD.astype(x_tD.dtype), experts, axis=0, tiled=True)
         return y_TD, tokens_per_expert_E
 
     tokens = P(experts)
     y_TD, tokens_per_expert_E = jax.shard_map(  # the counts: all experts, on every shard
         per_shard, mesh=mesh,
-        in_specs=(tokens, tokens, tokens, w_spec, w_spec, *(P() for _ in layer_args)),
+        in_specs=(tokens, tokens, tokens, *split_specs, *(P() for _ in layer_args)),
         out_specs=(P(), P()), check_vma=False,
-    )(x_TD_pad, logits_TE_pad, mask_T_pad, w_gate_up, w_down, *layer_args)
-    return y_TD[:T], moe_stats(tokens_per_expert_E, w_gate_up, w_down)
+    )(x_TD_pad, logits_TE_pad, mask_T_pad, *split_args, *layer_args)
+    return y_TD[:T], moe_stats(tokens_per_expert_E, *split_args)

@@ -13,9 +13,17 @@ we serve:
   `intermediate_size`, optional `layer_types` with "sliding_attention" + `sliding_window`.
 
 `head_dim` may be absent, in which case it is hidden_size / num_attention_heads.
-Two built-in shapes serve the paper reproduction: Qwen3-30B-A3B and GPT-OSS-20B;
-Llama3-8B (dense) serves the FlowPrefill comparison.
-GPT-OSS-20B keeps MXFP4 expert weights on disk; the built-in shape assumes bf16 serving.
+
+One description per model: the two built-in shapes of the paper reproduction,
+Qwen3-30B-A3B and GPT-OSS-20B, are the engine's own `ModelConfig` read from
+`checkpoints/configs/` (`from_model_config`), the file the engine, the AOT presets and the
+simulator all read; so is any config file of a model type the engine serves. Other config
+dialects (Mixtral, DeepSeek) go through `from_hf_config`. Llama3-8B (dense), written out
+here, serves the FlowPrefill comparison. The cost model reads GPT-OSS's sliding layers
+(`sliding_layers`, `sliding_window`: a sliding layer attends to at most that many keys);
+its attention sinks (one logit per head) and bias vectors are below the model's precision
+and are left out. GPT-OSS-20B keeps MXFP4 expert weights on disk; the shape assumes bf16
+serving, as the engine's loader dequantizes them.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from lp_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
 
 _DTYPE_BYTES = {
     "bfloat16": 2,
@@ -193,48 +203,50 @@ class ModelShape:
         )
 
     @classmethod
+    def from_model_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
+        """The shape of the model the engine builds from `cfg`."""
+        moe = cfg.num_experts > 0
+        dense_layers = cfg.dense_layers if moe else ()
+        sliding = tuple(i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i))
+        dtype = cfg.dtype.lower().removeprefix("torch.")
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        return cls(
+            name=name,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_q_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok if moe else 0,
+            expert_width=cfg.moe_intermediate_size if moe else 0,
+            dense_width=cfg.intermediate_size if dense_layers or not moe else 0,
+            dense_layers=dense_layers,
+            sliding_layers=sliding,
+            sliding_window=cfg.sliding_window if sliding else 0,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            dtype_bytes=_DTYPE_BYTES[dtype],
+        )
+
+    @classmethod
     def from_json(cls, path: str | Path, name: str | None = None) -> ModelShape:
-        """Build from a `config.json` file; the name defaults to the file's stem."""
+        """Build from a `config.json` file, through the engine's `ModelConfig` when the
+        engine serves its model type; the name defaults to the file's stem."""
         path = Path(path)
         with path.open() as f:
             config = json.load(f)
-        return cls.from_hf_config(config, name=name or path.stem)
+        name = name or path.stem
+        if config.get("model_type") in SUPPORTED_MODEL_TYPES:
+            return cls.from_model_config(ModelConfig.from_hf_dict(config, source=str(path)), name)
+        return cls.from_hf_config(config, name=name)
 
 
-QWEN3_30B_A3B = ModelShape(
-    # Qwen/Qwen3-30B-A3B config.json; decoder_sparse_step 1, no mlp_only_layers.
-    name="Qwen3-30B-A3B",
-    hidden_size=2048,
-    num_layers=48,
-    num_q_heads=32,
-    num_kv_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    num_experts=128,
-    top_k=8,
-    expert_width=768,
-    tie_word_embeddings=False,
-    dtype_bytes=2,
-)
-
-GPT_OSS_20B = ModelShape(
-    # openai/gpt-oss-20b config.json: every layer MoE; even layers use a 128-token
-    # sliding window ("layer_types" alternates sliding / full, sliding first).
-    name="GPT-OSS-20B",
-    hidden_size=2880,
-    num_layers=24,
-    num_q_heads=64,
-    num_kv_heads=8,
-    head_dim=64,
-    vocab_size=201088,
-    num_experts=32,
-    top_k=4,
-    expert_width=2880,
-    sliding_layers=tuple(range(0, 24, 2)),
-    sliding_window=128,
-    tie_word_embeddings=False,
-    dtype_bytes=2,
-)
+# The engine's configs (Qwen/Qwen3-30B-A3B and openai/gpt-oss-20b config.json): every
+# layer MoE; GPT-OSS's even layers use a 128-token sliding window.
+QWEN3_30B_A3B = ModelShape.from_json(CONFIG_DIR / "Qwen3-30B-A3B.json", name="Qwen3-30B-A3B")
+GPT_OSS_20B = ModelShape.from_json(CONFIG_DIR / "gpt-oss-20b.json", name="GPT-OSS-20B")
 
 LLAMA3_8B = ModelShape(
     # meta-llama/Meta-Llama-3-8B config.json: dense, GQA 32 query / 8 KV heads, untied

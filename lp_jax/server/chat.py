@@ -4,8 +4,11 @@ The template is read from the model directory: `chat_template.jinja` if present,
 `chat_template` field of `tokenizer_config.json` (a string, or a list of named templates,
 of which "default" is used). It is rendered in a sandboxed Jinja environment with the
 variables Hugging Face templates expect: `messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `tools` (None), plus the `raise_exception` and `strftime_now` helpers and a
-`tojson` filter that keeps non-ASCII text.
+`eos_token`, `tools` (None), plus the `raise_exception` and `strftime_now` helpers, a
+`tojson` filter that keeps non-ASCII text (with transformers' `indent`, `separators` and
+`sort_keys` arguments) and the loop-control extension (`{% break %}`, `{% continue %}`), as
+transformers renders them. GPT-OSS's harmony template (macros, `namespace()`, `loop.last`,
+string methods) needs nothing more; the tiny GPT-OSS checkpoints carry one of our own.
 
 Fallback, when the model has no template:
 - if the tokenizer knows `<|im_start|>` and `<|im_end|>` (Qwen and other ChatML models),
@@ -68,7 +71,8 @@ class ChatFormatter:
         if template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             env.filters["tojson"] = _tojson
@@ -108,5 +112,6 @@ def _raise(message):
     raise ChatTemplateError(str(message))
 
 
-def _tojson(value, indent=None):
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)

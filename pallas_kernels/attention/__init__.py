@@ -13,15 +13,21 @@ ragged batch), `decode_attention` (one token per sequence). Backends:
 * "auto": "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (`platform.target_platform()`:
   the host's backend, or the target of an ahead-of-time compile).
 
-Attention sinks and sliding windows (GPT-OSS; `sinks_N=`, `sliding_window=`, see
-ref.py) exist in "xla" only so far: a kernel backend given either raises ValueError
-(the GPT-OSS model picks "xla" for its layers itself, with a warning; see
-lp_jax/models/gpt_oss.py).
+Attention sinks and sliding windows (GPT-OSS; `sinks_N=` [N], `sliding_window=` an int
+or a traced int32 scalar, <= 0 full; see ref.py) run on "xla", "tpu" and "gpu": the
+kernels take them as extra operands only when given (the window as a runtime scalar,
+so sliding and full layers share one program), and skip the pages wholly before a
+query block's window. "tpu_jax" (JAX's shipped kernel) has neither and raises
+ValueError.
+
+Every backend takes the pool as [P, S, 2K, H] or packed [P, S, K, 2H] (ref.py; the
+form "tpu" needs for head_dim 64): "tpu" and "xla" read a packed pool as it is, "gpu"
+and "tpu_jax" through its [P, S, 2K, H] view (a free reshape on a GPU).
 
 A kernel backend raises ValueError, naming the failed constraint, for inputs it
-does not support (e.g. TPU needs head_dim % 128 == 0, GPU needs power-of-two
-head_dim and page size); it never falls back silently. Asking for "tpu" or "gpu"
-on another platform is an error unless interpret mode is on.
+does not support (e.g. TPU needs head_dim % 128 == 0 or, for 64, a packed pool; GPU
+needs power-of-two head_dim and page size); it never falls back silently. Asking for
+"tpu" or "gpu" on another platform is an error unless interpret mode is on.
 
 Interpret mode (tests, CPU debugging): inside `with interpret_mode():` (or after
 `set_interpret_mode(True)`, or with LP_JAX_PALLAS_INTERPRET=1 in the environment)
@@ -41,8 +47,10 @@ from pallas_kernels.attention import gpu as _gpu
 from pallas_kernels.attention import tpu as _tpu
 from pallas_kernels.attention import tpu_jax as _tpu_jax
 from pallas_kernels.attention.ref import (
+    is_packed,
     ref_decode_attention,
     ref_ragged_paged_attention,
+    unpacked,
     write_kv,
 )
 from pallas_kernels.platform import target_platform
@@ -103,14 +111,22 @@ def _kernel_backend(backend: str) -> tuple[str, bool]:
     return resolved, interpret
 
 
-def _reference_only(resolved: str, sinks_N, sliding_window) -> dict:
-    """The sink / window keyword arguments for the reference; raises for a kernel."""
+def _extras(resolved: str, sinks_N, sliding_window) -> dict:
+    """The sink / window keyword arguments that were given (None ones are left out, so
+    the kernels see exactly their plain call); raises for "tpu_jax", which has neither."""
     extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
               if v is not None}
-    if extras and resolved != "xla":
-        raise ValueError(f"attention backend {resolved!r} has no {' / '.join(extras)} "
-                         "support yet (GPT-OSS layers); use backend='xla'")
+    if extras and resolved == "tpu_jax":
+        raise ValueError(f"attention backend 'tpu_jax' has no {' / '.join(extras)} "
+                         "support (GPT-OSS layers); use backend='tpu', 'gpu' or 'xla'")
     return extras
+
+
+def _pool_for(resolved: str, q_xNH, kv_pages):
+    """The pool as `resolved` reads it: "gpu" and "tpu_jax" index [P, S, 2K, H] only."""
+    if resolved in ("gpu", "tpu_jax") and is_packed(q_xNH, kv_pages):
+        return unpacked(kv_pages)
+    return kv_pages
 
 
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
@@ -118,23 +134,27 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
                            sliding_window=None):
     """Causal attention of a ragged batch's tokens to their paged context (ref.py)."""
     resolved, interpret = _kernel_backend(backend)
-    extras = _reference_only(resolved, sinks_N, sliding_window)
+    extras = _extras(resolved, sinks_N, sliding_window)
+    kv_pages_PSJH = _pool_for(resolved, q_TNH, kv_pages_PSJH)
     args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
     if resolved == "xla":
         return ref_ragged_paged_attention(*args, sm_scale=sm_scale, **extras)
     kernels = _KERNELS[resolved]
-    return kernels.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return kernels.ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret,
+                                          **extras)
 
 
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
                      backend="auto", sinks_N=None, sliding_window=None):
     """One query token per sequence; seq_len 0 sequences return zeros."""
     resolved, interpret = _kernel_backend(backend)
-    extras = _reference_only(resolved, sinks_N, sliding_window)
+    extras = _extras(resolved, sinks_N, sliding_window)
+    kv_pages_PSJH = _pool_for(resolved, q_BNH, kv_pages_PSJH)
     args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
     if resolved == "xla":
         return ref_decode_attention(*args, sm_scale=sm_scale, **extras)
-    return _KERNELS[resolved].decode_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    return _KERNELS[resolved].decode_attention(*args, sm_scale=sm_scale, interpret=interpret,
+                                               **extras)
 
 
 __all__ = [

@@ -26,6 +26,16 @@ K/V page once per KV head, not once per query head).
   `block_q` tokens (a block never spans two sequences) and the grid is
   (max blocks, K); rows = block_q * G.
 
+Sinks and sliding windows (GPT-OSS, semantics in ref.py), both optional; with both
+None the kernels have exactly their plain operands and programs. The window (an int or
+a traced int32, one program for sliding and full layers) is one more [1] operand: a
+block's page loop starts at the page of the oldest key its first row sees (decode: the
+splits share the blocks from there), so pages wholly before the window are never
+loaded, and the masks add `key > q_pos - window`. The page table gets one more block
+of padding, as blocks then start mid-table. Sinks: the prefill kernel takes them as a
+[K, Gp] operand and starts its online softmax from them (m = sink, l = 1); decode
+merges them into its splits in XLA, as one more partial (acc 0, m = sink, l = 1).
+
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
 tl.dot needs K >= 16); q and the cache of one dtype in {float32, bfloat16,
@@ -142,17 +152,35 @@ def _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale
 # ----------------------------------------------------------------------------- decode
 
 
-def _decode_kernel(seq_len_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   sm_scale, pages_per_block, page_size):
+def _window_start(pos, window):
+    """The oldest key position a query at `pos` sees under sliding window `window`
+    (<= 0: full attention, key 0)."""
+    return jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+
+
+def _decode_kernel(*refs, has_window, sm_scale, pages_per_block, page_size):
+    """refs: seq_len [1], page-table row [C_pad], q [Gp, H], K and V views of the pool,
+    [window [1] (only with one)], then the outputs acc [Gp, H], m [Gp], l [Gp]."""
+    seq_len_ref, pages_ref, q_ref, k_ref, v_ref, *refs = refs
+    window = refs.pop(0)[0] if has_window else None
+    o_ref, m_ref, l_ref = refs
     block_k = pages_per_block * page_size
     split, num_splits = pl.program_id(2), pl.num_programs(2)
     seq_len = seq_len_ref[0]
     num_pages = pl.cdiv(seq_len, page_size)
     # Splits share the sequence's own blocks (not the page table's width): split s takes
     # blocks [s * per_split, (s + 1) * per_split); splits past the end run no iteration.
-    seq_blocks = pl.cdiv(num_pages, pages_per_block)
+    # With a window the blocks start at the page of the oldest key it holds.
+    if window is None:
+        seq_blocks = pl.cdiv(num_pages, pages_per_block)
+    else:
+        key_lo = _window_start(seq_len - 1, window)
+        seq_page0 = key_lo // page_size
+        seq_blocks = pl.cdiv(num_pages - seq_page0, pages_per_block)
     per_split = pl.cdiv(seq_blocks, num_splits)
     first_page = split * per_split * pages_per_block
+    if window is not None:
+        first_page = seq_page0 + first_page
     num_blocks = jnp.clip(seq_blocks - split * per_split, 0, per_split)
     q_GH = q_ref[...]
     Gp, H = q_GH.shape
@@ -162,8 +190,10 @@ def _decode_kernel(seq_len_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
         page_ids = pages_ref[pl.ds(page0, pages_per_block)]
         page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
         k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
-        key_ok_X = page0 * page_size + jnp.arange(block_k) < seq_len
-        visible_GX = jnp.broadcast_to(key_ok_X[None, :], (Gp, block_k))
+        key_pos_X = page0 * page_size + jnp.arange(block_k)
+        key_ok_X = key_pos_X < seq_len
+        visible_X = key_ok_X if window is None else key_ok_X & (key_pos_X >= key_lo)
+        visible_GX = jnp.broadcast_to(visible_X[None, :], (Gp, block_k))
         return _online_softmax_step(q_GH, k_XH, v_XH, visible_GX, key_ok_X, carry, sm_scale)
 
     init = (jnp.zeros((Gp, H), jnp.float32), jnp.full((Gp,), MASK_VALUE, jnp.float32),
@@ -178,11 +208,15 @@ def _decode_kernel(seq_len_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_
                                              "num_warps", "num_stages", "interpret"))
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
                      pages_per_block=None, num_splits=None, num_warps=4, num_stages=2,
-                     interpret=False):
+                     interpret=False, sinks_N=None, sliding_window=None):
     """One query token per sequence over paged KV; seq_len 0 rows return zeros.
 
     pages_per_block: pages per flash step (default: 64 tokens' worth). num_splits:
     partitions of the page axis (default: enough for ~256 programs).
+    sliding_window (int or traced int32 scalar, <= 0: full): a scalar operand; the
+    splits share the blocks from the window's first page. sinks_N [N]: joins the merge
+    of the splits as one more partial (max = sink, sum = 1, acc = 0). Both None: the
+    kernel and merge of plain causal attention, unchanged.
     """
     check_constraints(q_BNH, kv_pages_PSJH, page_table_BC)
     B, N, H = q_BNH.shape
@@ -197,6 +231,8 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
     total_blocks = pl.cdiv(C, ppb)
     splits = num_splits or max(1, min(total_blocks, pl.cdiv(DECODE_TARGET_PROGRAMS, B * K)))
     C_pad = total_blocks * ppb  # every block's page-id slice stays in bounds
+    if sliding_window is not None:  # ... also when blocks start mid-table
+        C_pad += ppb
     page_table_BC = jnp.pad(page_table_BC.astype(jnp.int32), ((0, 0), (0, C_pad - C)))
     seq_lens_B = seq_lens_B.astype(jnp.int32)
     q_BKGH = q_BNH.reshape(B, K, G, H)
@@ -204,18 +240,23 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
     k_spec, v_spec = _kv_specs(P, S, H)
-    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, pages_per_block=ppb,
-                               page_size=S)
+    kernel = functools.partial(_decode_kernel, has_window=sliding_window is not None,
+                               sm_scale=sm_scale, pages_per_block=ppb, page_size=S)
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, k, s: (b,)),
+        pl.BlockSpec((None, C_pad), lambda b, k, s: (b, 0)),
+        pl.BlockSpec((None, None, Gp, H), lambda b, k, s: (b, k, 0, 0)),
+        k_spec,
+        v_spec,
+    ]
+    operands = [seq_lens_B, page_table_BC, q_BKGH, kv_pages_PSJH, kv_pages_PSJH]
+    if sliding_window is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda b, k, s: (0,)))
+        operands.append(jnp.asarray(sliding_window, jnp.int32).reshape(1))
     o_BKXGH, m_BKXG, l_BKXG = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, k, s: (b,)),
-            pl.BlockSpec((None, C_pad), lambda b, k, s: (b, 0)),
-            pl.BlockSpec((None, None, Gp, H), lambda b, k, s: (b, k, 0, 0)),
-            k_spec,
-            v_spec,
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, Gp, H), lambda b, k, s: (b, k, s, 0, 0)),
             pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
@@ -229,22 +270,38 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lp_paged_decode_attention",
-    )(seq_lens_B, page_table_BC, q_BKGH, kv_pages_PSJH, kv_pages_PSJH)
+    )(*operands)
 
     # Merge the splits (empty ones carry m = MASK_VALUE, l = 0).
     m_BKG = jnp.max(m_BKXG, axis=2)
+    if sinks_N is not None:  # the sink: one more partial, acc 0, m = sink, l = 1
+        sink_BKG = jnp.broadcast_to(_sinks_KGp(sinks_N, K, G, Gp), m_BKG.shape)
+        m_BKG = jnp.maximum(m_BKG, sink_BKG)
     w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
     l_BKG = jnp.sum(l_BKXG * w_BKXG, axis=2)
+    if sinks_N is not None:
+        l_BKG = l_BKG + jnp.exp(sink_BKG - m_BKG)
     o_BKGH = jnp.sum(o_BKXGH * w_BKXG[..., None], axis=2)
     o_BKGH = o_BKGH / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
     return o_BKGH[:, :, :G].reshape(B, N, H).astype(q_BNH.dtype)
 
 
+def _sinks_KGp(sinks_N, K: int, G: int, Gp: int):
+    """[K, Gp] float32: query head k * G + g's sink at [k, g]; padding heads 0."""
+    return jnp.pad(sinks_N.astype(jnp.float32).reshape(K, G), ((0, 0), (0, Gp - G)))
+
+
 # ---------------------------------------------------------------------------- prefill
 
 
-def _prefill_kernel(meta_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale, block_q,
-                    pages_per_block, page_size):
+def _prefill_kernel(*refs, has_window, has_sinks, sm_scale, block_q, pages_per_block,
+                    page_size):
+    """refs: meta [8], page table [B, C_pad], q [T_pad, Gp, H], K and V views of the
+    pool, [window [1]], [sinks [Gp] of this KV head] (each only with one), output o."""
+    meta_ref, pages_ref, q_ref, k_ref, v_ref, *refs = refs
+    window = refs.pop(0)[0] if has_window else None
+    sink_ref = refs.pop(0) if has_sinks else None
+    (o_ref,) = refs
     block_k = pages_per_block * page_size
     seq, t0, n_rows, pos0, kv_len = (meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3],
                                      meta_ref[4])
@@ -253,21 +310,34 @@ def _prefill_kernel(meta_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale
     q_RH = q_ref[pl.ds(t0, block_q)].reshape(R, H)
     q_pos_R = pos0 + jnp.arange(R) // Gp
     kv_stop = jnp.where(n_rows > 0, jnp.minimum(kv_len, pos0 + n_rows), 0)
-    num_blocks = pl.cdiv(kv_stop, block_k)
+    if window is None:
+        num_blocks = pl.cdiv(kv_stop, block_k)
+    else:  # blocks start at the page of the oldest key any row sees (row 0's)
+        seq_page0 = _window_start(pos0, window) // page_size
+        num_blocks = pl.cdiv(kv_stop - seq_page0 * page_size, block_k)
     num_pages = pl.cdiv(kv_len, page_size)
 
     def body(j, carry):
         page0 = j * pages_per_block
+        if window is not None:
+            page0 = seq_page0 + page0
         page_ids = pages_ref[seq, pl.ds(page0, pages_per_block)]
         page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
         k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
         key_pos_X = page0 * page_size + jnp.arange(block_k)
         key_ok_X = key_pos_X < kv_len
         visible_RX = (key_pos_X[None, :] <= q_pos_R[:, None]) & key_ok_X[None, :]
+        if window is not None:  # HF: key > query - window
+            visible_RX &= (window <= 0) | (key_pos_X[None, :] > q_pos_R[:, None] - window)
         return _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale)
 
-    init = (jnp.zeros((R, H), jnp.float32), jnp.full((R,), MASK_VALUE, jnp.float32),
-            jnp.zeros((R,), jnp.float32))
+    acc0_RH = jnp.zeros((R, H), jnp.float32)
+    if sink_ref is None:
+        m0_R, l0_R = jnp.full((R,), MASK_VALUE, jnp.float32), jnp.zeros((R,), jnp.float32)
+    else:  # the sink is the first "key": max = sink, sum = exp(sink - sink) = 1
+        m0_R = jnp.broadcast_to(sink_ref[...][None, :], (block_q, Gp)).reshape(R)
+        l0_R = jnp.ones((R,), jnp.float32)
+    init = (acc0_RH, m0_R, l0_R)
     acc_RH, _, l_R = jax.lax.fori_loop(0, num_blocks, body, init)
     o_RH = acc_RH / jnp.where(l_R == 0.0, 1.0, l_R)[:, None]
     row_ok = jnp.broadcast_to((jnp.arange(block_q) < n_rows)[:, None, None], (block_q, Gp, H))
@@ -279,7 +349,8 @@ def _prefill_kernel(meta_ref, pages_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
                            num_seqs, *, sm_scale, block_rows=128, pages_per_block=None,
-                           num_warps=8, num_stages=2, interpret=False):
+                           num_warps=8, num_stages=2, interpret=False, sinks_N=None,
+                           sliding_window=None):
     """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
 
     block_rows: query rows per program, block_q * G (block_q = block_rows // G tokens,
@@ -287,6 +358,9 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     (default: 64 tokens' worth). The defaults (128 x 64 tiles, 8 warps) are the usual
     Triton flash-attention forward tiles for head_dim 128, not yet tuned on hardware.
     Tokens past query_start_B1[num_seqs] return zeros.
+    sliding_window (int or traced int32 scalar, <= 0: full) and sinks_N [N] (float32 in
+    the kernel) are extra operands only when given: a block walks the pages from the
+    first one any of its rows sees, and its softmax starts from the sinks.
     """
     check_constraints(q_TNH, kv_pages_PSJH, page_table_BC)
     T, N, H = q_TNH.shape
@@ -302,6 +376,8 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
         raise ValueError(f"gpu prefill: pages_per_block={ppb} must be a power of two")
     B, C = page_table_BC.shape
     C_pad = pl.cdiv(C, ppb) * ppb
+    if sliding_window is not None:  # blocks may start mid-table: one more block in bounds
+        C_pad += ppb
     page_table_BC = jnp.pad(page_table_BC.astype(jnp.int32), ((0, 0), (0, C_pad - C)))
     query_start_B1 = query_start_B1.astype(jnp.int32)
     seq_lens_B = seq_lens_B.astype(jnp.int32)
@@ -314,24 +390,33 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     q_TKGH = jnp.pad(q_TKGH, ((0, T_pad - T), (0, 0), (0, Gp - G), (0, 0)))
 
     k_spec, v_spec = _kv_specs(P, S, H)
-    kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, block_q=block_q,
-                               pages_per_block=ppb, page_size=S)
+    kernel = functools.partial(_prefill_kernel, has_window=sliding_window is not None,
+                               has_sinks=sinks_N is not None, sm_scale=sm_scale,
+                               block_q=block_q, pages_per_block=ppb, page_size=S)
+    in_specs = [
+        pl.BlockSpec((None, 8), lambda i, k: (i, 0)),
+        pl.BlockSpec((B, C_pad), lambda i, k: (0, 0)),
+        pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
+        k_spec,
+        v_spec,
+    ]
+    operands = [meta_M8, page_table_BC, q_TKGH, kv_pages_PSJH, kv_pages_PSJH]
+    if sliding_window is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda i, k: (0,)))
+        operands.append(jnp.asarray(sliding_window, jnp.int32).reshape(1))
+    if sinks_N is not None:
+        in_specs.append(pl.BlockSpec((None, Gp), lambda i, k: (k, 0)))
+        operands.append(_sinks_KGp(sinks_N, K, G, Gp))
     o_TKGH = pl.pallas_call(
         kernel,
         grid=(max_blocks, K),
-        in_specs=[
-            pl.BlockSpec((None, 8), lambda i, k: (i, 0)),
-            pl.BlockSpec((B, C_pad), lambda i, k: (0, 0)),
-            pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
-            k_spec,
-            v_spec,
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((T_pad, K, Gp, H), q_TNH.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="lp_paged_prefill_attention",
-    )(meta_M8, page_table_BC, q_TKGH, kv_pages_PSJH, kv_pages_PSJH)
+    )(*operands)
 
     o_TNH = o_TKGH[:T, :, :G].reshape(T, N, H)
     valid_T = jnp.arange(T) < query_start_B1[num_seqs]

@@ -11,6 +11,17 @@ before calling a kernel, so kernels only ever see physical page tables. The
 interleaved K/V axis is the layout of JAX's TPU ragged paged attention, so that
 kernel reads our cache without a copy.
 
+Packed pool, for head_dim < 128 on TPU (GPT-OSS: 64):
+
+    kv_pages_PSKX  [P, S, K, 2H]   K head k in lanes [0, H), V head k in [H, 2H)
+
+the same row-major bytes as [P, S, 2K, H] under another shape. It exists because the
+shape decides the TPU layout: XLA lays [P, S, 2K, 64] out page-minor (64 lanes would be
+half padding), which no kernel can DMA pages from, while [P, S, K, 128] stays row-major
+and unpadded. Every entry point accepts it (a pool whose last axis is twice q's
+head_dim); `unpacked` gives the [P, S, 2K, H] view (a free reshape on GPU and CPU, a
+relayout on TPU, where only the "tpu" kernel reads it in place).
+
 Batches are ragged: the T query tokens are packed sequence after sequence.
 Sequence b owns tokens [query_start_B1[b], query_start_B1[b+1]) and, after this
 step's KV write, has seq_lens_B[b] tokens of context, so its i-th query token
@@ -23,7 +34,8 @@ Two optional features (GPT-OSS), off by default:
 * `sliding_window` W (a Python int or a traced int32 scalar, so one program serves
   layers of both kinds; None or <= 0: full causal attention): the query at position p
   sees keys in (p - W, p], HF's `key > query - sliding_window`. Pages wholly before
-  the window of every token of a query block are skipped, not just masked.
+  the window of every token of a query block are skipped, not just masked (here a
+  block of `block_q` packed tokens may span sequences; the kernels' blocks never do).
 * `sinks_N` [N]: a learned logit per query head that joins the softmax denominator
   (an extra key whose value is zero): softmax over [scores, sink], sink column dropped.
   The online softmax starts from it (running max = sink, running sum = 1), so a row
@@ -38,10 +50,24 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def is_packed(q_xNH: jax.Array, kv_pages) -> bool:
+    """Whether the pool is the packed [P, S, K, 2H] form (last axis twice head_dim)."""
+    return kv_pages.shape[-1] == 2 * q_xNH.shape[-1]
+
+
+def unpacked(kv_pages_PSKX: jax.Array) -> jax.Array:
+    """The packed pool as [P, S, 2K, H] (same bytes, row-major)."""
+    P, S, K, X = kv_pages_PSKX.shape
+    return kv_pages_PSKX.reshape(P, S, 2 * K, X // 2)
+
+
 def check_layout(name: str, q_xNH: jax.Array, kv_pages_PSJH: jax.Array) -> int:
-    """The layout rules every backend shares; returns K. `name` prefixes the error."""
+    """The layout rules every backend shares (a packed pool as its [P, S, 2K, H] view);
+    returns K. `name` prefixes the error."""
     _, N, H = q_xNH.shape
     _, _, J, H_kv = kv_pages_PSJH.shape
+    if is_packed(q_xNH, kv_pages_PSJH):
+        J, H_kv = 2 * J, H_kv // 2
     if J % 2:
         raise ValueError(f"{name}: cache axis J={J} must be 2K (K and V interleaved)")
     K = J // 2
@@ -54,10 +80,14 @@ def check_layout(name: str, q_xNH: jax.Array, kv_pages_PSJH: jax.Array) -> int:
 
 def write_kv(kv_pages_PSJH: jax.Array, k_TKH: jax.Array, v_TKH: jax.Array,
              slots_T: jax.Array) -> jax.Array:
-    """Scatters new K/V rows into physical slots (page * S + offset); slot < 0 is skipped."""
+    """Scatters new K/V rows into physical slots (page * S + offset); slot < 0 is skipped.
+    A packed pool [P, S, K, 2H] takes each head's K and V side by side."""
     P, S, J, H = kv_pages_PSJH.shape
     T, K, _ = k_TKH.shape
-    kv_TJH = jnp.stack([k_TKH, v_TKH], axis=2).reshape(T, J, H).astype(kv_pages_PSJH.dtype)
+    if H == 2 * k_TKH.shape[-1]:  # packed
+        kv_TJH = jnp.concatenate([k_TKH, v_TKH], axis=-1).astype(kv_pages_PSJH.dtype)
+    else:
+        kv_TJH = jnp.stack([k_TKH, v_TKH], axis=2).reshape(T, J, H).astype(kv_pages_PSJH.dtype)
     slots_T = jnp.where(slots_T < 0, P * S, slots_T)  # out of range -> dropped
     flat = kv_pages_PSJH.reshape(P * S, J, H).at[slots_T].set(kv_TJH, mode="drop")
     return flat.reshape(P, S, J, H)
@@ -123,6 +153,8 @@ def ref_ragged_paged_attention(
     can see (0 without a window) to the last. Memory is O(block_q * S), not
     O(T * context). `sinks_N` and `sliding_window`: see the module docstring.
     """
+    if is_packed(q_TNH, kv_pages_PSJH):
+        kv_pages_PSJH = unpacked(kv_pages_PSJH)
     T, N, H = q_TNH.shape
     _, S, J, _ = kv_pages_PSJH.shape
     K = J // 2

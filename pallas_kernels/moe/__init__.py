@@ -5,9 +5,11 @@ Backends:
   "xla_tiles"  plain XLA over the kernels' tile layout (`xla_tiles.py`): the CPU path,
          whose cost follows the routing (XLA:CPU runs ragged_dot densely).
   "tpu"  Pallas Mosaic TPU (`tpu.py`): fused-gather gate/up kernel with the SwiGLU
-         epilogue, then the same tile-grid kernel for the down projection.
+         epilogue (biases and activation included), then the same tile-grid kernel for
+         the down projection (its bias in the epilogue).
   "gpu"  Pallas Mosaic GPU for Hopper (`gpu.py`): a tile-list grouped matmul (WGMMA),
-         gate/up with the SwiGLU epilogue fused, then the same kernel for down.
+         gate/up with the SwiGLU epilogue fused, then the same kernel for down; biases
+         in the epilogues.
   "auto" tpu on a TPU, gpu on a Hopper (sm_90) GPU with 16-bit weights, xla_tiles
          elsewhere. Never "xla": an export of `lax.ragged_dot` for cuda carries a dense
          fallback body (every expert on every row) that XLA:GPU may pick at compile time,
@@ -19,9 +21,13 @@ inside a layer loop is fine). The kernel backends address the layer inside the w
 arrays (`ref.stacked_experts`: the expert ids are offset by layer*E into the
 [L*E, ...] view), so a layer loop copies no weights; the xla reference slices.
 
-GPT-OSS experts (biases `b_gate_up` / `b_down`, `activation="gpt_oss_clamped"`; see
-ref.py) run on "xla" and "xla_tiles" only so far: "auto" then picks "xla_tiles", and
-a named "tpu" or "gpu" raises ValueError (never a silent wrong result).
+GPT-OSS experts (biases `b_gate_up` [.., E, 2F] / `b_down` [.., E, D], stacked like
+the weights, and `activation="gpt_oss_clamped"`; see ref.py) run on every backend, and
+"auto" resolves for them as for Qwen3. The kernels add the biases in float32 in their
+epilogues (gate/up bias before the activation, down bias to each routed row before
+the weighted combine, as transformers' GptOssExperts) and take stacked biases whole,
+like the weights. Without biases and with activation="silu" the kernels take exactly
+the operands they take for Qwen3.
 
 All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
@@ -105,22 +111,16 @@ def moe_ffn(
     interpret: run the Pallas backends in interpret mode: True/False, None (default:
       $LP_JAX_PALLAS_INTERPRET), or a `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`
       for the tpu / gpu backend. Ignored by xla.
-    b_gate_up / b_down, activation, swiglu_limit / swiglu_alpha: GPT-OSS experts (ref.py);
-      xla and xla_tiles only.
+    b_gate_up / b_down, activation, swiglu_limit / swiglu_alpha: GPT-OSS experts (ref.py),
+      on every backend.
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
     if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
-    gpt_oss = b_gate_up is not None or b_down is not None or activation != "silu"
-    if gpt_oss and backend in ("tpu", "gpu"):
-        if not auto:
-            raise ValueError(f"MoE backend {backend!r} has no expert biases / clamped SwiGLU "
-                             "yet (GPT-OSS); use 'xla_tiles' or 'xla'")
-        backend = "xla_tiles"
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T)
-    if gpt_oss:
+    if b_gate_up is not None or b_down is not None or activation != "silu":  # GPT-OSS
         kwargs.update(b_gate_up=b_gate_up, b_down=b_down, activation=activation,
                       swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)

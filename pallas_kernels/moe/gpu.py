@@ -22,6 +22,16 @@ reading. The GPU interpreter runs WGMMAs synchronously (jax 0.11.2), so its race
 detector cannot see this; tests/test_moe_kernels.py checks the wait in the lowered
 Mosaic module instead.
 
+Epilogues: act(gate, up) on the float32 accumulators (`ref.gated`: SiLU(gate) * up,
+or GPT-OSS's clamped SwiGLU) for gate/up, the identity for down. GPT-OSS expert
+biases ([E, N] / stacked [L, E, N], viewed for free as [G, N]) are one more operand:
+each work item TMAs its expert's bn-wide bias slices (gate and up) into shared memory
+and adds them, broadcast over the rows, to the accumulators in float32 before the
+activation (down: before the store, so each routed row carries its down bias into the
+weighted combine). Without biases the kernel takes exactly Qwen3's operands.
+Widths that no 128-wide block divides (GPT-OSS: 2880) take 64-wide N blocks
+(`_fit_block`), still whole 128-byte swizzle rows.
+
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
 whole, reshaped (for free) to [L*E, ...], with layer*E added to the tile groups, so no
@@ -46,8 +56,8 @@ this backend in `launch/bench_kernels.py`.
 
 Status: passes the GPU interpreter tests and goes through
 Mosaic GPU lowering (layout inference, shared-memory budget) for an H200 at
-Qwen3-30B-A3B shapes with stacked weights in tests/test_moe_kernels.py; the PTX
-compile, a run and the timings need the H200.
+Qwen3-30B-A3B shapes with stacked weights, and at GPT-OSS-20B shapes with biases, in
+tests/test_moe_kernels.py; the PTX compile, a run and the timings need the H200.
 """
 
 from __future__ import annotations
@@ -61,7 +71,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
+from pallas_kernels.moe.ref import (
+    check_activation,
+    check_bias,
+    gated,
+    moe_stats,
+    route,
+    stacked_experts,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +136,20 @@ def tile_gmm(
     out_dtype=None,
     row_align: int = 8,
     num_sms: int | None = None,
+    bias=None,
+    act=gated,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
-    """out[m*tm:(m+1)*tm] = f(lhs[row_start[m] : row_start[m]+tm] @ rhs[tile_group[m]]).
+    """out[m*tm:(m+1)*tm] = f(lhs[row_start[m] : row_start[m]+tm] @ rhs[g] + bias[g]),
+    g = tile_group[m].
 
     For m < num_tiles only. rhs is [G, K, N] (G = E, or L*E for stacked layers with
     the layer's offset already in tile_group). swiglu=False: f is the identity and out
-    is [M*tm, N]. swiglu=True: rhs is [G, K, 2F], f(z) = SiLU(z[:, :F]) * z[:, F:],
-    out is [M*tm, F].
+    is [M*tm, N]. swiglu=True: rhs is [G, K, 2F], f(z) = act(z[:, :F], z[:, F:])
+    (`ref.gated`: SiLU(gate) * up unless given), out is [M*tm, F].
+    bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs, viewed (for free) as
+    [G, ...]: each work item TMAs its expert's bn-wide slices (gate and up) into shared
+    memory and adds them to the float32 accumulators before f.
     lhs must have row_start[m] + tm rows for every used tile; every row_start must be a
     multiple of row_align (8: the row tile of the swizzled operand layout).
     """
@@ -150,20 +173,27 @@ def tile_gmm(
         raise ValueError(f"lhs {lhs_SK.dtype} and rhs {rhs_GKN2.dtype} dtypes differ")
     grid_n, grid_k = N // bn, K // bk
     n_accs = 2 if swiglu else 1
+    col_offsets = (0, grid_n) if swiglu else (0,)  # gate (and up) blocks in rhs's N
     in_item, out_item = jnp.dtype(lhs_SK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     stage_bytes = (tm * bk + n_accs * bk * bn) * in_item
-    while stages > 2 and stages * stage_bytes + tm * bn * out_item > _SMEM_BUDGET:
+    bias_bytes = 0 if bias is None else n_accs * bn * bias.dtype.itemsize
+    while (stages > 2
+           and stages * stage_bytes + tm * bn * out_item + bias_bytes > _SMEM_BUDGET):
         stages -= 1
+    bias_args = () if bias is None else (bias.reshape(-1, bias.shape[-1]),)  # [G, N2]
 
-    def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, *refs):
+        bias_gmem, out_gmem = refs if bias_args else (None, *refs)
+
         @plgpu.nd_loop((num_tiles_gmem[0], grid_n), collective_axes="sm")
         def _work(info: plgpu.NDLoopInfo):
             m, n = info.index
             lhs_tile = lhs_gmem.at[pl.ds(pl.multiple_of(row_start_gmem[m], row_align), tm)]
-            rhs_expert = rhs_gmem.at[tile_group_gmem[m]]  # a ref slice in global memory
+            g = tile_group_gmem[m]
+            rhs_expert = rhs_gmem.at[g]  # a ref slice in global memory
             rhs_specs = [
                 plgpu.BlockSpec((bk, bn), lambda k, c=c: (k, n + c), delay_release=1)
-                for c in ((0, grid_n) if swiglu else (0,))
+                for c in col_offsets
             ]
 
             def mma_scope(*accs):
@@ -187,11 +217,9 @@ def tile_gmm(
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(mma_scope, *([plgpu.ACC((tm, bn))] * n_accs))
-            if swiglu:
-                gate, up = accs
-                out = jax.nn.silu(gate) * up
-            else:
-                (out,) = accs
+            if bias_gmem is not None:
+                accs = _add_bias(accs, bias_gmem.at[g], n, bn, col_offsets)
+            out = act(*accs) if swiglu else accs[0]
 
             @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tm, bn), out_dtype))
             def _store(o_smem):
@@ -218,7 +246,25 @@ def tile_gmm(
         jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
         lhs_SK,
         rhs_GKN2,
+        *bias_args,
     )
+
+
+def _add_bias(accs, bias_N2, n, bn: int, col_offsets):
+    """accs[c] + bias_N2[(n + col_offsets[c]) * bn :][:bn] over the rows, in float32.
+    The bias slices (one expert's, in global memory) come by TMA into shared memory."""
+
+    def scope(b_smem, barrier):
+        for c, off in enumerate(col_offsets):
+            plgpu.copy_gmem_to_smem(bias_N2.at[pl.ds((n + off) * bn, bn)], b_smem.at[c],
+                                    barrier)
+            plgpu.barrier_wait(barrier)
+        return tuple(
+            acc + jax.lax.broadcast_in_dim(b_smem[c].astype(jnp.float32), acc.shape, [1])
+            for c, acc in enumerate(accs))
+
+    return pl.run_scoped(scope, plgpu.SMEM((len(col_offsets), bn), bias_N2.dtype),
+                         plgpu.Barrier(num_arrivals=1))
 
 
 def moe_ffn_gpu(
@@ -231,11 +277,20 @@ def moe_ffn_gpu(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
+    b_gate_up=None,
+    b_down=None,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     tiling: GpuTiling = GpuTiling(),
     num_sms: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """The `gpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`.
+
+    Biases and activation (GPT-OSS) as in `ref.ref_moe_ffn`, added in float32 in the
+    epilogues: b_gate_up before the activation, b_down to each routed row before the
+    weighted combine; stacked [L, E, ...] biases are passed whole, like the weights.
 
     Hardware needs bfloat16/float16 weights (WGMMA takes the N-major [K, N] weight tiles
     only for 16-bit types); float32 runs in interpret mode only (for tests), and
@@ -244,6 +299,10 @@ def moe_ffn_gpu(
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
+    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
+    check_activation(activation)
+    act = functools.partial(gated, activation=activation, swiglu_limit=swiglu_limit,
+                            swiglu_alpha=swiglu_alpha)
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
@@ -263,12 +322,13 @@ def moe_ffn_gpu(
     h_PF = tile_gmm(
         x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
         bk=_fit_block(D, bk), bn=_fit_block(F, tiling.gate_up_bn),
-        out_dtype=w_down_GFD.dtype, **common,
+        out_dtype=w_down_GFD.dtype, bias=b_gate_up, act=act, **common,
     )
     y_PD = tile_gmm(
         h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
         bk=_fit_block(F, bk), bn=_fit_block(D, tiling.down_bn),
-        out_dtype=x_TD.dtype, **common,
+        out_dtype=x_TD.dtype, bias=b_down, **common,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
+                           b_gate_up, b_down)

@@ -42,14 +42,25 @@ def glu(gate_up_xF2: jax.Array, activation: str = "silu", *, swiglu_limit: float
     (up + 1) * gate * sigmoid(alpha * gate).
     """
     F = gate_up_xF2.shape[-1] // 2
-    gate, up = gate_up_xF2[..., :F], gate_up_xF2[..., F:]
+    return gated(gate_up_xF2[..., :F], gate_up_xF2[..., F:], activation,
+                 swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+
+
+def gated(gate: jax.Array, up: jax.Array, activation: str = "silu", *,
+          swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702) -> jax.Array:
+    """`glu` on gate and up given apart (the kernels' epilogues hold them in two
+    accumulators)."""
     if activation == "silu":
         return jax.nn.silu(gate) * up
-    if activation != "gpt_oss_clamped":
-        raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
+    check_activation(activation)
     gate = jnp.minimum(gate, swiglu_limit)
     up = jnp.clip(up, -swiglu_limit, swiglu_limit)
     return (up + 1) * (gate * jax.nn.sigmoid(gate * swiglu_alpha))
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
 def check_bias(b_gate_up, b_down, w_gate_up, w_down) -> None:

@@ -39,11 +39,34 @@ in its high half; each half moved into the high 16 bits is that value as a float
 exactly. The gate/up weights are viewed as [G, pack, D/pack, 2F] to match (free), so
 the two halves are two dots.
 
+Epilogues. The gate/up kernels end in act(gate, up) (`ref.gated`: SiLU(gate) * up,
+or GPT-OSS's clamped SwiGLU), the down kernel in the identity, on the float32 sums.
+GPT-OSS expert biases ([E, N] or stacked [L, E, N], passed whole like the weights)
+come as one more BlockSpec per weight block: the [E, tn] block of the tile's layer
+(group // E), so a grid step reads that layer's bias rows of all E experts (a few
+hundred KB, no dynamic sublane offset) and the epilogue picks the tile's expert with a
+one-hot select before adding it in float32; the down bias thus lands on each routed
+row before the weighted combine, as in transformers' GptOssExperts. Without biases no
+bias operand exists: Qwen3's kernels are unchanged.
+
+Widths that are no multiple of 128 (GPT-OSS: D = F = 2880 = 22.5 x 128). A block's
+last two dims must be multiples of (8, 128) or the whole dim, so no tn-wide gate block
+and up block (at column n + F/tn of the [.., 2F] array) exist. With tn = F (the
+default when no multiple of 128 divides F), the gate/up kernels then take one block of
+the whole [gate | up] row (2F: a whole dim), run one dot and cut it at F in the
+epilogue (`_gate_up_blocks`). D needs nothing: the gather kernel takes whole D rows
+(tk = D) and the down kernel whole F x D blocks (`_pick_block` falls back to the
+whole dim). At GPT-OSS-20B shapes a gate/up block is then one expert's whole
+[2, 1440, 5760] bfloat16 (33 MB, double-buffered 66 MB of VMEM): it compiles for v5e
+and v6e (128 MiB VMEM) but would not fit a chip with 64 MiB (not checked); padding F
+to 3072 at load time (zero columns and rows: exact) would restore 128-multiple blocks.
+
 Combine is `layout.combine_padded` (XLA gather + weighted sum in float32).
 
 Status: both gate/up paths and the down kernel pass the TPU interpreter tests, and
 compile with the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e
-devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py).
+devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py),
+and for v6e at GPT-OSS-20B shapes with biases (tests/test_moe_kernels.py).
 None has run on a TPU.
 """
 
@@ -58,7 +81,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import moe_stats, route, stacked_experts
+from pallas_kernels.moe.ref import (
+    check_activation,
+    check_bias,
+    gated,
+    moe_stats,
+    route,
+    stacked_experts,
+)
 
 GATHER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -67,7 +97,8 @@ GATHER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 class TpuTiling:
     """Tile sizes. tm: rows per tile (experts are padded to it). tk/tn: D and F blocks
     of the gate/up kernel (None: whole D; the largest divisor of F that is a multiple of
-    128 and <= 1024, or F). down_tk/down_tn: F and D blocks of the down kernel (None:
+    128 and <= 1024, or else F: then whole [gate | up] rows, see the module docstring).
+    down_tk/down_tn: F and D blocks of the down kernel (None:
     the largest such divisor <= 2048)."""
 
     tm: int = 128
@@ -125,13 +156,48 @@ def _compiler_params(semantics, vmem_bytes: int):
     )
 
 
-def _accumulate_and_store(k, tiles_k: int, dots, acc_refs, out_ref, swiglu: bool):
+def _bias_row(bias_ref, expert):
+    """Row `expert` of a bias block [E, tn] (one layer's experts), as float32 [1, tn]:
+    a one-hot sum over the E rows, which needs no dynamic sublane offset."""
+    bias_Et = bias_ref[...].astype(jnp.float32)
+    rows_Et = jax.lax.broadcasted_iota(jnp.int32, bias_Et.shape, 0)
+    return jnp.sum(jnp.where(rows_Et == expert, bias_Et, 0.0), axis=0, keepdims=True)
+
+
+def _epilogue(act, bias_refs=(), group_ref=None, tile=None, split=None):
+    """f(float32 sums) -> the stored block: bias rows of the tile's expert added
+    (expert = group % E: groups are layer*E + expert), then act(gate, up), or the sum
+    itself with act None. split: one [gate | up] sum, cut at column `split`."""
+
+    def apply(vals):
+        if bias_refs:
+            expert = group_ref[tile] % bias_refs[0].shape[0]
+            vals = [v + _bias_row(b, expert) for v, b in zip(vals, bias_refs, strict=True)]
+        if split is not None:
+            vals = [vals[0][:, :split], vals[0][:, split:]]
+        return vals[0] if act is None else act(*vals)
+
+    return apply
+
+
+def _gate_up_blocks(F: int, tn: int, tiles_n: int):
+    """(block width, block offsets, split) of the gate/up weight columns: a gate and an
+    up block, n and n + F/tn, of tn columns; or, when F is no multiple of 128 lanes
+    (GPT-OSS: 2880, so no 128-multiple block divides it) and tn == F, one block of the
+    whole [gate | up] row (a block may span a whole dim), one dot, cut at F in the
+    epilogue (Mosaic moves the up half across lanes there: tm x F float32, not the
+    weights)."""
+    if tn == F and F % 128:
+        return 2 * F, (0,), F
+    return tn, (0, tiles_n), None
+
+
+def _accumulate_and_store(k, tiles_k: int, dots, acc_refs, out_ref, epilogue):
     """Adds this k block's dots into the accumulators; at the last k block stores
-    SiLU(gate) * up (swiglu) or the sum itself."""
+    epilogue(sums)."""
 
     def finish(vals):
-        out = jax.nn.silu(vals[0]) * vals[1] if swiglu else vals[0]
-        out_ref[...] = out.astype(out_ref.dtype)
+        out_ref[...] = epilogue(vals).astype(out_ref.dtype)
 
     if tiles_k == 1:
         finish(dots)
@@ -155,11 +221,12 @@ def _accumulate_and_store(k, tiles_k: int, dots, acc_refs, out_ref, swiglu: bool
 # ------------------------------------------------------------------ gate/up, fused gather
 def _gate_up_gather_kernel(
     tile_group_ref, tile_rows_ref,  # scalar prefetch
-    ids_hbm, x_hbm, wg_ref, wu_ref,  # inputs
-    h_ref,  # output
-    xbuf, ids_smem, row_sem, ids_sem, *acc_refs,  # scratch
-    tm: int, tk: int, tiles_k: int, pack: int,
+    ids_hbm, x_hbm, *refs,  # inputs: weights (gate, up or one joint), biases; then
+    # output h, then scratch: xbuf, ids_smem, row_sem, ids_sem, accumulators
+    tm: int, tk: int, tiles_k: int, pack: int, act, num_w: int, num_bias: int, split,
 ):
+    w_refs, bias_refs = refs[:num_w], refs[num_w:num_w + num_bias]
+    h_ref, xbuf, ids_smem, row_sem, ids_sem, *acc_refs = refs[num_w + num_bias:]
     i, n, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tiles = pl.num_programs(0)
     slot = i % 2
@@ -217,12 +284,13 @@ def _gate_up_gather_kernel(
     else:
         words = xbuf[slot, :, :, pl.ds(pl.multiple_of(k * kw, kw), kw)]
     words = words.reshape(tm, kw)
-    gate = up = 0.0
+    dots = [0.0] * num_w  # gate, up; or the joint [gate | up]
     for part in range(pack):
-        x = _unpack_words(words, pack, part).astype(wg_ref.dtype)
-        gate += jnp.dot(x, wg_ref[part], preferred_element_type=jnp.float32)
-        up += jnp.dot(x, wu_ref[part], preferred_element_type=jnp.float32)
-    _accumulate_and_store(k, tiles_k, (gate, up), acc_refs, h_ref, swiglu=True)
+        x = _unpack_words(words, pack, part).astype(w_refs[0].dtype)
+        for j, w_ref in enumerate(w_refs):
+            dots[j] += jnp.dot(x, w_ref[part], preferred_element_type=jnp.float32)
+    _accumulate_and_store(k, tiles_k, dots, acc_refs, h_ref,
+                          _epilogue(act, bias_refs, tile_group_ref, i, split))
 
 
 def gate_up_gather(
@@ -236,11 +304,17 @@ def gate_up_gather(
     tm: int,
     tk: int | None = None,
     tn: int | None = None,
+    b_gate_up=None,
+    act=gated,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
-    """h_PF = SiLU(x[tok] @ Wg[g]) * (x[tok] @ Wu[g]) for the rows of the used tiles,
-    g = tile_group_M[tile] (a row of the possibly stacked [G, D, 2F] weights).
+    """h_PF = act(x[tok] @ Wg[g] + bg[g], x[tok] @ Wu[g] + bu[g]) for the rows of the
+    used tiles, g = tile_group_M[tile] (a row of the possibly stacked [G, D, 2F]
+    weights); act is `ref.gated` (SiLU(gate) * up) unless given.
 
+    b_gate_up: None, or the biases [E, 2F] / stacked [L, E, 2F] like the weights (G =
+    L*E): each grid step reads the block of the tile's layer, all E experts (a few
+    hundred KB), and picks the tile's expert in the epilogue (float32).
     Rows of unused tiles and pad rows are left unwritten / garbage.
     """
     D = x_TD.shape[1]
@@ -253,6 +327,7 @@ def gate_up_gather(
     if D % tk or tk % pack or F % tn or P % tm:
         raise ValueError(f"tiles must divide: D={D} tk={tk} F={F} tn={tn} P={P} tm={tm}")
     tiles_k, tiles_n = D // tk, F // tn
+    width, offsets, split = _gate_up_blocks(F, tn, tiles_n)
 
     def w_map(up_offset):
         def index_map(i, n, k, tile_group_ref, tile_rows_ref):
@@ -267,7 +342,7 @@ def gate_up_gather(
         + 2 * 2 * tk * tn * w_itemsize  # gate + up blocks, double-buffered
         + 2 * tm * tn * itemsize  # out blocks
         + (2 * tm * tn * 4 if tiles_k > 1 else 0)
-        + 2 * tm * tn * 4  # float32 temporaries of the epilogue
+        + (2 + 2 * (split is not None)) * tm * tn * 4  # float32 epilogue temporaries
     )
     scratch = [
         pltpu.VMEM((2, tm, 1, D // pack), jnp.uint32),
@@ -276,10 +351,13 @@ def gate_up_gather(
         pltpu.SemaphoreType.DMA((2,)),
     ]
     if tiles_k > 1:
-        scratch += [pltpu.VMEM((tm, tn), jnp.float32)] * 2
+        scratch += [pltpu.VMEM((tm, width), jnp.float32)] * len(offsets)
+    bias_specs, bias_args = _bias_operands(b_gate_up, width, offsets)
+    vmem_bytes += _bias_vmem_bytes(bias_args, width)
     kernel = functools.partial(_gate_up_gather_kernel, tm=tm, tk=tk, tiles_k=tiles_k,
-                               pack=pack)
-    w_spec = functools.partial(pl.BlockSpec, (None, pack, tk // pack, tn))
+                               pack=pack, act=act, num_w=len(offsets),
+                               num_bias=len(bias_args), split=split)
+    w_spec = functools.partial(pl.BlockSpec, (None, pack, tk // pack, width))
     w_GPKF2 = w_gate_up_GDF2.reshape(G, pack, D // pack, F2)  # a bitcast
     return pl.pallas_call(
         kernel,
@@ -290,8 +368,8 @@ def gate_up_gather(
             in_specs=[
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
-                w_spec(w_map(0)),
-                w_spec(w_map(tiles_n)),
+                *(w_spec(w_map(o)) for o in offsets),
+                *bias_specs,
             ],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, *_: (i, n)),
             scratch_shapes=scratch,
@@ -302,20 +380,48 @@ def gate_up_gather(
             flops=2 * P * D * F2,
             transcendentals=P * F,
             bytes_accessed=P * D * itemsize + P * F * itemsize
-            + min(G, P // tm) * D * F2 * w_itemsize,  # an expert per tile at most
+            + min(G, P // tm) * D * F2 * w_itemsize  # an expert per tile at most
+            + _nbytes(b_gate_up),
         ),
         interpret=_interpret_arg(interpret),
-    )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None], w_GPKF2, w_GPKF2)
+    )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None],
+      *([w_GPKF2] * len(offsets)), *bias_args)
+
+
+def _bias_operands(bias, tn: int, offsets):
+    """BlockSpecs and operands for a bias [E, N] / stacked [L, E, N] (none if None):
+    one spec per block offset (gate: 0, up: F/tn), each a [E, tn] block of the layer
+    of the tile's group (group // E). The [L, E, N] array is passed whole."""
+    if bias is None:
+        return [], []
+    E, N = bias.shape[-2:]
+    bias_LEN = bias.reshape(-1, E, N)  # a unit leading dim when not stacked: free
+
+    def spec(offset):
+        return pl.BlockSpec((None, E, tn), lambda i, n, k, g, *_: (g[i] // E, 0, n + offset))
+
+    return [spec(o) for o in offsets], [bias_LEN] * len(offsets)
+
+
+def _bias_vmem_bytes(bias_args, width: int) -> int:
+    """VMEM of the bias blocks: [E, width] each, double-buffered."""
+    return sum(2 * b.shape[-2] * width * b.dtype.itemsize for b in bias_args)
+
+
+def _nbytes(array) -> int:
+    return 0 if array is None else array.size * array.dtype.itemsize
 
 
 # ------------------------------------------------------------- grouped matmul by tiles
-def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, swiglu: bool):
+def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, act, n_rhs: int,
+                     num_bias: int, split):
     k = pl.program_id(2)
-    n_rhs = 2 if swiglu else 1
-    rhs_refs, (out_ref, *acc_refs) = refs[:n_rhs], refs[n_rhs:]
+    rhs_refs, bias_refs = refs[:n_rhs], refs[n_rhs:n_rhs + num_bias]
+    out_ref, *acc_refs = refs[n_rhs + num_bias:]
     lhs = lhs_ref[...]
     dots = [jnp.dot(lhs, r[...], preferred_element_type=jnp.float32) for r in rhs_refs]
-    _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref, swiglu)
+    _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref,
+                          _epilogue(act, bias_refs, tile_group_ref, pl.program_id(0), split))
 
 
 def tile_gmm(
@@ -329,13 +435,17 @@ def tile_gmm(
     tk: int,
     tn: int,
     out_dtype=None,
+    bias=None,
+    act=gated,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
-    """out[m*tm:(m+1)*tm] = f(lhs[m*tm:(m+1)*tm] @ rhs[tile_group[m]]) for m < num_tiles.
+    """out[m*tm:(m+1)*tm] = f(lhs[m*tm:(m+1)*tm] @ rhs[g] + bias[g]), g = tile_group[m],
+    for m < num_tiles.
 
     swiglu=False: f is the identity and out is [P, N]. swiglu=True: rhs is [G, K, 2F],
-    f(z) = SiLU(z[:, :F]) * z[:, F:], out is [P, F]. Rows of unused tiles are left
-    unwritten.
+    f(z) = act(z[:, :F], z[:, F:]) (`ref.gated`: SiLU(gate) * up unless given), out is
+    [P, F]. bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs (G = L*E), added
+    in float32 (see `gate_up_gather`). Rows of unused tiles are left unwritten.
     """
     P, K = lhs_PK.shape
     G, K2, N2 = rhs_GKN2.shape
@@ -345,24 +455,29 @@ def tile_gmm(
         raise ValueError(f"shapes: lhs {lhs_PK.shape} rhs {rhs_GKN2.shape} tm={tm} tk={tk} "
                          f"tn={tn}")
     tiles_k, tiles_n = K // tk, N // tn
+    width, offsets, split = _gate_up_blocks(N, tn, tiles_n) if swiglu else (tn, (0,), None)
 
     def rhs_spec(offset):
-        return pl.BlockSpec((None, tk, tn), lambda i, n, k, g: (g[i], k, n + offset))
+        return pl.BlockSpec((None, tk, width), lambda i, n, k, g: (g[i], k, n + offset))
 
-    rhs_specs = [rhs_spec(0), rhs_spec(tiles_n)] if swiglu else [rhs_spec(0)]
+    rhs_specs = [rhs_spec(o) for o in offsets]
+    bias_specs, bias_args = _bias_operands(bias, width, offsets)
     n_rhs = len(rhs_specs)
     in_item, out_item = jnp.dtype(lhs_PK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
-    vmem_bytes = (2 * tm * tk * in_item + 2 * n_rhs * tk * tn * w_item
-                  + 2 * tm * tn * out_item + (n_rhs + 1) * tm * tn * 4)
-    scratch = [pltpu.VMEM((tm, tn), jnp.float32)] * n_rhs if tiles_k > 1 else []
+    vmem_bytes = (2 * tm * tk * in_item + 2 * n_rhs * tk * width * w_item
+                  + 2 * tm * tn * out_item + (n_rhs + 1) * tm * width * 4
+                  + _bias_vmem_bytes(bias_args, width))
+    scratch = [pltpu.VMEM((tm, width), jnp.float32)] * n_rhs if tiles_k > 1 else []
     return pl.pallas_call(
-        functools.partial(_tile_gmm_kernel, tiles_k=tiles_k, swiglu=swiglu),
+        functools.partial(_tile_gmm_kernel, tiles_k=tiles_k, act=act if swiglu else None,
+                          n_rhs=n_rhs, num_bias=len(bias_args), split=split),
         out_shape=jax.ShapeDtypeStruct((P, N), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(num_tiles, tiles_n, tiles_k),
-            in_specs=[pl.BlockSpec((tm, tk), lambda i, n, k, g: (i, k)), *rhs_specs],
+            in_specs=[pl.BlockSpec((tm, tk), lambda i, n, k, g: (i, k)), *rhs_specs,
+                      *bias_specs],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, g: (i, n)),
             scratch_shapes=scratch,
         ),
@@ -373,10 +488,11 @@ def tile_gmm(
             flops=2 * P * K * N2,
             transcendentals=P * N if swiglu else 0,
             bytes_accessed=P * K * in_item + P * N * out_item
-            + min(G, P // tm) * K * N2 * w_item,  # an expert per tile at most
+            + min(G, P // tm) * K * N2 * w_item  # an expert per tile at most
+            + _nbytes(bias),
         ),
         interpret=_interpret_arg(interpret),
-    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs))
+    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs), *bias_args)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -390,17 +506,30 @@ def moe_ffn_tpu(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
+    b_gate_up=None,
+    b_down=None,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
     tiling: TpuTiling = TpuTiling(),
     fused_gather: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
 ):
     """The `tpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`.
 
-    fused_gather needs bfloat16 or float32 x; other dtypes take the fallback.
+    Biases and activation (GPT-OSS) as in `ref.ref_moe_ffn`: b_gate_up is added before
+    the activation in the gate/up epilogue, b_down to each routed row in the down
+    epilogue (before the weighted combine), both in float32; the stacked [L, E, ...]
+    biases are passed whole, like the weights. fused_gather needs bfloat16 or float32
+    x; other dtypes take the fallback.
     """
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
+    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
+    check_activation(activation)
+    act = functools.partial(gated, activation=activation, swiglu_limit=swiglu_limit,
+                            swiglu_alpha=swiglu_alpha)
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
@@ -414,19 +543,21 @@ def moe_ffn_tpu(
         h_PF = gate_up_gather(
             x_TD, w_gate_up_GDF2, layout.token_ids_P, tile_group_M,
             layout.tile_rows_M, layout.num_tiles,
-            tm=tm, tk=tiling.tk, tn=tiling.tn, interpret=interpret,
+            tm=tm, tk=tiling.tk, tn=tiling.tn, b_gate_up=b_gate_up, act=act,
+            interpret=interpret,
         )
     else:
         h_PF = tile_gmm(
             x_TD[layout.token_ids_P], w_gate_up_GDF2, tile_group_M, layout.num_tiles,
             swiglu=True, tm=tm, tk=tiling.tk or D, tn=tiling.tn or _pick_block(F, 1024),
-            interpret=interpret,
+            bias=b_gate_up, act=act, interpret=interpret,
         )
     y_PD = tile_gmm(
         h_PF.astype(w_down_GFD.dtype), w_down_GFD, tile_group_M, layout.num_tiles,
         swiglu=False, tm=tm, tk=tiling.down_tk or _pick_block(F, 2048),
-        tn=tiling.down_tn or _pick_block(D, 2048), out_dtype=x_TD.dtype,
+        tn=tiling.down_tn or _pick_block(D, 2048), out_dtype=x_TD.dtype, bias=b_down,
         interpret=interpret,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
-    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD)
+    return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
+                           b_gate_up, b_down)

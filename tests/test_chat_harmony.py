@@ -1,0 +1,105 @@
+"""GPT-OSS's harmony chat format: the tiny checkpoints' chat_template.jinja rendered by the
+server's sandboxed renderer, and /v1/chat/completions on the tiny GPT-OSS model."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from checkpoints.make_tiny import HARMONY_TEMPLATE, ensure_tiny
+from lp_jax.server import OpenAIServer, ServerThread
+from lp_jax.server.chat import ChatFormatter, ChatTemplateError
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "What is prefill?"},
+    {"role": "assistant", "content": " The first pass over the prompt. "},
+    {"role": "user", "content": "And decode?"},
+]
+
+
+def expected(date: str) -> str:
+    return (
+        "<|start|>system<|message|>You are a helpful assistant.\n"
+        f"Knowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: medium\n\n"
+        "# Valid channels: analysis, commentary, final. Every assistant message names one."
+        "<|end|>"
+        "<|start|>developer<|message|># Instructions\n\nAnswer in one sentence.<|end|>"
+        "<|start|>user<|message|>What is prefill?<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The first pass over the prompt.<|end|>"
+        "<|start|>user<|message|>And decode?<|end|>"
+        "<|start|>assistant"
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir():
+    return ensure_tiny(preset="tiny-gpt-oss")
+
+
+def render_today(fmt, messages, **kw) -> tuple[str, set[str]]:
+    """The rendering and the dates it may carry (the day may turn while it renders)."""
+    before = datetime.date.today().isoformat()
+    text = fmt.render(messages, **kw)
+    return text, {before, datetime.date.today().isoformat()}
+
+
+def test_tiny_gpt_oss_ships_the_harmony_template(gpt_oss_dir):
+    assert (gpt_oss_dir / "chat_template.jinja").read_text() == HARMONY_TEMPLATE
+    assert "chat_template" not in json.loads((gpt_oss_dir / "tokenizer_config.json").read_text())
+    fmt = ChatFormatter.from_model_dir(gpt_oss_dir)
+    text, dates = render_today(fmt, CONVERSATION)
+    assert text in {expected(d) for d in dates}
+
+
+def test_harmony_history_end_and_errors():
+    fmt = ChatFormatter(HARMONY_TEMPLATE)
+    text, _ = render_today(fmt, CONVERSATION[:3], add_generation_prompt=False)
+    assert text.endswith("<|channel|>final<|message|>The first pass over the prompt.<|return|>")
+    dev = [{"role": "developer", "content": "# Instructions\n\nBe terse."},
+           {"role": "user", "content": "Hi"}]
+    text, _ = render_today(fmt, dev)
+    assert "<|start|>developer<|message|># Instructions\n\nBe terse.<|end|>" in text
+    assert "<|start|>developer" not in render_today(fmt, CONVERSATION[1:2])[0]
+    with pytest.raises(ChatTemplateError, match='role "tool" is not supported'):
+        fmt.render([{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatTemplateError, match="must come first"):
+        fmt.render(CONVERSATION[1:2] + CONVERSATION[:1])
+
+
+def test_renderer_has_transformers_loop_controls_and_tojson():
+    fmt = ChatFormatter(
+        "{%- for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{{ m | tojson(separators=(',', ':'), sort_keys=True) }}{% endfor %}")
+    msgs = [{"role": "user", "content": "é"}] * 3
+    assert fmt.render(msgs) == '{"content":"é","role":"user"}' * 2
+
+
+def test_chat_completion_on_tiny_gpt_oss(gpt_oss_dir):
+    from lp_jax.engine.config import EngineConfig
+    from lp_jax.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=str(gpt_oss_dir), scheduling="chunked", max_num_seqs=4, max_model_len=512,
+        max_num_batched_tokens=256, token_buckets=(256,), backends="off",
+        compilation_cache_dir=None), log=None)
+    st = ServerThread(OpenAIServer(engine, served_model_names=["tiny-gpt-oss"]))
+    st.start()
+    try:
+        client = openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        resp = client.chat.completions.create(
+            model="tiny-gpt-oss", messages=CONVERSATION, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True})
+    finally:
+        st.stop()
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].message.content
+    tok = Tokenizer.from_file(str(gpt_oss_dir / "tokenizer.json"))
+    _, dates = render_today(ChatFormatter(HARMONY_TEMPLATE), CONVERSATION)
+    lengths = {len(tok.encode(expected(d), add_special_tokens=False).ids) for d in dates}
+    assert resp.usage.prompt_tokens in lengths  # the harmony prompt, not ChatML
