@@ -73,6 +73,10 @@ class ModelConfig:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # More ids that end a completion: the rest of config.json's eos list and
+    # generation_config.json's (Qwen3: <|im_end|> and <|endoftext|>; GPT-OSS: <|return|>,
+    # <|call|>), as vLLM stops on them.
+    extra_eos_token_ids: tuple[int, ...] = ()
     # GPT-OSS; the defaults are Qwen3's (no window, no biases, plain SiLU, default RoPE).
     rope_scaling: RopeScaling | None = None
     layer_types: tuple[str, ...] = ()  # per layer, from LAYER_TYPES; () = all full
@@ -128,6 +132,12 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a completion (unless ignore_eos)."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return frozenset(first + tuple(self.extra_eos_token_ids))
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -188,9 +198,9 @@ class ModelConfig:
         if model_type == "qwen3":
             num_experts = 0
         heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
+        eos, extra_eos = hf.get("eos_token_id"), ()
         if isinstance(eos, list):
-            eos = eos[0] if eos else None
+            eos, extra_eos = (eos[0], tuple(eos[1:])) if eos else (None, ())
         max_pos = hf.get("max_position_embeddings", 131072 if gpt_oss else 40960)
         try:
             moe = dict(
@@ -233,6 +243,7 @@ class ModelConfig:
                 dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos,
+                extra_eos_token_ids=extra_eos,
                 **moe,
                 **extra,
             )
@@ -246,7 +257,10 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        return cls.from_pretrained_file(path)
+        cfg = cls.from_pretrained_file(path)
+        gen = _generation_eos(Path(model_dir) / "generation_config.json")
+        more = tuple(t for t in gen if t != cfg.eos_token_id and t not in cfg.extra_eos_token_ids)
+        return cfg.replace(extra_eos_token_ids=cfg.extra_eos_token_ids + more) if more else cfg
 
     @classmethod
     def from_pretrained_file(cls, path: str | Path) -> ModelConfig:
@@ -259,3 +273,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int or a list), () if absent or unreadable."""
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    eos = eos if isinstance(eos, list) else [eos]
+    return tuple(t for t in eos if isinstance(t, int) and not isinstance(t, bool) and t >= 0)

@@ -37,6 +37,9 @@ class LLM:
         `slos`: one latency objective for all prompts or a list, one per prompt (an `SLO`,
         a class name, or a dict of slo_class / ttft_slo_ms / tbt_slo_ms; None: none).
         A request that fails validation raises before any request is queued.
+        With `n` > 1, a prompt's samples run as n requests (the later ones take the
+        prompt's pages from the prefix cache); its RequestOutput is the first sample's,
+        and `.outputs` lists all n.
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts and prompt_token_ids")
@@ -55,12 +58,20 @@ class LLM:
                 raise ValueError(f"{len(slos)} slos for {len(inputs)} prompts")
         else:
             slos = [slos] * len(inputs)
-        ids = []
+        groups, added = [], []  # per prompt: the request ids of its samples
         try:
             for prompt, p, slo in zip(inputs, params, slos, strict=True):
-                ids.append(self.engine.add_request(prompt, p, slo=slo))
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params must be SamplingParams, got {p!r}")
+                group = []
+                for sample in p.samples():
+                    group.append(self.engine.add_request(
+                        prompt, sample, slo=slo, prefill_after=group[0] if group else None,
+                        index=len(group)))
+                    added.append(group[-1])
+                groups.append(group)
         except ValueError:
-            for rid in ids:  # all or nothing
+            for rid in added:  # all or nothing
                 self.engine.abort(rid)
             while self.engine.has_unfinished():
                 self.engine.step()
@@ -70,7 +81,13 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-        return [done[i] for i in ids]
+        results = []
+        for group in groups:
+            first = done[group[0]]
+            if len(group) > 1:
+                first.samples = [done[i] for i in group]
+            results.append(first)
+        return results
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=_positive_int, default=None,
                    help="requests allowed to wait beyond the free slots (--max-num-seqs); "
                         "beyond it: 503 + Retry-After")
+    s.add_argument("--max-n", type=_positive_int, default=16,
+                   help="most choices per prompt a request may ask for ('n'); beyond: 400")
     s.add_argument("--read-timeout", type=_positive_float, default=60.0,
                    help="seconds a client has to send a request's headers, and then its body")
     s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
@@ -245,7 +247,7 @@ def main(argv=None) -> None:
     server = OpenAIServer(engine, served_model_names=names,
                           api_key=args.api_key or os.environ.get("LP_API_KEY"),
                           max_waiting=args.max_waiting, metrics_public=args.metrics_public,
-                          read_timeout=args.read_timeout)
+                          read_timeout=args.read_timeout, max_n=args.max_n)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,
                           grace_s=args.shutdown_grace))

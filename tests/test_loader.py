@@ -173,3 +173,16 @@ def test_corrupt_header(tmp_path, tiny_dir, corruption):
     path.write_bytes(raw)
     with pytest.raises(CheckpointError, match=r"model.safetensors: corrupt safetensors header"):
         load_model(d)
+
+
+def test_eos_ids_from_config_list_and_generation_config(tmp_path, tiny_dir):
+    """Every eos id ends a completion, as vLLM's: config.json's list and
+    generation_config.json's (Qwen3 lists <|im_end|> and <|endoftext|> there)."""
+    hf = json.loads((tiny_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "eos_token_id": [5, 6]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == {5, 6}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 9]}))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.eos_token_id == 5 and cfg.eos_token_ids == {5, 6, 9}
+    (tmp_path / "generation_config.json").write_text("not json")  # ignored, as absent
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == {5, 6}

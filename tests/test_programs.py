@@ -2,12 +2,11 @@
 
 Start-up is part of the product: default arguments must start on any checkpoint, with at
 most 32 backend compilations per engine (every one counted: loading, the KV pool, the step
-programs), several engines in one process (XLA:CPU maps ~500 memory regions per program;
-a process holding ~120 programs aborts), and no program count that grows with the layer
-count or the number of layer groups.
+programs; XLA:CPU maps ~500 memory regions per program, and a process holding ~120
+programs aborts), and no program count that grows with the layer count or the number of
+layer groups.
 
-OPTIONS is the hook for later features: each entry re-runs the start-up test with its
-engine options on (a new feature must add rows to the buckets, not new program keys).
+A new feature must add rows to the buckets or per-row inputs, not new program keys.
 """
 
 import numpy as np
@@ -22,63 +21,43 @@ from lp_jax.engine.sequence import Sequence
 from lp_jax.engine.step import default_token_buckets
 
 MAX_PROGRAMS = 32
-ENGINES = {  # default arguments, with the policies and budgets a user would try first
-    # (chunked's default program set is layered's up to its last bucket, 8192 against
-    # 8224 rows: the count tests below cover it, and test_engine its tokens)
-    "orca": dict(scheduling="orca"),
-    "layered": dict(scheduling="layered"),
-    # A small budget; FlowPrefill's segments and paused batches reuse the row-bucket
-    # programs (its default 8192 budget has layered's buckets, checked by the count test)
-    "flowprefill-256": dict(scheduling="flowprefill", max_num_batched_tokens=256),
-}
-OPTIONS = {"defaults": {}}
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
-def test_default_engines_start_in_one_process_and_match_golden(option, tiny_dir):
+def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
     """The tiny checkpoint has max_position_embeddings 4096 (so max_model_len 4096): with
-    the old (prefill x decode x group) keys its default layered engine compiled 104+
-    programs and aborted the process; now three engines start side by side and each
-    reproduces the Hugging Face golden tokens without compiling while serving."""
+    the old (prefill x decode x group) keys its default layered engine (the policy with the
+    most programs: 8192 prompt rows next to max_num_seqs decodes) compiled 104+ programs
+    and aborted the process; now it compiles one program per row bucket, at most 32, and
+    reproduces the Hugging Face golden tokens without compiling while serving. Then every
+    per-request sampling feature at once (log-probabilities, prompt log-probabilities,
+    n = 2, the three penalties, logit_bias, min_tokens with a stop id) runs in the same
+    programs: the golden greedy tokens again (penalties this small and a zero bias keep
+    them, while still running the count state, the bias rows and the log-probability
+    outputs), and still no compile. The other policies' counts follow from the same
+    arithmetic (the count tests below); several default engines alive in one process,
+    with their start-up times, are `python launch/bench_programs.py` (BENCHMARKS.md),
+    which CI does not rerun: each costs about a minute of compiling on a 2-core host."""
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
     want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
-    engines = {}
-    for name, kw in ENGINES.items():
-        llm = engines[name] = LLM(tiny_dir, compilation_cache_dir=None, log=None, **kw,
-                                  **OPTIONS[option])
-        startup = llm.stats()["startup_compilations"]
-        assert llm.stats()["programs"] <= startup <= MAX_PROGRAMS, (name, llm.stats())
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert [o.token_ids for o in outs] == want, name
-        assert llm.stats()["compilations_after_warmup"] == 0
-    assert len(engines) == len(ENGINES)  # all alive at once
-
-
-def test_sampling_features_add_no_programs(tiny_dir):
-    """Every per-request sampling feature on at once (log-probabilities, the three
-    penalties, logit_bias, min_tokens with a stop id) on a layered engine with its default
-    row buckets: the same program count, the golden greedy tokens (penalties this small
-    and a zero bias keep them, while still running the count state, the bias rows and
-    the log-probability outputs), and no compile while serving."""
-    golden = np.load("tests/golden/tiny.npz")
-    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
-    want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
+    llm = LLM(tiny_dir, compilation_cache_dir=None, log=None, scheduling="layered")
+    stats = llm.stats()
+    assert stats["programs"] == len(resolve_buckets(None, "layered", 8192, llm.engine.config
+                                                    .max_num_seqs))
+    assert stats["programs"] <= stats["startup_compilations"] <= MAX_PROGRAMS, stats
+    plain = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=plain)
+    assert [o.token_ids for o in outs] == want
     unused = next(t for t in range(1000) if all(t not in w for w in want))
     params = SamplingParams(
         temperature=0.0, max_tokens=len(want[0]), ignore_eos=True, logprobs=5,
         presence_penalty=1e-6, frequency_penalty=1e-6, repetition_penalty=1 + 1e-6,
-        logit_bias={0: 0.0}, min_tokens=len(want[0]), stop_token_ids=[unused])
-    llm = LLM(tiny_dir, compilation_cache_dir=None, log=None, scheduling="layered",
-              max_num_batched_tokens=256)
-    stats = llm.stats()
-    assert stats["programs"] == len(resolve_buckets(None, "layered", 256, llm.engine.config
-                                                    .max_num_seqs))
-    assert stats["startup_compilations"] <= MAX_PROGRAMS
+        logit_bias={0: 0.0}, min_tokens=len(want[0]), stop_token_ids=[unused],
+        prompt_logprobs=5, n=2)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in outs] == want
+    assert [[s.token_ids for s in o.outputs] for o in outs] == [[w, w] for w in want]
     assert all(len(o.logprobs) == len(w) for o, w in zip(outs, want, strict=True))
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
     assert llm.stats()["compilations_after_warmup"] == 0
 
 

@@ -457,8 +457,11 @@ def test_metrics_and_stats_of_a_run():
 
 
 # ----- stop conditions -----
+@pytest.mark.parametrize("extra_eos", [False, True])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_stop_conditions(policy):
+def test_stop_conditions(policy, extra_eos):
+    """extra_eos: 7 ends completions as one of the extra eos ids (generation_config.json's
+    list), beside another main eos id."""
     eos, stop = 7, 3
 
     def token_fn(seq_id, pos):  # eos at output 2 of seq 0, stop token at output 1 of seq 2
@@ -476,7 +479,9 @@ def test_stop_conditions(policy):
         req(4, 5, 6),
         req(5, 5, 1),
     ]
-    sched = Scheduler(make_cfg(policy, eos_token_id=eos))
+    ids = dict(eos_token_id=11, extra_eos_token_ids=(eos,)) if extra_eos else dict(
+        eos_token_id=eos)
+    sched = Scheduler(make_cfg(policy, **ids))
     drive(sched, reqs, ex=FakeExecutor(sched, token_fn))
     got = {r.seq_id: (r.output_token_ids, r.finish_reason) for r in reqs}
     assert got == {
@@ -840,6 +845,7 @@ def test_commit_and_schedule_misuse():
         ({"policy": "layered", "page_size": 0}, "page_size"),
         ({"policy": "layered", "vocab_size": 1.5}, "vocab_size"),
         ({"policy": "layered", "eos_token_id": VOCAB}, "eos_token_id"),
+        ({"policy": "layered", "extra_eos_token_ids": (VOCAB,)}, "extra_eos_token_ids"),
     ],
 )
 def test_config_validation(kw, match):

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 
@@ -122,14 +123,15 @@ def test_stop_string_on_detokenized_text(client):
 
 
 def test_errors_through_openai_client(client):
-    with pytest.raises(openai.BadRequestError, match="n"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="'n' must be at most 16"):
+        client.completions.create(model=MODEL, prompt="x", n=17)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt=[1] * 300, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        # one bad prompt of a batch refuses the whole request
+        client.completions.create(model=MODEL, prompt=[[1, 2], [1] * 300], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="x", best_of=2)
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt="x", echo=True)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert client.models.list().data[0].id == MODEL
@@ -202,6 +204,28 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert asyncio.run(scenario()) == 1
     after = wait_idle(server)
     assert after["aborted"] - before["aborted"] == 2
+    assert after["free_pages"] == after["total_pages"]
+
+    async def samples_and_batch():  # n = 3 streamed, and a batch of two prompts x n = 2
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(f"{server.url}/v1/completions",
+                             json={"model": MODEL, "prompt": "abort us " * 8, "n": 3,
+                                   "max_tokens": 200, "ignore_eos": True, "stream": True})
+            assert r.status == 200
+            for _ in range(4):
+                await r.content.readuntil(b"\n\n")
+            r.close()
+            task = asyncio.create_task(s.post(
+                f"{server.url}/v1/completions",
+                json={"model": MODEL, "prompt": ["a b c", "d e f"], "n": 2,
+                      "max_tokens": 200, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(samples_and_batch())
+    after = wait_idle(server)
+    assert after["aborted"] - before["aborted"] == 2 + 3 + 4  # every sample of both
     assert after["free_pages"] == after["total_pages"]
     m = metrics(server)
     assert m['lp:kv_cache_usage_perc{model_name="tiny"}'] == 0
@@ -334,4 +358,109 @@ def test_penalties_bias_and_min_tokens_through_the_api(client, server):
         "ignore_eos": True, "stop_token_ids": ids}})
     assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens == 1
     assert held.usage.completion_tokens >= 4
+    assert wait_idle(server)["compilations_after_warmup"] == 0
+
+
+# ------------------------------------------------------------- echo, n, prompt logprobs
+def _golden_prompt():
+    """A golden prompt and Hugging Face's log-softmax at each of its positions."""
+    g = np.load("tests/golden/tiny.npz")
+    return g["prompt_1"].tolist(), g["prompt_logprobs_1"]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server):
+    """Evaluation harnesses' loglikelihood request: echo + logprobs (+ max_tokens 1). The
+    prompt's token log-probabilities match the Hugging Face log-softmax within 1e-4, the
+    first is null, the text starts with the prompt; streamed and not agree."""
+    ids, logp = _golden_prompt()
+    kw = dict(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    full = client.completions.create(**kw)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - logp[p - 1, ids[p]]) < 1e-4, p
+        # the prompt token and the top 2, keyed by text (ids that decode alike collide)
+        want = sorted([logp[p - 1, ids[p]], *np.sort(logp[p - 1])[-2:]])
+        assert 1 <= len(lp.top_logprobs[p]) <= 3
+        for v in lp.top_logprobs[p].values():
+            assert min(abs(v - w) for w in want) < 1e-4, (p, v, want)
+    prompt_text = server.engine_call(lambda e: e.tokenizer.decode(ids))
+    assert full.choices[0].text.startswith(prompt_text)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(x, key) for x in streamed), []) == getattr(lp, key)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    # echo alone: text only, and the engine computes no prompt scores for it
+    plain = client.completions.create(**{**kw, "logprobs": None})
+    assert plain.choices[0].text == full.choices[0].text and plain.choices[0].logprobs is None
+    assert wait_idle(server)["compilations_after_warmup"] == 0
+
+
+def test_prompt_logprobs_extension(client):
+    """vLLM's `prompt_logprobs` field (completions: per choice; chat: top level)."""
+    ids, logp = _golden_prompt()
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 1})
+    plp = resp.model_extra.get("choices", [None])[0] if resp.model_extra else None
+    plp = (resp.choices[0].model_extra or {}).get("prompt_logprobs") if plp is None else plp
+    assert plp[0] is None and len(plp) == len(ids)
+    for p in range(1, len(ids)):
+        entry = plp[p]
+        assert str(ids[p]) in entry and len(entry) <= 2
+        assert abs(entry[str(ids[p])]["logprob"] - logp[p - 1, ids[p]]) < 1e-4
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+
+
+def test_n_choices_share_the_prompt(client, server):
+    """n = 3: three choices, indices 0..2; seeded: reproducible, and the samples differ; the
+    later samples take the prompt's pages from the prefix cache; streamed = not."""
+    prompt = list(range(100, 160))  # 60 tokens: 3 full pages of 16
+    before = server.engine_call(lambda e: e.stats())
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=11, n=3,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    after = server.engine_call(lambda e: e.stats())
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [c.text for c in a.choices]
+    assert len(set(texts)) == 3, texts
+    assert a.usage.prompt_tokens == 60 and a.usage.completion_tokens == 18
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits >= 2 * 48, (hits, after)  # samples 1 and 2 hit 3 full pages each
+    b = client.completions.create(**kw)
+    assert [c.text for c in b.choices] == texts
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices
+                        and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    chat = client.chat.completions.create(model=MODEL, n=2, max_tokens=4, seed=3,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert wait_idle(server)["compilations_after_warmup"] == 0
+
+
+def test_batched_prompts_and_chat_echo(client, server):
+    """A list of prompts: one choice per prompt (times n), in order, each equal to the
+    prompt sent alone. Chat echo (vLLM's): an assistant's last message starts the reply."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    assert [c.text for c in batch.choices] == [alone[0]] * 2 + [alone[1]] * 2
+    assert batch.usage.prompt_tokens == 7 and batch.usage.completion_tokens == 16
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+    echoed = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+        extra_body={"add_generation_prompt": False})
+    assert echoed.choices[0].message.content == "Sure," + plain.choices[0].message.content
     assert wait_idle(server)["compilations_after_warmup"] == 0

@@ -147,7 +147,10 @@ def test_models_health_and_unknown_routes(mock_server):
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10 ** 9}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),  # over the server's max_n (16)
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -155,7 +158,8 @@ def test_models_health_and_unknown_routes(mock_server):
     ({"prompt": [1, 2, 100000]}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": list(range(65))}, "prompt"),  # over max_model_len 64
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a"] * 257}, "prompt"),  # over MAX_BATCH_PROMPTS
     ({}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

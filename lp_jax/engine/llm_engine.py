@@ -51,6 +51,17 @@ from lp_jax.sharding import make_mesh, parse_mesh_shape
 _KEEP_BATCHES = 256
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One sample of a request, as vLLM's: `RequestOutput.outputs[i]`."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
 class RequestOutput:
     """A request's state after a step: what it streamed now, and snapshots of the rest.
 
@@ -62,7 +73,7 @@ class RequestOutput:
     """
 
     __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "_seq",
-                 "_num_out", "_metrics", "_tokenizer")
+                 "_num_out", "_metrics", "_tokenizer", "samples")
 
     def __init__(self, seq: Sequence, new_token_ids: list[int], *, tokenizer=None):
         self.request_id = seq.seq_id
@@ -73,6 +84,27 @@ class RequestOutput:
         self._num_out = seq.num_output_tokens
         self._metrics = None
         self._tokenizer = tokenizer
+        # Every sample's output when this request is one of n (LLM.generate fills it).
+        self.samples: list[RequestOutput] | None = None
+
+    @property
+    def index(self) -> int:
+        """Which sample of its request this is (0 unless the request had n > 1)."""
+        return self._seq.index
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: one CompletionOutput per sample (just this one unless filled)."""
+        return [CompletionOutput(o.index, o.text, o.token_ids, o.logprobs, o.finish_reason)
+                for o in (self.samples or [self])]
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """With SamplingParams.prompt_logprobs: per prompt position, {token_id: logprob}
+        of that token (first) and the top alternatives given the tokens before it; None
+        at position 0. Complete from the request's first output token on."""
+        lps = self._seq.prompt_logprobs
+        return None if lps is None else list(lps)
 
     @property
     def text(self) -> str | None:
@@ -156,6 +188,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
             eos_token_id=model_cfg.eos_token_id,
+            extra_eos_token_ids=model_cfg.extra_eos_token_ids,
             tbt_slo_s=None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3,
             adaptive_margin=config.adaptive_margin,
             preemption_granularity=config.preemption_granularity,
@@ -285,11 +318,16 @@ class LLMEngine:
     # -------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     *, priority: int = 0, arrival_time: float | None = None,
-                    slo: SLO | str | dict | None = None) -> int:
+                    slo: SLO | str | dict | None = None,
+                    prefill_after: int | None = None, index: int = 0) -> int:
         """Queues a request and returns its id; raises ValueError for bad input.
 
         `slo`: an `SLO`, the name of a configured class (EngineConfig.slo_classes), or a
-        dict with any of "slo_class", "ttft_slo_ms", "tbt_slo_ms"."""
+        dict with any of "slo_class", "ttft_slo_ms", "tbt_slo_ms".
+        One request is one sample: a request with `n` > 1 is added as the n requests of
+        `sampling_params.samples()` (as `LLM.generate` and the server do), each later one
+        with `prefill_after` = the first's id, so that it waits for the first's prefill
+        and takes the prompt's pages from the prefix cache, and `index` = i."""
         slo = self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -299,13 +337,22 @@ class LLMEngine:
             token_ids = list(prompt)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {sampling_params!r}")
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(f"n={sampling_params.n}: add each of sampling_params.samples() "
+                             "as its own request (LLM.generate and the server do)")
+        leader = None
+        if prefill_after is not None:
+            leader = self.scheduler.get(prefill_after)
+            if leader is not None and leader.token_ids[: leader.num_prompt_tokens] != token_ids:
+                raise ValueError(f"prefill_after={prefill_after}: that request's prompt "
+                                 "differs from this one")
         if self.config.prefill_only:  # the request ends at its first token
             sampling_params = dataclasses.replace(sampling_params or SamplingParams(),
                                                   max_tokens=1)
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                       slo=slo)
-        self.scheduler.add(seq)  # validates; raises before any state changes
+                       slo=slo, request_id=prefill_after, index=index)
+        self.scheduler.add(seq, leader)  # validates; raises before any state changes
         return seq.seq_id
 
     def resolve_slo(self, slo) -> SLO | None:
@@ -389,6 +436,8 @@ class LLMEngine:
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
         by_id = {s.seq_id: s for s in alive}
+        for seq, pos, lp in self.runner.collect_prompt_logprobs(handle):
+            seq.prompt_logprobs[pos] = lp
         for sid, lp in self.runner.collect_logprobs(handle, sampled).items():
             if sid in by_id:  # appended before the commit, so a stop token has its entry
                 by_id[sid].logprobs.append(lp)

@@ -28,7 +28,9 @@ Sampling options are per-row inputs of the same programs (`_fill_sampling`). Pen
 read token counts kept on device (step.py `counts`): the runner gives each admitted
 sequence with penalties a count slot, freed once it finishes or is preempted (a
 re-prefill starts at position 0 and resets its slot). Log-probabilities are always
-outputs of a sampling call, copied to the host only for steps where a row asked.
+outputs of a sampling call, copied to the host only for steps where a row asked. Prompt
+log-probabilities come from the call where a chunk's rows leave the last layer: each row
+scores the next prompt token (`_score_targets`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.plan_channel import StepCodec, host_array
 from lp_jax.engine.sequence import SequenceStatus
 from lp_jax.engine.step import (
+    MAX_EOS_TOKEN_IDS,
     StepSpec,
     bucket_for,
     default_token_buckets,
@@ -61,6 +64,8 @@ from lp_jax.models.qwen3_moe import (
     KernelBackends,
     StackedCausalLM,
     init_kv_cache,
+    kv_cache_shape,
+    packs_kv,
 )
 from lp_jax.sharding import named_sharding, replicated
 
@@ -82,6 +87,10 @@ class StepHandle:
     # sampling row asked for log-probabilities; else None
     logprobs: tuple | None = None
     wants_logprobs: dict[int, int] | None = None
+    # Prompt scoring: (prompt_logprob_N, prompt_top_logprob_NK, prompt_top_id_NK) of the
+    # call that scored, and (seq, first scored position, first row, rows) per chunk.
+    prompt_scores: tuple | None = None
+    scored: list | None = None
 
 
 @dataclasses.dataclass
@@ -100,6 +109,8 @@ class _Call:
     count_reset: list = dataclasses.field(default_factory=list)  # count slots to zero
     count_slot: np.ndarray | None = None  # per row: count slot of its token, or -1
     count_output: np.ndarray | None = None  # per row: an output (not prompt) token
+    score_target: np.ndarray | None = None  # per row: the prompt token it scores, or -1
+    scored: list = dataclasses.field(default_factory=list)  # (seq, position, row, rows)
 
 
 def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
@@ -123,6 +134,9 @@ class ModelRunner:
                  policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None,
                  hidden_slots: int = 0):
         cfg = self.cfg = model.config
+        if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+            raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
+                             f"min_tokens' masks hold at most {MAX_EOS_TOKEN_IDS}")
         self.dtype = model.dtype
         self.L = cfg.num_hidden_layers
         self.seed = seed
@@ -138,8 +152,10 @@ class ModelRunner:
             hidden_rows=R0 + max_prefill_tokens * hidden_slots,
             buckets=buckets)
         self.graphdef, self.state = nnx.split(model)
-        kv_shape = (self.L * num_pages, page_size, 2 * cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype,
+        backends = model.serving_backends(backends)
+        packed = packs_kv(cfg, backends.attention)
+        kv_shape = kv_cache_shape(cfg, num_pages, page_size, packed=packed)
+        self.kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype, packed=packed,
                                       sharding=named_sharding(KV_CACHE_AXES, kv_shape, mesh))
         self._replicated = replicated(mesh)
         self.hidden_RD = jax.device_put(
@@ -152,6 +168,7 @@ class ModelRunner:
                                        counts_sharding=self._replicated),
                              donate_argnums=(1, 2, 4))
         self._sample_out = None  # the last sampling call's outputs
+        self._score_out = None  # the last prompt-scoring call's outputs
         self.programs: dict[int, jax.stages.Compiled] = {}
         # A multi-process leader's LeaderChannel (plan_channel.py); None otherwise.
         self.channel = None
@@ -213,8 +230,14 @@ class ModelRunner:
         # The prefill group (or the whole stack): decode rows first, then the chunks.
         pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
         count_reset, count_slot, count_output = [], [np.full(n_dec, -1, np.int32)], []
+        score_target, scored = [np.full(n_dec, -1, np.int32)], []
         offset = n_dec
         for c in plan.prefill:
+            score_target.append(self._score_targets(c, offset) if b == 2 * L else
+                                np.full(c.num_tokens, -1, np.int32))
+            if score_target[-1].max(initial=-1) >= 0:
+                n_scored = int((score_target[-1] >= 0).sum())
+                scored.append((c.seq, c.start + 1, offset, n_scored))
             pre_tokens.append(np.asarray(c.seq.token_ids[c.start : c.end], np.int32))
             # A penalized sequence's tokens are counted once, in its chunk's first group.
             slot = self._slot(c.seq) if a == 0 and c.seq.sampling_params.has_penalties else -1
@@ -247,7 +270,8 @@ class ModelRunner:
             prev_rows=np.concatenate([dec_in[2], pre_none]),
             decode_only=not plan.prefill, count_reset=count_reset,
             count_slot=np.concatenate(count_slot),
-            count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]))
+            count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]),
+            score_target=np.concatenate(score_target), scored=scored)
         if not after:
             mixed.sample_rows = list(range(n_dec)) + sample_rows
             mixed.sampling = dec_sampling + sampling
@@ -257,6 +281,20 @@ class ModelRunner:
             calls.append(_Call((b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
                                none, none, True, list(range(n_dec)), dec_sampling))
         return calls, mixed_index
+
+    @staticmethod
+    def _score_targets(chunk, offset: int) -> np.ndarray:
+        """Per row of a chunk that ends the stack: the next prompt token, which the row's
+        logits score, for a request that asked for prompt log-probabilities; else -1.
+        The rows scored are the chunk's first ones (positions p with p + 1 < prompt)."""
+        seq = chunk.seq
+        out = np.full(chunk.num_tokens, -1, np.int32)
+        if seq.sampling_params.prompt_logprobs is None:
+            return out
+        end = min(chunk.end, seq.num_prompt_tokens - 1)
+        if end > chunk.start:
+            out[: end - chunk.start] = seq.token_ids[chunk.start + 1 : end + 1]
+        return out
 
     def _inputs(self, call: _Call, N: int) -> dict:
         spec, n = self.spec, len(call.tokens)
@@ -278,6 +316,9 @@ class ModelRunner:
             inputs["count_slot_N"][:n] = call.count_slot
             inputs["count_output_N"][:n] = call.count_output
             inputs["count_reset_B"][: len(call.count_reset)] = call.count_reset
+        if call.scored:
+            inputs["do_score"] = np.bool_(True)
+            inputs["score_target_N"][:n] = call.score_target
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
@@ -302,7 +343,7 @@ class ModelRunner:
                 self._free_slots.append(slot)
 
     def _fill_sampling(self, out: dict, rows: list):
-        eos = self.cfg.eos_token_id
+        eos = self.cfg.eos_token_ids
         for i, (seq, pos) in enumerate(rows):
             p = seq.sampling_params
             if p.has_penalties:
@@ -311,8 +352,7 @@ class ModelRunner:
                 out["repetition"][i] = p.repetition_penalty
             bias = list(p.logit_bias)
             if pos - seq.num_prompt_tokens < p.min_tokens:  # eos and stop ids masked
-                stops = set(p.stop_token_ids) | ({eos} if eos is not None and not p.ignore_eos
-                                                 else set())
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
                 bias += [(t, -np.inf) for t in sorted(stops)]
             if bias:
                 ids, vals = zip(*bias, strict=True)
@@ -349,7 +389,7 @@ class ModelRunner:
         if self.channel is not None:
             prev_id = prev.step_id if prev_tokens is not None else -1
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
-        self._sample_out = None
+        self._sample_out = self._score_out = None
         counts, tokens_R = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
         n_dec = len(plan.decode)
@@ -364,8 +404,13 @@ class ModelRunner:
         out = self._sample_out
         logprobs = (out["logprob_R"], out["top_logprob_RK"], out["top_id_RK"]) if (
             wants and out is not None) else None
+        scores = None
+        if mixed is not None and calls[mixed].scored:
+            out = self._score_out
+            scores = (out["prompt_logprob_N"], out["prompt_top_logprob_NK"],
+                      out["prompt_top_id_NK"])
         return StepHandle(plan, tokens_R, counts, mixed, rows, t0, step_id, logprobs,
-                          wants or None)
+                          wants or None, scores, calls[mixed].scored if scores else None)
 
     def run_calls(self, batch: list[tuple[int, dict]], prev_tokens_R: jax.Array | None):
         """Runs (bucket, inputs) calls in order; returns (experts activated per call, the
@@ -382,6 +427,8 @@ class ModelRunner:
             if inputs["do_sample"]:
                 tokens_R = out["tokens_R"]
                 self._sample_out = out
+            if inputs["do_score"]:
+                self._score_out = out
         return counts, tokens_R
 
     def _count_padding(self, useful: float, padded: float):
@@ -401,6 +448,24 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.record_tokens(handle.step_id, tokens)
         return sampled, [int(host_array(c)) for c in handle.counts]
+
+    def collect_prompt_logprobs(self, handle: StepHandle) -> list:
+        """(seq, position, {token_id: logprob}) for each prompt position the step scored:
+        that prompt token's log-probability given the tokens before it, then the top
+        `prompt_logprobs` alternatives."""
+        if handle.prompt_scores is None:
+            return []
+        chosen_N, top_NK, ids_NK = (host_array(x) for x in handle.prompt_scores)
+        out = []
+        for seq, pos, row, n in handle.scored:
+            k = seq.sampling_params.prompt_logprobs
+            for j in range(n):
+                r, p = row + j, pos + j
+                d = {seq.token_ids[p]: float(chosen_N[r])}
+                for t, v in zip(ids_NK[r, :k].tolist(), top_NK[r, :k].tolist(), strict=True):
+                    d.setdefault(t, v)
+                out.append((seq, p, d))
+        return out
 
     def collect_logprobs(self, handle: StepHandle, sampled: dict[int, int]) -> dict:
         """{seq_id: {token_id: logprob}} for the step's rows that asked: the sampled token

@@ -8,7 +8,7 @@ done by the scheduler when the request is added.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_STOP_TOKEN_IDS = 64  # every sampled token is checked against them, like `stop` strings
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
@@ -37,6 +37,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt and output tokens
     # {token_id: bias} added to the logits; kept as sorted (id, bias) pairs (hashable).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities of every prompt token given the ones before it (the first has
+    # none), with the top `prompt_logprobs` alternatives; the request then computes its
+    # whole prompt (no prefix-cache hit), as vLLM's.
+    prompt_logprobs: int | None = None
+    # Independent samples of the prompt. The engine runs them as n sequences; the later
+    # ones start once the first has prefilled, so they take its prompt pages from the
+    # prefix cache. A seeded request's sample i uses seed + i.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
@@ -75,6 +83,13 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
@@ -98,6 +113,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def samples(self) -> list[SamplingParams]:
+        """The n one-sample params a request with these runs as: sample i is seeded
+        seed + i (unseeded ones draw from their own sequence's stream)."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

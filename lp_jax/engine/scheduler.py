@@ -33,7 +33,9 @@ layered G, count only uncached tokens. `_advance` publishes pages only when a pl
 ends the stack has written them (a prefill chunk's last group, a decode's token): a
 layered or FlowPrefill batch part-way through its layers, paused or preempted, publishes
 nothing. A plan dispatched later reads them after the device has written them: steps run
-in dispatch order.
+in dispatch order. The samples of a request with n > 1 are n sequences: the later ones
+are `held` outside the queue until the first has prefilled (`add(prefill_after=...)`),
+then take its prompt's full pages from the cache and compute only the rest.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class SchedulerConfig:
     layer_groups: LayerGroupMode = "paper"
     max_layer_groups: int = 16
     eos_token_id: int | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()  # more ids that end a completion
     # FlowPrefill (flowprefill.py): segment size of a preemptible prefill, whether a
     # layered batch is preemptible at group boundaries, the batching rule's alpha, and
     # how many paused batches keep their hidden states on device.
@@ -131,8 +134,11 @@ class SchedulerConfig:
                 self.max_paused_prefills, int) or self.max_paused_prefills < 0:
             raise ValueError(
                 f"max_paused_prefills must be an int >= 0, got {self.max_paused_prefills!r}")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(f"eos_token_id {self.eos_token_id} outside [0, {self.vocab_size})")
+        for name, ids in (("eos_token_id", (self.eos_token_id,)),
+                          ("extra_eos_token_ids", self.extra_eos_token_ids)):
+            bad = [t for t in ids if t is not None and not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad[0]} outside [0, {self.vocab_size})")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", self.policy_class.budget(self))
         if self.max_num_batched_tokens < 1:
@@ -162,6 +168,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # decoding
         self._zombies: list[Sequence] = []  # aborted, pages held until their step completes
         self._live: dict[int, Sequence] = {}
+        # (leader, seq): seq, a later sample of the leader's prompt, joins `waiting` once
+        # the leader has prefilled, so that it takes the prompt's pages from the cache.
+        self.held: list[tuple[Sequence, Sequence]] = []
+        self._eos = frozenset(t for t in (config.eos_token_id, *config.extra_eos_token_ids)
+                              if t is not None)
         self._pending: list[StepPlan] = []  # scheduled, not committed; oldest first
         self._next_step = 0
         self._next_batch = 0
@@ -170,8 +181,10 @@ class Scheduler:
         self.policy: Policy = (policy_class or config.policy_class)(self)
 
     # ----- requests -----
-    def add(self, seq: Sequence) -> None:
-        """Queue a fresh request; raises ValueError, changing nothing, if it can never run."""
+    def add(self, seq: Sequence, prefill_after: Sequence | None = None) -> None:
+        """Queue a fresh request; raises ValueError, changing nothing, if it can never run.
+        `prefill_after`: a request with the same prompt (an earlier sample of it); with
+        prefix caching, seq waits outside the queue until that one has prefilled."""
         cfg = self.config
         if not isinstance(seq, Sequence):
             raise ValueError(f"expected a Sequence, got {type(seq).__name__}")
@@ -217,20 +230,43 @@ class Scheduler:
                 f"seq {seq.seq_id} may need {need} KV pages ({final - 1} tokens), "
                 f"the pool has only {cfg.num_pages}"
             )
-        bisect.insort(self.waiting, seq, key=_key)
         self._live[seq.seq_id] = seq
+        leader = prefill_after
+        if (leader is not None and self.block_manager.enable_caching
+                and leader.token_ids[:n] == seq.token_ids and not self._prefilled(leader)):
+            self.held.append((leader, seq))
+            return
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=_key)
         self.policy.notify("arrival", seq)
+
+    @staticmethod
+    def _prefilled(seq: Sequence) -> bool:
+        """Its prompt's pages are published (or never will be)."""
+        return seq.is_finished or seq.num_output_tokens > 0
+
+    def _release_held(self) -> None:
+        """Queues the held samples whose leader has prefilled."""
+        ready = [(lead, s) for lead, s in self.held if self._prefilled(lead)]
+        for pair in ready:
+            self.held.remove(pair)
+            self._enqueue(pair[1])
 
     def abort(self, seq_id: int, now: float | None = None) -> Sequence | None:
         """Finish a request as aborted; None if it is unknown or already finished."""
         seq = self._live.pop(seq_id, None)
         if seq is None:
             return None
+        was_held = any(s is seq for _, s in self.held)
+        self.held = [(lead, s) for lead, s in self.held if s is not seq]
         for queue in (self.waiting, self.running, self.prefilling):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self.policy.notify("abort", seq)
+        if not was_held:  # the policy never saw a held sample arrive
+            self.policy.notify("abort", seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
         seq.finish_time = now
         if seq.num_pending_tokens:  # its token is dropped at commit
@@ -239,6 +275,10 @@ class Scheduler:
         self._release(seq)
         self._stats["aborted"] += 1
         return seq
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The live (unfinished) sequence with this id, or None."""
+        return self._live.get(seq_id)
 
     def has_unfinished(self) -> bool:
         """True while any request is live or any page is still held for an aborted one."""
@@ -265,6 +305,8 @@ class Scheduler:
                 raise RuntimeError(f"commit plan {self._pending[0].step_id} before scheduling "
                                    "another (at most two plans are outstanding)")
             held = self._advance(self._pending[0])
+        if self.held:
+            self._release_held()
         self._now = now
         decode, preempted = (self._schedule_decodes(held) if self.policy.decodes_now()
                              else ([], []))
@@ -455,7 +497,7 @@ class Scheduler:
         seq.num_pending_tokens = 0
         seq.token_times.append(now)
         sp = seq.sampling_params
-        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.config.eos_token_id):
+        if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self._eos):
             status = SequenceStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.config.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH

@@ -65,6 +65,9 @@ class Sequence:
         "num_cached_tokens",
         "page_hashes",
         "logprobs",
+        "prompt_logprobs",
+        "request_id",
+        "index",
     )
 
     def __init__(
@@ -76,8 +79,14 @@ class Sequence:
         priority: int = 0,
         arrival_time: float = 0.0,
         slo: SLO | None = None,
+        request_id: int | None = None,
+        index: int = 0,
     ) -> None:
         self.seq_id = seq_id
+        # The request it samples for (its first sequence's id) and which sample it is:
+        # a request with n > 1 is n sequences.
+        self.request_id = seq_id if request_id is None else request_id
+        self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -98,6 +107,12 @@ class Sequence:
         # One {token_id: logprob} per output token when sampling_params.logprobs is set.
         self.logprobs: list[dict[int, float]] | None = (
             [] if self.sampling_params.logprobs is not None else None)
+        # With sampling_params.prompt_logprobs: per prompt position, {token_id: logprob}
+        # of that token and the top alternatives given the tokens before it (None at 0,
+        # and until the prefill that scores it has run).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * self.num_prompt_tokens
+            if self.sampling_params.prompt_logprobs is not None else None)
 
     def __repr__(self) -> str:
         return (
@@ -128,13 +143,13 @@ class Sequence:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Whether admission may take this request's prefix from the cache. The hook for
-        prompt log-probabilities (not supported yet): a request for them must compute
-        every prompt position it scores, so it will say False here, as vLLM's requests
-        with prompt_logprobs skip the cache lookup. Its pages are still published.
-        Penalties count every token of the prompt on device as its prefill runs, so a
-        penalized request computes them all too."""
-        return not self.sampling_params.has_penalties
+        """Whether admission may take this request's prefix from the cache. A request for
+        prompt log-probabilities must compute every prompt position it scores, so it says
+        False, as vLLM's requests with prompt_logprobs skip the cache lookup; its pages are
+        still published. Penalties count every token of the prompt on device as its
+        prefill runs, so a penalized request computes them all too."""
+        p = self.sampling_params
+        return not p.has_penalties and p.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

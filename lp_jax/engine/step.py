@@ -25,6 +25,12 @@ the prefill rows' tokens (`count_slot_N`, in a chunk's first-group call) and the
 sampled token, so the newest token, which under overlapped scheduling exists only on
 device, is counted where it is made, and every process updates the same state.
 
+Prompt log-probabilities (`do_score`, runtime): rows with `score_target_N >= 0` are
+scored against that token (the next prompt token) after the last layer, in slices of
+SCORE_ROWS rows, so the logits never exist as one [prompt, vocabulary] array; slices
+without a scored row are skipped. Outputs `prompt_logprob_N` and the top MAX_LOGPROBS
+`prompt_top_logprob_NK` / `prompt_top_id_NK`.
+
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
 """
@@ -43,8 +49,12 @@ from lp_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.qwen3_moe import KernelBackends
 
+MAX_EOS_TOKEN_IDS = 8  # a model's eos ids (config.json and generation_config.json)
 # Per-row bias entries: the logit_bias cap, then min_tokens' masks (stop ids and eos).
-BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 4
+BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS
+# Rows per slice of prompt scoring: [256, vocabulary] float32 logits at a time (156 MB at
+# Qwen3's 151,936 entries), each slice one read of the LM head.
+SCORE_ROWS = 256
 _POW2_UP_TO = 512  # buckets double up to here, then grow by 1.5x (padding <= 1.5x)
 
 
@@ -108,6 +118,37 @@ def _count_tokens(counts, inputs, tokens_N):
     prompt_XV = prompt_XV.at[jnp.where((slot_N >= 0) & ~is_out_N, slot_N, X), tokens_N].set(
         True, mode="drop")
     return {"output_XV": out_XV, "prompt_XV": prompt_XV}
+
+
+def _score_prompt(model, x_ND, target_N):
+    """(logprob_N, top_NK, ids_NK) of each row's target token (rows with target < 0 get
+    zeros), SCORE_ROWS rows of logits at a time."""
+    N, K = x_ND.shape[0], MAX_LOGPROBS
+    Q = min(N, SCORE_ROWS)
+    C = -(-N // Q)
+    pad = C * Q - N
+    x_CQD = jnp.pad(x_ND, ((0, pad), (0, 0))).reshape(C, Q, -1)
+    t_CQ = jnp.pad(target_N, (0, pad), constant_values=-1).reshape(C, Q)
+
+    def one_slice(args):
+        x_QD, t_Q = args
+
+        def score():
+            logits_QV = model.compute_logits(x_QD).astype(jnp.float32)
+            chosen_Q, top_QK, ids_QK = token_logprobs(logits_QV, jnp.maximum(t_Q, 0))
+            k = top_QK.shape[1]  # min(K, vocabulary)
+            return (chosen_Q, jnp.pad(top_QK, ((0, 0), (0, K - k))),
+                    jnp.pad(ids_QK, ((0, 0), (0, K - k))))
+
+        def skip():
+            return (jnp.zeros(Q, jnp.float32), jnp.zeros((Q, K), jnp.float32),
+                    jnp.zeros((Q, K), jnp.int32))
+
+        return jax.lax.cond(jnp.any(t_Q >= 0), score, skip)
+
+    chosen_CQ, top_CQK, ids_CQK = jax.lax.map(one_slice, (x_CQD, t_CQ))
+    return (chosen_CQ.reshape(-1)[:N], top_CQK.reshape(C * Q, K)[:N],
+            ids_CQK.reshape(C * Q, K)[:N])
 
 
 def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_sharding=None):
@@ -174,8 +215,15 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_shar
             at_S = jnp.where(inputs["do_sample"] & (slot_S >= 0), slot_S, X)
             counts = dict(counts, output_XV=counts["output_XV"].at[at_S, tokens_R[:S]].add(
                 1, mode="drop"))
+        N, K = x_ND.shape[0], MAX_LOGPROBS
+        prompt_lp = jax.lax.cond(
+            inputs["do_score"], lambda: _score_prompt(model, x_ND, inputs["score_target_N"]),
+            lambda: (jnp.zeros(N, jnp.float32), jnp.zeros((N, K), jnp.float32),
+                     jnp.zeros((N, K), jnp.int32)))
         out = {"tokens_R": tokens_R, "experts_activated": activated, "logprob_R": logprob_R,
-               "top_logprob_RK": top_logprob_RK, "top_id_RK": top_id_RK}
+               "top_logprob_RK": top_logprob_RK, "top_id_RK": top_id_RK,
+               "prompt_logprob_N": prompt_lp[0], "prompt_top_logprob_NK": prompt_lp[1],
+               "prompt_top_id_NK": prompt_lp[2]}
         if counts is not None:
             out["counts"] = counts if counts_sharding is None else jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
@@ -205,6 +253,8 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
         "count_output_N": np.zeros(N, np.bool_),
         "do_sample": np.bool_(False),
         "do_logprobs": np.bool_(False),
+        "do_score": np.bool_(False),
+        "score_target_N": i32(N, -1),
         "sample_rows_S": i32(B),
         "sampling": {"temperature": np.zeros(B, np.float32), "top_k": i32(B),
                      "top_p": np.ones(B, np.float32), "seed_S2": np.zeros((B, 2), np.uint32),

@@ -6,7 +6,7 @@ Endpoints
 
 | method and path | what |
 | --- | --- |
-| `POST /v1/completions` | text completion; `prompt` is a string or a list of token ids |
+| `POST /v1/completions` | text completion; `prompt`: a string, token ids, or up to 256 of them |
 | `POST /v1/chat/completions` | chat; `messages` rendered with the model's chat template |
 | `GET /v1/models` | the served model name(s), with `max_model_len` (never the model's path) |
 | `GET /health` | 200 `{"status": "ok"}`; 503 while draining or once the engine thread died |
@@ -22,12 +22,19 @@ Request fields: `model` (optional; if given it must be a served name, else 404),
 on; wider seeds would collide, so they are a 400), `stop` (a string or up to 16 strings:
 matched on the detokenized text, the output is cut before the match and `finish_reason` is
 "stop"), `stop_token_ids` (up to 64, as vLLM), `stream`, `stream_options.include_usage`,
-`n` (1 only), and the extensions `priority` (int, lower is served first), `ignore_eos`, and
-the latency objectives `ttft_slo_ms` and `tbt_slo_ms` (numbers of milliseconds in (0, one
-day]: time to the first token, largest gap between two tokens) and `slo_class` (the name of
-a class from `lp-serve --slo-classes`; explicit values override the class's). The openai
-client sends these through `extra_body`. An unknown class or a bad value is a 400 naming
-the field, and nothing is queued; `flowprefill` scheduling orders prefills by TTFT deadline,
+`n` (up to `--max-n`, default 16: each prompt's samples run as n engine requests, the later
+ones after the first's prefill, taking its prompt pages from the prefix cache; choice
+`index` = prompt * n + sample; seeded sample i uses `seed + i`), `echo` (completions: the
+prompt starts each choice's text and, with `logprobs`, its log-probability object, the first
+token's entries null; chat, vLLM's: a final assistant message starts the reply), and the
+extensions `prompt_logprobs` (vLLM's: 0 to 20, per prompt token None or
+`{id: {logprob, decoded_token}}`; completions: per choice, chat: top level), `priority`
+(int, lower is served first), `ignore_eos`, and the latency objectives `ttft_slo_ms` and
+`tbt_slo_ms` (numbers of milliseconds in (0, one day]: time to the first token, largest gap
+between two tokens) and `slo_class` (the name of a class from `lp-serve --slo-classes`;
+explicit values override the class's). The openai client sends these through
+`extra_body`. An unknown class or a bad value is a 400 naming the field, and nothing is
+queued; `flowprefill` scheduling orders prefills by TTFT deadline,
 every policy counts attainment in `lp:slo_attained_total` / `lp:slo_requests_total`.
 Sampling, per row inside the compiled sampler: `logprobs` (completions: an int 0 to 20,
 OpenAI's legacy object of tokens, token_logprobs, top_logprobs with the sampled token and
@@ -40,11 +47,14 @@ and temperature, as vLLM's default; streamed chunks carry their tokens' entries)
 `logit_bias` (up to 300 {"token id": bias in [-100, 100]}; ids outside the vocabulary are
 a 400). A request with penalties computes its whole prompt (no prefix-cache hit): the
 penalty counts are built on device as its prefill runs.
-`n` > 1, `best_of`, `echo`, `suffix`, `tools` and non-text `response_format` are rejected
-with 400 and a message naming the field. Unknown fields are ignored.
+A request that scores its prompt (`prompt_logprobs`, or `echo` with `logprobs`) computes its
+whole prompt too, as vLLM's. `best_of`, `suffix`, `tools` and non-text `response_format`
+are rejected with 400 and a message naming the field. Unknown fields are ignored.
 
-Usage: every response carries `usage` (prompt_tokens, completion_tokens, total_tokens, and
-`prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held).
+Usage: every response carries `usage` (prompt_tokens, each prompt once however many
+samples; completion_tokens of every choice; total_tokens; and
+`prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held for each
+prompt's first sample).
 When streaming, the last chunk before `data: [DONE]` always carries it: the chunk with the
 `finish_reason` does, or, with `stream_options: {"include_usage": true}`, a final chunk with
 empty `choices` and `usage`, as OpenAI sends it. Streams send one chunk per generated token

@@ -84,8 +84,9 @@ class OpenAIServer:
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
                  max_waiting: int | None = None, metrics_public: bool = False,
-                 read_timeout: float = READ_TIMEOUT_S):
+                 read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N):
         self.engine = engine
+        self.max_n = max_n  # choices per prompt a request may ask for
         model_dir = getattr(engine, "model_dir", None)
         # The default name is the directory's, never its path: /v1/models is public.
         self.served_model_names = list(served_model_names or [])
@@ -243,12 +244,12 @@ class OpenAIServer:
                                headers={"Retry-After": str(RETRY_AFTER_S)})
             try:
                 req = await self._read_request(request, parse)
-                ids, handle = await self._submit(req)
+                choices = await self._submit(req)
             except asyncio.CancelledError:  # the client left before its request was queued
                 log.info("client disconnected before its request was queued")
                 self.metrics.success.inc(finished_reason="abort")
                 raise
-            return await self._respond(request, req, ids, handle)
+            return await self._respond(request, req, choices)
         finally:
             self._inflight -= 1
 
@@ -298,7 +299,7 @@ class OpenAIServer:
             raise APIError(408, f"the request body did not arrive within "
                            f"{self.read_timeout:g} s", code="request_timeout") from None
 
-    def _tokenize(self, req) -> list[int]:
+    def _tokenize(self, req, prompt) -> list[int]:
         """Runs on a worker thread, so that a long prompt does not stall the event loop.
         `encode_batch` releases the GIL while it works; `encode` holds it throughout."""
         if req.kind == "chat":
@@ -309,13 +310,13 @@ class OpenAIServer:
             if self.tokenizer is None:
                 raise protocol.bad("chat needs a tokenizer and this model has none", "messages")
             ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-        elif isinstance(req.prompt, str):
+        elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise protocol.bad("this model has no tokenizer: send 'prompt' as a list of "
                                    "token ids", "prompt")
-            ids = self.tokenizer.encode_batch([req.prompt])[0].ids
+            ids = self.tokenizer.encode_batch([prompt])[0].ids
         else:
-            ids = list(req.prompt)
+            ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise protocol.bad(f"token ids {bad[:5]} outside [0, {self.vocab_size})",
@@ -338,18 +339,43 @@ class OpenAIServer:
                 "in the completion)", "max_tokens")
         return req.max_tokens
 
-    async def _submit(self, req):
+    async def _submit(self, req) -> list[_Choice]:
+        """Tokenizes every prompt and queues each prompt's `n` samples, all or none; one
+        `_Choice` per sample, in OpenAI's choice order (prompt-major)."""
         arrival = time.perf_counter()
         try:
+            if req.n > self.max_n:
+                raise protocol.bad(f"'n' must be at most {self.max_n} (this server's --max-n), "
+                                   f"got {req.n}", "n")
             if req.prompt_bytes > self.max_prompt_bytes:
                 raise protocol.bad(
                     f"the prompt has {req.prompt_bytes} bytes, more than {self.max_model_len} "
                     "tokens (this model's maximum context length) can hold",
                     "messages" if req.kind == "chat" else "prompt")
-            ids = await asyncio.to_thread(self._tokenize, req)
-            params = req.sampling_params(self._budget(req, len(ids)), self.vocab_size)
-            return ids, await self.engine_loop.add(ids, params, priority=req.priority,
-                                                   arrival_time=arrival, slo=req.slo)
+            prompts = req.prompts if req.kind == "completion" else [None]
+            ids_list = await asyncio.to_thread(
+                lambda: [self._tokenize(req, p) for p in prompts])
+            params = [req.sampling_params(self._budget(req, len(ids)), self.vocab_size)
+                      for ids in ids_list]
+            # Queued together (one engine iteration takes them all); all or none. Every
+            # choice's deltas go to one queue, in the order the engine made them.
+            queue = asyncio.Queue()
+            added = await asyncio.gather(
+                *(self.engine_loop.add(ids, p, priority=req.priority, arrival_time=arrival,
+                                       slo=req.slo, queue=queue)
+                  for ids, p in zip(ids_list, params, strict=True)),
+                return_exceptions=True)
+            failed = [a for a in added if isinstance(a, BaseException)]
+            if failed:
+                for handles in added:
+                    for h in () if isinstance(handles, BaseException) else handles:
+                        h.abort()
+                raise failed[0]
+            choices = []
+            for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
+                for handle in handles:
+                    choices.append(_Choice(len(choices), handle, ids, prompt, self, req))
+            return choices
         except APIError:
             self.metrics.rejected.inc(reason="invalid")
             raise
@@ -368,52 +394,37 @@ class OpenAIServer:
         except RuntimeError as exc:
             raise APIError(500, str(exc), type="internal_server_error") from None
 
-    async def _respond(self, request, req, ids, handle) -> web.StreamResponse:
+    async def _respond(self, request, req, choices: list[_Choice]) -> web.StreamResponse:
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         model = req.model or self.model_name
-        asm = TextAssembler(self.tokenizer, ids, req.stop)
-        lps = None if req.logprobs is None else LogprobFormatter(self.tokenizer, req)
-        lp_tokens, lp_entries = [], []  # the whole request's, for a non-streaming answer
-        last = reason = resp = None
-        cached = None  # prompt tokens the prefix cache served, known from the first delta
+        by_rid = {c.handle.request_id: c for c in choices}
+        queue = choices[0].handle.queue
+        live = len(choices)
+        resp = None
         try:
-            async for delta in handle:
-                last = delta
-                cached = delta.output.num_cached_tokens
-                text = asm.push(delta.new_token_ids)
-                lp_delta = None
-                # An engine without log-probabilities (the mock) answers logprobs: null.
-                new_lps = getattr(delta.output, "new_logprobs", None)
-                if lps is not None and new_lps is not None:
-                    lp_tokens += delta.new_token_ids
-                    lp_entries += new_lps
-                    if req.stream:
-                        lp_delta = lps.format(delta.new_token_ids, new_lps)
-                elif new_lps is None:
-                    lps = None
-                if asm.stopped:
-                    reason = "stop"
-                    handle.abort()  # the engine stops generating; the client is answered
-                elif delta.finished:
-                    text += asm.finish()
-                    reason = delta.finish_reason
-                if req.stream and (delta.new_token_ids or reason is not None):
-                    first = resp is None
-                    if first:
+            while live:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                choice = by_rid.get(item.output.request_id)
+                if choice is None or choice.reason is not None:
+                    continue  # a late delta of a choice already answered
+                text, lp_delta = choice.push(item, stream=req.stream)
+                if choice.reason is not None:
+                    live -= 1
+                if req.stream and (item.new_token_ids or choice.reason is not None):
+                    if resp is None:
                         resp = web.StreamResponse(headers=_SSE_HEADERS)
                         await resp.prepare(request)
-                    await resp.write(self._chunk(req, rid, created, model, text, reason,
-                                                 first=first, logprobs=lp_delta,
-                                                 usage_=(len(ids), asm.num_tokens, cached)))
-                if reason is not None:
-                    break
+                    await resp.write(self._chunk(req, rid, created, model, choice, text,
+                                                 logprobs=lp_delta,
+                                                 usage_=None if live else choices))
             if req.stream:
                 if req.include_usage:
                     await resp.write(_sse({"id": rid, "object": self._chunk_object(req),
                                            "created": created, "model": model, "choices": [],
-                                           "usage": protocol.usage(len(ids), asm.num_tokens,
-                                                                   cached)}))
+                                           "usage": _usage(choices)}))
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
@@ -426,47 +437,160 @@ class OpenAIServer:
             return resp
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # aiohttp cancels the handler of a closed connection, or a write finds it closed.
-            log.info("%s: client disconnected after %d tokens", rid, asm.num_tokens)
+            log.info("%s: client disconnected after %d tokens", rid,
+                     sum(c.asm.num_tokens for c in choices))
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return resp
         finally:
-            if reason is None:  # cancelled, disconnected or failed: stop the request
-                handle.abort()
-            self.metrics.observe_finished(reason=reason or "abort",
-                                          metrics=last.metrics if last else None,
-                                          num_tokens=asm.num_tokens,
-                                          num_prompt_tokens=len(ids))
-        usage = protocol.usage(len(ids), asm.num_tokens, cached)
-        lp_all = None if lps is None else lps.format(lp_tokens, lp_entries)
-        if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": asm.text},
-                      "logprobs": lp_all, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": asm.text, "logprobs": lp_all, "finish_reason": reason}
-            obj = "text_completion"
-        return web.Response(text=_dumps({"id": rid, "object": obj, "created": created,
-                                         "model": model, "choices": [choice],
-                                         "usage": usage}),
-                            content_type="application/json")
+            for c in choices:
+                if c.reason is None:  # cancelled, disconnected or failed: stop the request
+                    c.handle.abort()
+                self.metrics.observe_finished(reason=c.reason or "abort",
+                                              metrics=c.last.metrics if c.last else None,
+                                              num_tokens=c.asm.num_tokens,
+                                              num_prompt_tokens=len(c.ids))
+        body = {"id": rid, "object": "chat.completion" if req.kind == "chat"
+                else "text_completion", "created": created, "model": model,
+                "choices": [c.choice_body() for c in choices], "usage": _usage(choices)}
+        if req.kind == "chat" and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = choices[0].prompt_logprobs_body()
+        return web.Response(text=_dumps(body), content_type="application/json")
 
     @staticmethod
     def _chunk_object(req) -> str:
         return "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-    def _chunk(self, req, rid, created, model, text, reason, *, first, usage_,
-               logprobs=None) -> bytes:
+    def _chunk(self, req, rid, created, model, choice, text, *, logprobs=None,
+               usage_=None) -> bytes:
+        """One choice's SSE chunk. `usage_`: every choice, on the stream's last chunk (usage
+        always ends the stream)."""
+        reason = choice.reason
         if req.kind == "chat":
+            first, choice.started = not choice.started, True
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            body = {"index": choice.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": reason}
+        if req.prompt_logprobs is not None and choice.prompt_lps_pending:
+            choice.prompt_lps_pending = False
+            body["prompt_logprobs"] = choice.prompt_logprobs_body()
         chunk = {"id": rid, "object": self._chunk_object(req), "created": created,
-                 "model": model, "choices": [choice]}
-        if reason is not None and not req.include_usage:
-            chunk["usage"] = protocol.usage(*usage_)  # usage always ends the stream
+                 "model": model, "choices": [body]}
+        if usage_ is not None and not req.include_usage:
+            chunk["usage"] = _usage(usage_)
         return _sse(chunk)
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    """OpenAI's usage of a request: each prompt's tokens once (however many samples), every
+    choice's completion tokens; cached tokens as the first sample of each prompt found."""
+    firsts = [c for c in choices if c.sample_index == 0]
+    cached = [c.cached for c in firsts]
+    return protocol.usage(sum(len(c.ids) for c in firsts),
+                          sum(c.asm.num_tokens for c in choices),
+                          None if any(x is None for x in cached) else sum(cached))
+
+
+class _Choice:
+    """One choice of a response (a prompt's sample): its engine request, its text (with
+    the echo, if asked), its log-probabilities."""
+
+    def __init__(self, index: int, handle, ids: list[int], prompt, server: OpenAIServer, req):
+        self.index, self.handle, self.ids, self.req = index, handle, ids, req
+        self.sample_index = index % req.n
+        self.tokenizer = server.tokenizer
+        self.asm = TextAssembler(server.tokenizer, ids, req.stop)
+        self.lps = None if req.logprobs is None else LogprobFormatter(server.tokenizer, req)
+        self.lp_tokens, self.lp_entries = [], []  # the whole choice's, when not streamed
+        self.reason = self.last = self.cached = None
+        self.started = False  # chat: its first chunk (with the role) went out
+        self.prompt_lps = None  # the engine's prompt log-probabilities, from the first delta
+        self.prompt_lps_pending = True  # streaming: not yet sent
+        self.echo = self._echo_text(prompt)
+        self.echo_pending = bool(self.echo) or (req.echo and self.lps is not None)
+
+    def _echo_text(self, prompt) -> str:
+        req = self.req
+        if not req.echo:
+            return ""
+        if req.kind == "chat":  # vLLM's: the last message, when it is the assistant's
+            last = req.messages[-1]
+            return last["content"] if last["role"] == "assistant" else ""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(self.ids) if self.tokenizer else ""
+
+    def push(self, delta, *, stream: bool) -> tuple[str, dict | None]:
+        """Takes one engine delta; returns (text to stream, logprobs delta or None)."""
+        self.last = delta
+        out = delta.output
+        self.cached = getattr(out, "num_cached_tokens", None)
+        if self.prompt_lps is None:
+            self.prompt_lps = getattr(out, "prompt_logprobs", None)
+        text = self.asm.push(delta.new_token_ids)
+        lp_delta = None
+        # An engine without log-probabilities (the mock) answers logprobs: null.
+        new_lps = getattr(out, "new_logprobs", None)
+        if self.lps is not None and new_lps is not None:
+            tokens, entries = list(delta.new_token_ids), list(new_lps)
+            if self.echo_pending and self.req.kind == "completion":
+                tokens, entries = list(self.ids) + tokens, self._prompt_lp_entries() + entries
+            self.lp_tokens += tokens
+            self.lp_entries += entries
+            if stream:
+                lp_delta = self.lps.format(tokens, entries)
+        elif new_lps is None:
+            self.lps = None
+        if self.echo_pending:
+            self.echo_pending = False
+            text = self.echo + text
+        if self.asm.stopped:
+            self.reason = "stop"
+            self.handle.abort()  # the engine stops generating; the client is answered
+        elif delta.finished:
+            text += self.asm.finish()
+            self.reason = delta.finish_reason
+        if self.reason is not None:
+            self.handle.finished = True
+        return text, lp_delta
+
+    def _prompt_lp_entries(self) -> list:
+        """The echoed prompt's log-probability entries: None for the first token."""
+        lps = self.prompt_lps or [None] * len(self.ids)
+        return list(lps)
+
+    def prompt_logprobs_body(self):
+        """vLLM's `prompt_logprobs`: per prompt token, None (the first) or
+        {token_id: {"logprob", "decoded_token"}} for the token and its top alternatives."""
+        if self.prompt_lps is None:
+            return None
+        k = self.req.prompt_logprobs
+        dec = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
+               if self.tokenizer else f"token_id:{t}")
+        out = []
+        for d in self.prompt_lps:
+            if d is None:
+                out.append(None)
+                continue
+            first, *alts = d.items()
+            keep = [first] + [a for a in alts if a[0] != first[0]][:k]
+            out.append({str(t): {"logprob": v, "decoded_token": dec(t)} for t, v in keep})
+        return out
+
+    def choice_body(self) -> dict:
+        lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
+        if self.req.kind == "chat":
+            return {"index": self.index, "message": {"role": "assistant",
+                                                     "content": self.echo + self.asm.text},
+                    "logprobs": lp, "finish_reason": self.reason}
+        body = {"index": self.index, "text": self.echo + self.asm.text, "logprobs": lp,
+                "finish_reason": self.reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body()
+        return body
 
 
 class LogprobFormatter:
@@ -499,9 +623,10 @@ class LogprobFormatter:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, d in zip(token_ids, entries, strict=True):
             text = self._text(t)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(d[t])
-            out["top_logprobs"].append({self._text(a): v for a, v in d.items()})
+            out["tokens"].append(text)  # d is None for an echoed prompt's first token
+            out["token_logprobs"].append(None if d is None else d[t])
+            out["top_logprobs"].append(None if d is None else
+                                       {self._text(a): v for a, v in d.items()})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

@@ -56,9 +56,10 @@ class Delta:
 class RequestHandle:
     """The asyncio side of one engine request: an async iterator of `Delta`s."""
 
-    def __init__(self, loop_: EngineLoop, num_prompt_tokens: int):
+    def __init__(self, loop_: EngineLoop, num_prompt_tokens: int,
+                 queue: asyncio.Queue | None = None):
         self._engine_loop = loop_
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
         self.request_id: int | None = None
         self.num_prompt_tokens = num_prompt_tokens
         self.finished = False
@@ -155,12 +156,18 @@ class EngineLoop:
 
     # ------------------------------------------------------------ event loop
     async def add(self, prompt_token_ids: list[int], sampling_params, *, priority: int = 0,
-                  arrival_time: float | None = None, slo=None) -> RequestHandle:
-        """Queue a request; raises ValueError (bad request), OverloadedError, EngineDeadError.
-        `slo`: anything `engine.add_request(slo=...)` takes; None: best-effort."""
+                  arrival_time: float | None = None, slo=None,
+                  queue: asyncio.Queue | None = None) -> list[RequestHandle]:
+        """Queue a request: one engine request per sample (`sampling_params.samples()`,
+        added together, the later ones after the first's prefill), one handle each.
+        Raises ValueError (bad request), OverloadedError, EngineDeadError.
+        `slo`: anything `engine.add_request(slo=...)` takes; None: best-effort.
+        `queue`: where the handles' deltas go (several requests may share one; read it
+        instead of iterating the handles); default: a queue per handle."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        handle = RequestHandle(self, len(prompt_token_ids))
+        samples = sampling_params.samples()
+        handles = [RequestHandle(self, len(prompt_token_ids), queue) for _ in samples]
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         with self._cv:
             if self._dead or self._stopping:
@@ -168,12 +175,14 @@ class EngineLoop:
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise OverloadedError(f"{self.num_waiting} requests are waiting for a free "
                                       f"slot (limit {self.max_waiting})")
-            self._unadmitted += 1
-            self._cmds.append(("add", (prompt_token_ids, sampling_params, priority, arrival,
-                                       slo, loop, fut, handle)))
+            self._unadmitted += len(samples)
+            self._cmds.append(("add", (prompt_token_ids, samples, priority, arrival,
+                                       slo, loop, fut, handles)))
             self._cv.notify()
-        handle.request_id = await fut  # cancelled: _resolve aborts the request
-        return handle
+        ids = await fut  # cancelled: _resolve aborts the requests
+        for handle, rid in zip(handles, ids, strict=True):
+            handle.request_id = rid
+        return handles
 
     async def call(self, fn, timeout: float | None = None):
         """Runs `fn(engine)` on the engine thread between steps and returns its result."""
@@ -226,22 +235,29 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind, payload = cmd
         if kind == "add":
-            ids, params, priority, arrival, slo, loop, fut, handle = payload
+            ids, samples, priority, arrival, slo, loop, fut, handles = payload
             kwargs = {} if slo is None else {"slo": slo}  # engines without SLOs take none
+            rids = []
             try:
-                rid = self.engine.add_request(ids, params, priority=priority,
-                                              arrival_time=arrival, **kwargs)
+                for i, params in enumerate(samples):
+                    extra = {"prefill_after": rids[0], "index": i} if rids else {}
+                    rids.append(self.engine.add_request(ids, params, priority=priority,
+                                                        arrival_time=arrival, **kwargs,
+                                                        **extra))
             except Exception as exc:  # noqa: BLE001 - ValueError is a bad request
+                for rid in rids:  # all samples or none
+                    self.engine.abort(rid)
                 with self._cv:
-                    self._unadmitted -= 1
+                    self._unadmitted -= len(samples)
                 if not isinstance(exc, ValueError):
                     log.error("add_request failed:\n%s", traceback.format_exc())
                     exc = RuntimeError(f"internal error: {type(exc).__name__}: {exc}")
                 loop.call_soon_threadsafe(_resolve, fut, None, exc, self)
                 return
-            self._sinks[rid] = _Sink(loop, handle)
-            self._unscheduled[rid] = arrival
-            loop.call_soon_threadsafe(_resolve, fut, rid, None, self)
+            for rid, handle in zip(rids, handles, strict=True):
+                self._sinks[rid] = _Sink(loop, handle)
+                self._unscheduled[rid] = arrival
+            loop.call_soon_threadsafe(_resolve, fut, rids, None, self)
         elif kind == "abort":
             rid = payload
             self._sinks.pop(rid, None)
@@ -263,8 +279,9 @@ class EngineLoop:
         never sees one updated without the other."""
         sched = self.engine.scheduler
         done = []
-        if self._unscheduled:
+        if self._unscheduled:  # held samples (scheduler.held) wait outside the queue
             waiting = {s.seq_id for s in sched.waiting}
+            waiting.update(s.seq_id for _, s in getattr(sched, "held", ()))
             done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
         for rid, arrival in done:
             del self._unscheduled[rid]
@@ -346,7 +363,8 @@ def _resolve(fut: asyncio.Future, result, exc, engine_loop: EngineLoop | None) -
     """On the event loop: complete `fut`, or abort the new request if nobody waits for it."""
     if fut.cancelled():
         if engine_loop is not None and exc is None and result is not None:
-            engine_loop.abort(result)
+            for rid in result:  # the request ids an add made
+                engine_loop.abort(rid)
         return
     if exc is not None:
         fut.set_exception(exc)

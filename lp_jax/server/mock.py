@@ -89,7 +89,9 @@ class MockEngine:
         return dict(self._stats)
 
     def add_request(self, prompt, sampling_params=None, *, priority=0, arrival_time=None,
-                    slo=None) -> int:
+                    slo=None, prefill_after=None, index=0) -> int:
+        """As LLMEngine.add_request; `prefill_after` and `index` (a later sample of a
+        request with n > 1) change nothing here: the mock has no prefix cache."""
         slo = None if slo is None else self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -3,8 +3,8 @@
 Every field is checked here with its type and range, so a bad request becomes a 4xx with an
 OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
 well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
-servers do; fields the engine cannot honour (n > 1, best_of, echo, suffix, tools, non-text
-response formats) are rejected with a message that says so.
+servers do; fields the engine cannot honour (best_of, suffix, tools, non-text response
+formats) are rejected with a message that says so.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ _INT64 = 2 ** 63
 MAX_SLO_MS = 86_400_000.0  # one day, as lp_jax.engine.slo: more is a unit mistake
 MAX_SLO_CLASS_LEN = 64
 SLO_FIELDS = ("slo_class", "ttft_slo_ms", "tbt_slo_ms")
+DEFAULT_MAX_N = 16  # choices per prompt (`n`); the server's `max_n` sets it
+MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
 
 
 class APIError(Exception):
@@ -150,7 +152,8 @@ class GenerationRequest:
 
     kind: str  # "completion" or "chat"
     model: str
-    prompt: str | list[int] | None = None  # completions
+    prompt: str | list[int] | None = None  # completions: the first (or only) prompt
+    prompts: list | None = None  # completions: every prompt of a batch, in choice order
     messages: list[dict] | None = None  # chat
     add_generation_prompt: bool = True
     max_tokens: int | None = None  # None: fill the context
@@ -175,6 +178,17 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt starts each choice's text (and logprobs)
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's log-probabilities
+
+    def _scored_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: as asked, or the completion's `logprobs` when it
+        echoes the prompt (its tokens are then scored too, as OpenAI's legacy API)."""
+        k = self.prompt_logprobs
+        if self.echo and self.kind == "completion" and self.logprobs is not None:
+            k = max(k or 0, self.logprobs)
+        return k
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         top_k = -1 if self.top_k == 0 or self.top_k >= vocab_size else self.top_k
@@ -195,6 +209,7 @@ class GenerationRequest:
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or (),
+                n=self.n, prompt_logprobs=self._scored_prompt(),
             )
         except ValueError as exc:  # its message starts with the field's name
             name = str(exc).split(" ")[0]
@@ -221,11 +236,10 @@ def parse_slo_fields(body: dict) -> dict | None:
 
 
 def _common(body: dict, req: GenerationRequest) -> None:
-    n = get_int(body, "n", 1)
-    if n != 1:
-        raise unsupported("n", f"only 1 choice per request (got {n})")
-    if get_int(body, "best_of", 1) != 1:
-        raise unsupported("best_of", "vLLM v1 dropped it")
+    req.n = get_int(body, "n", 1, lo=1)  # the server checks its maximum
+    if body.get("best_of") not in (None, 1):
+        raise unsupported("best_of", "vLLM v1 dropped it; use 'n'")
+    req.prompt_logprobs = get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     req.presence_penalty = get_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
     req.frequency_penalty = get_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
     req.repetition_penalty = get_num(body, "repetition_penalty", 1.0, lo=0.0, hi=100.0,
@@ -306,25 +320,24 @@ def parse_completion(body: dict) -> GenerationRequest:
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
-        req.prompt_bytes = utf8_len(prompt, "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        pass
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise unsupported("prompt", "one prompt per request (got a batch of "
-                          f"{len(prompt)})")
-    else:
-        raise bad("'prompt' must be a non-empty string or a non-empty list of token ids",
+    batch = (isinstance(prompt, list) and bool(prompt)
+             and all(isinstance(p, str | list) for p in prompt))
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise bad(f"'prompt' may hold at most {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
                   "prompt")
-    req.prompt = prompt
+    for p in prompts:
+        if isinstance(p, str):
+            if not p:
+                raise bad("'prompt' must not be empty", "prompt")
+            req.prompt_bytes = max(req.prompt_bytes, utf8_len(p, "prompt"))
+        elif not (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+            raise bad("'prompt' must be a non-empty string, a non-empty list of token ids, "
+                      "or a list of those", "prompt")
+    req.prompt, req.prompts = prompts[0], prompts
     req.max_tokens = get_int(body, "max_tokens", None, lo=1)
     req.logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    if get_bool(body, "echo", False):
-        raise unsupported("echo", "echoing the prompt is not implemented")
+    req.echo = get_bool(body, "echo", False)
     if body.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion is not implemented")
     return req
@@ -365,6 +378,7 @@ def parse_chat(body: dict) -> GenerationRequest:
         out.append(msg)
     req.messages = out
     req.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    req.echo = get_bool(body, "echo", False)  # vLLM's: the last message, if the assistant's
     mct = get_int(body, "max_completion_tokens", None, lo=1)
     mt = get_int(body, "max_tokens", None, lo=1)
     req.max_tokens = mct if mct is not None else mt
