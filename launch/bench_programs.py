@@ -70,7 +70,8 @@ def startup(log=print):
     path = ensure_tiny(preset="tiny")
     engines = []
     for kw in ({"scheduling": "orca"}, {"scheduling": "chunked"}, {"scheduling": "layered"},
-               {"scheduling": "layered", "max_num_batched_tokens": 256}):
+               {"scheduling": "layered", "max_num_batched_tokens": 256},
+               {"scheduling": "flowprefill", "max_num_batched_tokens": 256}):
         t = time.perf_counter()
         llm = LLM(str(path), compilation_cache_dir=None, log=None, **kw)
         s = llm.stats()
