@@ -90,6 +90,34 @@ def test_n_samples_share_the_prompt_pages(llm):
     assert stats["free_pages"] == stats["total_pages"]
 
 
-def test_scoring_slices_cover_long_prompts():
-    """The scoring slice is smaller than the largest call, so long prompts take several."""
-    assert SCORE_ROWS < 512
+def test_scoring_in_slices_equals_one_log_softmax():
+    """`_score_prompt` over 600 rows (three 256-row slices, the last padded) gives each
+    scored row's log-softmax entry and top 20 as one [600, V] log-softmax would; a slice
+    with no scored row is skipped (zeros). Unscored rows of a scored slice carry values
+    the host never reads."""
+    import jax
+    import jax.numpy as jnp
+
+    from lp_jax.engine.step import _score_prompt
+
+    class Head:  # logits = x itself: [N, V] rows
+        def compute_logits(self, x):
+            return x
+
+    N, V = 600, 64
+    assert N > 2 * SCORE_ROWS
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, V)).astype(np.float32) * 3
+    target = rng.integers(0, V, N).astype(np.int32)
+    target[SCORE_ROWS : 2 * SCORE_ROWS] = -1  # the middle slice scores nothing
+    target[::7] = -1
+    got, top, ids = jax.jit(lambda a, t: _score_prompt(Head(), a, t))(x, jnp.asarray(target))
+    want = np.asarray(jax.nn.log_softmax(x.astype(np.float64), axis=-1))
+    scored = target >= 0
+    np.testing.assert_allclose(np.asarray(got)[scored], want[scored, target[scored]],
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(top)[scored], -np.sort(-want[scored])[:, :20],
+                               atol=1e-5)
+    assert (np.asarray(ids)[scored] == np.argsort(-want[scored])[:, :20]).all()
+    skipped = slice(SCORE_ROWS, 2 * SCORE_ROWS)
+    assert not np.asarray(got)[skipped].any() and not np.asarray(top)[skipped].any()

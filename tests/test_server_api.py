@@ -404,8 +404,7 @@ def test_prompt_logprobs_extension(client):
     ids, logp = _golden_prompt()
     resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
                                      extra_body={"prompt_logprobs": 1})
-    plp = resp.model_extra.get("choices", [None])[0] if resp.model_extra else None
-    plp = (resp.choices[0].model_extra or {}).get("prompt_logprobs") if plp is None else plp
+    plp = resp.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     for p in range(1, len(ids)):
         entry = plp[p]

@@ -235,8 +235,8 @@ class ModelRunner:
         for c in plan.prefill:
             score_target.append(self._score_targets(c, offset) if b == 2 * L else
                                 np.full(c.num_tokens, -1, np.int32))
-            if score_target[-1].max(initial=-1) >= 0:
-                n_scored = int((score_target[-1] >= 0).sum())
+            n_scored = int((score_target[-1] >= 0).sum())
+            if n_scored:
                 scored.append((c.seq, c.start + 1, offset, n_scored))
             pre_tokens.append(np.asarray(c.seq.token_ids[c.start : c.end], np.int32))
             # A penalized sequence's tokens are counted once, in its chunk's first group.

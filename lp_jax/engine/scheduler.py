@@ -183,8 +183,9 @@ class Scheduler:
     # ----- requests -----
     def add(self, seq: Sequence, prefill_after: Sequence | None = None) -> None:
         """Queue a fresh request; raises ValueError, changing nothing, if it can never run.
-        `prefill_after`: a request with the same prompt (an earlier sample of it); with
-        prefix caching, seq waits outside the queue until that one has prefilled."""
+        `prefill_after`: a request with the same prompt (an earlier sample of it; the
+        engine checks the prompts match); with prefix caching, seq waits outside the queue
+        until that one has prefilled."""
         cfg = self.config
         if not isinstance(seq, Sequence):
             raise ValueError(f"expected a Sequence, got {type(seq).__name__}")
@@ -233,7 +234,7 @@ class Scheduler:
         self._live[seq.seq_id] = seq
         leader = prefill_after
         if (leader is not None and self.block_manager.enable_caching
-                and leader.token_ids[:n] == seq.token_ids and not self._prefilled(leader)):
+                and not self._prefilled(leader)):
             self.held.append((leader, seq))
             return
         self._enqueue(seq)

@@ -575,8 +575,8 @@ class _Choice:
             if d is None:
                 out.append(None)
                 continue
-            first, *alts = d.items()
-            keep = [first] + [a for a in alts if a[0] != first[0]][:k]
+            first, *alts = d.items()  # the prompt token, then the engine's top alternatives
+            keep = [first, *alts[:k]]
             out.append({str(t): {"logprob": v, "decoded_token": dec(t)} for t, v in keep})
         return out
 
