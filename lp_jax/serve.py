@@ -91,6 +91,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lp_jax.server.protocol import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+
     p = argparse.ArgumentParser(prog="lp-serve", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
     s = p.add_argument_group("server")
@@ -109,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "beyond it: 503 + Retry-After")
     s.add_argument("--max-n", type=_positive_int, default=16,
                    help="most choices per prompt a request may ask for ('n'); beyond: 400")
+    s.add_argument("--max-prompt-logprob-entries", type=_positive_int,
+                   default=DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+                   help="most prompt log-probability entries a request may ask for (prompt "
+                        "tokens x n x (prompt_logprobs + 1), over all its prompts; about 60 "
+                        "bytes of JSON each); beyond: 400")
     s.add_argument("--read-timeout", type=_positive_float, default=60.0,
                    help="seconds a client has to send a request's headers, and then its body")
     s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
@@ -247,7 +254,8 @@ def main(argv=None) -> None:
     server = OpenAIServer(engine, served_model_names=names,
                           api_key=args.api_key or os.environ.get("LP_API_KEY"),
                           max_waiting=args.max_waiting, metrics_public=args.metrics_public,
-                          read_timeout=args.read_timeout, max_n=args.max_n)
+                          read_timeout=args.read_timeout, max_n=args.max_n,
+                          max_prompt_logprob_entries=args.max_prompt_logprob_entries)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,
                           grace_s=args.shutdown_grace))

@@ -437,7 +437,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_dir):
         assert chunks[-1] == "data: [DONE]"
         last = json.loads(chunks[-2][6:])
         assert last["choices"][0]["finish_reason"] == "length"
-        assert last["usage"]["completion_tokens"] == 100
+        assert len(chunks) - 1 == 100  # every token's chunk, then [DONE]
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:

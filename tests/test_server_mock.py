@@ -82,8 +82,7 @@ def test_stream_usage_in_last_chunk(mock_server):
     chunks = sse_chunks(data)
     assert len(chunks) == 4  # one chunk per token
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 4
-    assert all("usage" not in c for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks)  # only with include_usage, as OpenAI
     # include_usage: OpenAI's extra final chunk with empty choices
     _, _, data = post(mock_server, "/v1/completions",
                       {"prompt": "hi", "max_tokens": 3, "stream": True,
@@ -122,7 +121,8 @@ def test_stop_string_truncates(tiny_dir):
                 text = last["choices"][0]["text"]
             assert text == "AB"
             assert last["choices"][0]["finish_reason"] == "stop"
-            assert last["usage"]["completion_tokens"] == 4  # up to the token completing "CD"
+            if not stream:
+                assert last["usage"]["completion_tokens"] == 4  # up to the one ending "CD"
         # Stop token ids, as vLLM: the engine stops on them.
         stop_id = eng.tokenizer.token_to_id("C")
         _, _, data = post(st_, "/v1/completions",
@@ -338,7 +338,7 @@ def _check_response(status, headers, data):
             events = [e for e in data.decode().split("\n\n") if e.strip()]
             assert events[-1] == "data: [DONE]"
             chunks = [json.loads(e[6:]) for e in events[:-1]]
-            assert chunks and "usage" in chunks[-1]
+            assert chunks
         else:
             body = json.loads(data)
             assert body["choices"] and body["usage"]["completion_tokens"] >= 1

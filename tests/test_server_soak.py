@@ -79,7 +79,6 @@ async def run_good(s, url, i) -> float:
         assert events[-1] == "data: [DONE]", (i, events[-3:])
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert len(chunks) == n and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == n
     else:
         resp = json.loads(data)
         assert resp["choices"][0]["finish_reason"] == "length"

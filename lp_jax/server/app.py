@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lp_jax.server import protocol
+from lp_jax.server import encoding, protocol
 from lp_jax.server.chat import ChatFormatter, ChatTemplateError
 from lp_jax.server.detok import TextAssembler
 from lp_jax.server.engine_loop import EngineDeadError, EngineLoop, OverloadedError
@@ -48,12 +48,8 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
                 "X-Accel-Buffering": "no"}
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def _sse(obj) -> bytes:
-    return f"data: {_dumps(obj)}\n\n".encode()
+    return encoding.sse(encoding.dumps(obj))
 
 
 def error_response(err: APIError) -> web.Response:
@@ -80,13 +76,17 @@ class OpenAIServer:
     The engine is used only from the engine thread (see engine_loop.py). `start()` the
     engine loop, then serve `make_runner()` with aiohttp, or use `ServerThread` or `serve`.
     `api_key` guards /v1 and, unless `metrics_public`, /metrics.
+    `max_prompt_logprob_entries` caps a request's scored prompt entries (see
+    `protocol.prompt_logprob_entries`).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
                  max_waiting: int | None = None, metrics_public: bool = False,
-                 read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N):
+                 read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N,
+                 max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES):
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
+        self.max_prompt_logprob_entries = max_prompt_logprob_entries
         model_dir = getattr(engine, "model_dir", None)
         # The default name is the directory's, never its path: /v1/models is public.
         self.served_model_names = list(served_model_names or [])
@@ -355,6 +355,7 @@ class OpenAIServer:
             prompts = req.prompts if req.kind == "completion" else [None]
             ids_list = await asyncio.to_thread(
                 lambda: [self._tokenize(req, p) for p in prompts])
+            self._check_prompt_logprobs(req, ids_list)
             params = [req.sampling_params(self._budget(req, len(ids)), self.vocab_size)
                       for ids in ids_list]
             # Queued together (one engine iteration takes them all); all or none. Every
@@ -394,6 +395,20 @@ class OpenAIServer:
         except RuntimeError as exc:
             raise APIError(500, str(exc), type="internal_server_error") from None
 
+    def _check_prompt_logprobs(self, req, ids_list: list[list[int]]) -> None:
+        """A 400 for a request whose scored prompts hold more than
+        `max_prompt_logprob_entries` entries, before anything is queued."""
+        entries = protocol.prompt_logprob_entries(req, [len(ids) for ids in ids_list])
+        if entries > self.max_prompt_logprob_entries:
+            k = req.scored_prompt()
+            param = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
+            raise protocol.bad(
+                f"this request scores {entries} prompt log-probability entries ("
+                f"{sum(len(ids) for ids in ids_list)} prompt tokens x {req.n} samples x "
+                f"{k + 1} entries per token), more than this server's limit of "
+                f"{self.max_prompt_logprob_entries} (lp-serve --max-prompt-logprob-entries); "
+                "send fewer or shorter prompts, or fewer alternatives", param)
+
     async def _respond(self, request, req, choices: list[_Choice]) -> web.StreamResponse:
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -410,16 +425,23 @@ class OpenAIServer:
                 choice = by_rid.get(item.output.request_id)
                 if choice is None or choice.reason is not None:
                     continue  # a late delta of a choice already answered
+                n_tokens = choice.asm.num_tokens
                 text, lp_delta = choice.push(item, stream=req.stream)
+                # Counted as the request counts them (`num_tokens` below): tokens the
+                # engine made after the client left, or after a stop string, are not.
+                if choice.asm.num_tokens > n_tokens:
+                    self.metrics.generation_tokens.inc(choice.asm.num_tokens - n_tokens)
                 if choice.reason is not None:
                     live -= 1
                 if req.stream and (item.new_token_ids or choice.reason is not None):
                     if resp is None:
                         resp = web.StreamResponse(headers=_SSE_HEADERS)
                         await resp.prepare(request)
-                    await resp.write(self._chunk(req, rid, created, model, choice, text,
-                                                 logprobs=lp_delta,
-                                                 usage_=None if live else choices))
+                    big = choice.chunk_entries(lp_delta) > encoding.BIG_BODY_ENTRIES
+                    text_ = await encoding.render(
+                        lambda c=choice, t=text, lp=lp_delta: self._chunk(
+                            req, rid, created, model, c, t, logprobs=lp), big=big)
+                    await resp.write(encoding.sse(text_))
             if req.stream:
                 if req.include_usage:
                     await resp.write(_sse({"id": rid, "object": self._chunk_object(req),
@@ -450,22 +472,28 @@ class OpenAIServer:
                                               metrics=c.last.metrics if c.last else None,
                                               num_tokens=c.asm.num_tokens,
                                               num_prompt_tokens=len(c.ids))
-        body = {"id": rid, "object": "chat.completion" if req.kind == "chat"
-                else "text_completion", "created": created, "model": model,
-                "choices": [c.choice_body() for c in choices], "usage": _usage(choices)}
-        if req.kind == "chat" and req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = choices[0].prompt_logprobs_body()
-        return web.Response(text=_dumps(body), content_type="application/json")
+        def build() -> dict:
+            body = {"id": rid, "object": "chat.completion" if req.kind == "chat"
+                    else "text_completion", "created": created, "model": model,
+                    "choices": [c.choice_body() for c in choices], "usage": _usage(choices)}
+            if req.kind == "chat" and req.prompt_logprobs is not None:
+                body["prompt_logprobs"] = choices[0].prompt_logprobs_body()
+            return body
+
+        big = sum(c.num_entries() for c in choices) > encoding.BIG_BODY_ENTRIES
+        return web.Response(text=await encoding.render(build, big=big),
+                            content_type="application/json")
 
     @staticmethod
     def _chunk_object(req) -> str:
         return "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-    def _chunk(self, req, rid, created, model, choice, text, *, logprobs=None,
-               usage_=None) -> bytes:
-        """One choice's SSE chunk. `usage_`: every choice, on the stream's last chunk (usage
-        always ends the stream)."""
+    def _chunk(self, req, rid, created, model, choice, text, *, logprobs=None) -> dict:
+        """One choice's SSE chunk. It never carries `usage`: that comes, as OpenAI sends it,
+        only with `stream_options.include_usage`, in a final chunk with empty `choices`."""
         reason = choice.reason
+        if logprobs is not None:
+            logprobs = choice.lps.format(*logprobs)
         if req.kind == "chat":
             first, choice.started = not choice.started, True
             delta = {"role": "assistant", "content": text} if first else {"content": text}
@@ -477,11 +505,8 @@ class OpenAIServer:
         if req.prompt_logprobs is not None and choice.prompt_lps_pending:
             choice.prompt_lps_pending = False
             body["prompt_logprobs"] = choice.prompt_logprobs_body()
-        chunk = {"id": rid, "object": self._chunk_object(req), "created": created,
-                 "model": model, "choices": [body]}
-        if usage_ is not None and not req.include_usage:
-            chunk["usage"] = _usage(usage_)
-        return _sse(chunk)
+        return {"id": rid, "object": self._chunk_object(req), "created": created,
+                "model": model, "choices": [body]}
 
 
 def _usage(choices: list[_Choice]) -> dict:
@@ -523,8 +548,9 @@ class _Choice:
             return prompt
         return self.tokenizer.decode(self.ids) if self.tokenizer else ""
 
-    def push(self, delta, *, stream: bool) -> tuple[str, dict | None]:
-        """Takes one engine delta; returns (text to stream, logprobs delta or None)."""
+    def push(self, delta, *, stream: bool) -> tuple[str, tuple | None]:
+        """Takes one engine delta; returns (text to stream, None or the (tokens, entries)
+        whose logprobs the chunk carries: formatted by `_chunk`, off the loop if big)."""
         self.last = delta
         out = delta.output
         self.cached = getattr(out, "num_cached_tokens", None)
@@ -541,7 +567,7 @@ class _Choice:
             self.lp_tokens += tokens
             self.lp_entries += entries
             if stream:
-                lp_delta = self.lps.format(tokens, entries)
+                lp_delta = tokens, entries
         elif new_lps is None:
             self.lps = None
         if self.echo_pending:
@@ -557,6 +583,23 @@ class _Choice:
             self.handle.finished = True
         return text, lp_delta
 
+    def prompt_logprob_entries(self) -> int:
+        """Entries its `prompt_logprobs` body holds: the token and its alternatives a row."""
+        k = self.req.prompt_logprobs
+        return 0 if k is None or self.prompt_lps is None else len(self.prompt_lps) * (k + 1)
+
+    def chunk_entries(self, lp_delta) -> int:
+        """As `num_entries`, for the next streamed chunk: its logprobs, its prompt's."""
+        n = len(lp_delta[0]) * (self.req.logprobs + 2) if lp_delta else 0
+        return n + (self.prompt_logprob_entries() if self.prompt_lps_pending else 0)
+
+    def num_entries(self) -> int:
+        """Roughly the JSON values its body holds: one a token, times the alternatives
+        when log-probabilities are asked for; decides whether it is built off the loop."""
+        tokens = self.asm.num_tokens + (len(self.ids) if self.req.echo else 0)
+        per_token = 1 if self.req.logprobs is None else self.req.logprobs + 2
+        return tokens * per_token + self.prompt_logprob_entries()
+
     def _prompt_lp_entries(self) -> list:
         """The echoed prompt's log-probability entries: None for the first token."""
         lps = self.prompt_lps or [None] * len(self.ids)
@@ -568,8 +611,14 @@ class _Choice:
         if self.prompt_lps is None:
             return None
         k = self.req.prompt_logprobs
-        dec = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
-               if self.tokenizer else f"token_id:{t}")
+        texts: dict[int, str] = {}  # a token's text, decoded once (rows share alternatives)
+
+        def dec(t: int) -> str:
+            if t not in texts:
+                texts[t] = (self.tokenizer.decode([t], skip_special_tokens=False)
+                            if self.tokenizer else f"token_id:{t}")
+            return texts[t]
+
         out = []
         for d in self.prompt_lps:
             if d is None:

@@ -100,7 +100,9 @@ class EngineLoop:
     `max_waiting` bounds the requests that really wait: submitted, not yet admitted by the
     scheduler, beyond the free slots (`max_num_seqs` less the admitted requests, as of the
     last step). None: unbounded. Beyond it `add` raises OverloadedError. `metrics` (a
-    ServerMetrics) gets the queue-time histogram and the token counters.
+    ServerMetrics) gets the queue-time histogram and the prompt token counter. Generated
+    tokens are counted by the handlers, as they take them: tokens that reach a request's
+    queue after its client left are never its tokens, in the counter as in its histogram.
     """
 
     def __init__(self, engine, *, max_waiting: int | None = None, metrics=None):
@@ -294,7 +296,7 @@ class EngineLoop:
 
     def _dispatch(self, outputs) -> None:
         by_loop: dict[object, list] = {}
-        prompt_tokens = gen_tokens = 0
+        prompt_tokens = 0
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if out.finished:
@@ -308,14 +310,10 @@ class EngineLoop:
             if new and not sink.started:
                 sink.started = True
                 prompt_tokens += len(out.prompt_token_ids)
-            gen_tokens += len(new)
             delta = Delta(new, out.finished, out.finish_reason, out)
             by_loop.setdefault(sink.loop, []).append((sink.handle.queue, delta))
-        if self.metrics is not None:
-            if prompt_tokens:
-                self.metrics.prompt_tokens.inc(prompt_tokens)
-            if gen_tokens:
-                self.metrics.generation_tokens.inc(gen_tokens)
+        if self.metrics is not None and prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)

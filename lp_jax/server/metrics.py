@@ -38,9 +38,12 @@ gap between two tokens). Attainment is `lp:slo_attained_total / lp:slo_requests_
 
 Request-level histograms are observed when a request finishes (or is aborted), from the
 engine's own token timestamps; a request cut short by a stop string counts the tokens up to
-the one that completed the stop string. Engine counters are read from `LLMEngine.stats()`
-at scrape time; the SLO counters from its `slo_attainment` (requests that finish, and
-those aborted after their first token, such as one cut short by a stop string).
+the one that completed the stop string. `lp:generation_tokens_total` counts the same tokens
+as they reach the handler, so it equals `lp:request_generation_tokens_sum` once no request
+is in flight (the engine may make a token or two for a client that left: no one gets
+them). Engine counters are read from `LLMEngine.stats()` at scrape time; the SLO counters
+from its `slo_attainment` (requests that finish, and those aborted after their first token,
+such as one cut short by a stop string).
 """
 
 from __future__ import annotations

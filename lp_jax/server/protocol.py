@@ -3,8 +3,9 @@
 Every field is checked here with its type and range, so a bad request becomes a 4xx with an
 OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
 well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
-servers do; fields the engine cannot honour (best_of, suffix, tools, non-text response
-formats) are rejected with a message that says so.
+servers do; fields the engine cannot honour (best_of, suffix, tools, a tool_choice that
+needs tools, non-text response formats) are rejected with a message that says so, as is a
+completions batch that mixes text and token ids.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ MAX_SLO_CLASS_LEN = 64
 SLO_FIELDS = ("slo_class", "ttft_slo_ms", "tbt_slo_ms")
 DEFAULT_MAX_N = 16  # choices per prompt (`n`); the server's `max_n` sets it
 MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
+# Scored prompt entries a request may ask for (`prompt_logprob_entries`); the server's
+# `max_prompt_logprob_entries` sets it. 200,000 is a 9,500-token prompt with 20
+# alternatives, about 12 MB of JSON; 256 prompts of 500 tokens with 20 are 2.7 million.
+DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 200_000
 
 
 class APIError(Exception):
@@ -182,7 +187,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt starts each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's log-probabilities
 
-    def _scored_prompt(self) -> int | None:
+    def scored_prompt(self) -> int | None:
         """The engine's prompt_logprobs: as asked, or the completion's `logprobs` when it
         echoes the prompt (its tokens are then scored too, as OpenAI's legacy API)."""
         k = self.prompt_logprobs
@@ -209,11 +214,19 @@ class GenerationRequest:
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or (),
-                n=self.n, prompt_logprobs=self._scored_prompt(),
+                n=self.n, prompt_logprobs=self.scored_prompt(),
             )
         except ValueError as exc:  # its message starts with the field's name
             name = str(exc).split(" ")[0]
             raise bad(str(exc), name if name in SamplingParams.__slots__ else None) from None
+
+
+def prompt_logprob_entries(req: GenerationRequest, prompt_lens: list[int]) -> int:
+    """Log-probability entries a request's scored prompts hold: for each engine request
+    (every prompt, `n` times), a row per prompt token of the token and its `k` top
+    alternatives (k: `prompt_logprobs`, or `logprobs` with `echo`). 0 if none is scored."""
+    k = req.scored_prompt()
+    return 0 if k is None else sum(prompt_lens) * req.n * (k + 1)
 
 
 def parse_slo_fields(body: dict) -> dict | None:
@@ -289,6 +302,9 @@ def _common(body: dict, req: GenerationRequest) -> None:
     req.model = model or ""
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise unsupported("response_format", "only {'type': 'text'}")
 
 
 def parse_logit_bias(body: dict) -> dict[int, float] | None:
@@ -302,9 +318,11 @@ def parse_logit_bias(body: dict) -> dict[int, float] | None:
     out = {}
     for k, v in lb.items():
         key = k.strip() if isinstance(k, str) else ""
-        if not key.isdigit() or len(key) > 18:
-            raise bad(f"'logit_bias' keys must be token ids, got {json.dumps(k)[:40]}",
-                      "logit_bias")
+        # ASCII digits only: str.isdigit also takes "²" (int() refuses it) and "١٢" / "１"
+        # (int() reads them as 12 and 1), which no client means as a token id.
+        if not (key.isascii() and key.isdigit()) or len(key) > 18:
+            raise bad(f"'logit_bias' keys must be token ids in ASCII decimal digits, got "
+                      f"{json.dumps(k)[:40]}", "logit_bias")
         if not _is_num(v) or not -100 <= v <= 100:
             raise bad(f"'logit_bias' values must be numbers in [-100, 100], got "
                       f"{json.dumps(v)[:40]} for {key}", "logit_bias")
@@ -323,6 +341,9 @@ def parse_completion(body: dict) -> GenerationRequest:
     batch = (isinstance(prompt, list) and bool(prompt)
              and all(isinstance(p, str | list) for p in prompt))
     prompts = prompt if batch else [prompt]
+    if batch and len({type(p) for p in prompts}) > 1:
+        raise bad("'prompt' must be a batch of strings or a batch of token id lists, not "
+                  "both", "prompt")
     if len(prompts) > MAX_BATCH_PROMPTS:
         raise bad(f"'prompt' may hold at most {MAX_BATCH_PROMPTS} prompts, got {len(prompts)}",
                   "prompt")
@@ -389,9 +410,10 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if body.get("tools") not in (None, []):
         raise unsupported("tools", "tool calling is not implemented")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise unsupported("response_format", "only {'type': 'text'}")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        # "required" or a named function: a tool call the server could never make
+        raise bad(f"'tool_choice' {json.dumps(body['tool_choice'])[:80]} needs 'tools', and "
+                  "this server has no tool calling; use 'none' or 'auto'", "tool_choice")
     return req
 
 
