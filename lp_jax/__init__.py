@@ -1,13 +1,21 @@
 """lp_jax: layered-prefill serving for Mixture-of-Experts LLMs in JAX.
 
 `LLM` and `SamplingParams` are imported lazily, so that the pure-Python parts
-(scheduler, simulator, roofline tables) load without JAX.
+(scheduler, simulator, roofline tables) load without JAX. `__version__` is the installed
+package's (pyproject.toml), read on first use.
 """
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("lp_jax")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return "0+unknown"
     if name == "LLM":
         from lp_jax.llm import LLM
 

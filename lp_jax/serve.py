@@ -77,6 +77,17 @@ def _slo_classes(s: str) -> dict:
     return spec
 
 
+def _chat_template(s: str) -> str:
+    """--chat-template FILE: its Jinja source, read and compiled now (a missing file or a
+    syntax error stops start-up, naming the file and the line)."""
+    from lp_jax.server.chat import read_template_file
+
+    try:
+        return read_template_file(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _existing_path(s: str) -> str:
     if not Path(s).exists():
         raise argparse.ArgumentTypeError(f"{s!r} does not exist")
@@ -91,10 +102,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import lp_jax
     from lp_jax.server.protocol import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 
     p = argparse.ArgumentParser(prog="lp-serve", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"lp-serve {lp_jax.__version__}")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -116,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt log-probability entries a request may ask for (prompt "
                         "tokens x n x (prompt_logprobs + 1), over all its prompts; about 60 "
                         "bytes of JSON each); beyond: 400")
+    s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE",
+                   help="a Jinja chat template file, used instead of the model's (for "
+                        "checkpoints without one) [default: the model's, or a fallback]")
+    s.add_argument("--vllm-metric-names", action="store_true",
+                   help="/metrics also exposes the vllm: names of the metrics that mean the "
+                        "same (lp_jax/server/metrics.py), for dashboards built for vLLM")
     s.add_argument("--read-timeout", type=_positive_float, default=60.0,
                    help="seconds a client has to send a request's headers, and then its body")
     s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
@@ -255,7 +274,9 @@ def main(argv=None) -> None:
                           api_key=args.api_key or os.environ.get("LP_API_KEY"),
                           max_waiting=args.max_waiting, metrics_public=args.metrics_public,
                           read_timeout=args.read_timeout, max_n=args.max_n,
-                          max_prompt_logprob_entries=args.max_prompt_logprob_entries)
+                          max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+                          chat_template=args.chat_template,
+                          vllm_metric_names=args.vllm_metric_names)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,
                           grace_s=args.shutdown_grace))

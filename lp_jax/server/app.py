@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lp_jax.server import encoding, protocol
+from lp_jax.server import encoding, protocol, vllm_routes
 from lp_jax.server.chat import ChatFormatter, ChatTemplateError
 from lp_jax.server.detok import TextAssembler
 from lp_jax.server.engine_loop import EngineDeadError, EngineLoop, OverloadedError
@@ -44,6 +44,9 @@ READ_TIMEOUT_S = 60.0
 _CLEANUP_TIMEOUT_S = 1.0
 SERVER_KEY = web.AppKey("lp_server", object)
 RETRY_AFTER_S = 1
+# Besides /v1: the routes that need the API key when one is set (/health, /ping, /version
+# stay public, for load balancers).
+KEYED_PATHS = ("/reset_prefix_cache", "/tokenize", "/detokenize")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -75,15 +78,18 @@ class OpenAIServer:
 
     The engine is used only from the engine thread (see engine_loop.py). `start()` the
     engine loop, then serve `make_runner()` with aiohttp, or use `ServerThread` or `serve`.
-    `api_key` guards /v1 and, unless `metrics_public`, /metrics.
-    `max_prompt_logprob_entries` caps a request's scored prompt entries (see
-    `protocol.prompt_logprob_entries`).
+    `api_key` guards /v1, /tokenize, /detokenize, /reset_prefix_cache and, unless
+    `metrics_public`, /metrics. `max_prompt_logprob_entries` caps a request's scored prompt
+    entries (see `protocol.prompt_logprob_entries`); `chat_template` (Jinja source) replaces
+    the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
+    metrics.VLLM_NAMES.
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
                  max_waiting: int | None = None, metrics_public: bool = False,
                  read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N,
-                 max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES):
+                 max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+                 chat_template: str | None = None, vllm_metric_names: bool = False):
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
         self.max_prompt_logprob_entries = max_prompt_logprob_entries
@@ -102,8 +108,9 @@ class OpenAIServer:
         self.max_prompt_bytes = self.max_model_len * max_token_bytes(self.tokenizer,
                                                                      self.vocab_size)
         self.max_body_bytes = self.max_prompt_bytes + BODY_ROOM_BYTES
-        self.chat = ChatFormatter.from_model_dir(model_dir, self.tokenizer)
-        self.metrics = ServerMetrics(self.model_name)
+        self.chat = ChatFormatter.from_model_dir(model_dir, self.tokenizer,
+                                                 template=chat_template)
+        self.metrics = ServerMetrics(self.model_name, vllm_names=vllm_metric_names)
         self.metrics.declare_slo_classes(getattr(engine, "slo_classes", {}))
         self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics)
         self.created = int(time.time())
@@ -138,6 +145,7 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        vllm_routes.add_routes(app, self)
         app[SERVER_KEY] = self
         return app
 
@@ -184,7 +192,7 @@ class OpenAIServer:
     def _needs_key(self, request) -> bool:
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else request.path
-        return (path.startswith("/v1") or path == "/reset_prefix_cache"
+        return (path.startswith("/v1") or path in KEYED_PATHS
                 or (path == "/metrics" and not self.metrics_public))
 
     # ------------------------------------------------------------- endpoints
@@ -253,13 +261,17 @@ class OpenAIServer:
         finally:
             self._inflight -= 1
 
+    def check_model(self, model: str) -> None:
+        """404 unless `model` is empty or a served name."""
+        if model and model not in self.served_model_names:
+            raise APIError(404, f"the model '{model[:200]}' does not exist; this server "
+                           f"serves {self.served_model_names}", type="not_found_error",
+                           param="model", code="model_not_found")
+
     async def _read_request(self, request, parse):
         try:
-            req = parse(protocol.parse_json(await self._read_body(request)))
-            if req.model and req.model not in self.served_model_names:
-                raise APIError(404, f"the model '{req.model[:200]}' does not exist; this "
-                               f"server serves {self.served_model_names}",
-                               type="not_found_error", param="model", code="model_not_found")
+            req = parse(protocol.parse_json(await self.read_body(request)))
+            self.check_model(req.model)
             req.slo = self._resolve_slo(req.slo_fields)
             return req
         except APIError:
@@ -283,7 +295,7 @@ class OpenAIServer:
                          next(iter(fields)))
             raise protocol.bad(msg, param) from None
 
-    async def _read_body(self, request) -> bytes:
+    async def read_body(self, request) -> bytes:
         too_large = APIError(
             413, f"the request body is over {self.max_body_bytes} bytes, more than a prompt "
             f"of {self.max_model_len} tokens (this model's context) can use",

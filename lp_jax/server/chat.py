@@ -1,8 +1,10 @@
 """Chat prompts: the model's Jinja chat template, or a documented fallback.
 
-The template is read from the model directory: `chat_template.jinja` if present, else the
-`chat_template` field of `tokenizer_config.json` (a string, or a list of named templates,
-of which "default" is used). It is rendered in a sandboxed Jinja environment with the
+The template is `lp-serve --chat-template FILE` (read and compiled at start-up by
+`read_template_file`, which names the file and the line of a syntax error), else the model
+directory's: `chat_template.jinja` if present, else the `chat_template` field of
+`tokenizer_config.json` (a string, or a list of named templates, of which "default" is
+used). It is rendered in a sandboxed Jinja environment with the
 variables Hugging Face templates expect: `messages`, `add_generation_prompt`, `bos_token`,
 `eos_token`, `tools` (None), plus the `raise_exception` and `strftime_now` helpers, a
 `tojson` filter that keeps non-ASCII text (with transformers' `indent`, `separators` and
@@ -76,7 +78,7 @@ class ChatFormatter:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             env.filters["tojson"] = _tojson
-            self._template = env.from_string(template)
+            self._template = env.from_string(template)  # TemplateSyntaxError: not Jinja
         chatml = False
         if tokenizer is not None:
             chatml = (tokenizer.token_to_id("<|im_start|>") is not None
@@ -84,9 +86,12 @@ class ChatFormatter:
         self.fallback = "chatml" if chatml else "plain"
 
     @classmethod
-    def from_model_dir(cls, model_dir, tokenizer=None) -> ChatFormatter:
-        template, config = load_template(model_dir)
-        return cls(template, config, tokenizer)
+    def from_model_dir(cls, model_dir, tokenizer=None, *,
+                       template: str | None = None) -> ChatFormatter:
+        """The model directory's template, or `template` (Jinja source) in its place; the
+        special tokens come from the directory's tokenizer_config.json either way."""
+        own, config = load_template(model_dir)
+        return cls(template if template is not None else own, config, tokenizer)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is not None:
@@ -106,6 +111,26 @@ class ChatFormatter:
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")
+
+
+def read_template_file(path) -> str:
+    """The Jinja source in `path`, compiled once to check it; ValueError naming the file
+    (and the line of a syntax error) when it is missing, unreadable, empty or not Jinja."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"cannot read chat template file {str(path)!r}: {why}") from None
+    if not source.strip():
+        raise ValueError(f"chat template file {str(path)!r} is empty")
+    try:
+        ChatFormatter(source)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat template file {str(path)!r} is not a valid Jinja template: "
+                         f"line {exc.lineno}: {exc.message}") from None
+    return source
 
 
 def _raise(message):

@@ -30,6 +30,33 @@ Times are in seconds. Every sample carries a `model_name` label (the served mode
 | `lp:slo_requests_total` | counter | finished requests with an SLO, by `slo_class`, `kind` (4) |
 | `lp:slo_attained_total` | counter | those of them that met it, by `slo_class`, `kind` (4) |
 
+vLLM's names (`lp-serve --vllm-metric-names` exposes them too, with the same samples): only
+where the meaning is the same. lp_jax's others (engine_healthy, compilations, iterations,
+expert bytes, kernel backends, rejections, SLO attainment) have no vLLM counterpart.
+
+| lp: name | vLLM name(s) |
+| --- | --- |
+| `lp:num_requests_running` | `vllm:num_requests_running` |
+| `lp:num_requests_waiting` | `vllm:num_requests_waiting` |
+| `lp:kv_cache_usage_perc` | `vllm:kv_cache_usage_perc` |
+| `lp:prompt_tokens_total` | `vllm:prompt_tokens_total` |
+| `lp:generation_tokens_total` | `vllm:generation_tokens_total` |
+| `lp:request_success_total` | `vllm:request_success_total` |
+| `lp:num_preemptions_total` | `vllm:num_preemptions_total` |
+| `lp:prefix_cache_queries_total` | `vllm:prefix_cache_queries_total` (tokens) |
+| `lp:prefix_cache_hits_total` | `vllm:prefix_cache_hits_total` (tokens) |
+| `lp:time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` |
+| `lp:inter_token_latency_seconds` | `vllm:inter_token_latency_seconds`, and (5) |
+| `lp:time_per_output_token_seconds` | `vllm:request_time_per_output_token_seconds` |
+| `lp:e2e_request_latency_seconds` | `vllm:e2e_request_latency_seconds` |
+| `lp:request_queue_time_seconds` | `vllm:request_queue_time_seconds` |
+| `lp:request_prompt_tokens` | `vllm:request_prompt_tokens` |
+| `lp:request_generation_tokens` | `vllm:request_generation_tokens` |
+
+(5) `vllm:time_per_output_token_seconds`: vLLM's name for every gap before 0.11 renamed it.
+
+A Grafana dashboard of the lp: metrics is docs/grafana/lp_jax.json.
+
 Labels: (1) stop, length, abort (a client that left, before its request was queued too);
 (2) invalid, overloaded, unauthorized, engine_dead, shutting_down; (3) decode, prefill,
 hybrid, idle; (4) `slo_class`: the class the request named, or "custom" for explicit
@@ -50,6 +77,30 @@ from __future__ import annotations
 
 from lp_jax.server.prometheus import Registry
 
+# `lp-serve --vllm-metric-names`: the vLLM names that mean what an lp: metric means (same
+# type, unit, labels and definition), exposed beside the lp: name with the same samples, so
+# a dashboard built for vLLM reads them. See the table above.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "lp:num_requests_running": ("vllm:num_requests_running",),
+    "lp:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "lp:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc",),
+    "lp:prompt_tokens_total": ("vllm:prompt_tokens_total",),
+    "lp:generation_tokens_total": ("vllm:generation_tokens_total",),
+    "lp:request_success_total": ("vllm:request_success_total",),
+    "lp:num_preemptions_total": ("vllm:num_preemptions_total",),
+    "lp:prefix_cache_queries_total": ("vllm:prefix_cache_queries_total",),
+    "lp:prefix_cache_hits_total": ("vllm:prefix_cache_hits_total",),
+    "lp:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    # vLLM's time_per_output_token_seconds was every gap until it was renamed (v0.11)
+    "lp:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                       "vllm:time_per_output_token_seconds"),
+    "lp:time_per_output_token_seconds": ("vllm:request_time_per_output_token_seconds",),
+    "lp:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "lp:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "lp:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "lp:request_generation_tokens": ("vllm:request_generation_tokens",),
+}
+
 # Bucket bounds in seconds (and tokens), spread over the range a serving system sees.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -66,8 +117,11 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
-        r = self.registry = Registry({"model_name": model_name})
+    """The server's metric families; `vllm_names`: also render each under VLLM_NAMES."""
+
+    def __init__(self, model_name: str, *, vllm_names: bool = False):
+        r = self.registry = Registry({"model_name": model_name},
+                                     aliases=VLLM_NAMES if vllm_names else None)
         self.ttft = r.histogram("lp:time_to_first_token_seconds",
                                 "Time to first token in seconds.", TTFT_BUCKETS)
         self.itl = r.histogram("lp:inter_token_latency_seconds",

@@ -66,9 +66,9 @@ class _Family:
     def _names_values(self, key: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return self._const_names + self.labelnames, self._const_values + key
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {_escape_help(self.documentation)}",
-                f"# TYPE {self.name} {self.kind}"]
+    def header(self, name: str) -> list[str]:
+        return [f"# HELP {name} {_escape_help(self.documentation)}",
+                f"# TYPE {name} {self.kind}"]
 
 
 class Counter(_Family):
@@ -92,15 +92,17 @@ class Counter(_Family):
         with self._lock:
             return self._children.get(self._key(labels), 0)
 
-    def render(self) -> list[str]:
+    def render(self, name: str | None = None) -> list[str]:
+        """Exposition lines, under `name` (an alias) if given."""
+        name = name or self.name
         with self._lock:
             items = sorted(self._children.items())
         if not items and not self.labelnames:
             items = [((), 0)]
-        out = self.header()
+        out = self.header(name)
         for key, v in items:
             names, values = self._names_values(key)
-            out.append(f"{self.name}{_labels(names, values)} {format_value(v)}")
+            out.append(f"{name}{_labels(names, values)} {format_value(v)}")
         return out
 
 
@@ -164,26 +166,33 @@ class Histogram(_Family):
             cum.append(acc)
         return cum, total, n
 
-    def render(self) -> list[str]:
+    def render(self, name: str | None = None) -> list[str]:
+        """Exposition lines, under `name` (an alias) if given."""
+        name = name or self.name
         with self._lock:
             keys = sorted(self._children)
         if not keys and not self.labelnames:
             keys = [()]
-        out = self.header()
+        out = self.header(name)
         for key in keys:
             cum, total, n = self.snapshot(**dict(zip(self.labelnames, key, strict=True)))
             names, values = self._names_values(key)
             for bound, c in zip(self.buckets, cum, strict=True):
                 le = f'le="{format_value(bound)}"'
-                out.append(f"{self.name}_bucket{_labels(names, values, le)} {c}")
-            out.append(f"{self.name}_sum{_labels(names, values)} {format_value(total)}")
-            out.append(f"{self.name}_count{_labels(names, values)} {n}")
+                out.append(f"{name}_bucket{_labels(names, values, le)} {c}")
+            out.append(f"{name}_sum{_labels(names, values)} {format_value(total)}")
+            out.append(f"{name}_count{_labels(names, values)} {n}")
         return out
 
 
 class Registry:
-    def __init__(self, const_labels: dict[str, str] | None = None):
+    """The metric families; `aliases` (name -> more names) renders a family again under
+    each of its aliases, with the same samples (another system's names for them)."""
+
+    def __init__(self, const_labels: dict[str, str] | None = None,
+                 aliases: dict[str, tuple[str, ...]] | None = None):
         self.const_labels = dict(const_labels or {})
+        self.aliases = dict(aliases or {})
         self._families: dict[str, _Family] = {}
         self._collectors: list[Callable[[], None]] = []
 
@@ -209,6 +218,8 @@ class Registry:
         lines: list[str] = []
         for fam in self._families.values():
             lines.extend(fam.render())
+            for alias in self.aliases.get(fam.name, ()):
+                lines.extend(fam.render(alias))
         return "\n".join(lines) + "\n"
 
 

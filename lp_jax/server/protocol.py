@@ -364,13 +364,11 @@ def parse_completion(body: dict) -> GenerationRequest:
     return req
 
 
-def parse_chat(body: dict) -> GenerationRequest:
-    req = GenerationRequest(kind="chat", model="")
-    _common(body, req)
-    msgs = body.get("messages")
+def parse_messages(msgs) -> tuple[list[dict], int]:
+    """Chat `messages` as the template takes them, and their UTF-8 size."""
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
-    out = []
+    out, size = [], 0
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", "messages")
@@ -395,9 +393,15 @@ def parse_chat(body: dict) -> GenerationRequest:
         name = m.get("name")
         if isinstance(name, str):
             msg["name"] = name
-        req.prompt_bytes += sum(utf8_len(v, "messages") for v in msg.values())
+        size += sum(utf8_len(v, "messages") for v in msg.values())
         out.append(msg)
-    req.messages = out
+    return out, size
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    req = GenerationRequest(kind="chat", model="")
+    _common(body, req)
+    req.messages, req.prompt_bytes = parse_messages(body.get("messages"))
     req.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     req.echo = get_bool(body, "echo", False)  # vLLM's: the last message, if the assistant's
     mct = get_int(body, "max_completion_tokens", None, lo=1)
