@@ -10,10 +10,20 @@ Endpoints
 | `POST /v1/chat/completions` | chat; `messages` rendered with the model's chat template |
 | `GET /v1/models` | the served model name(s), with `max_model_len` (never the model's path) |
 | `GET /health` | 200 `{"status": "ok"}`; 503 while draining or once the engine thread died |
-| `GET /metrics` | Prometheus text format; names in lp_jax/server/metrics.py |
+| `GET /metrics` | Prometheus text format; names in metrics.py (`--vllm-metric-names`: vLLM's too) |
 | `POST /reset_prefix_cache` | drops the prefix cache: 200; 409 while pages are held (vLLM) |
+| `POST /tokenize` | vLLM's: a prompt or messages -> `{"count", "max_model_len", "tokens"}` |
+| `POST /detokenize` | vLLM's: `{"tokens"}` -> `{"prompt"}` |
+| `GET /version` | `{"version": ...}`, lp_jax's (`lp-serve --version` prints it too) |
+| `GET`, `POST /ping` | vLLM's liveness probe: as `/health` |
 
-`/reset_prefix_cache` needs the API key when one is set.
+`/reset_prefix_cache`, `/tokenize` and `/detokenize` need the API key when one is set;
+`/health`, `/ping` and `/version` never do. The tokenizer routes are in vllm_routes.py:
+/tokenize gives the ids the completion or chat route would run (`add_special_tokens`,
+default true for a prompt and false for messages, as vLLM; `add_generation_prompt`;
+`return_token_strs`); a bad field is a 400 naming it. `--chat-template FILE` replaces the
+model's chat template (read and checked at start-up: a missing file or a Jinja syntax
+error stops it, naming the file and line).
 
 Request fields: `model` (optional; if given it must be a served name, else 404),
 `max_tokens` (chat: also `max_completion_tokens`; default: the rest of the context;
@@ -28,13 +38,15 @@ ones after the first's prefill, taking its prompt pages from the prefix cache; c
 prompt starts each choice's text and, with `logprobs`, its log-probability object, the first
 token's entries null; chat, vLLM's: a final assistant message starts the reply), and the
 extensions `prompt_logprobs` (vLLM's: 0 to 20, per prompt token None or
-`{id: {logprob, decoded_token}}`; completions: per choice, chat: top level), `priority`
-(int, lower is served first), `ignore_eos`, and the latency objectives `ttft_slo_ms` and
-`tbt_slo_ms` (numbers of milliseconds in (0, one day]: time to the first token, largest gap
-between two tokens) and `slo_class` (the name of a class from `lp-serve --slo-classes`;
-explicit values override the class's). The openai client sends these through
-`extra_body`. An unknown class or a bad value is a 400 naming the field, and nothing is
-queued; `flowprefill` scheduling orders prefills by TTFT deadline,
+`{id: {logprob, decoded_token}}`; completions: per choice, chat: top level; a request may
+score at most `--max-prompt-logprob-entries` entries, default 200,000: prompt tokens x n x
+(k + 1) over its prompts, k the alternatives asked for, else a 400 naming the field),
+`priority` (int, lower is served first), `ignore_eos`, and the latency objectives
+`ttft_slo_ms` and `tbt_slo_ms` (numbers of milliseconds in (0, one day]: time to the first
+token, largest gap between two tokens) and `slo_class` (the name of a class from
+`lp-serve --slo-classes`; explicit values override the class's). The openai client sends
+these through `extra_body`. An unknown class or a bad value is a 400 naming the field, and
+nothing is queued; `flowprefill` scheduling orders prefills by TTFT deadline,
 every policy counts attainment in `lp:slo_attained_total` / `lp:slo_requests_total`.
 Sampling, per row inside the compiled sampler: `logprobs` (completions: an int 0 to 20,
 OpenAI's legacy object of tokens, token_logprobs, top_logprobs with the sampled token and
@@ -44,21 +56,25 @@ and temperature, as vLLM's default; streamed chunks carry their tokens' entries)
 `presence_penalty` and `frequency_penalty` ([-2, 2], over output tokens),
 `repetition_penalty` (> 0, over prompt and output tokens; vLLM's definitions),
 `min_tokens` (eos and `stop_token_ids` are masked until that many tokens), and
-`logit_bias` (up to 300 {"token id": bias in [-100, 100]}; ids outside the vocabulary are
-a 400). A request with penalties computes its whole prompt (no prefix-cache hit): the
-penalty counts are built on device as its prefill runs.
+`logit_bias` (up to 300 {"token id": bias in [-100, 100]}, the ids in ASCII digits; ids
+outside the vocabulary are a 400). A request with penalties computes its whole prompt (no
+prefix-cache hit): the penalty counts are built on device as its prefill runs.
 A request that scores its prompt (`prompt_logprobs`, or `echo` with `logprobs`) computes its
-whole prompt too, as vLLM's. `best_of`, `suffix`, `tools` and non-text `response_format`
-are rejected with 400 and a message naming the field. Unknown fields are ignored.
+whole prompt too, as vLLM's. `best_of`, `suffix`, `tools`, a `tool_choice` other than
+"none" or "auto", non-text `response_format` (both routes) and a completions batch that
+mixes strings and token id lists are rejected with 400 and a message naming the field.
+Unknown fields are ignored.
 
 Usage: every response carries `usage` (prompt_tokens, each prompt once however many
 samples; completion_tokens of every choice; total_tokens; and
 `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache held for each
 prompt's first sample).
-When streaming, the last chunk before `data: [DONE]` always carries it: the chunk with the
-`finish_reason` does, or, with `stream_options: {"include_usage": true}`, a final chunk with
-empty `choices` and `usage`, as OpenAI sends it. Streams send one chunk per generated token
-(its text may be empty while a multi-byte character or a possible stop string is held back).
+When streaming, only with `stream_options: {"include_usage": true}`, as OpenAI sends it: a
+final chunk with empty `choices` and `usage`, before `data: [DONE]`; no other chunk carries
+`usage`. Streams send one chunk per generated token (its text may be empty while a
+multi-byte character or a possible stop string is held back).
+Bodies with many entries (log-probabilities, long outputs) are built and encoded on a
+worker thread, in pieces (encoding.py), so `/health` and other clients never wait on them.
 
 The body is read as JSON whatever its Content-Type (`curl -d` sends a form content type);
 a body that is not a JSON object is a 400. Strings with a lone UTF-16 surrogate (`"\\ud800"`)
@@ -67,8 +83,8 @@ are a 400 naming the field.
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`, aiohttp's own
 400s for a malformed request line or header included: 400 for malformed JSON and bad fields,
 401 for a missing or wrong API key (`--api-key` or the `LP_API_KEY` environment variable;
-/v1 routes and, unless `--metrics-public`, /metrics need it; the scheme `Bearer` in any
-case), 404 for an unknown model or path, 408 for a body that does not arrive within
+/v1 routes, the three above and, unless `--metrics-public`, /metrics need it; the scheme
+`Bearer` in any case), 404 for an unknown model or path, 408 for a body that does not arrive within
 `--read-timeout`, 413 for a body larger than a prompt of `max_model_len` tokens can use
 (see app.py), 503 with `Retry-After` when `--max-waiting` requests already wait beyond the
 free slots or the server is draining, and 500 when the engine has failed. A stream that
