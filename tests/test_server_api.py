@@ -149,6 +149,7 @@ def test_200_concurrent_requests(server):
                 toks = 0
                 stream = await aclient.completions.create(
                     model=MODEL, prompt=f"request {i}", max_tokens=n, stream=True,
+                    stream_options={"include_usage": True},
                     extra_body={"ignore_eos": True, "priority": i % 3})
                 async for chunk in stream:
                     if chunk.usage:
