@@ -15,6 +15,14 @@ Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
    Larger programs hold activations that grow with their rows (8,224 prefill rows of
    Qwen3-30B-A3B: ~0.8 GiB), beyond one layer's experts on an 8-way expert mesh; their
    temporaries are reported, and rule 1 still holds for them.
+4. TPU: no copy of the KV pool in the optimized HLO (`pool_copies`: a copy whose result
+   has the pool's per-device element count, in any shape). A step writes a few rows
+   into the donated pool in place; a copy inside the layer loop moves the whole pool in
+   every layer of every step. The rule counts ops, not bytes, so it holds for a pool of
+   any size (temporaries alone cannot tell a small pool's copy from a prefill's
+   activations). XLA:CPU once copied the pool in the 1-row program: its single-row write
+   became a fused dynamic-update-slice rooted in a bitcast, which XLA does not update in
+   place (tests/test_program_memory.py).
 
 Listed, not violations: XLA ops that take a one-layer slice of another stacked parameter
 (attention projections, norms, the router). XLA may address those in place (TPU operand
@@ -23,6 +31,7 @@ fusion, GPU dynamic-slice fusion) or copy them; on TPU the temporaries in rule 3
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -93,6 +102,8 @@ def audit_program(rec: dict, build) -> dict:
             if result and not in_fusion and _dims(result.group(2)) in others:
                 copies[others[_dims(result.group(2))]] += 1
     violations += _check_donation(rec, build)
+    if hlo:
+        violations += _check_pool_copies(hlo, build)
     mem = rec.get("memory")
     limit = build.layer_expert_bytes_per_device
     if mem and limit and rec["rows"] <= build.spec.max_num_seqs and mem["temp"] >= limit:
@@ -102,6 +113,22 @@ def audit_program(rec: dict, build) -> dict:
     if hlo:
         listed["materialized_layer_slices"] = dict(copies)  # TPU: what XLA did copy
     return {"violations": violations, "listed": listed}
+
+
+_HLO_COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = [a-z]+[0-9]*\[([0-9,]*)\]\S* copy\(")
+
+
+def pool_copies(hlo: str, pool_elements: int) -> list[str]:
+    """The copies in an optimized HLO text whose result has `pool_elements` elements (the
+    KV pool per device, in its own shape or a reshaped one)."""
+    return [line.strip()[:160] for line in hlo.splitlines()
+            if (m := _HLO_COPY.match(line)) and math.prod(_dims(m.group(1))) == pool_elements]
+
+
+def _check_pool_copies(hlo: str, build) -> list[str]:
+    kv = build.args[1]
+    elements = math.prod(kv.sharding.shard_shape(kv.shape))
+    return [f"a copy of the KV pool: {op}" for op in pool_copies(hlo, elements)]
 
 
 def _check_donation(rec: dict, build) -> list[str]:

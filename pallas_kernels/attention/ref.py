@@ -88,9 +88,12 @@ def write_kv(kv_pages_PSJH: jax.Array, k_TKH: jax.Array, v_TKH: jax.Array,
         kv_TJH = jnp.concatenate([k_TKH, v_TKH], axis=-1).astype(kv_pages_PSJH.dtype)
     else:
         kv_TJH = jnp.stack([k_TKH, v_TKH], axis=2).reshape(T, J, H).astype(kv_pages_PSJH.dtype)
-    slots_T = jnp.where(slots_T < 0, P * S, slots_T)  # out of range -> dropped
-    flat = kv_pages_PSJH.reshape(P * S, J, H).at[slots_T].set(kv_TJH, mode="drop")
-    return flat.reshape(P, S, J, H)
+    # Indexed by (page, offset) in the pool's own shape, not as rows of a [P * S, J, H]
+    # reshape: XLA turns a one-row scatter into a dynamic-update-slice, and XLA:CPU fused
+    # that with the reshape back to [P, S, J, H] into a fusion it does not run in place,
+    # copying the whole pool in every layer of a 1-row program (tests/test_program_memory).
+    page_T = jnp.where(slots_T < 0, P, slots_T // S)  # page P is out of range: dropped
+    return kv_pages_PSJH.at[page_T, slots_T % S].set(kv_TJH, mode="drop")
 
 
 def token_positions(query_start_B1: jax.Array, seq_lens_B: jax.Array, num_seqs: jax.Array,
