@@ -1,25 +1,68 @@
-"""Test-wide setup: 8 simulated CPU devices for the mesh tests, set before JAX loads."""
+"""Test-wide setup, set before JAX loads: 8 simulated CPU devices for the mesh tests, and
+one persistent compilation cache for the whole run.
+
+The cache is a fresh directory per `pytest` run, made by the controlling process and
+shared by its xdist workers (they inherit the environment) and by the subprocesses the
+tests start, removed at the end. Engines and kernels that several tests build with the
+same shapes then compile once per run. A program read back from it still counts as a
+compilation for the engine's compile guard (lp_jax/engine/compile_guard.py), so the
+"nothing compiles while serving" checks keep their teeth; tests/test_compile_guard.py
+proves it.
+
+Time budget per test area (tests/README.md): new tests fit in it or buy time elsewhere.
+"""
 
 import os
+import shutil
+import tempfile
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+_CACHE_ENV = "LP_TEST_COMPILATION_CACHE"
+_OWN_CACHE = None
+if _CACHE_ENV not in os.environ:  # the controlling process (or a run without xdist)
+    _OWN_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="lp_jax_test_jit_cache_")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_ENV]
+# Cache every program, however small or quick to compile (the defaults skip those).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import pytest  # noqa: E402
 
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
 # longest-first keeps one long file from running alone at the end.
-SLOWEST_FIRST = ("test_programs.py", "test_engine.py", "test_moe_kernels.py",
-                 "test_gpu_validate.py", "test_pallas_end_to_end.py",
-                 "test_attention_kernels.py", "test_sharded_kernels.py",
-                 "test_golden_parity.py", "test_kernel_check.py", "test_tpu_compile.py")
+SLOWEST_FIRST = ("test_programs.py", "test_pallas_end_to_end.py", "test_sharded_kernels.py",
+                 "test_multiprocess.py", "test_gpu_validate.py", "test_golden_parity.py",
+                 "test_moe_kernels.py", "test_gpt_oss.py", "test_prefix_cache.py",
+                 "test_engine.py", "test_mesh_parity.py", "test_aot.py",
+                 "test_expert_dispatch.py", "test_attention_kernels.py", "test_kernel_check.py",
+                 "test_tpu_compile.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps order
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_programs_after_each_module():
+    """Each module's programs go when it ends (an xdist worker runs ~20 modules, and
+    XLA:CPU aborts a process holding ~120 programs); the shared engines hold theirs."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +94,54 @@ def mock_server(tiny_dir):
     st_ = start_server(MockEngine(model_dir=tiny_dir, max_model_len=64))
     yield st_
     st_.stop()
+
+
+# ----------------------------------------------------------------- shared engines
+# Engines every test that needs "an engine" shares, built once per xdist worker on first
+# use. They share their shapes (4 sequences of up to 256 tokens, 64 KV pages) and row
+# buckets, so their programs are few and shared through the run's compilation cache:
+# orca and chunked hold the same 4- and 16-row programs, and the layered engines differ
+# in G only, which is a runtime value. A test that uses one leaves it clean: no request
+# unfinished, every page free (tests that fill the prefix cache reset it first). Only
+# tests about a configuration (a page count, a dtype, warm-up off) build their own.
+ENGINE_BASE = dict(max_num_seqs=4, max_model_len=256, log=None)
+SHARED_ENGINES = {
+    "orca": dict(scheduling="orca", max_num_batched_tokens=16, token_buckets=(4, 16, 260)),
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=16, token_buckets=(4, 16)),
+    "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
+                    token_buckets=(4, 68)),
+    "layered-3": dict(scheduling="layered", layer_groups=3, max_num_batched_tokens=64,
+                      token_buckets=(4, 68)),
+    "layered-4": dict(scheduling="layered", layer_groups=4, max_num_batched_tokens=64,
+                      token_buckets=(4, 68)),
+    "flowprefill": dict(scheduling="flowprefill", preemption_granularity="layer",
+                        max_num_batched_tokens=64, token_buckets=(4, 68)),
+}
+
+
+class SharedEngines:
+    """`engines(name)`: the run's shared `LLM` of that name, built on first use;
+    `engines.kwargs(name)`: its arguments, for a test that builds a variant."""
+
+    def __init__(self):
+        self._built = {}
+
+    @staticmethod
+    def kwargs(name: str) -> dict:
+        return {**ENGINE_BASE, **SHARED_ENGINES[name]}
+
+    def __call__(self, name: str):
+        if name not in self._built:
+            from lp_jax import LLM
+
+            self._built[name] = LLM(**self.kwargs(name))
+        return self._built[name]
+
+
+_ENGINES = SharedEngines()
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """The shared engines (SHARED_ENGINES), one set per xdist worker."""
+    return _ENGINES

@@ -10,4 +10,4 @@ PROMPTS = [_GOLDEN[f"prompt_{i}"].tolist() for i in range(2)]
 NEW_TOKENS = 6
 GOLDEN_TOKENS = [_GOLDEN[f"greedy_{i}"][:NEW_TOKENS].tolist() for i in range(2)]
 ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 64),
-                   layer_groups=2, compilation_cache_dir=None)
+                   layer_groups=2)

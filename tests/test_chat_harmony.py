@@ -85,8 +85,7 @@ def test_chat_completion_on_tiny_gpt_oss(gpt_oss_dir):
 
     engine = LLMEngine(EngineConfig(
         model=str(gpt_oss_dir), scheduling="chunked", max_num_seqs=4, max_model_len=512,
-        max_num_batched_tokens=256, token_buckets=(256,), backends="off",
-        compilation_cache_dir=None), log=None)
+        max_num_batched_tokens=256, token_buckets=(256,), backends="off"), log=None)
     st = ServerThread(OpenAIServer(engine, served_model_names=["tiny-gpt-oss"]))
     st.start()
     try:

@@ -1,8 +1,10 @@
 """The engine end to end on the tiny model: every policy gives the same greedy tokens
 as the plain model (and as Hugging Face), and serving compiles nothing after warm-up.
 
-Engines are expensive to build (their programs compile at start-up), so each
-configuration is built once per module and shared.
+The engines are the run's shared ones (conftest.py `engines`: orca and chunked at a
+16-token budget, layered at 64 with G = 2, 3 and 4, FlowPrefill); only the tests of a
+configuration (a page count, warm-up off, a dtype, synchronous scheduling) build their
+own.
 """
 
 import dataclasses
@@ -15,25 +17,13 @@ from lp_jax.loader import load_model
 from lp_jax.models.simple import greedy_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-BASE = dict(max_num_seqs=4, max_model_len=2048, compilation_cache_dir=None, log=None)
-# Few row buckets per engine (each is one program); the last covers budget + decodes.
-CONFIGS = {
-    "orca": dict(scheduling="orca", token_buckets=(4, 64, 512, 2052)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=256, token_buckets=(4, 64, 256)),
-    "layered-paper": dict(scheduling="layered", max_num_batched_tokens=1024,
-                          token_buckets=(4, 64, 1028)),
-    "layered-3": dict(scheduling="layered", layer_groups=3, max_num_batched_tokens=1024,
-                      token_buckets=(4, 1028)),
-    "layered-small": dict(scheduling="layered", layer_groups=4, max_num_batched_tokens=128,
-                          token_buckets=(4, 132)),
-}
-_engines: dict[str, LLM] = {}
+BASE = dict(max_num_seqs=4, max_model_len=256, log=None)
+POLICIES = ("orca", "chunked", "layered", "layered-3", "layered-4", "flowprefill")
 
 
-def engine(name: str) -> LLM:
-    if name not in _engines:
-        _engines[name] = LLM(**BASE, **CONFIGS[name])
-    return _engines[name]
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +33,8 @@ def reference_model(tiny_dir):
 
 def _prompts():
     rng = np.random.default_rng(7)
-    # short, several 512-token blocks, and longer than the layered budget (1024)
-    return [rng.integers(0, 509, n).tolist() for n in (5, 40, 700, 1300, 17)]
+    # short, a page and a half, several pages and longer than the budgets (16 and 64)
+    return [rng.integers(0, 509, n).tolist() for n in (5, 40, 100, 200, 17)]
 
 
 def _run_staggered(llm: LLM, prompts, params):
@@ -68,44 +58,45 @@ def expected(reference_model):
     return [greedy_generate(reference_model, p, GREEDY.max_tokens) for p in _prompts()]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_policies_match_reference(name, expected):
+@pytest.mark.parametrize("name", POLICIES)
+def test_policies_match_reference(name, expected, engine):
     llm = engine(name)
+    before = llm.stats()["prefill_batches"]
     assert _run_staggered(llm, _prompts(), GREEDY) == expected
     stats = llm.stats()
     assert stats["compilations_after_warmup"] == 0, stats
     if name.startswith("layered"):
-        assert stats["prefill_batches"] >= 3
+        assert stats["prefill_batches"] - before >= 3
 
 
-def test_layered_uses_several_groups_and_fewer_expert_bytes():
-    prompt = _prompts()[3][:1024]
+def test_layered_uses_several_groups_and_fewer_expert_bytes(engine):
+    prompt = _prompts()[3][:64]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     bytes_ = {}
-    for name in ("chunked", "layered-paper"):
+    for name in ("chunked", "layered"):
         llm = engine(name)
         assert llm.engine.reset_prefix_cache()  # earlier tests cached this prompt's prefix
         before = llm.stats()
         llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         after = llm.stats()
         bytes_[name] = after["expert_bytes_loaded"] - before["expert_bytes_loaded"]
-        if name == "layered-paper":  # 1024 tokens -> G = 2 iterations before the token
+        if name == "layered":  # one 64-token batch, G = 2: 2 iterations before the token
             busy = after["iterations"] - after["iterations_idle"]
             assert busy - (before["iterations"] - before["iterations_idle"]) == 2
-    # chunk 256 reads each layer's experts 4 times, layered once
-    assert bytes_["layered-paper"] < 0.5 * bytes_["chunked"]
+    # chunks of 16 read each layer's experts 4 times, layered once
+    assert bytes_["layered"] < 0.5 * bytes_["chunked"]
 
 
-def test_matches_huggingface_golden():
+def test_matches_huggingface_golden(engine):
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
     want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
-    outs = engine("layered-small").generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = engine("layered-4").generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == want
 
 
-def test_output_metrics_and_text():
+def test_output_metrics_and_text(engine):
     llm = engine("chunked")
     out = llm.generate(prompts=["The engine serves"],
                        sampling_params=SamplingParams(temperature=0, max_tokens=5,
@@ -120,7 +111,7 @@ def test_output_metrics_and_text():
         assert key in s
 
 
-def test_max_tokens_and_stop_tokens(expected):
+def test_max_tokens_and_stop_tokens(expected, engine):
     llm = engine("chunked")
     prompt = _prompts()[1]
     full = expected[1]
@@ -134,13 +125,13 @@ def test_max_tokens_and_stop_tokens(expected):
     assert out.token_ids == full[:2] and out.finish_reason == "length"
 
 
-def test_seeded_sampling_is_reproducible_across_policies():
+def test_seeded_sampling_is_reproducible_across_policies(engine):
     prompts = _prompts()[:2]
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234, max_tokens=6,
                             ignore_eos=True)
     a = [o.token_ids for o in engine("chunked").generate(prompt_token_ids=prompts,
                                                          sampling_params=params)]
-    b = [o.token_ids for o in engine("layered-paper").generate(prompt_token_ids=prompts,
+    b = [o.token_ids for o in engine("layered").generate(prompt_token_ids=prompts,
                                                                sampling_params=params)]
     assert a == b
     other = SamplingParams(temperature=1.0, seed=99, max_tokens=6, ignore_eos=True)
@@ -149,8 +140,8 @@ def test_seeded_sampling_is_reproducible_across_policies():
     assert c != a
 
 
-def test_bad_requests_fail_alone_and_leak_nothing(expected):
-    llm = engine("layered-paper")
+def test_bad_requests_fail_alone_and_leak_nothing(expected, engine):
+    llm = engine("layered")
     eng = llm.engine
     good = eng.add_request(_prompts()[1], GREEDY)
     for bad in ([], [1] * 4000, [3, 600, 5], [-1, 4]):
@@ -166,15 +157,15 @@ def test_bad_requests_fail_alone_and_leak_nothing(expected):
     assert s["free_pages"] == s["total_pages"]
 
 
-def test_abort_in_every_state_frees_all_pages():
-    llm = engine("layered-paper")
+def test_abort_in_every_state_frees_all_pages(engine):
+    llm = engine("layered")
     eng = llm.engine
     p = _prompts()
     long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     decoding = eng.add_request(p[1], long_params)
     eng.step()
     eng.step()  # now decoding
-    in_flight = eng.add_request(p[3][:1024], long_params)  # a 2-group layered batch
+    in_flight = eng.add_request(p[3][:64], long_params)  # a 2-group layered batch
     waiting = eng.add_request(p[2], long_params)
     while not eng.scheduler.policy.in_flight():
         eng.step()  # until the batch is in flight (group 0 of 2)
@@ -189,7 +180,7 @@ def test_abort_in_every_state_frees_all_pages():
     assert s["free_pages"] == s["total_pages"]
 
 
-def test_an_abort_is_reported_even_when_nothing_else_runs():
+def test_an_abort_is_reported_even_when_nothing_else_runs(engine):
     eng = engine("chunked").engine
     rid = eng.add_request(_prompts()[0], GREEDY)
     assert eng.abort(rid) and eng.has_unfinished()
@@ -200,7 +191,7 @@ def test_an_abort_is_reported_even_when_nothing_else_runs():
 
 def test_preemption_under_kv_pressure_keeps_outputs(reference_model):
     # 24 pages of 16 tokens cannot hold four 100-token sequences growing to 140.
-    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=256,
+    llm = LLM(**BASE, scheduling="chunked", max_num_batched_tokens=256,
               token_buckets=(4, 256), kv_pages=24)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 509, 100).tolist() for _ in range(4)]
@@ -215,13 +206,13 @@ def test_preemption_under_kv_pressure_keeps_outputs(reference_model):
 
 def test_compile_guard_sees_compiles_without_warmup():
     """The no-recompile check can fail: skipping warm-up shows up as compiles."""
-    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=64,
+    llm = LLM(**BASE, scheduling="chunked", max_num_batched_tokens=64,
               token_buckets=(64,), warmup=False)
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)
     assert llm.stats()["compilations_after_warmup"] > 0
 
 
-def test_generate_argument_errors():
+def test_generate_argument_errors(engine):
     llm = engine("chunked")
     with pytest.raises(ValueError, match="exactly one"):
         llm.generate()
@@ -240,35 +231,34 @@ def test_buckets_must_cover_the_budget_before_any_compile():
     compile_guard.install()
     before = compile_guard.compilations()
     with pytest.raises(ValueError, match="token_buckets .* must reach 128 rows"):
-        LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=128,
+        LLM(**BASE, scheduling="chunked", max_num_batched_tokens=128,
             token_buckets=(64,))
     with pytest.raises(ValueError, match="must reach 68 rows.* next to 4 decodes"):
-        LLM(**{**BASE, "max_model_len": 256}, scheduling="layered", max_num_batched_tokens=64,
+        LLM(**BASE, scheduling="layered", max_num_batched_tokens=64,
             token_buckets=(64,))
     assert compile_guard.compilations() == before  # refused before loading the model
 
 
-def test_orca_runs_a_prompt_longer_than_its_budget(expected):
-    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="orca", max_num_batched_tokens=16,
-              token_buckets=(4, 260))
+def test_orca_runs_a_prompt_longer_than_its_budget(expected, engine):
+    llm = engine("orca")  # a 16-token budget, and a 40-token prompt
     out = llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)[0]
     assert out.token_ids == expected[1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_with_aborts_matches_chunked(seed):
+def test_random_workload_with_aborts_matches_chunked(seed, engine):
     """Random prompt lengths, arrival steps and aborts through the layered engine (with
     small budget: chunks cross groups while others arrive and leave); the survivors'
     tokens equal a clean chunked run's, nothing compiles, and every page comes back."""
     rng = np.random.default_rng(seed)
     n = 8
-    prompts = [rng.integers(0, 509, int(rng.integers(1, 300))).tolist() for _ in range(n)]
+    prompts = [rng.integers(0, 509, int(rng.integers(1, 240))).tolist() for _ in range(n)]
     arrive = sorted(int(x) for x in rng.integers(0, 12, n))
     abort_at = {i: int(arrive[i] + rng.integers(0, 6)) for i in range(n) if rng.random() < 0.3}
     params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 8)),
                             ignore_eos=True)
 
-    eng = engine("layered-small").engine
+    eng = engine("layered-4").engine
     ids, outs, step = {}, {}, 0
     while len(outs) < n:
         for i in range(n):
@@ -284,16 +274,16 @@ def test_random_workload_with_aborts_matches_chunked(seed):
     clean = engine("chunked").generate(prompt_token_ids=[prompts[i] for i in survivors],
                                        sampling_params=params)
     assert [outs[ids[i]].token_ids for i in survivors] == [o.token_ids for o in clean]
-    s = engine("layered-small").stats()
+    s = engine("layered-4").stats()
     assert s["free_pages"] == s["total_pages"] and s["compilations_after_warmup"] == 0
 
 
-def test_overlapped_scheduling_matches_synchronous_steps():
+def test_overlapped_scheduling_matches_synchronous_steps(engine):
     """Async scheduling (the default: decode steps planned and dispatched while the
     previous one runs, their tokens read on device) gives exactly the tokens of
     one-step-at-a-time scheduling, for seeded sampling, stop tokens, lengths and
     aborts, and frees every page."""
-    sync = LLM(**BASE, **CONFIGS["chunked"], async_scheduling=False)
+    sync = LLM(**engine.kwargs("chunked"), async_scheduling=False)
     prompts = _prompts()[:4]
     rng = np.random.default_rng(11)
     params = [SamplingParams(temperature=1.0, top_k=40, seed=int(rng.integers(1 << 30)),
@@ -335,7 +325,7 @@ def test_overlapped_scheduling_matches_synchronous_steps():
 def test_expert_bytes_count_the_dtype_served_not_the_checkpoints():
     """The tiny checkpoint is float32; served in bfloat16, an activated expert is
     3 * D * F * 2 bytes (it was counted at the checkpoint's 4 bytes)."""
-    llm = LLM(**{**BASE, "max_model_len": 256}, scheduling="chunked", max_num_batched_tokens=64,
+    llm = LLM(**BASE, scheduling="chunked", max_num_batched_tokens=64,
               token_buckets=(4, 64), dtype="bfloat16")
     llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)
     s, cfg = llm.stats(), llm.engine.model_config

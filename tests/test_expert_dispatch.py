@@ -348,7 +348,7 @@ NEW_TOKENS = 3
 def test_engine_all_to_all_matches_single_device(tiny_model):
     llm = LLM(mesh_shape=(2, 4), moe_dispatch="all_to_all", scheduling="chunked",
               max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
-              token_buckets=(2, 16), kv_pages=8, warmup=False, compilation_cache_dir=None,
+              token_buckets=(2, 16), kv_pages=8, warmup=False,
               log=None)
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))

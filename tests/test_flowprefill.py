@@ -322,7 +322,7 @@ def engine(tiny_dir):
     from lp_jax.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(model=tiny_dir, scheduling="flowprefill", max_model_len=256,
-                       max_num_batched_tokens=128, max_num_seqs=8, compilation_cache_dir=None,
+                       max_num_batched_tokens=128, max_num_seqs=8,
                        slo_classes={"chat": {"ttft_ms": 50}})
     engine = LLMEngine(cfg, log=None)
     engine.base_config = engine.scheduler.config

@@ -82,7 +82,7 @@ def test_engine_serves_with_the_fallback_and_reports_it(interpret, monkeypatch):
     path = ensure_tiny(preset="tiny-h128")
     llm = LLM(model=str(path), scheduling="chunked", max_num_seqs=2, max_model_len=128,
               max_num_batched_tokens=32, token_buckets=(2, 32), moe_backend="tpu",
-              attention_backend="xla", compilation_cache_dir=None, log=None)
+              attention_backend="xla", log=None)
     s = llm.stats()
     assert s["kernel_backends"] == {"moe": "xla_tiles", "attention": "xla"}
     assert set(s["kernel_fallbacks"]) == {"moe"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lp_jax import LLM
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.step import SCORE_ROWS
 
@@ -18,16 +17,11 @@ PROMPTS = [GOLDEN[f"prompt_{i}"].tolist() for i in range(3)]
 TOL = 1e-4
 
 
-def _llm(tiny_dir, policy):
-    # chunked: a 16-token budget splits the 40-token prompt into 3 chunks
-    budget = 16 if policy == "chunked" else 64
-    return LLM(str(tiny_dir), scheduling=policy, max_num_seqs=4, max_model_len=128,
-               max_num_batched_tokens=budget, log=None, compilation_cache_dir=None)
-
-
 @pytest.fixture(scope="module", params=["chunked", "layered"])
-def llm(request, tiny_dir):
-    return _llm(tiny_dir, request.param)
+def llm(request, engines):
+    # the shared engines: chunked's 16-token budget splits the 40-token prompt into 3
+    # chunks; layered runs it in one batch of 2 groups
+    return engines(request.param)
 
 
 def test_prompt_and_sampled_logprobs_match_transformers(llm):

@@ -42,13 +42,13 @@ def test_engine_with_tpu_kernels_matches_xla(monkeypatch):
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
     path = ensure_tiny(preset="tiny-h128")
     rng = np.random.default_rng(3)
-    # a prompt over the 64-token budget (two batches), one over a page, short ones
-    prompts = [rng.integers(0, 509, n).tolist() for n in (5, 70, 23, 9)]
+    # a prompt over the 32-token budget (two batches), one over a page, short ones; the
+    # interpreter's cost follows the rows (a 64-token budget took twice as long)
+    prompts = [rng.integers(0, 509, n).tolist() for n in (5, 40, 20, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm = LLM(model=str(path), scheduling="layered", layer_groups=2, max_num_seqs=4,
-              max_model_len=256, max_num_batched_tokens=64, token_buckets=(4, 68),
-              moe_backend="tpu", attention_backend="tpu",
-              compilation_cache_dir=None, log=None)
+              max_model_len=128, max_num_batched_tokens=32, token_buckets=(4, 36),
+              moe_backend="tpu", attention_backend="tpu", log=None)
     eng = llm.engine
     ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[:2])}
     outs, step = {}, 0

@@ -247,24 +247,7 @@ def test_layered_groups_and_budget_count_only_uncached_tokens():
 
 # ----- the engine and the server, on the tiny model -----
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-BASE = dict(max_num_seqs=4, max_model_len=128, compilation_cache_dir=None, log=None)
-ENGINES = {  # small budgets and two row buckets each: a program per bucket
-    "orca": dict(scheduling="orca", token_buckets=(8, 132)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=64, token_buckets=(8, 64)),
-    "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
-                    token_buckets=(8, 68)),
-    "flowprefill": dict(scheduling="flowprefill", preemption_granularity="layer",
-                        max_num_batched_tokens=64, token_buckets=(8, 68)),
-}
-_engines = {}
-
-
-def engine(name):
-    from lp_jax import LLM
-
-    if name not in _engines:
-        _engines[name] = LLM(**BASE, **ENGINES[name])
-    return _engines[name]
+POLICIES = ("orca", "chunked", "layered", "flowprefill")  # the run's shared engines
 
 
 def engine_prompts():
@@ -276,9 +259,9 @@ def engine_prompts():
     return prompts + [prompts[1], system]  # an equal prompt, and the system prompt alone
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
-def test_engine_tokens_with_hits_equal_those_computed_cold(name):
-    llm = engine(name)
+@pytest.mark.parametrize("name", POLICIES)
+def test_engine_tokens_with_hits_equal_those_computed_cold(name, engines):
+    llm = engines(name)
     eng = llm.engine
     prompts = engine_prompts()
     cold = []
@@ -303,7 +286,7 @@ def test_engine_tokens_with_hits_equal_those_computed_cold(name):
     assert after["free_pages"] == after["total_pages"]
 
 
-def test_server_reports_cached_tokens_and_resets_the_cache():
+def test_server_reports_cached_tokens_and_resets_the_cache(engines):
     import json
     import time
     import urllib.error
@@ -314,7 +297,7 @@ def test_server_reports_cached_tokens_and_resets_the_cache():
     from lp_jax.server import OpenAIServer, ServerThread
     from lp_jax.server.prometheus import parse_text
 
-    eng = engine("chunked").engine
+    eng = engines("chunked").engine
     st = ServerThread(OpenAIServer(eng, served_model_names=["tiny"])).start()
     try:
         def post_reset():

@@ -40,7 +40,7 @@ def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
     want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
-    llm = LLM(tiny_dir, compilation_cache_dir=None, log=None, scheduling="layered")
+    llm = LLM(tiny_dir, log=None, scheduling="layered")
     stats = llm.stats()
     assert stats["programs"] == len(resolve_buckets(None, "layered", 8192, llm.engine.config
                                                     .max_num_seqs))

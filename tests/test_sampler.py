@@ -126,15 +126,14 @@ def _np_logp(x):
     return x - np.log(np.exp(x).sum())
 
 
-def test_engine_penalties_bias_min_tokens_and_logprobs_match_numpy(tiny_model):
+def test_engine_penalties_bias_min_tokens_and_logprobs_match_numpy(tiny_model, engines):
     """Greedy decoding with every option on, on a layered engine (a prompt spans several
     groups and plans, overlapped scheduling): each output token is the argmax of the
     reference logits after numpy's bias, min_tokens mask and vLLM penalties over the
     tokens so far, and the log-probabilities are the raw log-softmax within 1e-4."""
-    from lp_jax import LLM, SamplingParams
+    from lp_jax import SamplingParams
 
-    llm = LLM(max_num_seqs=4, max_model_len=256, compilation_cache_dir=None, log=None,
-              scheduling="layered", max_num_batched_tokens=64, token_buckets=(4, 68))
+    llm = engines("layered")  # a 64-token budget in 2 groups
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 200, n).tolist() for n in (9, 90, 30)]
     prompts[2] = prompts[2][:10] * 3  # repeats: the repetition penalty bites
@@ -151,6 +150,7 @@ def test_engine_penalties_bias_min_tokens_and_logprobs_match_numpy(tiny_model):
     assert outs[1].finish_reason == "length"  # min_tokens == max_tokens: no stop
     stats = llm.engine.stats()
     assert stats["compilations_after_warmup"] == 0 and stats["programs"] == 2
+    assert stats["free_pages"] == stats["total_pages"]
 
 
 def test_penalty_counts_survive_recompute_preemption(tiny_model):
@@ -160,9 +160,8 @@ def test_penalty_counts_survive_recompute_preemption(tiny_model):
     from lp_jax import LLM, SamplingParams
 
     # 24 pages of 16 tokens cannot hold four 100-token sequences growing to 140.
-    llm = LLM(max_num_seqs=4, max_model_len=256, compilation_cache_dir=None, log=None,
-              scheduling="chunked", max_num_batched_tokens=256, token_buckets=(4, 256),
-              kv_pages=24)
+    llm = LLM(max_num_seqs=4, max_model_len=256, log=None, scheduling="chunked",
+              max_num_batched_tokens=256, token_buckets=(4, 256), kv_pages=24)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 509, 100).tolist() for _ in range(4)]
     # negative penalties make outputs repeat: each one depends on the counts so far

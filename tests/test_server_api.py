@@ -29,22 +29,17 @@ REQUIRED_METRICS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def server(tiny_dir):
-    from lp_jax.engine.config import EngineConfig
-    from lp_jax.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_dir), scheduling="chunked", max_num_seqs=8, max_model_len=256,
-        max_num_batched_tokens=256,
-        token_buckets=(8, 64, 256), compilation_cache_dir=None), log=None)
+@pytest.fixture(scope="module")
+def server(engines):
+    engine = engines("chunked").engine  # the run's shared chunked engine
+    assert not engine.has_unfinished() and engine.reset_prefix_cache()
     st = ServerThread(OpenAIServer(engine, served_model_names=[MODEL], max_waiting=1000))
     st.start()
     yield st
     st.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                          timeout=60)

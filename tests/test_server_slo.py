@@ -186,8 +186,7 @@ def real_server(tiny_dir):
 
     engine = LLMEngine(EngineConfig(
         model=str(tiny_dir), scheduling="flowprefill", max_num_seqs=4, max_model_len=128,
-        max_num_batched_tokens=128, token_buckets=(8, 32, 132), slo_classes=CLASSES,
-        compilation_cache_dir=None), log=None)
+        max_num_batched_tokens=128, token_buckets=(8, 32, 132), slo_classes=CLASSES), log=None)
     st_ = ServerThread(OpenAIServer(engine, served_model_names=["mock"])).start()
     yield st_
     st_.stop()

@@ -205,7 +205,7 @@ def sharded_engine():
         llm = LLM(mesh_shape=(2, 2), moe_backend="tpu", attention_backend="gpu",
                   scheduling="chunked", max_num_seqs=2, max_model_len=32,
                   max_num_batched_tokens=16, token_buckets=(2, 16), backends="strict",
-                  kv_pages=8, warmup=False, compilation_cache_dir=None, log=None)
+                  kv_pages=8, warmup=False, log=None)
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
             temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return llm, [o.token_ids for o in outputs]

@@ -56,6 +56,8 @@ class EngineConfig:
     warmup: bool = True  # compile every program at start-up
     # Plan and dispatch the next step while a decode-only step runs (llm_engine.py).
     async_scheduling: bool = True
+    # JAX's persistent compilation cache; None: none of lp_jax's own. A cache JAX already
+    # has (JAX_COMPILATION_CACHE_DIR, or an earlier engine in the process) is kept.
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
     # Several processes, one SPMD engine (distributed.py): all None reads LP_NUM_PROCESSES /
     # LP_PROCESS_ID / LP_COORDINATOR_ADDRESS, else a TPU pod or SLURM job JAX detects,

@@ -170,7 +170,9 @@ class LLMEngine:
         from lp_jax.loader import load_model
 
         compile_guard.install()
-        if config.compilation_cache_dir:
+        # JAX's persistent cache is process-wide and fixed at its first use: one that is
+        # already configured (JAX_COMPILATION_CACHE_DIR, an earlier engine) is kept.
+        if config.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
         self.config = config
         self.log = log or (lambda *_: None)
