@@ -22,11 +22,6 @@ POLICIES = ("orca", "chunked", "layered", "layered-3", "layered-4", "flowprefill
 
 
 @pytest.fixture(scope="module")
-def engine(engines):
-    return engines
-
-
-@pytest.fixture(scope="module")
 def reference_model(tiny_dir):
     return load_model(tiny_dir)
 
@@ -59,8 +54,8 @@ def expected(reference_model):
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_policies_match_reference(name, expected, engine):
-    llm = engine(name)
+def test_policies_match_reference(name, expected, engines):
+    llm = engines(name)
     before = llm.stats()["prefill_batches"]
     assert _run_staggered(llm, _prompts(), GREEDY) == expected
     stats = llm.stats()
@@ -69,12 +64,12 @@ def test_policies_match_reference(name, expected, engine):
         assert stats["prefill_batches"] - before >= 3
 
 
-def test_layered_uses_several_groups_and_fewer_expert_bytes(engine):
+def test_layered_uses_several_groups_and_fewer_expert_bytes(engines):
     prompt = _prompts()[3][:64]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     bytes_ = {}
     for name in ("chunked", "layered"):
-        llm = engine(name)
+        llm = engines(name)
         assert llm.engine.reset_prefix_cache()  # earlier tests cached this prompt's prefix
         before = llm.stats()
         llm.generate(prompt_token_ids=[prompt], sampling_params=params)
@@ -87,17 +82,17 @@ def test_layered_uses_several_groups_and_fewer_expert_bytes(engine):
     assert bytes_["layered"] < 0.5 * bytes_["chunked"]
 
 
-def test_matches_huggingface_golden(engine):
+def test_matches_huggingface_golden(engines):
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
     want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
-    outs = engine("layered-4").generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = engines("layered-4").generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == want
 
 
-def test_output_metrics_and_text(engine):
-    llm = engine("chunked")
+def test_output_metrics_and_text(engines):
+    llm = engines("chunked")
     out = llm.generate(prompts=["The engine serves"],
                        sampling_params=SamplingParams(temperature=0, max_tokens=5,
                                                       ignore_eos=True))[0]
@@ -111,8 +106,8 @@ def test_output_metrics_and_text(engine):
         assert key in s
 
 
-def test_max_tokens_and_stop_tokens(expected, engine):
-    llm = engine("chunked")
+def test_max_tokens_and_stop_tokens(expected, engines):
+    llm = engines("chunked")
     prompt = _prompts()[1]
     full = expected[1]
     stop = full[3]
@@ -125,23 +120,23 @@ def test_max_tokens_and_stop_tokens(expected, engine):
     assert out.token_ids == full[:2] and out.finish_reason == "length"
 
 
-def test_seeded_sampling_is_reproducible_across_policies(engine):
+def test_seeded_sampling_is_reproducible_across_policies(engines):
     prompts = _prompts()[:2]
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234, max_tokens=6,
                             ignore_eos=True)
-    a = [o.token_ids for o in engine("chunked").generate(prompt_token_ids=prompts,
+    a = [o.token_ids for o in engines("chunked").generate(prompt_token_ids=prompts,
                                                          sampling_params=params)]
-    b = [o.token_ids for o in engine("layered").generate(prompt_token_ids=prompts,
+    b = [o.token_ids for o in engines("layered").generate(prompt_token_ids=prompts,
                                                                sampling_params=params)]
     assert a == b
     other = SamplingParams(temperature=1.0, seed=99, max_tokens=6, ignore_eos=True)
-    c = [o.token_ids for o in engine("chunked").generate(prompt_token_ids=prompts,
+    c = [o.token_ids for o in engines("chunked").generate(prompt_token_ids=prompts,
                                                          sampling_params=other)]
     assert c != a
 
 
-def test_bad_requests_fail_alone_and_leak_nothing(expected, engine):
-    llm = engine("layered")
+def test_bad_requests_fail_alone_and_leak_nothing(expected, engines):
+    llm = engines("layered")
     eng = llm.engine
     good = eng.add_request(_prompts()[1], GREEDY)
     for bad in ([], [1] * 4000, [3, 600, 5], [-1, 4]):
@@ -157,8 +152,8 @@ def test_bad_requests_fail_alone_and_leak_nothing(expected, engine):
     assert s["free_pages"] == s["total_pages"]
 
 
-def test_abort_in_every_state_frees_all_pages(engine):
-    llm = engine("layered")
+def test_abort_in_every_state_frees_all_pages(engines):
+    llm = engines("layered")
     eng = llm.engine
     p = _prompts()
     long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -180,8 +175,8 @@ def test_abort_in_every_state_frees_all_pages(engine):
     assert s["free_pages"] == s["total_pages"]
 
 
-def test_an_abort_is_reported_even_when_nothing_else_runs(engine):
-    eng = engine("chunked").engine
+def test_an_abort_is_reported_even_when_nothing_else_runs(engines):
+    eng = engines("chunked").engine
     rid = eng.add_request(_prompts()[0], GREEDY)
     assert eng.abort(rid) and eng.has_unfinished()
     outs = eng.step()
@@ -212,8 +207,8 @@ def test_compile_guard_sees_compiles_without_warmup():
     assert llm.stats()["compilations_after_warmup"] > 0
 
 
-def test_generate_argument_errors(engine):
-    llm = engine("chunked")
+def test_generate_argument_errors(engines):
+    llm = engines("chunked")
     with pytest.raises(ValueError, match="exactly one"):
         llm.generate()
     with pytest.raises(ValueError):
@@ -239,14 +234,14 @@ def test_buckets_must_cover_the_budget_before_any_compile():
     assert compile_guard.compilations() == before  # refused before loading the model
 
 
-def test_orca_runs_a_prompt_longer_than_its_budget(expected, engine):
-    llm = engine("orca")  # a 16-token budget, and a 40-token prompt
+def test_orca_runs_a_prompt_longer_than_its_budget(expected, engines):
+    llm = engines("orca")  # a 16-token budget, and a 40-token prompt
     out = llm.generate(prompt_token_ids=[_prompts()[1]], sampling_params=GREEDY)[0]
     assert out.token_ids == expected[1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_workload_with_aborts_matches_chunked(seed, engine):
+def test_random_workload_with_aborts_matches_chunked(seed, engines):
     """Random prompt lengths, arrival steps and aborts through the layered engine (with
     small budget: chunks cross groups while others arrive and leave); the survivors'
     tokens equal a clean chunked run's, nothing compiles, and every page comes back."""
@@ -258,7 +253,7 @@ def test_random_workload_with_aborts_matches_chunked(seed, engine):
     params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(2, 8)),
                             ignore_eos=True)
 
-    eng = engine("layered-4").engine
+    eng = engines("layered-4").engine
     ids, outs, step = {}, {}, 0
     while len(outs) < n:
         for i in range(n):
@@ -271,19 +266,19 @@ def test_random_workload_with_aborts_matches_chunked(seed, engine):
                 outs[out.request_id] = out
         step += 1
     survivors = [i for i in range(n) if outs[ids[i]].finish_reason != "abort"]
-    clean = engine("chunked").generate(prompt_token_ids=[prompts[i] for i in survivors],
+    clean = engines("chunked").generate(prompt_token_ids=[prompts[i] for i in survivors],
                                        sampling_params=params)
     assert [outs[ids[i]].token_ids for i in survivors] == [o.token_ids for o in clean]
-    s = engine("layered-4").stats()
+    s = engines("layered-4").stats()
     assert s["free_pages"] == s["total_pages"] and s["compilations_after_warmup"] == 0
 
 
-def test_overlapped_scheduling_matches_synchronous_steps(engine):
+def test_overlapped_scheduling_matches_synchronous_steps(engines):
     """Async scheduling (the default: decode steps planned and dispatched while the
     previous one runs, their tokens read on device) gives exactly the tokens of
     one-step-at-a-time scheduling, for seeded sampling, stop tokens, lengths and
     aborts, and frees every page."""
-    sync = LLM(**engine.kwargs("chunked"), async_scheduling=False)
+    sync = LLM(**engines.kwargs("chunked"), async_scheduling=False)
     prompts = _prompts()[:4]
     rng = np.random.default_rng(11)
     params = [SamplingParams(temperature=1.0, top_k=40, seed=int(rng.integers(1 << 30)),
@@ -311,7 +306,7 @@ def test_overlapped_scheduling_matches_synchronous_steps(engine):
     stop = base[0][0][1]
     params[0] = dataclasses.replace(params[0], stop_token_ids=(stop,))
     base, s_sync = run(sync)
-    over, s_async = run(engine("chunked"))
+    over, s_async = run(engines("chunked"))
     # an abort cuts the stream where it finds it: with overlap, tokens are reported one
     # step later, so the aborted request may hold fewer
     assert [o for i, o in enumerate(over) if i != 2] == [b for i, b in enumerate(base) if i != 2]
