@@ -52,10 +52,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reproduce_paper import HARDWARE, MODELS, PANELS, TP  # noqa: E402
-
+from launch.reproduce_paper import HARDWARE, MODELS, PANELS, TP  # noqa: E402
 from lp_jax.engine.metrics import percentile  # noqa: E402
 from lp_jax.engine.slo import SLO  # noqa: E402
 from lp_jax.sim import (  # noqa: E402

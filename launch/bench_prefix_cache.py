@@ -30,7 +30,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-from bench_policies import SMALL_MOE, serve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launch.bench_policies import SMALL_MOE, serve  # noqa: E402
 
 # Budgets and row buckets: a cold request (system + user tokens) fits one chunk or one
 # layered batch, a cached one a few rows; few buckets keep start-up short on a CPU.

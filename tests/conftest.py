@@ -79,6 +79,40 @@ def tiny_model(tiny_dir):
     return load_model(tiny_dir)
 
 
+# ----------------------------------------------------------------- shared helpers
+def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
+    """A Sequence of `prompt` (its token ids, or a length n for ids 1..n); `decoding`: its
+    prompt computed and one sampled token appended, the state of a request in decode."""
+    from lp_jax.engine.sampling_params import SamplingParams
+    from lp_jax.engine.sequence import Sequence
+
+    tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    s = Sequence(seq_id, tokens, SamplingParams(max_tokens=max_tokens), **kw)
+    if decoding:
+        s.num_computed_tokens = len(tokens)
+        s.token_ids.append(1)
+    return s
+
+
+def make_sched_cfg(policy, **kw):
+    """A SchedulerConfig for host-only scheduler tests (8 layers, 4,096 pages of 4)."""
+    from lp_jax.engine.scheduler import SchedulerConfig
+
+    base = dict(policy=policy, num_layers=8, max_model_len=4096, page_size=4, num_pages=4096,
+                vocab_size=1000, max_num_seqs=16)
+    if policy == "flowprefill":  # groups: the scheduler's step-count tests hold for it too
+        base["preemption_granularity"] = "group"
+    base.update(kw)
+    return SchedulerConfig(**base)
+
+
+def launch_module(name: str):
+    """A launch/ script as a module (launch is a package; its scripts run nothing on import)."""
+    import importlib
+
+    return importlib.import_module(f"launch.{name}")
+
+
 def start_server(engine, **kw):
     """An OpenAI server for `engine` on a loopback port, in a background thread."""
     from lp_jax.server import OpenAIServer, ServerThread

@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 import pytest
-from test_scheduler import FakeExecutor, check_invariants, drive, make_cfg, req
+from conftest import make_sched_cfg as make_cfg
+from test_scheduler import FakeExecutor, check_invariants, drive, req
 
 from lp_jax.engine.latency import FEATURES, LatencyModel, ModelDims, nnls_gram
 from lp_jax.engine.sampling_params import SamplingParams

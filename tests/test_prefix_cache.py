@@ -3,19 +3,16 @@ under every policy, and the engine and server end to end on the tiny model (gree
 tokens with hits equal those computed from scratch)."""
 
 import pytest
-from test_scheduler import FakeExecutor, check_invariants, drive, make_cfg
+from conftest import make_sched_cfg as make_cfg
+from conftest import make_seq as seq
+from test_scheduler import FakeExecutor, check_invariants, drive
 
 from lp_jax.engine.block_manager import BlockManager, hash_page
 from lp_jax.engine.sampling_params import SamplingParams
 from lp_jax.engine.scheduler import Scheduler
-from lp_jax.engine.sequence import Sequence
 from lp_jax.engine.slo import SLO
 
 SYSTEM = [(7 * j + 3) % 1000 for j in range(64)]  # a shared "system prompt"
-
-
-def seq(seq_id, tokens, max_tokens=4, **kw):
-    return Sequence(seq_id, list(tokens), SamplingParams(max_tokens=max_tokens), **kw)
 
 
 def cached_cfg(policy, **kw):

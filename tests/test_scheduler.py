@@ -11,6 +11,7 @@ that share cached prefix pages (prefix caching) are checked too.
 from collections import Counter
 
 import pytest
+from conftest import make_sched_cfg
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +32,7 @@ def fake_token(seq_id, pos, vocab=VOCAB):
     return (seq_id * 7919 + pos * 104729 + 13) % vocab
 
 
-def make_cfg(policy, **kw):
-    base = dict(
-        policy=policy, num_layers=8, max_model_len=4096, page_size=4, num_pages=4096,
-        vocab_size=VOCAB, max_num_seqs=16,
-    )  # fmt: skip
-    if policy == "flowprefill":  # groups: the step-count tests below hold for it too
-        base["preemption_granularity"] = "group"
-    base.update(kw)
-    return SchedulerConfig(**base)
+make_cfg = make_sched_cfg  # vocabulary VOCAB
 
 
 def req(seq_id, prompt_len, max_tokens=4, *, arrival=0.0, priority=0, **sp):

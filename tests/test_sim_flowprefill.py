@@ -2,21 +2,19 @@
 multi-SLO workloads (classes, weights, SLO = k x solo TTFT), SLOs reaching the scheduler,
 per-class attainment, and FlowPrefill against FCFS layered prefill."""
 
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import launch_module
+from conftest import make_seq as _seq
 
 import lp_jax.engine.scheduler as scheduler_module
 from lp_jax.engine.metrics import RequestMetrics
 from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.sequence import Sequence
 from lp_jax.engine.slo import SLO
 from lp_jax.roofline import LLAMA3_8B, QWEN3_30B_A3B, ModelShape, get_hardware, resolve_model
 from lp_jax.sim import (
@@ -46,13 +44,6 @@ SMALL = ModelShape(
     dense_layers=(1,), dense_width=512, sliding_layers=(0, 2, 4, 6), sliding_window=64,
 )  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _seq(seq_id: int, n: int, decoding: bool = False) -> Sequence:
-    s = Sequence(seq_id, [1] * n, SamplingParams(max_tokens=4))
-    if decoding:
-        s.token_ids.append(1)
-    return s
 
 
 def _plan(shape, chunks, span=None, decode=(), layers=None) -> StepPlan:
@@ -323,12 +314,7 @@ def test_finer_preemption_blocks_the_short_request_less():
 
 # ----- the benchmark script ---------------------------------------------------------------------
 def test_bench_script_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "bench_flowprefill_sim", ROOT / "launch" / "bench_flowprefill_sim.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_flowprefill_sim"] = bench
-    spec.loader.exec_module(bench)
+    bench = launch_module("bench_flowprefill_sim")
     report = bench.main([
         "--out", str(tmp_path), "--hardware", "h100", "--models", "llama3-8b",
         "--policies", "layered_fcfs,flowprefill_layer", "--requests", "40",

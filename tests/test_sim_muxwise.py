@@ -3,14 +3,13 @@ executor's solo cost at the whole device, bandwidth contention), and the policy 
 engine's scheduler (every request finishes, no page leak, decode TBT within its SLO, short
 requests preempting long ones between launches)."""
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import launch_module
 
 from lp_jax.engine.plan import PrefillChunk, StepPlan
 from lp_jax.engine.sampling_params import SamplingParams
@@ -207,11 +206,7 @@ def test_muxwise_config_checks():
 
 def test_bench_script_smoke(tmp_path):
     """launch/bench_muxwise_sim.py end to end on a tiny grid: JSON, markdown and CSV."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_muxwise_sim", ROOT / "launch" / "bench_muxwise_sim.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_muxwise_sim"] = bench
-    spec.loader.exec_module(bench)
+    bench = launch_module("bench_muxwise_sim")
     bench.main(["--out", str(tmp_path), "--workloads", "qwen-sharegpt,multislo",
                 "--policies", "layered,muxwise", "--requests", "24", "--bisect-steps", "0",
                 "--max-extensions", "0", "--workers", "1"])  # fmt: skip
