@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--log-level", default="info")
+    s.add_argument("--log-stats-interval", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds between stats lines (throughput, running and waiting "
+                        "requests, KV usage, prefix-cache hits, preemptions) while serving")
+    s.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--mock-engine", action="store_true",
                    help="serve a JAX-free engine that generates instantly (times the HTTP "
@@ -276,7 +280,8 @@ def main(argv=None) -> None:
                           read_timeout=args.read_timeout, max_n=args.max_n,
                           max_prompt_logprob_entries=args.max_prompt_logprob_entries,
                           chat_template=args.chat_template,
-                          vllm_metric_names=args.vllm_metric_names)
+                          vllm_metric_names=args.vllm_metric_names,
+                          log_stats_s=None if args.disable_log_stats else args.log_stats_interval)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,
                           grace_s=args.shutdown_grace))

@@ -9,41 +9,52 @@ layer groups.
 A new feature must add rows to the buckets or per-row inputs, not new program keys.
 """
 
+import re
+
 import numpy as np
 import pytest
+from conftest import make_seq as _seq
 
 from lp_jax import LLM, SamplingParams
 from lp_jax.engine.layer_groups import split_layers
 from lp_jax.engine.model_runner import resolve_buckets
 from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sampling_params import SamplingParams as SP
-from lp_jax.engine.sequence import Sequence
 from lp_jax.engine.step import default_token_buckets
 
 MAX_PROGRAMS = 32
 
 
 def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
-    """The tiny checkpoint has max_position_embeddings 4096 (so max_model_len 4096): with
-    the old (prefill x decode x group) keys its default layered engine (the policy with the
-    most programs: 8192 prompt rows next to max_num_seqs decodes) compiled 104+ programs
-    and aborted the process; now it compiles one program per row bucket, at most 32, and
-    reproduces the Hugging Face golden tokens without compiling while serving. Then every
-    per-request sampling feature at once (log-probabilities, prompt log-probabilities,
-    n = 2, the three penalties, logit_bias, min_tokens with a stop id) runs in the same
-    programs: the golden greedy tokens again (penalties this small and a zero bias keep
-    them, while still running the count state, the bias rows and the log-probability
-    outputs), and still no compile. The other policies' counts follow from the same
-    arithmetic (the count tests below); several default engines alive in one process,
-    with their start-up times, are `python launch/bench_programs.py` (BENCHMARKS.md),
-    which CI does not rerun: each costs about a minute of compiling on a 2-core host."""
+    """The tiny checkpoint has max_position_embeddings 4096, so its defaults are
+    max_model_len 4096 and a layered budget of 4096 (the policy's 8192, capped at the
+    context: default_prefill_budget). With the old (prefill x decode x group) keys a
+    default layered engine (the policy with the most programs: the budget's prompt rows
+    next to max_num_seqs decodes) compiled 104+ programs and aborted the process; now it
+    compiles one program per row bucket, at most 32 (the count tests below cover every
+    budget up to 16384), shows its progress and a ready line, and reproduces the Hugging
+    Face golden tokens without compiling while serving. Then every per-request sampling
+    feature at once (log-probabilities, prompt log-probabilities, n = 2, the three
+    penalties, logit_bias, min_tokens with a stop id) runs in the same programs: the
+    golden greedy tokens again (penalties this small and a zero bias keep them, while
+    still running the count state, the bias rows and the log-probability outputs), and
+    still no compile. Several default engines alive in one process, with their start-up
+    times, are `python launch/bench_programs.py` (BENCHMARKS.md)."""
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
     want = [golden[f"greedy_{i}"].tolist() for i in range(3)]
-    llm = LLM(tiny_dir, log=None, scheduling="layered")
+    lines = []
+    llm = LLM(tiny_dir, log=lines.append, scheduling="layered")
     stats = llm.stats()
-    assert stats["programs"] == len(resolve_buckets(None, "layered", 8192, llm.engine.config
-                                                    .max_num_seqs))
+    sched = llm.engine.scheduler.config
+    assert sched.max_model_len == 4096 and sched.max_num_batched_tokens == 4096
+    assert stats["programs"] == len(resolve_buckets(None, "layered", 4096, sched.max_num_seqs))
+    # start-up a person can watch: progress while compiling, then one "ready" line
+    done = [int(m.group(1)) for m in map(re.compile(r"compiled (\d+)/(\d+) programs").match,
+                                           lines) if m]
+    assert done and done == sorted(done) and done[-1] == stats["programs"], lines
+    ready = lines[-1]
+    assert ready.startswith("ready in ") and f"{stats['programs']} programs" in ready, ready
+    assert "policy layered" in ready and "KV" in ready and "weights" in ready, ready
     assert stats["programs"] <= stats["startup_compilations"] <= MAX_PROGRAMS, stats
     plain = SamplingParams(temperature=0.0, max_tokens=len(want[0]), ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=plain)
@@ -84,13 +95,6 @@ def test_default_buckets_bound_padding():
         assert b < 2 * n or n == 1 or b == n
         if n > 512:
             assert b <= 1.5 * n
-
-
-def _seq(i, n, *, decoding=False):
-    s = Sequence(i, list(range(1, n + 1)), SP(max_tokens=4))
-    if decoding:
-        s.num_computed_tokens = n
-    return s
 
 
 @pytest.mark.parametrize("group", [0, 1, 3])

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import urllib.request
 
@@ -33,7 +35,8 @@ REQUIRED_METRICS = [
 def server(engines):
     engine = engines("chunked").engine  # the run's shared chunked engine
     assert not engine.has_unfinished() and engine.reset_prefix_cache()
-    st = ServerThread(OpenAIServer(engine, served_model_names=[MODEL], max_waiting=1000))
+    st = ServerThread(OpenAIServer(engine, served_model_names=[MODEL], max_waiting=1000,
+                                   log_stats_s=0.2))
     st.start()
     yield st
     st.stop()
@@ -459,3 +462,23 @@ def test_batched_prompts_and_chat_echo(client, server):
         extra_body={"add_generation_prompt": False})
     assert echoed.choices[0].message.content == "Sure," + plain.choices[0].message.content
     assert wait_idle(server)["compilations_after_warmup"] == 0
+
+
+def test_stats_line_while_serving(client, caplog):
+    """vLLM's periodic line: logged while requests run and once when the engine goes idle,
+    with the tokens of the interval."""
+    caplog.set_level(logging.INFO, logger="lp_jax.server")
+    out = client.completions.create(model=MODEL, prompt="hello there", max_tokens=12,
+                                    temperature=0.0)
+    assert out.usage.completion_tokens == 12
+    pattern = re.compile(r"prompt throughput: ([0-9.]+) tokens/s, generation throughput: "
+                         r"([0-9.]+) tokens/s, running: \d+ reqs, waiting: \d+ reqs, KV cache "
+                         r"usage: [0-9.]+%, prefix cache hit rate: [0-9.]+%, preemptions: \d+")
+    deadline = time.monotonic() + 10
+    while True:
+        found = [pattern.search(r.getMessage()) for r in caplog.records]
+        found = [m for m in found if m]
+        if any(float(m.group(2)) > 0 for m in found) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert found and any(float(m.group(2)) > 0 for m in found), caplog.text[-2000:]

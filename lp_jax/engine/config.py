@@ -6,15 +6,30 @@ import dataclasses
 import os
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
+DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
+
+
+def default_max_model_len(max_position_embeddings: int) -> int:
+    return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
+    """The engine's default max_num_batched_tokens: the policy's (orca: max_model_len,
+    chunked: 512, layered and FlowPrefill: the paper's 8192), capped at the model's
+    context. A model of short context gets programs no longer than one of its prompts
+    instead of 8,192-row ones (the embedded 512-token model: 11 programs, not 19); a real
+    checkpoint's default context (8,192 tokens) keeps the policy's budget."""
+    return min(policy_budget, max_model_len)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str | None = None  # Hugging Face directory; None: the embedded tiny model
     scheduling: str = "layered"  # "orca", "chunked", "layered" or "flowprefill"
-    max_model_len: int | None = None  # None: min(max_position_embeddings, 4096)
+    max_model_len: int | None = None  # None: min(max_position_embeddings, 8192)
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: the policy's default
+    # None: the policy's default, capped at max_model_len (default_prefill_budget)
+    max_num_batched_tokens: int | None = None
     layer_groups: str | int = "paper"  # "paper", "pow2", "adaptive" or a fixed group count
     # "adaptive": each iteration's span keeps the predicted step within tbt_slo_ms x
     # (1 - adaptive_margin) (or the tightest running request's TBT SLO); None: no limit.

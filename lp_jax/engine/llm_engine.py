@@ -24,13 +24,14 @@ import itertools
 import math
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.engine import compile_guard, distributed
-from lp_jax.engine.config import EngineConfig
+from lp_jax.engine import backend_select, compile_guard, distributed
+from lp_jax.engine.config import EngineConfig, default_max_model_len, default_prefill_budget
 from lp_jax.engine.kernel_check import check_backends
 from lp_jax.engine.latency import LatencyModel, ModelDims
 from lp_jax.engine.metrics import RequestMetrics
@@ -169,6 +170,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, log=print):
         from lp_jax.loader import load_model
 
+        t_start = time.perf_counter()
+        backend_select.skip_absent_tpu()  # before the first backend starts
         compile_guard.install()
         # JAX's persistent cache is process-wide and fixed at its first use: one that is
         # already configured (JAX_COMPILATION_CACHE_DIR, an earlier engine) is kept.
@@ -179,7 +182,8 @@ class LLMEngine:
         model_dir = config.model or _default_model_dir()
         self.model_dir = model_dir
         model_cfg = ModelConfig.from_pretrained(model_dir)
-        max_model_len = config.max_model_len or min(model_cfg.max_position_embeddings, 4096)
+        max_model_len = (config.max_model_len
+                         or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
         # (from free memory once the weights are in) is filled in after loading.
         sched_cfg = SchedulerConfig(
@@ -198,11 +202,14 @@ class LLMEngine:
             max_paused_prefills=config.max_paused_prefills,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        if config.max_num_batched_tokens is None:  # the policy's default, model-sized
+            sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=(
+                default_prefill_budget(sched_cfg.max_num_batched_tokens, max_model_len)))
+        budget = sched_cfg.max_num_batched_tokens
         self.slo_classes = parse_slo_classes(config.slo_classes or {})
         dims = ModelDims.from_config(model_cfg)
         latency = (LatencyModel.load(config.latency_model, dims) if config.latency_model
                    else LatencyModel(dims))
-        budget = sched_cfg.max_num_batched_tokens
         # Orca admits a prompt longer than its budget alone, so it may run any prompt.
         max_prefill = max(budget, max_model_len) if config.scheduling == "orca" else budget
         buckets = resolve_buckets(config.token_buckets, config.scheduling, max_prefill,
@@ -259,6 +266,25 @@ class LLMEngine:
         # programs (dummy weights compile their own one-off initialisers while loading).
         self._startup_compilations = compile_guard.compilations() - compiles_before
         self._compiles_while_serving = 0  # any backend compile inside step()
+        self.startup_seconds = time.perf_counter() - t_start
+        self.log(self.ready_line())
+
+    def ready_line(self) -> str:
+        """One line for the log once the engine can serve: the model, the policy, its
+        programs, and where the memory went (weights, KV pool, the carried-hidden buffer)."""
+        cfg, r, sc = self.model_config, self.runner, self.scheduler.config
+
+        def mib(tree) -> str:
+            return f"{sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20:,.1f} MiB"
+
+        buckets = r.spec.buckets
+        return (f"ready in {self.startup_seconds:.1f} s: {Path(self.model_dir).name} "
+                f"({cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.dtype}), policy "
+                f"{self.config.scheduling}, {len(r.programs)} programs (rows {buckets[0]}.."
+                f"{buckets[-1]}), max_model_len {sc.max_model_len}, max_num_seqs "
+                f"{sc.max_num_seqs}, prefill budget {sc.max_num_batched_tokens} tokens; "
+                f"memory: weights {mib(r.state)}, KV {sc.num_pages} pages x {sc.page_size} "
+                f"tokens {mib(r.kv_pages)}, hidden buffer {mib(r.hidden_RD)}")
 
     def _join_processes(self, model_cfg: ModelConfig, num_pages: int, backends):
         """Connects the plan channel; the leader's page count and kernel backends (found

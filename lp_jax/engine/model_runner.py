@@ -40,7 +40,7 @@ import itertools
 import math
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import numpy as np
@@ -48,6 +48,7 @@ from flax import nnx
 
 from lp_jax.engine.plan import StepPlan
 from lp_jax.engine.plan_channel import StepCodec, host_array
+from lp_jax.engine.progress import Progress
 from lp_jax.engine.sequence import SequenceStatus
 from lp_jax.engine.step import (
     MAX_EOS_TOKEN_IDS,
@@ -184,9 +185,16 @@ class ModelRunner:
         start-up scales with the host's cores."""
         t0 = time.perf_counter()
         todo = [N for N in self.spec.buckets if N not in self.programs]
-        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            compiled = list(pool.map(self._compile, todo))
-        self.programs.update(zip(todo, compiled, strict=True))
+        progress, done = Progress(len(todo), "programs", log), {}
+        try:
+            with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+                futures = {pool.submit(self._compile, N): N for N in todo}
+                for fut in as_completed(futures):
+                    done[futures[fut]] = fut.result()
+                    progress.advance()
+        finally:
+            progress.close()
+        self.programs.update((N, done[N]) for N in todo)  # in bucket order
         self.compile_seconds += time.perf_counter() - t0
         if log:
             log(f"compiled {len(self.spec.buckets)} programs (row buckets "

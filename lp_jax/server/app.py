@@ -82,14 +82,16 @@ class OpenAIServer:
     `metrics_public`, /metrics. `max_prompt_logprob_entries` caps a request's scored prompt
     entries (see `protocol.prompt_logprob_entries`); `chat_template` (Jinja source) replaces
     the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
-    metrics.VLLM_NAMES.
+    metrics.VLLM_NAMES; `log_stats_s` logs vLLM's stats line that often while requests run
+    (lp-serve: every 10 s; None: never).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
                  max_waiting: int | None = None, metrics_public: bool = False,
                  read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N,
                  max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
-                 chat_template: str | None = None, vllm_metric_names: bool = False):
+                 chat_template: str | None = None, vllm_metric_names: bool = False,
+                 log_stats_s: float | None = None):
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
         self.max_prompt_logprob_entries = max_prompt_logprob_entries
@@ -112,7 +114,8 @@ class OpenAIServer:
                                                  template=chat_template)
         self.metrics = ServerMetrics(self.model_name, vllm_names=vllm_metric_names)
         self.metrics.declare_slo_classes(getattr(engine, "slo_classes", {}))
-        self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics)
+        self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics,
+                                      log_stats_s=log_stats_s)
         self.created = int(time.time())
         self.draining = False
         self._inflight = 0  # generation handlers running

@@ -26,6 +26,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from lp_jax.engine.progress import StatsLine
+
 log = logging.getLogger("lp_jax.server")
 
 
@@ -105,8 +107,14 @@ class EngineLoop:
     queue after its client left are never its tokens, in the counter as in its histogram.
     """
 
-    def __init__(self, engine, *, max_waiting: int | None = None, metrics=None):
+    def __init__(self, engine, *, max_waiting: int | None = None, metrics=None,
+                 log_stats_s: float | None = 10.0):
         self.engine = engine
+        # vLLM's periodic stats line, every log_stats_s while requests run (None: off).
+        self.log_stats_s = log_stats_s
+        self._stats_line: StatsLine | None = None
+        self._stats_at = 0.0
+        self._active = False  # steps ran since the last stats line
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._cv = threading.Condition()
@@ -203,10 +211,15 @@ class EngineLoop:
         empty_steps = last_idle = 0
         try:
             self._refresh_stats()
+            if self.log_stats_s:
+                self._stats_line = StatsLine(self.last_stats)
+                self._stats_at = time.monotonic()
             while True:
                 with self._cv:
                     while not self._cmds and not self._stopping and not engine.has_unfinished():
                         self._refresh_stats()
+                        if self._active:  # the last line of a busy spell
+                            self._log_stats(time.monotonic())
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -229,6 +242,12 @@ class EngineLoop:
                     last_idle = idle
                 self._note_admissions(t0)
                 self._dispatch(outputs)
+                self._active = True
+                if self._stats_line is not None:
+                    now = time.monotonic()
+                    if now - self._stats_at >= self.log_stats_s:
+                        self._refresh_stats()
+                        self._log_stats(now)
             self._fail(EngineDeadError("the server is shutting down"))
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             log.error("engine thread crashed:\n%s", traceback.format_exc())
@@ -326,6 +345,18 @@ class EngineLoop:
         self.last_stats = self.engine.stats()
         with self._cv:  # idle: aborts may have freed slots since the last step
             self._free_slots = max(0, self._max_num_seqs - self.last_counts[0])
+
+    def _log_stats(self, now: float) -> None:
+        """Engine thread: the stats line from `last_stats` (refreshed by the caller)."""
+        self._active, self._stats_at = False, now
+        if self._stats_line is None:
+            return
+        try:
+            running, waiting = self.last_counts
+            log.info("%s", self._stats_line(self.last_stats, running=running, waiting=waiting,
+                                            now=now))
+        except KeyError:  # an engine without the scheduler's counters (a test double)
+            self._stats_line = None
 
     def snapshot(self) -> tuple[dict, int, int]:
         """Engine thread only (use through `call`): fresh stats and queue lengths."""
