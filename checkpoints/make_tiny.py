@@ -405,8 +405,9 @@ def _serial_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer with exactly vocab_size ids, specials last."""
+def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None):
+    """A byte-level BPE tokenizer with exactly vocab_size ids, specials last, trained on
+    `corpus` (default: CORPUS above; checkpoints/train_demo.py passes its own text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
 
@@ -420,7 +421,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     with _serial_tokenizers():
-        tok.train_from_iterator(list(CORPUS), trainer=trainer)
+        tok.train_from_iterator(list(CORPUS if corpus is None else corpus), trainer=trainer)
         tok.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
         )
