@@ -340,6 +340,8 @@ async def run_soak(url: str, *, requests: int, concurrency: int, seed: int = 0,
                     outcome, status, detail = "lost", 0, f"{type(exc).__name__}: {exc}"
                 except (ValueError, KeyError, TypeError, IndexError) as exc:  # a bad body
                     outcome, status, detail = "mismatch", 200, f"{type(exc).__name__}: {exc}"
+                except Exception as exc:  # noqa: BLE001 - say, a stream cut short: counted
+                    outcome, status, detail = "lost", 0, f"{type(exc).__name__}: {exc}"
                 end = time.perf_counter()
                 records.append({"i": i, "kind": kind, "outcome": outcome, "status": status,
                                 "detail": detail, "t": end - t0, "latency": end - start,
