@@ -19,7 +19,7 @@ free port, samples the server's RSS each `--sample-s`, runs the soak, SIGTERMs t
 server (it must drain and exit 0) and writes soak.json and soak.md to --out. Exit
 status 1 on any violation.
 
-    .venv/bin/python launch/soak.py --requests 10000 --concurrency 16 --out runs/soak
+    .venv/bin/python launch/soak.py --requests 10000 --concurrency 32 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class Mix:
     def __init__(self, seed: int, max_model_len: int, max_tokens: int):
         self.seed = seed
         self.max_tokens = max_tokens
-        self.max_model_len = max_model_len
         rng = random.Random(seed)
         # a long prefix (whole KV pages of it are shared), a third of the context
         self.prefix = [rng.randrange(1, 400) for _ in range(max_model_len // 3)]
@@ -158,7 +157,6 @@ class Mix:
         if expect["stream"]:
             body.update(stream=True, stream_options={"include_usage": True})
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        expect["chat"] = path.endswith("chat/completions")
         return kind, path, body, expect
 
 
