@@ -3,8 +3,9 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# libtpu (the `tpu` extra) lets the tests compile for real TPUs on this host.
-TEST_STAMP := $(VENV)/.installed-tpu
+# libtpu (the `tpu` extra) and the CUDA plugin with ptxas (`gpu-compile`) let the tests
+# compile for real TPUs and GPUs on this host.
+TEST_STAMP := $(VENV)/.installed-tpu-gpu
 
 .PHONY: demo test lint venv clean
 
@@ -21,7 +22,7 @@ demo: $(STAMP)
 	$(PY) -m lp_jax.demo
 
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,tpu]'
+	$(PY) -m pip install -q -e '.[dev,tpu,gpu-compile]'
 	@touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)

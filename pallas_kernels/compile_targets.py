@@ -1,4 +1,4 @@
-"""Compile for accelerators this host does not have: TPU for real, CUDA as an export.
+"""Compile for accelerators this host does not have: TPU and NVIDIA GPU, for real.
 
 TPU. libtpu (`pip install -e '.[tpu]'`) brings the TPU compiler to a CPU host. A
 named slice ("v6e:2x2", "v5e:4x4", ...) gives compile-only TPU devices; jit(f).lower()
@@ -9,11 +9,18 @@ context, so `compile_tpu` lowers under `jax.set_mesh` of that mesh, whose abstra
 device is the TPU's ("TPU v6 lite", ...). A slice needs at least 2x2 chips ("1x1"
 is refused); `compile_tpu` can use a sub-mesh of it (`mesh_shape=(1,)`).
 
-CUDA. jax 0.11.2 has no compile-only GPU devices (get_topology_desc(platform="cuda")
-is not implemented). `export_cuda` runs `jax.export(platforms=["cuda"])` under an
-abstract H200 mesh: the Mosaic GPU kernels go through Mosaic lowering (layout
-inference, the shared-memory budget), but ptxas does not run. `mosaic_gpu_modules`
-captures the lowered Mosaic GPU modules of such an export as text, for inspection.
+CUDA. The CUDA PJRT plugin and ptxas (`pip install -e '.[gpu-compile]'`: the
+jax-cuda13 plugin and pjrt wheels and nvidia-cuda-nvcc, no GPU and no CUDA libraries
+needed) do the same for one NVIDIA GPU described by an XLA `GpuTargetConfig`
+(`lp_jax/aot/gpu_targets/{h200,h100}.txtpb`): `cuda_topology_devices("h200")` is one
+compile-only "NVIDIA H200 141GB HBM3e" device (sm_90a), and `compile_cuda` lowers
+under `jax.set_mesh` of it (Pallas Triton and Mosaic GPU read the GPU kind from there)
+and compiles: XLA:GPU, XLA's Triton, the Mosaic GPU passes and ptxas all run here.
+Autotuning needs a device, so it is off. `cuda_compiler_missing()` says what is absent;
+`export_cuda` (`jax.export(platforms=["cuda"])` under an abstract H200: Mosaic lowering
+only, no ptxas) needs no plugin. `mosaic_gpu_modules` captures the lowered Mosaic GPU
+modules of a lowering as text, for inspection; `lp_jax.aot.resources` reads each
+compiled kernel's registers, spills, shared memory and launch shape from the dumps.
 
 Audits on the text of what was lowered, small enough to read:
 * `custom_call_operand_shapes` / `sliced_shapes` (StableHLO): a Pallas kernel should
@@ -21,16 +28,20 @@ Audits on the text of what was lowered, small enough to read:
 * `wgmma_refill_check` (a lowered Mosaic GPU module): a pipelined loop whose WGMMAs
   read shared memory must wait for them before TMA overwrites that memory.
 
-Importing this module is cheap; libtpu loads at the first `tpu_topology_devices`.
+Importing this module is cheap; libtpu loads at the first `tpu_topology_devices`, the
+CUDA plugin at the first `cuda_topology_devices`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import os
+import pathlib
 import re
+import shutil
 from collections.abc import Sequence
 
 import jax
@@ -43,6 +54,10 @@ from jax.sharding import PartitionSpec as P
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 LIBTPU_HINT = "install libtpu for TPU compiles on this host: pip install -e '.[tpu]'"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+CUDA_HINT = ("install the CUDA compiler (no GPU needed): pip install -e '.[gpu-compile]' "
+             "(jax-cuda13-plugin, jax-cuda13-pjrt 0.11.2 and nvidia-cuda-nvcc 13.0)")
+GPU_TARGETS = ("h200", "h100")  # lp_jax/aot/gpu_targets/{gpu}.txtpb
+_TARGETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "lp_jax" / "aot" / "gpu_targets"
 TPU_DEVICE_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}  # as libtpu names them
 
 
@@ -118,6 +133,108 @@ def compile_tpu(fn, args, *, topology: str, mesh_shape: Sequence[int] | None = N
     (memory_analysis(), as_text(), ...).
     """
     mesh = tpu_mesh(topology, mesh_shape, axis_names)
+    sharded = _shard_args(args, mesh, in_specs)
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sharded)
+        return lowered.compile()
+
+
+# ------------------------------------------------------------------------- CUDA
+def gpu_target_config(gpu: str) -> str:
+    """The GpuTargetConfig text of a GPU we ship one for ("h200", "h100")."""
+    if gpu not in GPU_TARGETS:
+        raise ValueError(f"no GPU target config for {gpu!r}; known: {sorted(GPU_TARGETS)}")
+    return (_TARGETS_DIR / f"{gpu}.txtpb").read_text()
+
+
+def gpu_target_field(gpu: str, field: str) -> str:
+    """One scalar field of a target config's gpu_device_info (e.g. "device_memory_size")."""
+    m = re.search(rf"^\s*{field}: (.+)$", gpu_target_config(gpu), re.M)
+    if m is None:
+        raise ValueError(f"{gpu}.txtpb has no {field}")
+    return m.group(1).strip().strip('"')
+
+
+def ptxas_path() -> str | None:
+    """The ptxas the GPU compiles use: $CUDA_ROOT/bin, the nvidia-cuda-nvcc wheel's, or
+    one on PATH; None if there is none."""
+    roots = [os.environ.get("CUDA_ROOT")]
+    for name in ("nvidia.cu13", "nvidia.cuda_nvcc"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        roots += list(spec.submodule_search_locations or []) if spec else []
+    for root in filter(None, roots):
+        if os.access(os.path.join(root, "bin", "ptxas"), os.X_OK):
+            return os.path.join(root, "bin", "ptxas")
+    return shutil.which("ptxas")
+
+
+def cuda_compiler_missing() -> str | None:
+    """None if this host can compile for CUDA, else what is missing (and how to get it)."""
+    missing = [pkg for pkg, module in (("jax-cuda13-plugin", "jax_plugins.xla_cuda13"),
+                                       ("jax-cuda13-pjrt", "jax_plugins.xla_cuda13"))
+               if not _find(module)]
+    if not _find("jax_cuda13_plugin") and not _find("jax_plugins.xla_cuda13"):
+        missing = ["jax-cuda13-plugin", "jax-cuda13-pjrt"]
+    if ptxas_path() is None:
+        missing.append("ptxas (nvidia-cuda-nvcc)")
+    if not missing:
+        return None
+    return f"no CUDA compiler here (missing {', '.join(sorted(set(missing)))}): {CUDA_HINT}"
+
+
+def _find(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fix_cuda_root() -> str:
+    """Points Mosaic GPU at the CUDA directory holding ptxas, and returns it.
+
+    jax picks its CUDA path when it is imported: $CUDA_ROOT, else the `nvidia.cu13`
+    package's directory. With an nvidia wheel installed but not nvidia-cuda-nvcc, that
+    namespace package has no bin/ptxas and jax records the string 'None', which Mosaic
+    copies into MOSAIC_GPU_CUDA_ROOT; the first Mosaic kernel then fails to find ptxas.
+    """
+    ptxas = ptxas_path()
+    if ptxas is None:
+        raise RuntimeError(cuda_compiler_missing() or "no ptxas")
+    root = os.path.dirname(os.path.dirname(ptxas))
+    current = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "")
+    if not os.access(os.path.join(current, "bin", "ptxas"), os.X_OK):
+        os.environ["MOSAIC_GPU_CUDA_ROOT"] = root
+    return root
+
+
+@functools.cache
+def cuda_topology_devices(gpu: str = "h200") -> tuple:
+    """One compile-only device of `gpu` ("h200", "h100"), from its target config."""
+    missing = cuda_compiler_missing()
+    if missing:
+        raise RuntimeError(missing)
+    fix_cuda_root()
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                        target_config=gpu_target_config(gpu),
+                                        topology="1x1x1")
+    return tuple(desc.devices)
+
+
+def cuda_mesh(gpu: str = "h200", axis_names: Sequence[str] = ("x",)) -> Mesh:
+    """A one-device mesh of the compile-only `gpu`, with len(axis_names) axes of size 1."""
+    devices = cuda_topology_devices(gpu)
+    return Mesh(np.array(devices[:1]).reshape((1,) * len(axis_names)), tuple(axis_names))
+
+
+def compile_cuda(fn, args, *, gpu: str = "h200", in_specs=None, donate_argnums=()):
+    """jax.jit(fn).lower(args).compile() by XLA:GPU (with Triton, Mosaic GPU and ptxas)
+    for one compile-only `gpu`. args as in `compile_tpu`. Returns the jax Compiled."""
+    mesh = cuda_mesh(gpu)
     sharded = _shard_args(args, mesh, in_specs)
     with jax.set_mesh(mesh):
         lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sharded)

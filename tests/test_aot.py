@@ -1,5 +1,7 @@
 """`python -m lp_jax.aot`: the engine's programs compiled for a real TPU (libtpu on this
-host), exported for cuda, and audited; configurations that cannot fit are refused.
+host) and for an H200 (the CUDA plugin and ptxas on this host, kernel resources read
+from the compilers' reports), exported for cuda where the plugin is absent, and audited;
+configurations that cannot fit are refused.
 
 A mid-size Qwen3-MoE (head_dim 128, the TPU attention kernel's lane width) keeps the
 compiles to seconds; one row bucket is enough to exercise every part of the step.
@@ -69,17 +71,100 @@ def test_tpu_compile_for_a_multi_host_slice(tmp_path):
     assert "mhlo.num_partitions = 16" in (out / "program_64.stablehlo.txt").read_text()
 
 
-def test_cuda_export_passes_the_audit(mid_dir, tmp_path):
+@pytest.fixture
+def export_only(monkeypatch):
+    """As on a host without the CUDA plugin: cuda programs are exported, not compiled."""
+    import pallas_kernels.compile_targets as ct
+
+    monkeypatch.setattr(ct, "cuda_compiler_missing",
+                        lambda: f"no CUDA compiler here (a test): {ct.CUDA_HINT}")
+
+
+@pytest.fixture(scope="module")
+def cuda_compiled(mid_dir, tmp_path_factory):
+    """One mid-size program compiled for an H200 by the CLI, and its printed lines."""
+    out, lines = tmp_path_factory.mktemp("cuda"), []
+    summary = run(load_config(str(mid_dir)), AotConfig(platform="cuda", **ENGINE), out,
+                  log=lines.append)
+    return summary, lines, out
+
+
+def test_cuda_compile_reads_every_kernel_and_passes_the_audit(cuda_compiled):
+    summary, lines, out = cuda_compiled
+    assert lines[0].startswith("cuda: compiling every program for one NVIDIA H200 141GB HBM3e")
+    assert summary["mode"] == "compile" and summary["violations"] == []
+    prog = summary["programs"][0]
+    assert prog["compile_s"] > 0 and prog["serialized_bytes"] > 0
+    assert prog["memory"]["alias"] >= summary["kv_bytes_per_device"]
+    assert prog["listed"]["pallas_calls"]["mosaic_gpu"] >= 2  # gate/up and down
+    assert any("q_proj" in name for name in prog["listed"]["sliced_for_xla_dots"])
+    ours = {k["kernel"].split("[")[0]: k for k in summary["our_kernels"]}
+    assert set(ours) == {"mosaic_gpu", "lp_paged_decode_attention",
+                         "lp_paged_prefill_attention"}
+    assert len(summary["our_kernels"]) == 4  # the two Mosaic kernels differ
+    for k in summary["our_kernels"]:
+        assert k["registers"] > 0 and k["spill_stores"] == 0 and k["stack"] == 0
+        assert k["threads"][0] in (128, 256) and k["shared_bytes"] > 0 and k["grids"]
+    xla = [k for k in prog["kernels"] if k["source"] == "xla"]
+    assert xla and all("grid" in k and "threads" in k for k in xla)
+    assert not (out / "dumps").exists()  # removed once read
+
+
+def test_the_compiled_audit_catches_spills_an_unaliased_pool_and_no_room(cuda_compiled,
+                                                                        mid_dir):
+    import copy
+    import dataclasses
+
+    from lp_jax.aot.audit import _check_compiled
+
+    summary, _, _ = cuda_compiled
+    cfg = AotConfig(platform="cuda", **ENGINE)
+    b = build(load_config(str(mid_dir)), cfg)
+    prog = copy.deepcopy(summary["programs"][0])
+    assert _check_compiled(prog, b, cfg) == []
+    spilled = next(k for k in prog["kernels"] if k["source"] == "mosaic_gpu")
+    spilled["spill_stores"] = 8
+    prog["memory"]["alias"] = 0
+    found = _check_compiled(prog, b, dataclasses.replace(cfg, memory_fraction=1e-4))
+    assert len(found) == 3, found
+    assert "is not aliased" in found[0] and "spills or uses stack" in found[1]
+    assert "weights + KV + temporaries" in found[2] and "x memory fraction 0.0001" in found[2]
+
+
+def test_ptxas_reports_are_read_per_function():
+    from lp_jax.aot.resources import ptxas_report
+
+    text = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 9 by "
+            "compiler to allow use of registers in GMMA in function 'k1'\n" + """\
+ptxas info    : Compiling entry function 'k1' for 'sm_90a'
+ptxas info    : Function properties for k1
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 2 barriers, 1 bytes smem
+ptxas info    : Compiling entry function 'k2' for 'sm_90a'
+ptxas info    : Function properties for k2
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 380 bytes cmem[0]
+""")
+    assert ptxas_report(text) == {
+        "k1": dict(arch="sm_90a", notes=["C7519"], stack=16, spill_stores=8, spill_loads=4,
+                   registers=255, barriers=2, static_smem=1),
+        "k2": dict(arch="sm_90a", notes=[], stack=0, spill_stores=0, spill_loads=0,
+                   registers=40, barriers=1, static_smem=0)}
+
+
+def test_cuda_export_is_the_fallback_without_the_plugin(mid_dir, tmp_path, export_only):
+    lines = []
     summary = run(load_config(str(mid_dir)), AotConfig(platform="cuda", **ENGINE), tmp_path,
-                  log=None)
-    assert summary["violations"] == []
+                  log=lines.append)
+    assert lines[0].startswith("cuda: EXPORT ONLY")
+    assert "pip install -e '.[gpu-compile]'" in lines[0]
+    assert summary["mode"] == "export" and summary["violations"] == []
     listed = summary["programs"][0]["listed"]
     assert listed["pallas_calls"]["mosaic_gpu"] >= 2  # gate/up and down
-    # the attention projections are XLA dots on one layer of the stack: listed
-    assert any("q_proj" in name for name in listed["sliced_for_xla_dots"])
+    assert "kernels" not in summary["programs"][0] and "our_kernels" not in summary
 
 
-def test_the_audit_catches_a_weight_copy(mid_dir, tmp_path, monkeypatch):
+def test_the_audit_catches_a_weight_copy(mid_dir, tmp_path, monkeypatch, export_only):
     """The `xla` MoE reference slices w[layer] (a copy of one layer's experts): a step
     built on it must fail the audit, naming the op."""
     import lp_jax.aot as aot
@@ -96,6 +181,9 @@ def test_the_audit_catches_a_weight_copy(mid_dir, tmp_path, monkeypatch):
 def test_a_model_that_cannot_fit_is_refused_before_compiling():
     with pytest.raises(ValueError, match=r"does not fit: .* GB per device .* H200"):
         build(load_config("qwen3-235b-a22b"), AotConfig(platform="cuda"))
+    with pytest.raises(ValueError, match=r"does not fit: .* GB per device .* H100 80GB"):
+        build(load_config("qwen3-30b-a3b"), AotConfig(platform="cuda", gpu="h100",
+                                                      max_num_seqs=128))
 
 
 @needs_libtpu
@@ -112,9 +200,10 @@ def test_cli_reports_a_bad_configuration(capsys):
     assert "neither a preset" in capsys.readouterr().err
 
 
-def test_gpt_oss_20b_preset_exports_for_cuda(tmp_path):
+def test_gpt_oss_20b_preset_exports_for_cuda(tmp_path, export_only):
     """The gpt-oss-20b preset, abstractly (no weights): one program exports and passes the
-    audit. Its [E, D] = [32, 2880] expert biases share their shape with a 32-row tile of
+    audit (its compile: the CLI, BENCHMARKS.md; its kernels: tests/test_gpu_compile.py).
+    Its [E, D] = [32, 2880] expert biases share their shape with a 32-row tile of
     activations, so the audit must not count them as expert weights."""
     cfg = load_config("gpt-oss-20b")
     assert cfg.model_type == "gpt_oss" and [cfg.layer_window(i) for i in (0, 1)] == [128, None]

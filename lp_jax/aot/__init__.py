@@ -10,9 +10,15 @@ abstractly (`nnx.eval_shape`) and every argument is a sharded ShapeDtypeStruct.
   program reports its compile time, serialized size and `memory_analysis()`. A slice
   of several hosts ("v5e:4x4": 16 chips, 4 hosts) compiles the same way: the compile-only
   devices carry their process index and one program spans them all.
-* cuda: jax 0.11.2 cannot compile for a GPU it does not have, so each program is
-  exported (`jax.export`, platforms=["cuda"]) under an abstract H200: the Mosaic GPU
-  kernels are lowered, ptxas does not run. One device only.
+* cuda: with the CUDA plugin and ptxas installed (`pip install -e '.[gpu-compile]'`, no
+  GPU needed), every program is compiled for one compile-only GPU made from an XLA
+  target config (`--gpu h200`, the default, or `h100`: `gpu_targets/*.txtpb`): XLA:GPU,
+  its Triton, the Mosaic GPU passes and ptxas for sm_90a all run here (autotuning, which
+  needs a device, is off). Besides the TPU's figures, each program lists its kernels'
+  registers, spills, stack, shared memory, threads and grid (`resources.py`, read from
+  the compilers' dumps). Without the plugin each program is only exported
+  (`jax.export`, platforms=["cuda"]) under an abstract H200: the Mosaic GPU kernels are
+  lowered, ptxas does not run; the first line of the output says which. One device.
 
 Before compiling, the per-device bytes of the weights and the KV pool are checked
 against the chip's HBM, and a configuration that cannot fit is refused. After it,
@@ -21,10 +27,14 @@ against the chip's HBM, and a configuration that cannot fit is refused. After it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,6 +52,7 @@ from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends, kv_cache_shape, packs_kv
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.sharding import make_mesh, named_sharding, replicated
+from pallas_kernels.compile_targets import GPU_TARGETS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
@@ -62,6 +73,10 @@ class AotConfig:
     kv_pages: int | None = None  # None: max_num_seqs full-length sequences
     mesh_shape: tuple[int, int, int] = (1, 1, 1)  # (data, expert, tensor)
     topology: str = "v6e:2x4"  # TPU slice
+    gpu: str = "h200"  # cuda: the target config (gpu_targets/{gpu}.txtpb)
+    # cuda: the share of HBM JAX's allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION,
+    # JAX's default 0.75): weights + KV pool + a program's temporaries must fit in it
+    memory_fraction: float = 0.75
     dtype: str | None = None
     token_buckets: tuple[int, ...] | None = None
     max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
@@ -73,7 +88,11 @@ class AotConfig:
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling must be one of {sorted(POLICIES)}")
         if self.platform == "cuda" and math.prod(self.mesh_shape) != 1:
-            raise ValueError("--platform cuda exports for one device; meshes compile for tpu")
+            raise ValueError("--platform cuda compiles for one device; meshes compile for tpu")
+        if self.gpu not in GPU_TARGETS:
+            raise ValueError(f"gpu must be one of {GPU_TARGETS}, got {self.gpu!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
 def load_config(preset_or_path: str) -> ModelConfig:
@@ -88,19 +107,35 @@ def load_config(preset_or_path: str) -> ModelConfig:
     return ModelConfig.from_pretrained_file(path)
 
 
-def chip(cfg: AotConfig):
-    """The roofline table's entry for the target chip (its HBM size)."""
+def cuda_mode() -> str:
+    """"compile" where the CUDA plugin and ptxas are installed, else "export"."""
+    from pallas_kernels.compile_targets import cuda_compiler_missing
+
+    return "export" if cuda_compiler_missing() else "compile"
+
+
+def chip(cfg: AotConfig) -> tuple[str, float]:
+    """(name, HBM bytes) of the target chip: a GPU's from its target config (what the
+    device reports), a TPU's from the roofline table."""
     if cfg.platform == "cuda":
-        return get_hardware("H200 SXM")
+        from pallas_kernels.compile_targets import gpu_target_field
+
+        return (gpu_target_field(cfg.gpu, "name"),
+                float(gpu_target_field(cfg.gpu, "device_memory_size")))
     generation = cfg.topology.split(":")[0]
     if generation not in CHIPS:
         raise ValueError(f"unknown TPU generation in {cfg.topology!r}; known: {sorted(CHIPS)}")
-    return get_hardware(CHIPS[generation])
+    hw = get_hardware(CHIPS[generation])
+    return hw.name, hw.hbm_bytes
 
 
 def _devices(cfg: AotConfig):
     if cfg.platform == "cuda":
-        return jax.devices("cpu")[:1]  # a stand-in: the export names no device
+        if cuda_mode() == "export":
+            return jax.devices("cpu")[:1]  # a stand-in: the export names no device
+        from pallas_kernels.compile_targets import cuda_topology_devices
+
+        return list(cuda_topology_devices(cfg.gpu))
     from pallas_kernels.compile_targets import tpu_topology_devices
 
     return list(tpu_topology_devices(cfg.topology))
@@ -165,14 +200,14 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                         for w in (mlp["experts_gate_up_proj"], mlp["experts_down_proj"]))
     out = Build(spec, step, (state, kv, hidden), mesh, model_cfg, weight_bytes,
                 _shard_bytes(kv.shape, kv.dtype, kv.sharding), per_layer)
-    hbm = chip(cfg).hbm_bytes
+    name, hbm = chip(cfg)
     need = out.weight_bytes_per_device + out.kv_bytes_per_device
     if hbm and need > hbm:
         raise ValueError(
             f"does not fit: {need / 1e9:.1f} GB per device (weights "
             f"{out.weight_bytes_per_device / 1e9:.1f} GB + KV pool "
             f"{out.kv_bytes_per_device / 1e9:.1f} GB) > {hbm / 1e9:.0f} GB HBM of a "
-            f"{chip(cfg).name}, mesh (data, expert, tensor) = {cfg.mesh_shape}; use a larger "
+            f"{name}, mesh (data, expert, tensor) = {cfg.mesh_shape}; use a larger "
             "slice and mesh (e.g. --topology v6e:2x4 --mesh 1,8,1), or fewer --kv-pages")
     return out
 
@@ -195,25 +230,45 @@ def _abstract_counts(b: Build):
         init_counts(b.spec, b.model_config.vocab_size))
 
 
-def lower_program(b: Build, cfg: AotConfig, N: int) -> dict:
-    """Lowers (and on TPU compiles) the N-row program, with the engine's arguments and
-    donations. Returns its record: the StableHLO text, times, sizes, and the TPU's memory
-    analysis and optimized HLO."""
+def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None) -> dict:
+    """Lowers and compiles (TPU; cuda with the plugin) or exports (cuda without it) the
+    N-row program, with the engine's arguments and donations. Returns its record: the
+    StableHLO text, times, sizes, and for a compile the memory analysis and optimized
+    HLO. dump_dir (cuda compiles): XLA dumps this program's PTX and thunk sequence there."""
     args = (*b.args, _abstract_inputs(b.spec, N, b.mesh), _abstract_counts(b))
-    jitted = jax.jit(b.step, donate_argnums=(1, 2, 4))
+    step = functools.wraps(b.step)(lambda *a: b.step(*a))
+    step.__name__ = f"step_rows_{N}"  # names the program's dumps (jit_step_rows_N)
+    jitted = jax.jit(step, donate_argnums=(1, 2, 4))
     rec = {"rows": N}
     t0 = time.perf_counter()
-    if cfg.platform == "tpu":
-        with jax.set_mesh(b.mesh):
+    if cfg.platform == "tpu" or cuda_mode() == "compile":
+        from lp_jax.aot import resources
+
+        # Mosaic GPU dumps a kernel's launch when it lowers it, its ptxas report when it
+        # compiles it: both inside the dump directory's scope.
+        dumps = (resources.mosaic_dumps(dump_dir / "mosaic") if dump_dir is not None
+                 else contextlib.nullcontext())
+        with jax.set_mesh(b.mesh), dumps:
             lowered = jitted.lower(*args)
             rec["stablehlo"] = lowered.as_text()
             rec["lower_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            compiled = lowered.compile()
-        rec["compile_s"] = time.perf_counter() - t1
+            options = resources.xla_dump_options(dump_dir / "xla") if dump_dir else None
+            compiled = lowered.compile(compiler_options=options)
+            rec["compile_s"] = time.perf_counter() - t1
+        if dump_dir is not None:
+            from pallas_kernels.compile_targets import ptxas_path
+
+            t1 = time.perf_counter()
+            rec["kernels"] = resources.collect(dump_dir / "xla", dump_dir / "mosaic",
+                                               ptxas_path())
+            rec["read_kernels_s"] = time.perf_counter() - t1
         from jax.experimental.serialize_executable import serialize
 
-        rec["serialized_bytes"] = len(serialize(compiled)[0])
+        try:
+            rec["serialized_bytes"] = len(serialize(compiled)[0])
+        except Exception as e:  # noqa: BLE001 - a compile-only executable may not serialize
+            rec["serialized_bytes"], rec["serialize_error"] = None, f"{type(e).__name__}: {e}"
         m = compiled.memory_analysis()
         rec["memory"] = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in
                          ("argument", "output", "alias", "temp", "generated_code")}
@@ -234,13 +289,27 @@ def lower_program(b: Build, cfg: AotConfig, N: int) -> dict:
     return rec
 
 
-def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print) -> dict:
-    """Lowers every program (several at a time: the compilers release the GIL), writes
-    out_dir/{program_N.stablehlo.txt, summary.json} and returns the summary (with the
-    audit's findings)."""
+def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
+        jobs: int | None = None, keep_dumps: bool = False) -> dict:
+    """Lowers and compiles (or exports) every program, writes out_dir/{program_N.stablehlo
+    .txt, summary.json} and returns the summary (with the audit's findings). TPU programs
+    compile several at a time (the compiler releases the GIL; `jobs`, default the host's
+    cores); cuda compiles one at a time, each reading its kernels' resources from its own
+    dumps (out_dir/dumps/program_N, removed afterwards unless keep_dumps)."""
     from lp_jax.aot.audit import audit_program
 
     log = log or (lambda *_: None)
+    mode = cuda_mode() if cfg.platform == "cuda" else "compile"
+    if cfg.platform == "cuda":
+        name, _ = chip(cfg)
+        if mode == "compile":
+            log(f"cuda: compiling every program for one {name} (sm_90a) on this host: "
+                "XLA:GPU, Triton, Mosaic GPU and ptxas; autotuning off (no device)")
+        else:
+            from pallas_kernels.compile_targets import cuda_compiler_missing
+
+            log(f"cuda: EXPORT ONLY, nothing is compiled and ptxas does not run: "
+                f"{cuda_compiler_missing()}")
     b = build(model_cfg, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     hosts = len({d.process_index for d in b.mesh.devices.flat})
@@ -248,27 +317,43 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print) -> dic
         f"{b.mesh.devices.size} devices on {hosts} host(s); per device: "
         f"weights {b.weight_bytes_per_device / 1e9:.2f} GB, KV pool "
         f"{b.kv_bytes_per_device / 1e9:.2f} GB")
+    reads_kernels = cfg.platform == "cuda" and mode == "compile"
 
     def one(N: int) -> dict:
-        rec = lower_program(b, cfg, N)
+        dump = out_dir / "dumps" / f"program_{N}" if reads_kernels else None
+        rec = lower_program(b, cfg, N, dump)
+        if dump is not None and not keep_dumps:
+            shutil.rmtree(dump, ignore_errors=True)
         (out_dir / f"program_{N}.stablehlo.txt").write_text(rec["stablehlo"])
-        found = audit_program(rec, b)
+        found = audit_program(rec, b, cfg)
         rec.pop("stablehlo")
         rec.pop("optimized_hlo", None)
         rec.update(found)
         mem = rec.get("memory", {})
+        ours = [k for k in rec.get("kernels") or [] if k["ours"]]
+        serialized = rec["serialized_bytes"]
         log(f"  rows {N:>6}: lower {rec['lower_s']:.1f} s"
             + (f", compile {rec['compile_s']:.1f} s, temp {mem['temp'] / 2**20:.0f} MiB"
                if "compile_s" in rec else "")
-            + f", {rec['serialized_bytes'] / 2**20:.1f} MiB serialized"
+            + (f", {serialized / 2**20:.1f} MiB serialized" if serialized else "")
+            + (f", {len(rec['kernels'])} kernels" if rec.get("kernels") else "")
             + (f", {len(found['violations'])} VIOLATIONS" if found["violations"] else ""))
+        for k in ours:
+            log(f"      {resources.short(k)}")
         return rec
 
-    with ThreadPoolExecutor(max(1, min(len(b.spec.buckets), os.cpu_count() or 1))) as pool:
+    from lp_jax.aot import resources
+
+    workers = 1 if reads_kernels else max(1, min(len(b.spec.buckets),
+                                                 jobs or os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
         programs = list(pool.map(one, b.spec.buckets))
+    if (out_dir / "dumps").is_dir() and not keep_dumps:
+        shutil.rmtree(out_dir / "dumps", ignore_errors=True)
     violations = [f"program {p['rows']}: {v}" for p in programs for v in p["violations"]]
     summary = {
-        "config": dataclasses.asdict(cfg), "model": model_cfg.model_type,
+        "config": dataclasses.asdict(cfg), "model": model_cfg.model_type, "mode": mode,
+        "target": chip(cfg)[0], "hbm_bytes": chip(cfg)[1],
         "num_layers": model_cfg.num_hidden_layers, "num_programs": len(programs),
         "devices": b.mesh.devices.size, "hosts": hosts,
         "weight_bytes_per_device": b.weight_bytes_per_device,
@@ -276,5 +361,30 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print) -> dic
         "layer_expert_bytes_per_device": b.layer_expert_bytes_per_device,
         "programs": programs, "violations": violations, "jax": jax.__version__,
     }
+    if reads_kernels:
+        summary["our_kernels"] = our_kernels(programs)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def our_kernels(programs: list[dict]) -> list[dict]:
+    """Our kernels (Mosaic GPU, Pallas Triton) over all programs: one row per distinct
+    (kind, resources), with the row buckets whose programs hold it."""
+    rows = {}
+    for p in programs:
+        for k in p.get("kernels") or []:
+            if not k["ours"]:
+                continue
+            # a Mosaic kernel by its weights' shape (mosaic_gpu:body_N[GxKxNxbf16]): the
+            # tile-list grid size varies with the rows, the weights do not
+            kind = re.sub(r":body_\d+", "", k["name"])
+            key = (kind, k.get("registers"), k.get("spill_stores"), k.get("stack"),
+                   k.get("shared_bytes"), tuple(k.get("threads") or ()))
+            row = rows.setdefault(key, {**{f: k.get(f) for f in (
+                "source", "registers", "spill_stores", "spill_loads", "stack", "shared_bytes",
+                "threads", "notes")}, "kernel": kind, "operands": k.get("operands"),
+                "grids": [], "programs": []})
+            row["programs"].append(p["rows"])
+            if k.get("grid") not in row["grids"]:
+                row["grids"].append(k.get("grid"))
+    return list(rows.values())

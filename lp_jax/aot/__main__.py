@@ -1,7 +1,7 @@
-"""python -m lp_jax.aot: compile (TPU) or export (cuda) the engine's programs, and audit them.
+"""python -m lp_jax.aot: compile the engine's programs for a TPU slice or a GPU, and audit them.
 
     python -m lp_jax.aot --platform cuda --preset qwen3-30b-a3b --scheduling layered \\
-        --out runs/aot/h200
+        --out runs/aot/h200            # --gpu h100; exports only if the CUDA plugin is absent
     python -m lp_jax.aot --platform tpu --topology v6e:2x4 --mesh 1,8,1 \\
         --preset qwen3-30b-a3b --out runs/aot/v6e-8
 
@@ -13,12 +13,14 @@ that cannot fit or compile.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
 from lp_jax.engine.scheduler import POLICIES
+from pallas_kernels.compile_targets import GPU_TARGETS
 
 
 def main(argv=None) -> int:
@@ -40,6 +42,17 @@ def main(argv=None) -> int:
                     help="data,expert,tensor (or expert,tensor); default: every device of "
                          "the TPU slice on the expert axis, one device for cuda")
     ap.add_argument("--topology", default="v6e:2x4", help="TPU slice, e.g. v6e:2x4, v5e:4x4")
+    ap.add_argument("--gpu", default="h200", choices=GPU_TARGETS,
+                    help="cuda: the GPU's target config (default h200)")
+    ap.add_argument("--memory-fraction", type=float,
+                    default=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
+                    help="cuda: HBM share of JAX's allocator that weights, KV pool and "
+                         "temporaries must fit (default $XLA_PYTHON_CLIENT_MEM_FRACTION or "
+                         "JAX's 0.75)")
+    ap.add_argument("--keep-dumps", action="store_true",
+                    help="cuda: keep the compilers' dumps (OUT/dumps/program_N)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="programs compiled at once (default: the host's cores)")
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
     ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
                     help="expert-parallel MoE communication (default: auto)")
@@ -55,11 +68,13 @@ def main(argv=None) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
             kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
+            gpu=args.gpu, memory_fraction=args.memory_fraction,
             dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
             moe_dispatch=args.moe_dispatch,
             token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
                            if args.token_buckets else None))
-        summary = run(model_cfg, cfg, Path(args.out))
+        summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,
+                      keep_dumps=args.keep_dumps)
     except (ValueError, RuntimeError) as e:
         message = str(e)
         print(f"error: {message[:2000]}{' ...' if len(message) > 2000 else ''}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The audit of an ahead-of-time lowered program: no weight copies, a donated KV pool.
+"""The audit of an ahead-of-time lowered program: no weight copies, a donated KV pool,
+no spilling kernel of ours, and a program that fits its GPU.
 
 Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
 
@@ -23,6 +24,13 @@ Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
    activations). XLA:CPU once copied the pool in the 1-row program: its single-row write
    became a fused dynamic-update-slice rooted in a bitcast, which XLA does not update in
    place (tests/test_program_memory.py).
+
+5. Compiled programs: the KV pool is aliased to an output (memory_analysis's alias bytes
+   cover the pool), not only marked donated in the StableHLO.
+6. cuda compiles: none of our kernels (Mosaic GPU, Pallas Triton) spills registers or
+   uses a stack frame (ptxas's report, `resources.py`); and weights + KV pool + the
+   program's temporaries (all its arguments, its outputs not aliased to one, and its
+   temporaries) fit in HBM x the memory fraction JAX's allocator is given.
 
 Listed, not violations: XLA ops that take a one-layer slice of another stacked parameter
 (attention projections, norms, the router). XLA may address those in place (TPU operand
@@ -69,9 +77,10 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.replace(",", "x").split("x") if d)
 
 
-def audit_program(rec: dict, build) -> dict:
-    """Checks one lowered program (a record from `lp_jax.aot.lower_program`). Returns
-    {"violations": [...], "listed": {...}}."""
+def audit_program(rec: dict, build, cfg=None) -> dict:
+    """Checks one lowered program (a record from `lp_jax.aot.lower_program`; cfg, the
+    AotConfig, gives the cuda target and memory fraction). Returns {"violations": [...],
+    "listed": {...}}."""
     experts, others = _slice_shapes(build)
     violations, slices, pallas = [], Counter(), Counter()
     for line in rec["stablehlo"].splitlines():
@@ -109,10 +118,35 @@ def audit_program(rec: dict, build) -> dict:
     if mem and limit and rec["rows"] <= build.spec.max_num_seqs and mem["temp"] >= limit:
         violations.append(f"temporaries {mem['temp'] / 2**20:.0f} MiB >= one layer's experts "
                           f"{limit / 2**20:.0f} MiB per device")
+    violations += _check_compiled(rec, build, cfg)
     listed = {"sliced_for_xla_dots": dict(slices), "pallas_calls": dict(pallas)}
     if hlo:
         listed["materialized_layer_slices"] = dict(copies)  # TPU: what XLA did copy
     return {"violations": violations, "listed": listed}
+
+
+def _check_compiled(rec: dict, build, cfg) -> list[str]:
+    """Rules 5 and 6: the pool aliased in the compiled program; our kernels' spills and
+    stack; the program's bytes against HBM x the memory fraction (cuda)."""
+    from lp_jax.aot.resources import problems
+
+    mem, out = rec.get("memory"), []
+    if mem is None:
+        return out
+    kv = build.kv_bytes_per_device
+    if mem["alias"] < kv:
+        out.append(f"the KV pool ({kv / 2**20:.0f} MiB) is not aliased to an output: "
+                   f"{mem['alias'] / 2**20:.0f} MiB of aliases")
+    out += problems(rec.get("kernels") or [])
+    if cfg is not None and cfg.platform == "cuda":
+        from lp_jax.aot import chip
+
+        name, hbm = chip(cfg)
+        need = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+        if need > hbm * cfg.memory_fraction:
+            out.append(f"weights + KV + temporaries {need / 1e9:.2f} GB > {hbm / 1e9:.1f} GB "
+                       f"HBM of a {name} x memory fraction {cfg.memory_fraction}")
+    return out
 
 
 _HLO_COPY = re.compile(r"^\s*(?:ROOT )?%\S+ = [a-z]+[0-9]*\[([0-9,]*)\]\S* copy\(")
@@ -155,6 +189,14 @@ def describe(summary: dict) -> str:
         lines.append(f"rows {p['rows']}: pallas calls {listed['pallas_calls']}, "
                      f"XLA dots on sliced weights {listed['sliced_for_xla_dots']}"
                      + ("" if copies is None else f", of which materialized {copies}"))
+    if summary.get("our_kernels"):
+        lines.append(f"our kernels, compiled for one {summary['target']}:")
+        lines += [f"  {k['kernel']} ({k['source']}): {k['registers']} registers, "
+                  f"{k['threads'][0]} threads, {(k['shared_bytes'] or 0) / 1024:.0f} KiB shared, "
+                  f"spills {k['spill_stores']} B, stack {k['stack']} B"
+                  + (f", ptxas {','.join(k['notes'])}" if k.get("notes") else "")
+                  + f"; grids {k['grids'][:3]}{' ...' if len(k['grids']) > 3 else ''}; "
+                  f"rows {k['programs']}" for k in summary["our_kernels"]]
     v = summary["violations"]
     lines.append(f"audit: {'PASS' if not v else f'{len(v)} violations'}")
     lines += [f"  {x}" for x in v[:50]]
