@@ -8,7 +8,10 @@ CPU devices with the kernels in interpret mode.
 * The engine on a (2, 2) mesh with Pallas backends gives the single-device xla
   model's greedy tokens, and its compiled steps keep the KV pool sharded: no
   all-gather of the pool or of the expert weights, the donated pool comes back in
-  its own sharding.
+  its own sharding. It serves tiny-mlp-only (4 layers, 3 of them MoE with 8 experts,
+  one dense): the interpreted MoE kernel's grid, which sets the engine's pace here,
+  is a quarter of the 8-layer, 16-expert tiny model's, and the dense layer runs
+  beside the sharded kernels.
 
 MoE runs the "tpu" kernel only. JAX 0.11.2's Mosaic GPU interpreter keeps its
 per-cluster state (register ids, clocks) in one process-wide object and resets it
@@ -196,24 +199,34 @@ def test_sharded_moe_stacked_weights_in_a_layer_loop(expert):
 
 
 # ---------------------------------------------------------------- end to end
+ENGINE_PRESET = "tiny-mlp-only"
+
+
 @pytest.fixture(scope="module")
 def sharded_engine():
     """The engine on a (2, 2) mesh with Pallas MoE and attention, after it has
-    generated PROMPTS (its programs compile, in interpret mode, while it does)."""
+    generated PROMPTS (its programs compile, in interpret mode, while it does).
+    backends="off": no start-up self-test (tests/test_kernel_check.py has it), so
+    nothing can fall back; the test below checks what served."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LP_JAX_PALLAS_INTERPRET", "1")
-        llm = LLM(mesh_shape=(2, 2), moe_backend="tpu", attention_backend="gpu",
-                  scheduling="chunked", max_num_seqs=2, max_model_len=32,
-                  max_num_batched_tokens=16, token_buckets=(2, 16), backends="strict",
-                  kv_pages=8, warmup=False, log=None)
+        llm = LLM(str(ensure_tiny(preset=ENGINE_PRESET)), mesh_shape=(2, 2),
+                  moe_backend="tpu", attention_backend="gpu", scheduling="chunked",
+                  max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
+                  token_buckets=(2, 16), backends="off", kv_pages=8, warmup=False,
+                  log=None)
         outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
             temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return llm, [o.token_ids for o in outputs]
 
 
-def test_sharded_engine_matches_single_device_xla(tiny_model, sharded_engine):
+def test_sharded_engine_matches_single_device_xla(sharded_engine):
+    stats = sharded_engine[0].stats()
+    assert stats["kernel_backends"] == {"moe": "tpu", "attention": "gpu"}
+    assert not stats["kernel_fallbacks"]
     xla = KernelBackends(moe="xla", attention="xla")
-    want = [greedy_generate(tiny_model, p, NEW_TOKENS, backends=xla) for p in PROMPTS]
+    model = load_model(ensure_tiny(preset=ENGINE_PRESET))
+    want = [greedy_generate(model, p, NEW_TOKENS, backends=xla) for p in PROMPTS]
     assert sharded_engine[1] == want
 
 
@@ -233,12 +246,15 @@ def test_sharded_engine_steps_keep_pool_and_experts_sharded(sharded_engine):
 
 def test_tpu_attention_on_a_mesh_matches_single_device_xla(monkeypatch):
     """The TPU attention kernel (head_dim 128 preset) per head shard, with the TPU
-    MoE kernel per expert shard, gives the single-device xla model's tokens."""
-    model_dir = ensure_tiny(preset="tiny-h128")
-    xla = KernelBackends(moe="xla", attention="xla")
-    want = greedy_generate(load_model(model_dir), PROMPTS[0], NEW_TOKENS, backends=xla)
+    MoE kernel per expert shard, gives the single-device xla model's tokens: those of
+    Hugging Face's golden file, which tests/test_golden_parity.py checks the
+    single-device model gives (its 5-token prompt 0: the interpreter's cost grows with
+    the tokens), and its prompt logits within the golden tolerance."""
+    golden = np.load("tests/golden/tiny-h128.npz")
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
-    model = load_model(model_dir, mesh=make_mesh(expert=2, tensor=2))
-    got = greedy_generate(model, PROMPTS[0], NEW_TOKENS,
-                          backends=KernelBackends(moe="tpu", attention="tpu"))
-    assert got == want
+    model = load_model(ensure_tiny(preset="tiny-h128"), mesh=make_mesh(expert=2, tensor=2))
+    got, logits = greedy_generate(model, golden["prompt_0"].tolist(), NEW_TOKENS,
+                                  backends=KernelBackends(moe="tpu", attention="tpu"),
+                                  return_prompt_logits=True)
+    assert got == golden["greedy_0"][:NEW_TOKENS].tolist()
+    np.testing.assert_allclose(logits, golden["logits_0"], rtol=0, atol=1e-4)
