@@ -150,6 +150,11 @@ SHARED_ENGINES = {
                       token_buckets=(4, 68)),
     "flowprefill": dict(scheduling="flowprefill", preemption_granularity="layer",
                         max_num_batched_tokens=64, token_buckets=(4, 68)),
+    # FlowPrefill with room for a 120-token prompt in one batch beside 8 sequences; the
+    # FlowPrefill and SLO tests build variants of it (their own SLO classes), which share
+    # its two programs through the cache.
+    "flowprefill-128": dict(scheduling="flowprefill", max_num_seqs=8,
+                            max_num_batched_tokens=128, token_buckets=(8, 136)),
 }
 
 

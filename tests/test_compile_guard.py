@@ -12,9 +12,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_seqs=2, max_model_len=64, scheduling="chunked",
-               max_num_batched_tokens=16, token_buckets=(2, 16), log=None)
+def llm(engines):
+    """A new engine (the test drops one of its programs) of the shared chunked shapes."""
+    return LLM(**engines.kwargs("chunked"))
 
 
 def test_the_run_shares_a_persistent_cache():
@@ -30,7 +30,7 @@ def test_a_late_program_counts_whether_or_not_the_cache_holds_it(llm, cached):
     case is really the cached one); with it off, it compiles. Both count as a serving
     compilation."""
     runner = llm.engine.runner
-    assert set(runner.programs) == {2, 16}
+    assert set(runner.programs) == {4, 16}
     del runner.programs[16]
     jax.clear_caches()  # nor does JAX's in-memory cache of compiled lowerings hold it
     before = llm.stats()["compilations_after_warmup"]

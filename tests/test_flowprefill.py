@@ -318,14 +318,11 @@ def test_memory_pressure_preempts_a_paused_prefill_before_decodes():
 
 # ---------------------------------------------------------------------- engine
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    from lp_jax.engine.config import EngineConfig
-    from lp_jax.engine.llm_engine import LLMEngine
+def engine(engines):
+    from lp_jax import LLM
 
-    cfg = EngineConfig(model=tiny_dir, scheduling="flowprefill", max_model_len=256,
-                       max_num_batched_tokens=128, max_num_seqs=8,
-                       slo_classes={"chat": {"ttft_ms": 50}})
-    engine = LLMEngine(cfg, log=None)
+    # the run's flowprefill-128 shapes (8 sequences, a 128-token budget), own SLO classes
+    engine = LLM(**engines.kwargs("flowprefill-128"), slo_classes={"chat": {"ttft_ms": 50}}).engine
     engine.base_config = engine.scheduler.config
     return engine
 

@@ -179,14 +179,12 @@ def test_slo_counters(tiny_dir):
 
 # ------------------------------------------------------------------ the real engine
 @pytest.fixture(scope="module")
-def real_server(tiny_dir):
-    from lp_jax.engine.config import EngineConfig
-    from lp_jax.engine.llm_engine import LLMEngine
+def real_server(engines):
+    from lp_jax import LLM
     from lp_jax.server import OpenAIServer, ServerThread
 
-    engine = LLMEngine(EngineConfig(
-        model=str(tiny_dir), scheduling="flowprefill", max_num_seqs=4, max_model_len=128,
-        max_num_batched_tokens=128, token_buckets=(8, 32, 132), slo_classes=CLASSES), log=None)
+    # the run's flowprefill-128 shapes (conftest), with this module's SLO classes
+    engine = LLM(**engines.kwargs("flowprefill-128"), slo_classes=CLASSES).engine
     st_ = ServerThread(OpenAIServer(engine, served_model_names=["mock"])).start()
     yield st_
     st_.stop()

@@ -32,11 +32,17 @@ def _forward(graphdef, state, kv_pages, token_ids_T, meta, *, decode_only, backe
 
 def greedy_generate(model: StackedCausalLM, prompt: list[int], max_new_tokens: int, *,
                     page_size: int = 16, backends: KernelBackends = KernelBackends(),
-                    return_prompt_logits: bool = False):
-    """Returns the greedy continuation (and the prompt's float32 logits if asked)."""
+                    return_prompt_logits: bool = False, num_pages: int | None = None):
+    """Returns the greedy continuation (and the prompt's float32 logits if asked).
+    `num_pages`: the KV pages to allocate (None: just enough); callers generating for
+    several prompts pass one count, so all their decode steps share one program."""
     cfg = model.config
     total = len(prompt) + max_new_tokens
-    num_pages = math.ceil(total / page_size)
+    need = math.ceil(total / page_size)
+    if num_pages is None:
+        num_pages = need
+    elif num_pages < need:
+        raise ValueError(f"{num_pages} pages cannot hold {total} tokens of {page_size}")
     pages = list(range(num_pages))
     kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype)
     graphdef, state = nnx.split(model)
