@@ -173,16 +173,14 @@ def ptxas_path() -> str | None:
 
 def cuda_compiler_missing() -> str | None:
     """None if this host can compile for CUDA, else what is missing (and how to get it)."""
-    missing = [pkg for pkg, module in (("jax-cuda13-plugin", "jax_plugins.xla_cuda13"),
-                                       ("jax-cuda13-pjrt", "jax_plugins.xla_cuda13"))
+    missing = [pkg for pkg, module in (("jax-cuda13-pjrt", "jax_plugins.xla_cuda13"),
+                                       ("jax-cuda13-plugin", "jax_cuda13_plugin"))
                if not _find(module)]
-    if not _find("jax_cuda13_plugin") and not _find("jax_plugins.xla_cuda13"):
-        missing = ["jax-cuda13-plugin", "jax-cuda13-pjrt"]
     if ptxas_path() is None:
         missing.append("ptxas (nvidia-cuda-nvcc)")
     if not missing:
         return None
-    return f"no CUDA compiler here (missing {', '.join(sorted(set(missing)))}): {CUDA_HINT}"
+    return f"no CUDA compiler here (missing {', '.join(missing)}): {CUDA_HINT}"
 
 
 def _find(module: str) -> bool:

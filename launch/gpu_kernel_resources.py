@@ -1,0 +1,122 @@
+"""Our GPU kernels compiled for an H200 on this CPU host, at a tiling of your choice: what
+ptxas gives each (registers, spills, shared memory, launch) and what that allows per SM.
+
+    python launch/gpu_kernel_resources.py                        # the defaults
+    python launch/gpu_kernel_resources.py --moe-bn 64            # gate/up N block 64
+    python launch/gpu_kernel_resources.py --prefill-warps 4 --prefill-rows 64
+
+Needs the `gpu-compile` extra (the CUDA plugin and ptxas), no GPU. Qwen3-30B-A3B shapes,
+bfloat16: the MoE's two Mosaic GPU kernels (stacked [2, 128, ...] experts, 64 tokens),
+and the Triton decode and ragged prefill attention (32 / 4 heads, head_dim 128, 16-token
+pages). Prints one line per kernel and writes --out (JSON) if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from lp_jax.aot import resources  # noqa: E402
+from pallas_kernels import compile_targets  # noqa: E402
+
+sd = jax.ShapeDtypeStruct
+REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM = 65536, 233472, 2048
+
+
+def occupancy(k: dict) -> dict:
+    """Blocks and warps an SM can hold, and what limits them (registers are allocated
+    per warp in 256-register units; 1 KiB of shared memory is reserved a block)."""
+    threads = k["threads"][0] * k["threads"][1] * k["threads"][2]
+    warps = -(-threads // 32)
+    limits = {"registers": REGS_PER_SM // (warps * -(-k["registers"] * 32 // 256) * 256),
+              "shared memory": SMEM_PER_SM // (k.get("shared_bytes", 0)
+                                               + k.get("static_smem", 0) + 1024),
+              "threads": THREADS_PER_SM // threads}
+    blocks = min(limits.values())
+    return dict(blocks_per_sm=blocks, warps_per_sm=blocks * warps,
+                limited_by=[n for n, v in limits.items() if v == blocks])
+
+
+def compile_kernels(fn, args, gpu: str) -> tuple[list[dict], float]:
+    mesh = compile_targets.cuda_mesh(gpu)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp)
+        t = time.perf_counter()
+        with jax.set_mesh(mesh), resources.mosaic_dumps(dump / "mosaic"):
+            lowered = jax.jit(fn).lower(*compile_targets._shard_args(args, mesh, None))
+            lowered.compile(compiler_options=resources.xla_dump_options(dump / "xla"))
+        seconds = time.perf_counter() - t
+        kernels = resources.collect(dump / "xla", dump / "mosaic", compile_targets.ptxas_path())
+    return [k for k in kernels if k["ours"]], seconds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", default="h200", choices=compile_targets.GPU_TARGETS)
+    p.add_argument("--moe-tm", type=int, default=64)
+    p.add_argument("--moe-bn", type=int, default=128, help="gate/up N block")
+    p.add_argument("--moe-down-bn", type=int, default=256)
+    p.add_argument("--moe-stages", type=int, default=4)
+    p.add_argument("--prefill-rows", type=int, default=128, help="query rows a program")
+    p.add_argument("--prefill-warps", type=int, default=8)
+    p.add_argument("--prefill-stages", type=int, default=2)
+    p.add_argument("--decode-warps", type=int, default=4)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    missing = compile_targets.cuda_compiler_missing()
+    if missing:
+        p.error(missing)
+    from pallas_kernels.attention import gpu as attention
+    from pallas_kernels.moe.gpu import GpuTiling, moe_ffn_gpu
+
+    tiling = GpuTiling(tm=args.moe_tm, gate_up_bn=args.moe_bn, down_bn=args.moe_down_bn,
+                       stages=args.moe_stages)
+    T, D, E, A, F, L = 64, 2048, 128, 8, 768, 2
+    moe_args = (sd((T, D), jnp.bfloat16), sd((T, E), jnp.float32),
+                sd((L, E, D, 2 * F), jnp.bfloat16), sd((L, E, F, D), jnp.bfloat16),
+                sd((), jnp.int32))
+    N, K, H, S, B, C = 32, 4, 128, 16, 8, 16
+    attn_args = (sd((64, N, H), jnp.bfloat16), sd((4096, S, 2 * K, H), jnp.bfloat16),
+                 sd((B + 1,), jnp.int32), sd((B,), jnp.int32), sd((B, C), jnp.int32),
+                 sd((), jnp.int32), sd((B, N, H), jnp.bfloat16))
+
+    def moe(x, logits, w_gate_up, w_down, layer):
+        return moe_ffn_gpu(x, logits, w_gate_up, w_down, layer=layer, top_k=A,
+                           norm_topk_prob=True, tiling=tiling)[0]
+
+    def attn(q, kv, starts, lens, table, n, q_dec):
+        return (attention.ragged_paged_attention(
+                    q, kv, starts, lens, table, n, sm_scale=H**-0.5,
+                    block_rows=args.prefill_rows, num_warps=args.prefill_warps,
+                    num_stages=args.prefill_stages),
+                attention.decode_attention(q_dec, kv, lens, table, sm_scale=H**-0.5,
+                                           num_warps=args.decode_warps))
+
+    rows = []
+    for name, fn, fargs in (("moe", moe, moe_args), ("attention", attn, attn_args)):
+        kernels, seconds = compile_kernels(fn, fargs, args.gpu)
+        print(f"{name}: compiled in {seconds:.1f} s")
+        for k in kernels:
+            k.update(occupancy(k))
+            rows.append(k)
+            print(f"  {resources.short(k)}; {k['blocks_per_sm']} blocks ({k['warps_per_sm']} "
+                  f"warps) an SM, limited by {', '.join(k['limited_by'])}")
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                        "kernels": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
