@@ -70,26 +70,26 @@ def test_xla_backends_need_no_check(cfg, monkeypatch):
     assert (chosen.moe, chosen.attention) == ("xla_tiles", "xla")  # "auto" on CPU
 
 
-def test_engine_serves_with_the_fallback_and_reports_it(interpret, monkeypatch):
+def test_engine_serves_with_the_fallback_and_reports_it(interpret, monkeypatch, engines,
+                                                        tiny_model):
     """A broken MoE kernel at start-up: the engine serves with xla_tiles, gives the plain
-    model's tokens, and says so in stats() and /metrics."""
+    model's tokens, and says so in stats() and /metrics. The engine has the shared chunked
+    engine's configuration on the tiny model (whose experts have tiny-h128's shapes, so
+    the MoE check runs the program the tests above compiled): in a full run its programs
+    are the shared engine's, from the run's compilation cache."""
     from lp_jax import LLM, SamplingParams
-    from lp_jax.loader import load_model
     from lp_jax.models.simple import greedy_generate
     from lp_jax.server.metrics import ServerMetrics
 
     monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", _wrong_moe(moe_tpu.moe_ffn_tpu))
-    path = ensure_tiny(preset="tiny-h128")
-    llm = LLM(model=str(path), scheduling="chunked", max_num_seqs=2, max_model_len=128,
-              max_num_batched_tokens=32, token_buckets=(2, 32), moe_backend="tpu",
-              attention_backend="xla", log=None)
+    llm = LLM(**engines.kwargs("chunked"), moe_backend="tpu", attention_backend="xla")
     s = llm.stats()
     assert s["kernel_backends"] == {"moe": "xla_tiles", "attention": "xla"}
     assert set(s["kernel_fallbacks"]) == {"moe"}
     prompt = np.random.default_rng(0).integers(0, 509, 20).tolist()
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True))[0]
-    assert out.token_ids == greedy_generate(load_model(path), prompt, 4)
+    assert out.token_ids == greedy_generate(tiny_model, prompt, 4)
     metrics = ServerMetrics("tiny")
     metrics.update_from_engine(llm.stats(), running=0, waiting=0)
     assert 'lp:kernel_backend_info{model_name="tiny",op="moe",backend="xla_tiles"} 1' in \
