@@ -70,7 +70,7 @@ class Arch:
 class Recipe:
     """How it is trained."""
 
-    steps: int = 300
+    steps: int = 400
     batch: int = 8
     context: int = 64
     lr: float = 1e-2
