@@ -13,7 +13,9 @@
   "auto" runs what `roofline.ep_comm.choose_dispatch` picks.
 * With libtpu: the ragged transport compiles for a v6e slice.
 * The engine on a (2, 4) mesh with moe_dispatch="all_to_all" gives the single-device
-  greedy tokens, and its programs hold the MoE's all-to-alls.
+  greedy tokens (Hugging Face's golden ones, which tests/test_golden_parity.py checks
+  the single-device model gives), through a chunked prefill, and its program holds
+  the MoE's all-to-alls.
 
 The MoE runs on the "xla" reference backend unless said otherwise (the engine: "auto",
 xla_tiles on CPU); XLA:CPU compile time, not the kernels, sets this file's pace.
@@ -30,10 +32,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lp_jax import LLM, SamplingParams
-from lp_jax.models import KernelBackends
 from lp_jax.models.expert_dispatch import ref_ragged_all_to_all
 from lp_jax.models.sharded_kernels import kernel_mesh, resolve_moe_dispatch, sharded_moe_ffn
-from lp_jax.models.simple import greedy_generate
 from lp_jax.roofline.ep_comm import choose_dispatch
 from lp_jax.sharding import make_mesh, named_sharding
 from pallas_kernels import compile_targets
@@ -341,19 +341,22 @@ def test_ragged_all_to_all_compiles_for_tpu():
 
 
 # ---------------------------------------------------------------------- engine
-PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 311, 64, 128, 9], [8, 200, 31, 4, 77]]
 NEW_TOKENS = 3
 
 
-def test_engine_all_to_all_matches_single_device(tiny_model):
+def test_engine_all_to_all_matches_single_device():
+    """Golden prompts 0 and 1 (5 and 17 tokens) under a 16-token budget: the second is
+    prefilled in two chunks, the second chunk beside the first prompt's decode. One row
+    bucket, so one program (~13 s of XLA:CPU compile on this mesh) serves every step."""
+    golden = np.load("tests/golden/tiny.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(2)]
     llm = LLM(mesh_shape=(2, 4), moe_dispatch="all_to_all", scheduling="chunked",
               max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
-              token_buckets=(2, 16), kv_pages=8, warmup=False,
-              log=None)
-    outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
+              token_buckets=(16,), kv_pages=8, warmup=False, log=None)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    xla = KernelBackends(moe="xla", attention="xla")
-    want = [greedy_generate(tiny_model, p, NEW_TOKENS, backends=xla) for p in PROMPTS]
+    want = [golden[f"greedy_{i}"][:NEW_TOKENS].tolist() for i in range(2)]
     assert [o.token_ids for o in outputs] == want
+    assert set(llm.engine.runner.programs) == {16}
     for program in llm.engine.runner.programs.values():  # the MoE really went all-to-all
         assert _moe_all_to_alls(program.as_text())
