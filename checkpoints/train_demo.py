@@ -442,7 +442,7 @@ def _ensure(out: Path, log=print) -> Path:
 
 def ensure_demo(root: str | os.PathLike | None = None, *, log=print) -> Path:
     """Path to the demo model, <root>/demo (default checkpoints/tiny/demo, gitignored),
-    trained first (about a minute on two CPU cores) if absent or stale."""
+    trained first (400 steps, about 60 CPU-seconds) if absent or stale."""
     return _ensure(Path(root if root is not None else DEFAULT_ROOT) / "demo", log=log)
 
 

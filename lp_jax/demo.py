@@ -2,7 +2,7 @@
 
 The default model is checkpoints/train_demo.py's: two MoE layers trained on 25 of
 Aesop's fables (Townsend's 1867 translation, shipped in checkpoints/data/) until it
-knows them by heart, trained the first time (about a minute on two CPU cores) and cached
+knows them by heart, trained the first time (400 steps, about 60 CPU-seconds) and cached
 in checkpoints/tiny/demo/. Its greedy continuation of a fable's first words is the
 fable, so readable text means the engine computes what the model learnt.
 
