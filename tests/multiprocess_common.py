@@ -9,5 +9,9 @@ _GOLDEN = np.load(Path(__file__).parent / "golden" / "tiny.npz")
 PROMPTS = [_GOLDEN[f"prompt_{i}"].tolist() for i in range(2)]
 NEW_TOKENS = 6
 GOLDEN_TOKENS = [_GOLDEN[f"greedy_{i}"][:NEW_TOKENS].tolist() for i in range(2)]
-ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 64),
+# One row bucket: 36 rows hold chunked's 32-token budget and layered's 32 prefill rows
+# beside 4 decodes, so each engine compiles one program (prefill and decode steps both
+# run it). lp-serve in test_multiprocess.py runs chunked with these arguments, so its
+# program is the worker's, read back from the run's compilation cache.
+ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(36,),
                    layer_groups=2)

@@ -27,7 +27,7 @@ from launch.multihost import free_port, process_env
 from lp_jax.engine import distributed
 from lp_jax.engine.plan_channel import StepCodec
 from lp_jax.engine.step import StepSpec, empty_inputs
-from tests.multiprocess_common import GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
+from tests.multiprocess_common import ENGINE_ARGS, GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,8 +80,10 @@ def _post(port, body, timeout=120):
 def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
     port = free_port()
     args = ["-m", "lp_jax.serve", "--model", str(tiny_dir), "--port", "0",
-            "--mesh-shape", "2,4", "--scheduling", "chunked", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "32", "--token-buckets", "8,64",
+            "--mesh-shape", "2,4", "--scheduling", "chunked",
+            "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+            "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+            "--token-buckets", ",".join(map(str, ENGINE_ARGS["token_buckets"])),
             "--compilation-cache-dir", ""]
     procs = [subprocess.Popen([sys.executable, *args], env=_env(pid, port), cwd=ROOT,
                               stdout=subprocess.DEVNULL if pid else None,
