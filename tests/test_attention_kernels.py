@@ -172,6 +172,15 @@ def decode_batch(ctx_lens, **kw):
 MIXED = [(19, 5), (6, 1), (0, 20), (3, 6)]
 
 
+def without_tokens(b: Batch) -> Batch:
+    """`b` with one sequence of no tokens and no context (and padding sequences): the
+    same shapes, so a kernel compiled for `b` runs it from the jit cache; all zeros."""
+    return dataclasses.replace(
+        b, query_start_B1=jnp.zeros_like(b.query_start_B1),
+        seq_lens_B=jnp.zeros_like(b.seq_lens_B), num_seqs=jnp.int32(1),
+        expected_TNH=np.zeros_like(b.expected_TNH))
+
+
 # ---------------------------------------------------------------- write_kv and ref
 
 
@@ -281,11 +290,15 @@ def test_gpu_decode_splits_share_each_sequences_own_blocks(monkeypatch):
     np.testing.assert_array_equal(worked_BX, [[True] * 4, [True, True, True, False]])
 
 
+def _gpu_ragged(b: Batch, G: int):
+    return gpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, block_rows=16,
+                                      pages_per_block=2 if G == 1 else 1, interpret=True)
+
+
 @pytest.mark.parametrize("G,dtype", GPU_CASES)
 def test_gpu_ragged_interpret(G, dtype):
     b = make_batch(MIXED, S=8, K=2, G=G, H=32, dtype=dtype, T=40, B=6)
-    out = gpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, block_rows=16,
-                                     pages_per_block=2 if G == 1 else 1, interpret=True)
+    out = _gpu_ragged(b, G)
     assert out.dtype == dtype
     assert rel_err(out, b.expected_TNH) < TOL[dtype]
     assert not np.asarray(out[32:]).any()
@@ -302,8 +315,10 @@ def test_gpu_single_token_interpret():
 
 
 def test_gpu_no_real_sequences_gives_zeros():
-    b = make_batch([(0, 0)], S=8, K=1, G=2, H=16, dtype=jnp.float32, T=4, B=2)
-    out = gpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, interpret=True)
+    """No token in the batch (one empty sequence, then padding ones), at the shapes of
+    test_gpu_ragged_interpret[4-float32], whose program it reuses."""
+    b = without_tokens(make_batch(MIXED, S=8, K=2, G=4, H=32, dtype=jnp.float32, T=40, B=6))
+    out = _gpu_ragged(b, 4)
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(out).any()
 
 
@@ -410,13 +425,17 @@ def _assert_no_races():
     assert ipc.races is not None and not ipc.races.races_found
 
 
+def _tpu_ragged(b: Batch):
+    # 8-token items: the 20-token prefill spans three, one ending mid-item; two-page
+    # key blocks: prefixes end mid-block and mid-page.
+    return tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, block_q=8,
+                                      pages_per_block=2, interpret=_tpu_interpret())
+
+
 @pytest.mark.parametrize("G,dtype", TPU_CASES)
 def test_tpu_ragged_interpret(G, dtype):
     b = make_batch(MIXED, S=8, K=2, G=G, H=128, dtype=dtype, T=40, B=6)
-    # 8-token items: the 20-token prefill spans three, one ending mid-item; two-page
-    # key blocks: prefixes end mid-block and mid-page.
-    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, block_q=8,
-                                     pages_per_block=2, interpret=_tpu_interpret())
+    out = _tpu_ragged(b)
     _assert_no_races()
     assert out.dtype == dtype
     assert rel_err(out, b.expected_TNH) < TOL[dtype]
@@ -486,8 +505,12 @@ def test_tpu_single_token_and_default_blocks_interpret():
 
 
 def test_tpu_no_real_sequences_gives_zeros():
-    b = make_batch([(0, 0)], S=8, K=1, G=2, H=128, dtype=jnp.float32, T=4, B=2)
-    out = tpu.ragged_paged_attention(*b.ragged_args(), sm_scale=b.sm_scale, interpret=True)
+    """No token in the batch (one empty sequence, then padding ones), at the shapes of
+    test_tpu_ragged_interpret[4-float32], whose program it reuses: NaN-filled fresh
+    buffers and the race detector on, and every item has no key block."""
+    b = without_tokens(make_batch(MIXED, S=8, K=2, G=4, H=128, dtype=jnp.float32, T=40, B=6))
+    out = _tpu_ragged(b)
+    _assert_no_races()
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(out).any()
 
 
