@@ -219,7 +219,11 @@ def test_matches_transformers(preset):
     for i in range(3):
         prompt = golden[f"prompt_{i}"].tolist()
         want = golden[f"greedy_{i}"].tolist()
-        tokens, logits = greedy_generate(model, prompt, len(want), return_prompt_logits=True)
+        # 36-token pages: all three prompts' decode steps share one program, as in
+        # tests/test_golden_parity.py (2 pages each, each crossing a page boundary).
+        assert -(-(len(prompt) + len(want)) // 36) == 2
+        tokens, logits = greedy_generate(model, prompt, len(want), page_size=36,
+                                         return_prompt_logits=True)
         np.testing.assert_allclose(logits, golden[f"logits_{i}"], rtol=0, atol=1e-4)
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
 
@@ -261,14 +265,16 @@ def test_mesh_all_to_all_matches_transformers():
 
 # ------------------------------------------------------------------------ engine
 ENGINES = {
-    # orca shares chunked's 8- and 32-row programs (the run's compilation cache)
-    "orca": dict(scheduling="orca", max_num_batched_tokens=32, token_buckets=(8, 32, 84)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(8, 32)),
+    # One row bucket each, the largest call's: orca (a whole 40-token prompt beside the
+    # decodes, up to max_model_len + 4 rows) and chunked hold the same program (no carried
+    # hidden rows), shared through the run's compilation cache; decode steps run in it too.
+    "orca": dict(scheduling="orca", max_num_batched_tokens=32, token_buckets=(84,)),
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(84,)),
     "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
-                    token_buckets=(8, 68)),
+                    token_buckets=(68,)),
     # FlowPrefill: operator-level preemption points, slack-aware EDF over the prefills
     "flowprefill": dict(scheduling="flowprefill", max_num_batched_tokens=64,
-                        token_buckets=(8, 68)),
+                        token_buckets=(68,)),
 }
 
 
