@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer; tokenizer and chat template from --model or the tiny model)")
     e = p.add_argument_group("engine (EngineConfig)")
     e.add_argument("--model", default=None,
-                   help="Hugging Face model directory [default: the embedded tiny model]")
+                   help="Hugging Face model directory [default: the embedded fable model "
+                        "of checkpoints/train_demo.py]")
     e.add_argument("--scheduling", choices=("orca", "chunked", "layered", "flowprefill"),
                    default="layered",
                    help="flowprefill: slack-aware EDF over the requests' TTFT deadlines, "

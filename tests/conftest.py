@@ -167,7 +167,10 @@ class SharedEngines:
 
     @staticmethod
     def kwargs(name: str) -> dict:
-        return {**ENGINE_BASE, **SHARED_ENGINES[name]}
+        """The engine's arguments, the random-weight tiny checkpoint (the golden one) named."""
+        from checkpoints.make_tiny import ensure_tiny
+
+        return {"model": str(ensure_tiny(preset="tiny")), **ENGINE_BASE, **SHARED_ENGINES[name]}
 
     def __call__(self, name: str):
         if name not in self._built:

@@ -11,13 +11,15 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import ENGINE_BASE
 
+from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
 from lp_jax.loader import load_model
 from lp_jax.models.simple import greedy_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-BASE = dict(max_num_seqs=4, max_model_len=256, log=None)
+BASE = dict(ENGINE_BASE, model=str(ensure_tiny(preset="tiny")))
 POLICIES = ("orca", "chunked", "layered", "layered-3", "layered-4", "flowprefill")
 
 

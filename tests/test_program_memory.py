@@ -20,8 +20,8 @@ BUCKETS = (1, 2)
 
 
 @pytest.fixture(scope="module")
-def runner():
-    llm = LLM(kv_pages=1024, max_model_len=512, scheduling="chunked", max_num_seqs=2,
+def runner(tiny_dir):
+    llm = LLM(tiny_dir, kv_pages=1024, max_model_len=512, scheduling="chunked", max_num_seqs=2,
               max_num_batched_tokens=2, token_buckets=BUCKETS, compilation_cache_dir=None,
               log=None)
     return llm.engine.runner

@@ -157,10 +157,12 @@ def test_penalty_counts_survive_recompute_preemption(tiny_model):
     """Under KV pressure sequences are preempted and prefilled again with their outputs:
     the re-prefill rebuilds their device counts (prompt mask and output histogram), so
     penalized greedy decoding still matches the numpy reference."""
+    from checkpoints.make_tiny import ensure_tiny
     from lp_jax import LLM, SamplingParams
 
     # 24 pages of 16 tokens cannot hold four 100-token sequences growing to 140.
-    llm = LLM(max_num_seqs=4, max_model_len=256, log=None, scheduling="chunked",
+    llm = LLM(ensure_tiny(preset="tiny"), max_num_seqs=4, max_model_len=256, log=None,
+              scheduling="chunked",
               max_num_batched_tokens=256, token_buckets=(4, 256), kv_pages=24)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 509, 100).tolist() for _ in range(4)]

@@ -24,7 +24,7 @@ def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face directory; None: the embedded tiny model
+    model: str | None = None  # Hugging Face directory; None: the embedded fable model
     scheduling: str = "layered"  # "orca", "chunked", "layered" or "flowprefill"
     max_model_len: int | None = None  # None: min(max_position_embeddings, 8192)
     max_num_seqs: int = 32

@@ -161,9 +161,11 @@ class RequestOutput:
 
 
 def _default_model_dir():
-    from checkpoints.make_tiny import ensure_tiny
+    """The embedded default: the small Qwen3-MoE trained on Aesop's fables
+    (checkpoints/train_demo.py), made on first use (about a minute) and cached."""
+    from checkpoints.train_demo import ensure_demo
 
-    return ensure_tiny()
+    return ensure_demo()
 
 
 class LLMEngine:
