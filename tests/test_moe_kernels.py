@@ -347,7 +347,9 @@ def test_moe_ffn_entry_point(monkeypatch):
     y_ref, _ = ref_moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs())
     y_auto, _ = moe.moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs())
     assert rel_err(y_auto, y_ref) < TOL[case.dtype]
-    # Default tilings (tm=128 / tm=64) through the public entry point, interpret via env.
+    # Default tilings (tm=128 / tm=64) through the public entry point, interpret via env;
+    # the GPU kernel's work spread over GPU_SMS simulated SMs, not the H200's 132.
+    monkeypatch.setattr(gpu, "_num_sms", lambda: GPU_SMS)
     for backend in ("tpu", "gpu"):
         y, _ = moe.moe_ffn(case.x, case.logits, case.wgu, case.wd, **case.kwargs(),
                            backend=backend)
@@ -584,6 +586,7 @@ def test_tiny_model_prefill_with_pallas_moe(tiny_model, monkeypatch):
     from lp_jax.models.simple import greedy_generate
 
     monkeypatch.setenv(moe.INTERPRET_ENV, "1")
+    monkeypatch.setattr(gpu, "_num_sms", lambda: GPU_SMS)  # not the H200's 132
     prompt = [5, 17, 42, 8, 99, 3, 7, 11, 13]
     logits = {}
     for b in ("xla", "tpu", "gpu"):

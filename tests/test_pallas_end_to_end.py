@@ -10,8 +10,14 @@ from checkpoints.make_tiny import ensure_tiny
 from lp_jax.loader import load_model
 from lp_jax.models import KernelBackends
 from lp_jax.models.simple import greedy_generate
+from pallas_kernels.moe import gpu as moe_gpu
 
 NEW_TOKENS = 4  # interpret mode runs seconds per decode step on these models
+# SMs the Mosaic GPU MoE kernel spreads its work items over in the interpreter (the H200's
+# 132 by default on CPU): each simulated SM is a grid-loop iteration of every call, work
+# or not (132 -> 8 took the gpu-MoE run from 69 to 44 s of CPU); 8 still leave SMs
+# with several work items.
+INTERPRET_SMS = 8
 
 
 @pytest.mark.parametrize("preset,moe,attention", [
@@ -25,6 +31,7 @@ NEW_TOKENS = 4  # interpret mode runs seconds per decode step on these models
 ])
 def test_pallas_backends_match_golden(monkeypatch, preset, moe, attention):
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
+    monkeypatch.setattr(moe_gpu, "_num_sms", lambda: INTERPRET_SMS)
     golden = np.load(f"tests/golden/{preset}.npz")
     prompt, want = golden["prompt_1"].tolist(), golden["greedy_1"].tolist()
     model = load_model(ensure_tiny(preset=preset))
@@ -35,20 +42,25 @@ def test_pallas_backends_match_golden(monkeypatch, preset, moe, attention):
 
 def test_engine_with_tpu_kernels_matches_xla(monkeypatch):
     """The serving engine (layered prefill: ragged batches mixing prefill chunks and
-    decode tokens over several sequences) with both TPU kernels in interpret mode
-    gives the plain XLA model's greedy tokens, and frees every page."""
+    decode tokens over several sequences) serving with both TPU kernels in interpret
+    mode gives the plain XLA model's greedy tokens, and frees every page. The start-up
+    self-test is off (test_kernel_check.py runs it on this model's kernels): a fallback
+    to xla could not then pass unseen, and stats() shows the kernels that served."""
     from lp_jax import LLM, SamplingParams
 
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
     path = ensure_tiny(preset="tiny-h128")
     rng = np.random.default_rng(3)
     # a prompt over the 32-token budget (two batches), one over a page, short ones; the
-    # interpreter's cost follows the rows (a 64-token budget took twice as long)
+    # interpreter's cost follows the rows (a 64-token budget took twice as long). One row
+    # bucket: each interpret-mode program takes ~25 s of CPU to compile, and the padding
+    # rows of decode steps cost little (they route to no expert and open no query item).
     prompts = [rng.integers(0, 509, n).tolist() for n in (5, 40, 20, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm = LLM(model=str(path), scheduling="layered", layer_groups=2, max_num_seqs=4,
-              max_model_len=128, max_num_batched_tokens=32, token_buckets=(4, 36),
-              moe_backend="tpu", attention_backend="tpu", log=None)
+              max_model_len=128, max_num_batched_tokens=32, token_buckets=(36,),
+              moe_backend="tpu", attention_backend="tpu", backends="off", log=None)
+    assert llm.stats()["kernel_backends"] == {"moe": "tpu", "attention": "tpu"}
     eng = llm.engine
     ids = {eng.add_request(p, params): i for i, p in enumerate(prompts[:2])}
     outs, step = {}, 0
