@@ -344,13 +344,13 @@ def test_ragged_all_to_all_compiles_for_tpu():
 NEW_TOKENS = 3
 
 
-def test_engine_all_to_all_matches_single_device():
+def test_engine_all_to_all_matches_single_device(tiny_dir):
     """Golden prompts 0 and 1 (5 and 17 tokens) under a 16-token budget: the second is
     prefilled in two chunks, the second chunk beside the first prompt's decode. One row
     bucket, so one program (~13 s of XLA:CPU compile on this mesh) serves every step."""
     golden = np.load("tests/golden/tiny.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(2)]
-    llm = LLM(mesh_shape=(2, 4), moe_dispatch="all_to_all", scheduling="chunked",
+    llm = LLM(str(tiny_dir), mesh_shape=(2, 4), moe_dispatch="all_to_all", scheduling="chunked",
               max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
               token_buckets=(16,), kv_pages=8, warmup=False, log=None)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
