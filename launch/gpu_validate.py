@@ -3,19 +3,32 @@
     python3 launch/gpu_validate.py --out $OUT/gpu_validate --budget-s 380  # device timeout 480 s
     python3 launch/gpu_validate.py --out runs/gv --cpu-smoke                # any machine, ~1 min
     python3 launch/gpu_validate.py --out DIR --skip kernels                 # a rerun
+    python3 launch/gpu_validate.py --out runs/gv-ct --compile-times h200    # CPU host, plugin
+
+First, before any section, a preflight is written to OUT/results.json: python, jax,
+jaxlib, the CUDA plugin, flax and orbax versions, jax.devices(), nvidia-smi, the ptxas
+path and free HBM. Every exit writes results.json with its reason in meta.exit ("done",
+"no GPU backend: ...", an exception, a SIGTERM from the device's timeout; the watchdog
+records meta.watchdog).
 
 Sections, most valuable first, each with its share of the budget (seconds of 380; a
 section's deadline is the sum of the shares so far, so time one leaves passes on):
 
-  1 kernels   60  Pallas GPU kernels against their references at Qwen3-30B-A3B shapes,
-                  bf16, in a subprocess with a timeout: a hung kernel or a sticky CUDA
-                  error ends the child, not the run. A failed kernel is not served later.
+  1 kernels   75  Pallas GPU kernels against their references at Qwen3-30B-A3B shapes,
+                  bf16, on layer L-1 of a full-depth stack (~58 GB of random experts,
+                  an L-layer KV pool), in a subprocess with a timeout: a hung kernel or a
+                  sticky CUDA error ends the child, not the run. An op whose check failed
+                  is not served later; a case not reached (or killed mid-way) is "not
+                  run" and leaves its op unchecked, which the engine then serves with
+                  `auto`, its start-up self-test and fallback. The share is sized from
+                  the check programs' compile times measured on a CPU host
+                  (`--compile-times h200`; BENCHMARKS.md).
   2 engine   185  the engine (dummy weights, only the four row buckets measured): batch-1
                   decode, concurrency-10 decode at 2048 + 512 context, 4k-prompt prefill
                   tokens/s, one 8192-token prompt chunked-512 against layered G=16 (time,
                   expert bytes, NVML energy), and a jax.profiler trace of one decode and
                   one prefill step split into Pallas kernels, matmuls and other XLA glue.
-  3 moe       65  moe_ffn per layer (an 8-layer loop over stacked weights) against
+  3 moe       50  moe_ffn per layer (an 8-layer loop over stacked weights) against
                   lax.ragged_dot and jax's ragged_dot_mgpu (timed only: untrusted, it
                   refills a WGMMA slot without waiting): us, GB/s, TFLOP/s.
   4 attention 30  decode attention GB/s against the H200's 4.8 TB/s.
@@ -33,6 +46,8 @@ Weights are the loader's `dummy` format, drawn one layer slice at a time on the 
 route tokens at random, which activates more experts than a trained router: every
 expert-bytes figure says so. With --cpu-smoke everything runs on tiny shapes (the GPU
 kernels interpreted) and every figure is labelled "CPU smoke, not a measurement".
+Nothing here imports a package the H200 lacks (it has jax, flax, orbax, nvidia-ml-py and
+a few more, not grain): meta.third_party_modules lists what a run imported.
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,13 +75,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "launch")]
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from lp_jax.bench import engine_figures as ef  # noqa: E402
 from lp_jax.bench import kernel_figures as kf  # noqa: E402
 from lp_jax.bench.budget import BudgetRun, attempt, summary  # noqa: E402
 
 SMOKE_LABEL = "CPU smoke, not a measurement"
-SHARES_S = {"kernels": 60, "engine": 185, "moe": 65, "attention": 30, "serving": 40}
+# kernels: ~10 s of Python + CUDA start, the full-depth random stacks (~58 GB, one small
+# program), and the 10 check programs' compiles, 1.8-8.3 s each (~40 s) deviceless on a
+# 2-core host (`--compile-times h200`, BENCHMARKS.md): 75 s, taken from the MoE
+# microbenchmark, whose largest token counts go first when it runs short.
+SHARES_S = {"kernels": 75, "engine": 185, "moe": 50, "attention": 30, "serving": 40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +114,11 @@ H200 = Scale(
     long_prompt=8192, groups=16, prompt_4k=4096, moe_tokens=(1, 32, 128, 4096, 16384),
     moe_loop=8, attn_points=(("auto", 32, 4096), ("auto", 1, 8192), ("auto", 128, 4096),
                              ("xla", 32, 4096)),
-    serve=(4, 2048, 32), iters=10, guess_s={"init": 45, "compile": 40, "case": 8, "prefill": 5})
+    serve=(4, 2048, 32), iters=10,
+    # compile: a 48-layer step program compiles deviceless for the H200 in 32-46 s on a
+    # 2-core host (python -m lp_jax.aot --platform cuda; BENCHMARKS.md); the H200's host
+    # has more cores but autotunes, so the slowest is the guess until one is measured
+    guess_s={"init": 45, "compile": 46, "case": 8, "prefill": 5})
 SMOKE = Scale(
     check_tokens=(16,), b1_context=48, conc=(3, 64), chunk=32, long_prompt=256, groups=4,
     prompt_4k=128, moe_tokens=(1, 32), moe_loop=2, attn_points=(("auto", 2, 64),),
@@ -116,12 +142,175 @@ class Validation(BudgetRun):
         super().__init__(args.out, args.budget_s, title="GPU validation", clock=clock,
                          section_label=SMOKE_LABEL if self.smoke else None,
                          grace_s=args.grace_s)
+        from lp_jax.config import ModelConfig
+
         self.scale = SMOKE if self.smoke else H200
+        self.model = ModelConfig.from_hf_dict(model_config(self.smoke))
         self.engine, self.verdict = None, {}
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_validate_"))
 
+    def finish(self, reason: str):
+        """Records why the run ended (every exit path comes here) and writes the results."""
+        self.data["meta"]["exit"] = reason
+        self.data["meta"]["elapsed_s"] = self.clock() - self.t0
+        self.save()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
 
 # ------------------------------------------------------------------ 1. kernels
+def check_cases(cfg, smoke: bool) -> list[tuple[str, str, object]]:
+    """(op, case, build) in the order the child runs them; build() -> [(name, kernel,
+    reference, args, make_args)]: two jittable functions of the same arguments
+    (ShapeDtypeStructs), and a function making random values of them. Every check
+    addresses layer L-1 of a full-depth stack (the MoE weights, the KV pool), as the
+    engine's last layer does: ~58 GB of random experts at Qwen3-30B-A3B's shapes."""
+    scale, L = (SMOKE if smoke else H200), cfg.num_hidden_layers
+    first, *rest = scale.check_tokens
+    moe = lambda T: ("moe", f"moe_ffn[gpu] T={T}, layer {L - 1} of {L}",  # noqa: E731
+                     lambda: moe_check(cfg, T))
+    attention = ("attention", f"attention[gpu] ragged + decode, layer {L - 1} of {L}, "
+                 "contexts to " + ("40" if smoke else "4100"),
+                 lambda: attention_check(cfg, smoke))
+    return [moe(first), attention, *map(moe, rest)]  # both ops get a verdict early
+
+
+def _random_stack(key, shape, scale: float):
+    """[L, ...] random bfloat16, one layer drawn at a time (float32 temporaries of one
+    layer, not of the stack; every index stays under 2^31)."""
+    def fill(i, w):
+        one = jax.random.normal(jax.random.fold_in(key, i), shape[1:], jnp.float32) * scale
+        return jax.lax.dynamic_update_index_in_dim(w, one.astype(kf.DTYPE), i, 0)
+
+    return jax.lax.fori_loop(0, shape[0], fill, jnp.zeros(shape, kf.DTYPE))
+
+
+def moe_check(cfg, T: int):
+    """moe_ffn[gpu] on layer L-1 (a traced index) of full-depth stacked weights, the last
+    eighth of the rows masked, against the float32 reference on that layer."""
+    from pallas_kernels.moe import moe_ffn
+    from pallas_kernels.moe.ref import ref_moe_ffn
+
+    D, F, E, L = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                  cfg.num_hidden_layers)
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    args = (sd((T, D), kf.DTYPE), sd((T, E), f32), sd((L, E, D, 2 * F), kf.DTYPE),
+            sd((L, E, F, D), kf.DTYPE), sd((), jnp.int32))
+    kw = dict(top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+              token_mask_T=np.arange(T) < T - T // 8)
+
+    def kernel(x, logits, w_gate_up, w_down, layer):
+        return moe_ffn(x, logits, w_gate_up, w_down, layer=layer, backend="gpu", **kw)[0]
+
+    def reference(x, logits, w_gate_up, w_down, layer):
+        with jax.default_matmul_precision("highest"):
+            return ref_moe_ffn(x.astype(f32), logits, w_gate_up[layer].astype(f32),
+                               w_down[layer].astype(f32), **kw)[0]
+
+    def make_args():
+        k = jax.random.split(jax.random.key(T), 4)
+        stack = jax.jit(_random_stack, static_argnums=(1, 2))
+        return (jax.random.normal(k[0], (T, D), kf.DTYPE), jax.random.normal(k[1], (T, E)),
+                stack(k[2], args[2].shape, D**-0.5), stack(k[3], args[3].shape, F**-0.5),
+                jnp.int32(L - 1))
+
+    return [("moe_ffn", kernel, reference, args, make_args)]
+
+
+def attention_check(cfg, smoke: bool):
+    """The gpu attention backend's ragged call (prefill chunks after cached context, fresh
+    prompts, decode tokens) and decode call, on layer L-1's pages of an L-layer pool
+    (the page table offset by (L-1) x pages per layer, as the model does), against the
+    xla backend on the same inputs."""
+    from pallas_kernels import attention
+
+    N, K, H, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kf.PAGE_SIZE
+    L = cfg.num_hidden_layers
+    q_lens, ctx = ([20, 9, 1], [20, 14, 40]) if smoke else (
+        [300, 64, 1, 1, 1], [300, 101, 17, 2048, 4100])  # context after this step
+    pages = [-(-n // S) for n in ctx]
+    P, B = sum(pages) + 3, len(ctx)  # pages per layer
+    sd, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pool, C = sd((L * P, S, 2 * K, H), kf.DTYPE), max(pages)
+    ragged_args = (sd((sum(q_lens), N, H), kf.DTYPE), pool, sd((B + 1,), i32), sd((B,), i32),
+                   sd((B, C), i32), sd((), i32))
+    decode_args = (sd((B, N, H), kf.DTYPE), pool, sd((B,), i32), sd((B, C), i32))
+
+    def inputs():
+        rng = np.random.default_rng(0)
+        table_BC = np.zeros((B, C), np.int32)
+        free = iter(rng.permutation(P))
+        for b, n in enumerate(pages):
+            table_BC[b, :n] = [(L - 1) * P + next(free) for _ in range(n)]
+        k = jax.random.split(jax.random.key(1), 3)
+        return dict(kv=jax.random.normal(k[0], pool.shape, kf.DTYPE), table=jnp.asarray(table_BC),
+                    q_T=jax.random.normal(k[1], ragged_args[0].shape, kf.DTYPE),
+                    q_B=jax.random.normal(k[2], decode_args[0].shape, kf.DTYPE),
+                    starts=jnp.asarray(np.cumsum([0, *q_lens]), i32),
+                    lens=jnp.asarray(ctx, i32))
+
+    cache = {}
+    made = lambda: cache.setdefault("inputs", inputs())  # noqa: E731 - one pool for both
+    ragged = {b: (lambda *a, b=b: attention.ragged_paged_attention(*a, sm_scale=H**-0.5,
+                                                                    backend=b))
+              for b in ("gpu", "xla")}
+    decode = {b: (lambda *a, b=b: attention.decode_attention(*a, sm_scale=H**-0.5, backend=b))
+              for b in ("gpu", "xla")}
+    return [
+        ("ragged", ragged["gpu"], ragged["xla"], ragged_args,
+         lambda: (lambda m: (m["q_T"], m["kv"], m["starts"], m["lens"], m["table"],
+                             jnp.int32(B)))(made())),
+        ("decode", decode["gpu"], decode["xla"], decode_args,
+         lambda: (lambda m: (m["q_B"], m["kv"], m["lens"], m["table"]))(made())),
+    ]
+
+
+def run_check(build) -> dict:
+    """Compiles (timed) and runs each pair of a check; the largest relative error."""
+    errs, compile_s = [], 0.0
+    for _, kernel, reference, _, make_args in build():
+        args = make_args()
+        outs = []
+        for fn in (kernel, reference):
+            t = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args).compile()
+            compile_s += time.perf_counter() - t
+            outs.append(compiled(*args))
+        errs.append(kf.rel_err(*outs))
+    return {"rel_err": max(errs), "compile_s": compile_s}
+
+
+def kernel_verdicts(cases: list, planned: list, killed: bool) -> tuple[dict, list]:
+    """(verdict per op, cases not run) from the child's rows. An op passes if every case
+    planned for it ran and passed, fails if one ran and failed (a case the child died in,
+    unkilled, failed too), and has no verdict otherwise: a case the child did not reach,
+    or was killed in, proves nothing, and the engine then runs `auto` with its own
+    start-up self-test and fallback."""
+    rows = {(c["op"], c["case"]): c for c in cases}
+    states, not_run = {}, []  # (op, case) -> True / False / None (no verdict), in order
+    for key in planned:
+        row = rows.get(key)
+        if row is None:
+            not_run.append(f"{key[1]}: not reached")
+            states[key] = None
+        elif row.get("status") == "running" and killed:
+            row.update(status="interrupted", ok=None)
+            not_run.append(f"{key[1]}: interrupted by the kill")
+            states[key] = None
+        elif row.get("status") == "running":
+            row.update(status="crashed", ok=False)
+            states[key] = False
+        else:
+            states[key] = bool(row["ok"])
+    verdict = {}
+    for op in dict.fromkeys(op for op, _ in planned):
+        mine = [v for (o, _), v in states.items() if o == op]
+        if False in mine:
+            verdict[op] = False
+        elif all(mine):
+            verdict[op] = True
+    return verdict, not_run
+
+
 def section_kernels(run: Validation, sec: dict):
     """The checks run in a child process; its results file survives a kill."""
     path = run.out / "kernels.json"
@@ -131,20 +320,21 @@ def section_kernels(run: Validation, sec: dict):
     if run.smoke:
         cmd.append("--cpu-smoke")
         env["LP_JAX_PALLAS_INTERPRET"] = "1"
-    timeout = max(run.left(), 1.0)
+    timeout, killed = max(run.left(), 1.0), False
     run.step = f"kernel checks (subprocess, {timeout:.0f} s)"
     try:
         proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True, timeout=timeout)
         if proc.returncode:
             sec.update(returncode=proc.returncode, stderr_tail=proc.stderr[-2000:])
     except subprocess.TimeoutExpired:
+        killed = True
         sec["not_reached"] = [f"the child was killed after {timeout:.0f} s (hung or slow)"]
     cases = json.loads(path.read_text())["cases"] if path.is_file() else []
+    planned = [(op, name) for op, name, _ in check_cases(run.model, run.smoke)]
+    run.verdict, not_run = kernel_verdicts(cases, planned, killed)
     sec["cases"] = cases
-    expected = {"moe": len(run.scale.check_tokens), "attention": 1}  # a crash ends a case
-    for op, n in expected.items():
-        mine = [c for c in cases if c["op"] == op]
-        run.verdict[op] = len(mine) == n and all(c["ok"] for c in mine)
+    if not_run:
+        sec["not_run"] = not_run
     sec["verdict"] = dict(run.verdict)
 
 
@@ -152,21 +342,45 @@ def kernel_check_child(path: Path, smoke: bool):
     from lp_jax.config import ModelConfig
 
     cfg = ModelConfig.from_hf_dict(model_config(smoke))
-    scale = SMOKE if smoke else H200
-    cases = [("moe", f"moe_ffn[gpu] T={T}", lambda T=T: kf.check_moe(cfg, T))
-             for T in scale.check_tokens]
-    cases.append(("attention", "attention[gpu] ragged + decode, contexts to 4100",
-                  lambda: kf.check_attention(cfg, smoke)))
     out = {"device": str(jax.devices()[0].device_kind), "cases": []}
-    for op, name, check in cases:
-        t = time.perf_counter()
-        row = {"op": op, "case": name, **attempt(lambda c=check: {"rel_err": c()})}
-        row.update(tol=kf.TOL, ok=row.get("rel_err", math.inf) <= kf.TOL,
-                   seconds=time.perf_counter() - t)
-        out["cases"].append(row)
+
+    def write():
         path.with_suffix(".tmp").write_text(json.dumps(out, indent=1))
         path.with_suffix(".tmp").replace(path)  # whole, even if the child is killed
+
+    for op, name, build in check_cases(cfg, smoke):
+        row = {"op": op, "case": name, "status": "running"}
+        out["cases"].append(row)
+        write()  # a kill from here on leaves this case "running": interrupted, not failed
+        t = time.perf_counter()
+        row.update(attempt(lambda b=build: run_check(b)))
+        row.update(status="done", tol=kf.TOL, ok=row.get("rel_err", math.inf) <= kf.TOL,
+                   seconds=time.perf_counter() - t)
+        write()
         print(row, flush=True)
+
+
+def compile_times(gpu: str, out: Path | None) -> dict:
+    """Every kernel-check program compiled here for `gpu` (no device: the CUDA plugin and
+    ptxas on this host), with its compile time: what section 1's share is sized from."""
+    from lp_jax.config import ModelConfig
+    from pallas_kernels import compile_targets
+
+    cfg = ModelConfig.from_hf_dict(model_config(False))
+    rows = []
+    for op, case, build in check_cases(cfg, smoke=False):
+        for name, kernel, reference, args, _ in build():
+            for role, fn in (("kernel", kernel), ("reference", reference)):
+                t = time.perf_counter()
+                compile_targets.compile_cuda(fn, args, gpu=gpu)
+                rows.append(dict(op=op, case=case, program=f"{name} {role}",
+                                 compile_s=round(time.perf_counter() - t, 2)))
+                print(rows[-1], flush=True)
+    data = {"gpu": gpu, "programs": rows, "total_s": round(sum(r["compile_s"] for r in rows), 1)}
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compile_times.json").write_text(json.dumps(data, indent=1))
+    return data
 
 
 # ------------------------------------------------------------------- 2. engine
@@ -311,6 +525,75 @@ SECTIONS = (("kernels", section_kernels), ("engine", section_engine), ("moe", se
 
 
 # --------------------------------------------------------------------- main
+H200_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "flax",
+                 "orbax-checkpoint", "nvidia-cuda-nvcc", "nvidia-ml-py")
+
+
+def preflight() -> dict:
+    """What the machine is, before anything is measured: versions, devices, nvidia-smi,
+    ptxas and free HBM. Every probe is guarded: a missing tool is recorded, not fatal."""
+    import importlib.metadata as md
+
+    from pallas_kernels import compile_targets
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    def smi():
+        query = ("name,driver_version,memory.total,memory.used,memory.free,temperature.gpu,"
+                 "power.draw,clocks.sm")
+        try:
+            proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
+                                  capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"unavailable: {type(e).__name__}: {e}"
+        return (proc.stdout or proc.stderr).strip()[:2000]
+
+    def hbm():
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return "unavailable (no memory_stats)"
+        return dict(limit_gb=stats["bytes_limit"] / 1e9,
+                    free_gb=(stats["bytes_limit"] - stats.get("bytes_in_use", 0)) / 1e9)
+
+    def cache_key_parts():
+        """What JAX's persistent-cache key takes from the device (issue 25, 4b): compare
+        with the compile-only H200's, BENCHMARKS.md."""
+        from jax._src.lib import xla_client
+
+        devices = jax.devices()
+        return {"platform_version": devices[0].client.platform_version,
+                "topology_fingerprint": xla_client.get_topology_for_devices(
+                    devices[:1]).fingerprint()}
+
+    from jax._src import lib as jax_lib
+
+    return dict(
+        python=sys.version.split()[0], executable=sys.executable,
+        versions={pkg: version(pkg) for pkg in H200_PACKAGES},
+        backend=jax.default_backend(), devices=attempt(lambda: {
+            "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}"
+                        for d in jax.devices()]}),
+        nvidia_smi=smi(), ptxas=compile_targets.ptxas_path(),
+        jax_cuda_path=str(getattr(jax_lib, "cuda_path", None)),
+        xla_flags=os.environ.get("XLA_FLAGS", ""), hbm=attempt(lambda: {"hbm": hbm()}),
+        cache_key=attempt(cache_key_parts))
+
+
+def third_party_modules() -> list[str]:
+    """Top-level modules imported so far that are neither the standard library nor ours:
+    what this run needs installed (the H200 has no grain, for one)."""
+    ours = {"lp_jax", "pallas_kernels", "checkpoints", "bench_kernels", "gpu_validate",
+            "__main__"}
+    top = {m.split(".")[0] for m in list(sys.modules)} - set(sys.stdlib_module_names) - ours
+    return sorted(m for m in top if not m.startswith("_")
+                  and getattr(sys.modules.get(m), "__spec__", None) is not None
+                  and sys.modules[m].__spec__.origin != "built-in")
+
+
 def main(argv=None, clock=time.perf_counter):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results folder")
@@ -321,25 +604,48 @@ def main(argv=None, clock=time.perf_counter):
     p.add_argument("--skip", default="", help="comma list of sections to leave out (a rerun)")
     p.add_argument("--grace-s", type=float, default=60.0, help="watchdog: past the budget")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache/lp_jax/jax_cache"))
+    p.add_argument("--compile-times", metavar="GPU", default=None,
+                   help="no run: compile the kernel checks here for GPU (h200, h100), timed")
     p.add_argument("--kernel-check", type=Path, help=argparse.SUPPRESS)  # the child's mode
     args = p.parse_args(argv)
     if args.kernel_check:
         return kernel_check_child(args.kernel_check, args.cpu_smoke)
-    skip = set(filter(None, args.skip.split(",")))
-    if skip - {name for name, _ in SECTIONS}:
-        p.error(f"--skip takes section names: {[name for name, _ in SECTIONS]}")
-    if not args.cpu_smoke and jax.default_backend() != "gpu":
-        p.error("no GPU here: use --cpu-smoke")
+    if args.compile_times:
+        return compile_times(args.compile_times, Path(args.out))
     run = Validation(args, clock)
-    dev = jax.devices()[0]
     run.data["meta"].update(
-        device=getattr(dev, "device_kind", dev.platform), jax=jax.__version__,
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
         label=SMOKE_LABEL if run.smoke else "measurement", smoke=run.smoke,
         command="python3 launch/gpu_validate.py " + shlex.join(
             sys.argv[1:] if argv is None else argv))
-    data = run.run([(name, SHARES_S[name], fn) for name, fn in SECTIONS], skip)
-    shutil.rmtree(run.tmp, ignore_errors=True)
+    run.data["meta"]["preflight"] = preflight()
+    run.save()  # first: whatever happens next, the machine's description is on disk
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - {name for name, _ in SECTIONS}:
+        run.finish(f"bad --skip {args.skip!r}")
+        p.error(f"--skip takes section names: {[name for name, _ in SECTIONS]}")
+    if not run.smoke and jax.default_backend() != "gpu":
+        run.finish(f"no GPU backend: jax.default_backend() is {jax.default_backend()!r} "
+                   "(see preflight)")
+        p.error("no GPU here: use --cpu-smoke")
+    dev = jax.devices()[0]
+    run.data["meta"]["device"] = getattr(dev, "device_kind", dev.platform)
+
+    def on_sigterm(signum, frame):
+        run.finish(f"killed by signal {signum} in step: {run.step}")
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        data = run.run([(name, SHARES_S[name], fn) for name, fn in SECTIONS], skip)
+    except BaseException as e:
+        if "exit" not in run.data["meta"]:  # a signal's handler has recorded its own
+            run.finish(f"{type(e).__name__}: {str(e)[:500]} in step: {run.step}")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    data["meta"]["third_party_modules"] = third_party_modules()
+    run.finish("done")
     print(summary(data))
     print(f"wrote {run.out / 'results.json'} and {run.out / 'results.md'}")
     return data
