@@ -26,7 +26,7 @@ $(TEST_STAMP): $(STAMP)
 	@touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)
-	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 --dist loadfile tests
+	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 --dist loadfile tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
