@@ -6,7 +6,7 @@ engine (this CPU), side by side in one run with the same arrivals.
 One engine (the embedded tiny Qwen3-MoE by default) compiles its programs once; each
 policy is a fresh scheduler on the same executor and latency estimator
 (lp_jax.bench.open_loop.use_policy). The estimator is first warmed by the profiling pass
-of `python -m lp_jax.engine.latency` (profile_engine), then keeps learning online.
+of `python -m lp_jax.engine.profile_latency` (profile_engine), then keeps learning online.
 
 TBT SLO (unless --tbt-slo-ms): the median inter-token gap of a decode-only batch of
 --max-num-seqs requests plus --tbt-share of the solo prefill time of the p90 prompt, so a
@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from lp_jax.bench.open_loop import run_open_loop, use_policy
+from lp_jax.core.metrics import percentile
+from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.engine.config import EngineConfig
-from lp_jax.engine.latency import profile_engine
 from lp_jax.engine.llm_engine import LLMEngine
-from lp_jax.engine.metrics import percentile
-from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.engine.profile_latency import profile_engine
 
 POLICIES = {
     "chunked-512": dict(policy="chunked", max_num_batched_tokens=512),

@@ -36,12 +36,12 @@ import numpy as np
 
 from lp_jax.bench import open_loop
 from lp_jax.bench.open_loop import use_policy
+from lp_jax.core.latency import profile_prompts
+from lp_jax.core.metrics import percentile
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.slo import SLO
 from lp_jax.engine.config import EngineConfig
-from lp_jax.engine.latency import profile_prompts
 from lp_jax.engine.llm_engine import LLMEngine
-from lp_jax.engine.metrics import percentile
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.slo import SLO
 from lp_jax.sim.simulator import ttft_attainment
 from lp_jax.sim.workload import (
     QWENTRACE,

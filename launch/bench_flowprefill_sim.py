@@ -36,7 +36,7 @@ Cost model: the roofline with the documented GPU prior (lp_jax/sim/calibration.p
 peak FLOP/s, 85% of HBM bandwidth, 2 ms per iteration, 20 us per layer). A segment that only
 continues a prefill inside the stack (nothing to embed or sample, no decodes) is charged
 `--segment-overhead-us` (default 50) instead of 2 ms, for every policy (layered batches'
-middle groups too). The scheduler's latency estimator (lp_jax/engine/latency.py) is warmed
+middle groups too). The scheduler's latency estimator (lp_jax/core/latency.py) is warmed
 per policy by a simulated profiling run and frozen (`--online-latency` keeps it learning;
 slower). Nothing is fitted to the paper.
 
@@ -56,7 +56,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lp_jax.engine.slo import SLO  # noqa: E402
+from lp_jax.core.slo import SLO  # noqa: E402
 from lp_jax.roofline import get_hardware, resolve_model  # noqa: E402
 from lp_jax.sim import (  # noqa: E402
     QWENTRACE,

@@ -54,8 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch.reproduce_paper import HARDWARE, MODELS, PANELS, TP  # noqa: E402
-from lp_jax.engine.metrics import percentile  # noqa: E402
-from lp_jax.engine.slo import SLO  # noqa: E402
+from lp_jax.core.metrics import percentile  # noqa: E402
+from lp_jax.core.slo import SLO  # noqa: E402
 from lp_jax.sim import (  # noqa: E402
     QWENTRACE,
     MuxWiseOptions,

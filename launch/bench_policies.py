@@ -140,7 +140,7 @@ def serve(llm, requests, out_len):
 
 def summarize(outs, stats, before):
     """Latency metrics of `outs`, and the engine counters accrued since `before`."""
-    from lp_jax.engine.metrics import summarize as summ
+    from lp_jax.core.metrics import summarize as summ
 
     s = summ([o.metrics for o in outs])
 

@@ -57,7 +57,7 @@ def requests(args, vocab_size):
 
 
 def measure(outs, stats, before):
-    from lp_jax.engine.metrics import summarize
+    from lp_jax.core.metrics import summarize
 
     s = summarize([o.metrics for o in outs])
 

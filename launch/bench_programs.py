@@ -17,9 +17,9 @@ import argparse
 import time
 
 from lp_jax.aot import load_config
-from lp_jax.engine.layer_groups import num_layer_groups, split_layers
-from lp_jax.engine.model_runner import resolve_buckets
-from lp_jax.engine.scheduler import POLICIES
+from lp_jax.core.layer_groups import num_layer_groups, split_layers
+from lp_jax.core.scheduler import POLICIES
+from lp_jax.executor.model_runner import resolve_buckets
 
 
 def _pow2(lo: int, hi: int) -> tuple[int, ...]:

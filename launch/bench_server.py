@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from lp_jax.engine.metrics import percentile  # noqa: E402
+from lp_jax.core.metrics import percentile  # noqa: E402
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@
         # lp-serve: process 0 answers HTTP, process 1 runs its shards
 
 Each process gets LP_NUM_PROCESSES, LP_PROCESS_ID and LP_COORDINATOR_ADDRESS (a free
-port on 127.0.0.1), which the engine reads (lp_jax/engine/distributed.py); with
+port on 127.0.0.1), which the engine reads (lp_jax/executor/distributed.py); with
 --cpu-devices, JAX_PLATFORMS=cpu and that many host devices per process. Output lines
 are prefixed with [pK]. The exit status is the leader's. When the leader ends, the
 followers get --grace seconds to end on their own (the leader's STOP), then are killed.

@@ -39,9 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lp_jax.engine.metrics import percentile  # noqa: E402
-from lp_jax.engine.plan import PrefillChunk, StepPlan  # noqa: E402
-from lp_jax.engine.sequence import Sequence  # noqa: E402
+from lp_jax.core.metrics import percentile  # noqa: E402
+from lp_jax.core.plan import PrefillChunk, StepPlan  # noqa: E402
+from lp_jax.core.sequence import Sequence  # noqa: E402
 from lp_jax.roofline import GPT_OSS_20B, QWEN3_30B_A3B, get_hardware  # noqa: E402
 from lp_jax.sim import (  # noqa: E402
     Calibration,

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from lp_jax.engine.metrics import percentile  # noqa: E402
-from lp_jax.engine.sampling_params import SamplingParams  # noqa: E402
+from lp_jax.core.metrics import percentile  # noqa: E402
+from lp_jax.core.sampling_params import SamplingParams  # noqa: E402
 from lp_jax.roofline import ModelShape, UniformRouting  # noqa: E402
 from lp_jax.sim import (  # noqa: E402
     Calibration,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from lp_jax.engine.metrics import percentile  # noqa: E402
+from lp_jax.core.metrics import percentile  # noqa: E402
 from lp_jax.server.prometheus import parse_text  # noqa: E402
 
 SERVER_FLAGS = ("--scheduling", "layered", "--max-num-seqs", "16", "--max-model-len", "512",

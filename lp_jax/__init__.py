@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from lp_jax.engine.sampling_params import SamplingParams
+        from lp_jax.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'lp_jax' has no attribute {name!r}")

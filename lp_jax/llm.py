@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.llm_engine import LLMEngine, RequestOutput
-from lp_jax.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -62,7 +62,7 @@ def _slo_alpha(s: str) -> float:
 def _slo_classes(s: str) -> dict:
     """--slo-classes: inline JSON or a JSON file's path, checked now (a bad file stops
     start-up with its error, not the first request that names a class)."""
-    from lp_jax.engine.slo import parse_slo_classes
+    from lp_jax.core.slo import parse_slo_classes
 
     try:
         text = s if s.lstrip().startswith("{") else Path(s).read_text()
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--max-paused-prefills", type=_non_negative_int, default=8,
                    help="paused prefill batches whose hidden states stay on the device")
     f.add_argument("--latency-model", type=_existing_path, default=None,
-                   help="fitted step-latency model (python -m lp_jax.engine.latency) "
+                   help="fitted step-latency model (python -m lp_jax.engine.profile_latency) "
                         "[default: fitted online]")
     f.add_argument("--prefill-only", action="store_true",
                    help="every request ends at its first token (disaggregated prefill)")

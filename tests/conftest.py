@@ -5,7 +5,7 @@ The cache is a fresh directory per `pytest` run, made by the controlling process
 shared by its xdist workers (they inherit the environment) and by the subprocesses the
 tests start, removed at the end. Engines and kernels that several tests build with the
 same shapes then compile once per run. A program read back from it still counts as a
-compilation for the engine's compile guard (lp_jax/engine/compile_guard.py), so the
+compilation for the engine's compile guard (lp_jax/executor/compile_guard.py), so the
 "nothing compiles while serving" checks keep their teeth; tests/test_compile_guard.py
 proves it.
 
@@ -83,8 +83,8 @@ def tiny_model(tiny_dir):
 def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
     """A Sequence of `prompt` (its token ids, or a length n for ids 1..n); `decoding`: its
     prompt computed and one sampled token appended, the state of a request in decode."""
-    from lp_jax.engine.sampling_params import SamplingParams
-    from lp_jax.engine.sequence import Sequence
+    from lp_jax.core.sampling_params import SamplingParams
+    from lp_jax.core.sequence import Sequence
 
     tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
     s = Sequence(seq_id, tokens, SamplingParams(max_tokens=max_tokens), **kw)
@@ -96,7 +96,7 @@ def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
 
 def make_sched_cfg(policy, **kw):
     """A SchedulerConfig for host-only scheduler tests (8 layers, 4,096 pages of 4)."""
-    from lp_jax.engine.scheduler import SchedulerConfig
+    from lp_jax.core.scheduler import SchedulerConfig
 
     base = dict(policy=policy, num_layers=8, max_model_len=4096, page_size=4, num_pages=4096,
                 vocab_size=1000, max_num_seqs=16)

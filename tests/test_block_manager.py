@@ -3,8 +3,8 @@ caching (hashes, sharing, eviction) is in test_prefix_cache.py."""
 
 import pytest
 
-from lp_jax.engine.block_manager import BlockManager, pages_for
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.block_manager import BlockManager, pages_for
+from lp_jax.core.sequence import Sequence
 
 
 def seq(seq_id, n):

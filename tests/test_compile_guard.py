@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from lp_jax import LLM, SamplingParams
-from lp_jax.engine import compile_guard
+from lp_jax.executor import compile_guard
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 

@@ -225,7 +225,7 @@ def test_generate_argument_errors(engines):
 
 
 def test_buckets_must_cover_the_budget_before_any_compile():
-    from lp_jax.engine import compile_guard
+    from lp_jax.executor import compile_guard
 
     compile_guard.install()
     before = compile_guard.compilations()

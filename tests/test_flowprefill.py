@@ -15,10 +15,10 @@ import pytest
 from conftest import make_sched_cfg as make_cfg
 from test_scheduler import FakeExecutor, check_invariants, drive, req
 
-from lp_jax.engine.latency import FEATURES, LatencyModel, ModelDims, nnls_gram
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler
-from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
+from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims, nnls_gram
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.scheduler import Scheduler
+from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 
 L = 8
 
@@ -396,7 +396,7 @@ def test_engine_abort_paused_prefill_and_bad_slo(engine):
 def test_offline_slos_and_profiling_write_a_loadable_model(engine, tmp_path):
     """LLM.generate(slos=...) per prompt; profile_engine (the profiling command's core)
     fits the estimator from measured steps, and the saved file loads for this model."""
-    from lp_jax.engine.latency import profile_engine
+    from lp_jax.engine.profile_latency import profile_engine
     from lp_jax.llm import LLM
 
     _use_policy(engine, preemption_granularity="layer", max_num_batched_tokens=128)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lp_jax.engine.layer_groups import num_layer_groups, split_layers
+from lp_jax.core.layer_groups import num_layer_groups, split_layers
 
 
 @pytest.mark.parametrize(

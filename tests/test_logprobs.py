@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.step import SCORE_ROWS
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.executor.step import SCORE_ROWS
 
 GOLDEN = np.load("tests/golden/tiny.npz")
 PROMPTS = [GOLDEN[f"prompt_{i}"].tolist() for i in range(3)]
@@ -92,7 +92,7 @@ def test_scoring_in_slices_equals_one_log_softmax():
     import jax
     import jax.numpy as jnp
 
-    from lp_jax.engine.step import _score_prompt
+    from lp_jax.executor.step import _score_prompt
 
     class Head:  # logits = x itself: [N, V] rows
         def compute_logits(self, x):

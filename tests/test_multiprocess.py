@@ -1,5 +1,5 @@
 """One engine over two processes (jax.distributed, gloo, 4 host devices each): the
-leader/follower flow of lp_jax/engine/distributed.py and plan_channel.py.
+leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 
 * LLM on a (2, 4) expert x tensor mesh spanning both processes gives the Hugging Face
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from launch.multihost import free_port, process_env
-from lp_jax.engine import distributed
-from lp_jax.engine.plan_channel import StepCodec
-from lp_jax.engine.step import StepSpec, empty_inputs
+from lp_jax.executor import distributed
+from lp_jax.executor.plan_channel import StepCodec
+from lp_jax.executor.step import StepSpec, empty_inputs
 from tests.multiprocess_common import ENGINE_ARGS, GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,10 +7,10 @@ from conftest import make_sched_cfg as make_cfg
 from conftest import make_seq as seq
 from test_scheduler import FakeExecutor, check_invariants, drive
 
-from lp_jax.engine.block_manager import BlockManager, hash_page
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler
-from lp_jax.engine.slo import SLO
+from lp_jax.core.block_manager import BlockManager, hash_page
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.scheduler import Scheduler
+from lp_jax.core.slo import SLO
 
 SYSTEM = [(7 * j + 3) % 1000 for j in range(64)]  # a shared "system prompt"
 

@@ -16,10 +16,10 @@ import pytest
 from conftest import make_seq as _seq
 
 from lp_jax import LLM, SamplingParams
-from lp_jax.engine.layer_groups import split_layers
-from lp_jax.engine.model_runner import resolve_buckets
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.step import default_token_buckets
+from lp_jax.core.layer_groups import split_layers
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.executor.model_runner import resolve_buckets
+from lp_jax.executor.step import default_token_buckets
 
 MAX_PROGRAMS = 32
 
@@ -101,7 +101,7 @@ def test_default_buckets_bound_padding():
 def test_a_layered_plan_becomes_calls_over_its_group(group):
     """Decode rows cross layers [0, a) and [b, L) alone, and join the prefill rows in the
     group [a, b): no prefill row is carried through a layer it does not need."""
-    from lp_jax.engine.model_runner import ModelRunner
+    from lp_jax.executor.model_runner import ModelRunner
 
     L, G = 8, 4
     a, b = split_layers(L, G)[group]

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lp_jax.engine.sampler import sample
+from lp_jax.executor.sampler import sample
 
 LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4))
 
@@ -75,7 +75,7 @@ def _np_penalize(logits, counts, prompt_seen, presence, frequency, repetition):
 
 
 def test_penalties_match_a_numpy_reference():
-    from lp_jax.engine.sampler import apply_penalties
+    from lp_jax.executor.sampler import apply_penalties
 
     rng = np.random.default_rng(0)
     S, V = 5, 37
@@ -93,7 +93,7 @@ def test_penalties_match_a_numpy_reference():
 
 
 def test_logit_bias_adds_per_row_and_ignores_padding():
-    from lp_jax.engine.sampler import apply_bias
+    from lp_jax.executor.sampler import apply_bias
 
     logits = np.zeros((2, 6), np.float32)
     ids = np.array([[1, 4, -1], [5, -1, -1]], np.int32)
@@ -105,7 +105,7 @@ def test_logit_bias_adds_per_row_and_ignores_padding():
 
 
 def test_token_logprobs_are_the_log_softmax_with_its_top_20():
-    from lp_jax.engine.sampler import token_logprobs
+    from lp_jax.executor.sampler import token_logprobs
 
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 2, (3, 50)).astype(np.float32)

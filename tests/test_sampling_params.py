@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lp_jax.engine.sampling_params import SamplingParams
+from lp_jax.core.sampling_params import SamplingParams
 
 
 def test_defaults():

@@ -15,13 +15,13 @@ from conftest import make_sched_cfg
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from lp_jax.engine.latency import FEATURES, LatencyModel, ModelDims
-from lp_jax.engine.metrics import RequestMetrics, percentile, slo_pass, summarize
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
-from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from lp_jax.engine.slo import SLO
+from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims
+from lp_jax.core.metrics import RequestMetrics, percentile, slo_pass, summarize
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from lp_jax.core.slo import SLO
 
 VOCAB = 1000
 POLICIES = ("orca", "chunked", "layered", "flowprefill")
@@ -875,7 +875,7 @@ def test_scheduler_core_does_not_import_jax():
     import sys
 
     code = (
-        "import sys, lp_jax.engine.scheduler, lp_jax.engine.metrics\n"
+        "import sys, lp_jax.core.scheduler, lp_jax.core.metrics\n"
         "bad = sorted({'jax', 'jaxlib', 'numpy', 'flax'} & set(sys.modules))\n"
         "assert not bad, bad\n"
     )

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-import lp_jax.engine.scheduler as scheduler_module
-from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sequence import Sequence
+import lp_jax.core.scheduler as scheduler_module
+from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.sequence import Sequence
 from lp_jax.roofline import GPT_OSS_20B, QWEN3_30B_A3B, ModelShape, get_hardware
 from lp_jax.sim import (
     ARXIV_PAPER,

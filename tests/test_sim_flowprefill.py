@@ -12,10 +12,10 @@ import pytest
 from conftest import launch_module
 from conftest import make_seq as _seq
 
-import lp_jax.engine.scheduler as scheduler_module
-from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.slo import SLO
+import lp_jax.core.scheduler as scheduler_module
+from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.slo import SLO
 from lp_jax.roofline import LLAMA3_8B, QWEN3_30B_A3B, ModelShape, get_hardware, resolve_model
 from lp_jax.sim import (
     QWENTRACE,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import launch_module
 
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.sequence import Sequence
 from lp_jax.roofline import QWEN3_30B_A3B, get_hardware
 from lp_jax.sim import (
     CostModelExecutor,

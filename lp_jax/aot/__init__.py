@@ -45,9 +45,9 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.config import ModelConfig
-from lp_jax.engine.model_runner import resolve_buckets
-from lp_jax.engine.scheduler import POLICIES
-from lp_jax.engine.step import StepSpec, empty_inputs, init_counts, make_step
+from lp_jax.core.scheduler import POLICIES
+from lp_jax.executor.model_runner import resolve_buckets
+from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends, kv_cache_shape, packs_kv
 from lp_jax.roofline.hardware import get_hardware

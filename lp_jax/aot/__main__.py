@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
-from lp_jax.engine.scheduler import POLICIES
+from lp_jax.core.scheduler import POLICIES
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 

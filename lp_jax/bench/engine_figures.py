@@ -58,7 +58,7 @@ def build_engine(scale, cfg_dict: dict, model_dir: Path, verdict: dict, cache_di
 
 
 def engine_info(engine) -> dict:
-    from lp_jax.engine.model_runner import resolve_buckets
+    from lp_jax.executor.model_runner import resolve_buckets
 
     c = engine.config
     default = resolve_buckets(None, "layered", c.max_num_batched_tokens, c.max_num_seqs)
@@ -69,7 +69,7 @@ def engine_info(engine) -> dict:
 
 def fake_seqs(engine, lengths) -> list:
     """Sequences of random tokens holding consecutive pages from page 0."""
-    from lp_jax.engine.sequence import Sequence
+    from lp_jax.core.sequence import Sequence
 
     rng, first, out = np.random.default_rng(len(lengths)), 0, []
     for i, n in enumerate(lengths):
@@ -81,7 +81,7 @@ def fake_seqs(engine, lengths) -> list:
 
 
 def chunked_plans(seq, chunk: int, L: int) -> list:
-    from lp_jax.engine.plan import PrefillChunk, StepPlan
+    from lp_jax.core.plan import PrefillChunk, StepPlan
 
     n = seq.prefill_target
     return [StepPlan(i, L, prefill=(PrefillChunk(seq, s, min(s + chunk, n)),),
@@ -89,8 +89,8 @@ def chunked_plans(seq, chunk: int, L: int) -> list:
 
 
 def layered_plans(seqs, groups: int, L: int) -> list:
-    from lp_jax.engine.layer_groups import split_layers
-    from lp_jax.engine.plan import PrefillChunk, StepPlan
+    from lp_jax.core.layer_groups import split_layers
+    from lp_jax.core.plan import PrefillChunk, StepPlan
 
     chunks = tuple(PrefillChunk(s, 0, s.prefill_target) for s in seqs)
     ranges = split_layers(L, min(groups, L))
@@ -117,7 +117,7 @@ def _roofline_s(engine, steps) -> float:
 def time_decode(engine, B: int, context: int, iters: int) -> dict:
     """One decode step of B sequences: each waited for (sync), and `iters` dispatched back
     to back as the overlapped engine runs them (the per-token figure)."""
-    from lp_jax.engine.plan import StepPlan
+    from lp_jax.core.plan import StepPlan
     from lp_jax.roofline import StepTokens
 
     runner = engine.runner
@@ -187,7 +187,7 @@ def add_comparison(sec: dict, tokens: int):
 def trace_step(run, engine, kind: str, scale) -> dict:
     """A jax.profiler trace of one decode step (the concurrency batch) or one prefill
     chunk, split by device kernel names; the trace file is kept if small enough."""
-    from lp_jax.engine.plan import StepPlan
+    from lp_jax.core.plan import StepPlan
 
     runner = engine.runner
     B, ctx = scale.conc
@@ -245,8 +245,8 @@ def trace_split(path: Path, gpu: bool) -> dict:
 # ------------------------------------------------------------------------ serving
 def serve(engine, n: int, prompt: int, out: int, run) -> dict:
     """n requests at once through LLMEngine.step() until done or out of time."""
-    from lp_jax.engine.metrics import summarize
-    from lp_jax.engine.sampling_params import SamplingParams
+    from lp_jax.core.metrics import summarize
+    from lp_jax.core.sampling_params import SamplingParams
 
     rng = np.random.default_rng(7)
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)

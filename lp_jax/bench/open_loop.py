@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from lp_jax.engine.scheduler import Scheduler
+from lp_jax.core.scheduler import Scheduler
 
 
 def use_policy(engine, base, **changes) -> None:

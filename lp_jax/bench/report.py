@@ -3,7 +3,7 @@
 Per request, measured at the client: TTFT = first token event - send time; ITLs = gaps
 between consecutive token events; max ITL = the largest; E2E = last token event - send
 time; TPOT = (E2E - TTFT) / (events - 1). A request meets the SLOs when it succeeded, its
-TTFT <= ttft_slo and its max ITL <= itl_slo (`lp_jax.engine.metrics.slo_pass`; a failed
+TTFT <= ttft_slo and its max ITL <= itl_slo (`lp_jax.core.metrics.slo_pass`; a failed
 request fails them). Over a run of `duration` seconds (start to the last response):
 
 - slo_attainment = requests meeting the SLOs / all requests
@@ -12,7 +12,7 @@ request fails them). Over a run of `duration` seconds (start to the last respons
 - output_throughput = completion tokens of successful requests / duration
 - total_token_throughput = (prompt + completion tokens of successful requests) / duration
 - percentiles (p50, p90, p99, numpy's linear method) of TTFT, max ITL and E2E per request
-  (`lp_jax.engine.metrics.summarize`), of all ITLs pooled, and of TPOT.
+  (`lp_jax.core.metrics.summarize`), of all ITLs pooled, and of TPOT.
 
 Multi-SLO runs (requests with a class) also get `per_class`: per class, the request counts,
 TTFT attainment against the class's own objective (share of its requests, failed ones
@@ -30,7 +30,7 @@ import math
 import time
 from pathlib import Path
 
-from lp_jax.engine.metrics import RequestMetrics, percentile, slo_pass, summarize
+from lp_jax.core.metrics import RequestMetrics, percentile, slo_pass, summarize
 
 PCTS = (50, 90, 99)
 

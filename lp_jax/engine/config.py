@@ -45,7 +45,7 @@ class EngineConfig:
     # rows of the hidden buffer (Qwen3-30B-A3B at 8192 tokens: 32 MiB each).
     max_paused_prefills: int = 8
     slo_classes: dict | str | None = None  # {name: {"ttft_ms", "tbt_ms"}}, JSON, or a path
-    latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.latency)
+    latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.profile_latency)
     prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)
     page_size: int = 16
     # Share the KV pages of equal prompt prefixes between requests (block_manager.py), on

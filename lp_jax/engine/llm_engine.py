@@ -30,22 +30,22 @@ import jax
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.engine import backend_select, compile_guard, distributed
+from lp_jax.core.latency import LatencyModel, ModelDims
+from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.sequence import Sequence
+from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 from lp_jax.engine.config import EngineConfig, default_max_model_len, default_prefill_budget
-from lp_jax.engine.kernel_check import check_backends
-from lp_jax.engine.latency import LatencyModel, ModelDims
-from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.model_runner import ModelRunner, StepHandle, resolve_buckets
-from lp_jax.engine.plan_channel import (
+from lp_jax.executor import backend_select, compile_guard, distributed
+from lp_jax.executor.kernel_check import check_backends
+from lp_jax.executor.model_runner import ModelRunner, StepHandle, resolve_buckets
+from lp_jax.executor.plan_channel import (
     FollowerChannel,
     LeaderChannel,
     run_follower,
     warm_broadcasts,
 )
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
-from lp_jax.engine.sequence import Sequence
-from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 from lp_jax.models.qwen3_moe import KernelBackends
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 

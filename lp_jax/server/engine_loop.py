@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from lp_jax.engine.progress import StatsLine
+from lp_jax.progress import StatsLine
 
 log = logging.getLogger("lp_jax.server")
 

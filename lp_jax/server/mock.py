@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
+from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
 
 
 @dataclass

@@ -14,18 +14,18 @@ import json
 import math
 from dataclasses import dataclass
 
-from lp_jax.engine.sampling_params import (
+from lp_jax.core.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
-from lp_jax.engine.slo import SLO
+from lp_jax.core.slo import SLO
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 512
 _INT64 = 2 ** 63
-MAX_SLO_MS = 86_400_000.0  # one day, as lp_jax.engine.slo: more is a unit mistake
+MAX_SLO_MS = 86_400_000.0  # one day, as lp_jax.core.slo: more is a unit mistake
 MAX_SLO_CLASS_LEN = 64
 SLO_FIELDS = ("slo_class", "ttft_slo_ms", "tbt_slo_ms")
 DEFAULT_MAX_N = 16  # choices per prompt (`n`); the server's `max_n` sets it

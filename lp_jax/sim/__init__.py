@@ -1,6 +1,6 @@
 """Paper-scale discrete-event simulator for lp_jax's scheduler.
 
-The real `lp_jax.engine.scheduler.Scheduler` (every policy, unchanged) is driven by a
+The real `lp_jax.core.scheduler.Scheduler` (every policy, unchanged) is driven by a
 roofline cost model instead of the JAX executor:
 
 - `executor`    -- `CostModelExecutor`: StepPlan -> seconds, FLOPs, HBM bytes, expert bytes;

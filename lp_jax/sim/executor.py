@@ -44,7 +44,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from lp_jax.engine.plan import StepPlan
+from lp_jax.core.plan import StepPlan
 from lp_jax.roofline.cost_model import StepTokens, layer_cost, lm_head_cost
 from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.model_shape import ModelShape

@@ -81,10 +81,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lp_jax.engine.flowprefill import PausableBatches
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.policies import PrefillPart
-from lp_jax.engine.sequence import Sequence, SequenceStatus
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.policies.base import PrefillPart
+from lp_jax.core.policies.flowprefill import PausableBatches
+from lp_jax.core.sequence import Sequence, SequenceStatus
 from lp_jax.sim.calibration import StepFeatures
 from lp_jax.sim.executor import CostModelExecutor, StepCost
 

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lp_jax.engine.latency import LatencyModel, ModelDims, profile_prompts
-from lp_jax.engine.metrics import RequestMetrics, summarize
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.latency import LatencyModel, ModelDims, profile_prompts
+from lp_jax.core.metrics import RequestMetrics, summarize
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.sequence import Sequence
 from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.roofline.routing import Routing
@@ -80,7 +80,7 @@ class SimConfig:
     calibration: Calibration | None = None  # None: the GPU prior
     energy: EnergyModel | None = None  # None: the table entry for the hardware, if any
     token_buckets: tuple[int, ...] | None = None  # the engine's row buckets, to mimic padding
-    # FlowPrefill (lp_jax/engine/flowprefill.py): segment size of a preemptible prefill,
+    # FlowPrefill (lp_jax/core/policies/flowprefill.py): segment size of a preemptible prefill,
     # preemptible layered batches, the SLO-aware batching alpha, paused batches kept.
     preemption_granularity: str = "operator"
     preemptible: bool = False
@@ -358,7 +358,7 @@ def simulate(config: SimConfig, requests: list[Request]) -> SimResult:
 
 def warm_latency(config: SimConfig, *, seed: int = 0, output_len: int = 1) -> LatencyModel:
     """A latency model fitted by a short profiling run under `config`: the waves of
-    `lp_jax.engine.latency.profile_prompts` (one prompt, then a batch of shorter ones, for
+    `lp_jax.core.latency.profile_prompts` (one prompt, then a batch of shorter ones, for
     sizes 2-90% of the token budget), each wave alone on the machine."""
     sim = Simulator(replace(config, observe_latency=True))
     cfg = sim.scheduler_config()

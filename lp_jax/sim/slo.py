@@ -1,7 +1,7 @@
 """SLO attainment and the sustainable-rate search.
 
 A request passes iff its TTFT <= the TTFT SLO and every inter-token gap <= the TBT SLO
-(`lp_jax.engine.metrics.slo_pass`). The sustainable rate is the highest request rate whose
+(`lp_jax.core.metrics.slo_pass`). The sustainable rate is the highest request rate whose
 attainment is >= 90%. Attainment is only roughly monotone in the rate (finite samples), so
 `sustainable_rate` walks an increasing grid until the first failing rate (extending the grid
 geometrically while everything passes), then bisects between the last passing and the first
@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lp_jax.engine.metrics import RequestMetrics, slo_pass
+from lp_jax.core.metrics import RequestMetrics, slo_pass
 
 
 def attainment(metrics: Iterable[RequestMetrics], ttft_slo: float, tbt_slo: float) -> float:

@@ -22,7 +22,7 @@ Length models:
   real arrival times, optionally time-scaled to another mean rate.
 
 Multi-SLO workloads (FlowPrefill, papers.md section 2): a request may carry an
-`lp_jax.engine.slo.SLO` and a class name. `TaskClass` describes one class (prompt mean,
+`lp_jax.core.slo.SLO` and a class name. `TaskClass` describes one class (prompt mean,
 lognormal sigma, weight, SLO multiplier k); `QWENTRACE` holds QwenTrace-like classes (chat,
 web_search, summarisation with the paper's mean prompt lengths; image_understanding's 1500
 tokens, every weight, k and output length ASSUMED). `class_slos` sets each class's TTFT SLO
@@ -49,7 +49,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lp_jax.engine.slo import SLO
+from lp_jax.core.slo import SLO
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 ARXIV_4K_CSV = DATA_DIR / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
@@ -80,7 +80,7 @@ class Request:
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"lengths must be >= 1, got {self.prompt_len}, {self.output_len}")
         if self.slo is not None and not isinstance(self.slo, SLO):
-            raise TypeError(f"slo must be an lp_jax.engine.slo.SLO, got {self.slo!r}")
+            raise TypeError(f"slo must be an lp_jax.core.slo.SLO, got {self.slo!r}")
 
     @property
     def task(self) -> str | None:

@@ -32,7 +32,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.sequence import Sequence
 
 _ROOT_HASH = hashlib.sha256(b"lp_jax prefix cache v1").digest()  # the parent of page 0
 

@@ -46,11 +46,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lp_jax.engine.plan import StepPlan
-from lp_jax.engine.plan_channel import StepCodec, host_array
-from lp_jax.engine.progress import Progress
-from lp_jax.engine.sequence import SequenceStatus
-from lp_jax.engine.step import (
+from lp_jax.core.plan import StepPlan
+from lp_jax.core.sequence import SequenceStatus
+from lp_jax.executor.plan_channel import StepCodec, host_array
+from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
     StepSpec,
     bucket_for,
@@ -68,6 +67,7 @@ from lp_jax.models.qwen3_moe import (
     kv_cache_shape,
     packs_kv,
 )
+from lp_jax.progress import Progress
 from lp_jax.sharding import named_sharding, replicated
 
 

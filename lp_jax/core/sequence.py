@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from lp_jax.engine.metrics import RequestMetrics
-from lp_jax.engine.sampling_params import SamplingParams
-from lp_jax.engine.slo import SLO
+from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.slo import SLO
 
 PENDING_TOKEN = -1  # stands for a token a dispatched step samples, until its commit
 

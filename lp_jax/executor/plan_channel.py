@@ -52,8 +52,8 @@ import zlib
 import jax
 import numpy as np
 
-from lp_jax.engine import distributed
-from lp_jax.engine.step import StepSpec, empty_inputs
+from lp_jax.executor import distributed
+from lp_jax.executor.step import StepSpec, empty_inputs
 
 MAGIC = 0x4C50_4A41  # "LPJA"
 MAX_CALLS = 3

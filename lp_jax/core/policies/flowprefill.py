@@ -41,13 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lp_jax.engine.layer_groups import num_layer_groups, split_layers
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.policies import Policy, PrefillPart
-from lp_jax.engine.sequence import Sequence, SequenceStatus
+from lp_jax.core.layer_groups import num_layer_groups, split_layers
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.policies.base import Policy, PrefillPart
+from lp_jax.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from lp_jax.engine.scheduler import SchedulerConfig
+    from lp_jax.core.scheduler import SchedulerConfig
 
 GRANULARITIES = ("operator", "layer", "group")
 _INF = float("inf")

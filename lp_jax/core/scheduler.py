@@ -44,13 +44,13 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass
 
-from lp_jax.engine.block_manager import BlockManager
-from lp_jax.engine.flowprefill import GRANULARITIES, FlowPrefillPolicy
-from lp_jax.engine.latency import LatencyModel, ModelDims
-from lp_jax.engine.layer_groups import LayerGroupMode, check_mode
-from lp_jax.engine.plan import StepPlan
-from lp_jax.engine.policies import ChunkedPolicy, LayeredPolicy, OrcaPolicy, Policy
-from lp_jax.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from lp_jax.core.block_manager import BlockManager
+from lp_jax.core.latency import LatencyModel, ModelDims
+from lp_jax.core.layer_groups import LayerGroupMode, check_mode
+from lp_jax.core.plan import StepPlan
+from lp_jax.core.policies.base import ChunkedPolicy, LayeredPolicy, OrcaPolicy, Policy
+from lp_jax.core.policies.flowprefill import GRANULARITIES, FlowPrefillPolicy
+from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 POLICIES: dict[str, type[Policy]] = {
     "orca": OrcaPolicy,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lp_jax.engine.sampling_params import MAX_LOGPROBS
+from lp_jax.core.sampling_params import MAX_LOGPROBS
 
 
 def apply_bias(logits_SV, ids_SK, bias_SK):

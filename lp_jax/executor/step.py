@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lp_jax.engine.sampler import apply_bias, apply_penalties, sample, token_logprobs
-from lp_jax.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from lp_jax.executor.sampler import apply_bias, apply_penalties, sample, token_logprobs
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.qwen3_moe import KernelBackends
 

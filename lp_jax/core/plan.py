@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lp_jax.engine.layer_groups import ADAPTIVE, num_layer_groups, split_layers
-from lp_jax.engine.plan import PrefillChunk, StepPlan
-from lp_jax.engine.sequence import Sequence
+from lp_jax.core.layer_groups import ADAPTIVE, num_layer_groups, split_layers
+from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from lp_jax.engine.scheduler import Scheduler, SchedulerConfig
+    from lp_jax.core.scheduler import Scheduler, SchedulerConfig
 
 @dataclass(frozen=True, slots=True)
 class PrefillPart:
