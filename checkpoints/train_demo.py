@@ -233,7 +233,7 @@ def train(arch: Arch, recipe: Recipe, stream: np.ndarray, *, log=print):
     """(params as numpy arrays, per-step losses, seconds)."""
     if stream.shape[0] <= recipe.context + 1:
         raise ValueError(f"{stream.shape[0]} tokens do not fill a {recipe.context}-token window")
-    from lp_jax.executor.backend_select import skip_absent_tpu
+    from lp_jax.backend_select import skip_absent_tpu
 
     skip_absent_tpu()  # no TPU-discovery noise on a host with libtpu and no TPU
     # Always the CPU, whatever accelerator is present: the same bytes on every host kind.

@@ -57,7 +57,7 @@ SMALL_GPT_OSS = {
     "eos_token_id": 0,
 }
 MODELS = {"qwen3": SMALL_MOE, "gpt-oss": SMALL_GPT_OSS}
-POLICIES = {  # default row buckets (model_runner.resolve_buckets)
+POLICIES = {  # default row buckets (core.programs.step_buckets)
     "chunked": dict(scheduling="chunked", max_num_batched_tokens=512),
     "layered": dict(scheduling="layered", max_num_batched_tokens=8192),
     "orca": dict(scheduling="orca"),  # budget: max_model_len

@@ -17,9 +17,10 @@ import argparse
 import time
 
 from lp_jax.aot import load_config
+from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.layer_groups import num_layer_groups, split_layers
-from lp_jax.core.scheduler import POLICIES
-from lp_jax.executor.model_runner import resolve_buckets
+from lp_jax.core.policies import POLICIES
+from lp_jax.core.programs import step_buckets
 
 
 def _pow2(lo: int, hi: int) -> tuple[int, ...]:
@@ -55,9 +56,11 @@ def counts(preset: str, max_model_len: int = 4096) -> list[tuple]:
     rows = []
     for policy in ("orca", "chunked", "layered"):
         for seqs in (32, 64, 128):
-            budget = POLICIES[policy].budget(type("A", (), {"max_model_len": max_model_len}))
-            prefill = max(budget, max_model_len) if policy == "orca" else budget
-            new = len(resolve_buckets(None, policy, prefill, seqs))
+            sc = SchedulerConfig(policy=POLICIES[policy], num_layers=L,
+                                 max_model_len=max_model_len, page_size=16, num_pages=1,
+                                 vocab_size=cfg.vocab_size, max_num_seqs=seqs)
+            budget, prefill = sc.max_num_batched_tokens, sc.policy.max_prefill_tokens(sc)
+            new = len(step_buckets(sc))
             rows.append((preset, L, policy, budget, seqs,
                          old_program_count(policy, L, prefill, seqs), new))
     return rows

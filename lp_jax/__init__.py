@@ -10,12 +10,9 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 def __getattr__(name):
     if name == "__version__":
-        from importlib.metadata import PackageNotFoundError, version
+        from lp_jax.version import lp_jax_version
 
-        try:
-            return version("lp_jax")
-        except PackageNotFoundError:  # run from a source tree that was never installed
-            return "0+unknown"
+        return lp_jax_version()
     if name == "LLM":
         from lp_jax.llm import LLM
 

@@ -64,7 +64,8 @@ def main(argv=None):
         parser.error(f"unknown policies {bad}; choose from {list(POLICIES)}")
 
     from checkpoints.train_demo import ensure_demo
-    from lp_jax import LLM, SamplingParams
+    from lp_jax.core.sampling_params import SamplingParams
+    from lp_jax.llm import LLM
 
     model_dir = Path(args.model) if args.model else ensure_demo()
     print(describe(model_dir))

@@ -102,12 +102,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import lp_jax
     from lp_jax.server.protocol import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    from lp_jax.version import lp_jax_version
 
     p = argparse.ArgumentParser(prog="lp-serve", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"lp-serve {lp_jax.__version__}")
+    p.add_argument("--version", action="version", version=f"lp-serve {lp_jax_version()}")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -152,10 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=None,
                    help="Hugging Face model directory [default: the embedded fable model "
                         "of checkpoints/train_demo.py]")
-    e.add_argument("--scheduling", choices=("orca", "chunked", "layered", "flowprefill"),
-                   default="layered",
-                   help="flowprefill: slack-aware EDF over the requests' TTFT deadlines, "
-                        "with preemptible prefill (--preemption-granularity)")
+    e.add_argument("--scheduling", "--scheduler-cls", default="layered", metavar="POLICY",
+                   help="orca, chunked, layered, flowprefill (slack-aware EDF over the "
+                        "requests' TTFT deadlines, with preemptible prefill: "
+                        "--preemption-granularity), or your own Policy class as "
+                        "package.module:Class (docs/custom_policy.md)")
     e.add_argument("--max-model-len", type=_positive_int, default=None)
     e.add_argument("--max-num-seqs", type=_positive_int, default=32)
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)

@@ -96,11 +96,12 @@ def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
 
 def make_sched_cfg(policy, **kw):
     """A SchedulerConfig for host-only scheduler tests (8 layers, 4,096 pages of 4)."""
-    from lp_jax.core.scheduler import SchedulerConfig
+    from lp_jax.core.config import SchedulerConfig
+    from lp_jax.core.policies import resolve_policy
 
-    base = dict(policy=policy, num_layers=8, max_model_len=4096, page_size=4, num_pages=4096,
-                vocab_size=1000, max_num_seqs=16)
-    if policy == "flowprefill":  # groups: the scheduler's step-count tests hold for it too
+    base = dict(policy=resolve_policy(policy), num_layers=8, max_model_len=4096, page_size=4,
+                num_pages=4096, vocab_size=1000, max_num_seqs=16)
+    if base["policy"].name == "flowprefill":  # groups: the step-count tests hold for it too
         base["preemption_granularity"] = "group"
     base.update(kw)
     return SchedulerConfig(**base)

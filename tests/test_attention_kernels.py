@@ -770,7 +770,7 @@ def test_entry_points_pass_sinks_and_window(monkeypatch):
 
 
 def test_decode_bench_small():
-    from pallas_kernels.attention.bench import bench_decode_attention
+    from lp_jax.bench.attention_kernels import bench_decode_attention
 
     row = bench_decode_attention(batch=2, context=40, num_heads=4, num_kv_heads=2, head_dim=16,
                                  page_size=8, dtype=jnp.float32, backend="xla", repeats=1,
@@ -780,7 +780,7 @@ def test_decode_bench_small():
 
 
 def test_gpu_decode_sweep_small():
-    from pallas_kernels.attention.bench import sweep_gpu_decode
+    from lp_jax.bench.attention_kernels import sweep_gpu_decode
 
     configs = [dict(num_splits=None, pages_per_block=1, num_warps=4, num_stages=2),
                dict(num_splits=2, pages_per_block=2, num_warps=8, num_stages=3)]

@@ -6,7 +6,6 @@ per-chunk operator units checked on every plan); the engine tests compare greedy
 of preempted and resumed prefills with uninterrupted ones on the tiny model.
 """
 
-import dataclasses
 import json
 import math
 
@@ -15,6 +14,7 @@ import pytest
 from conftest import make_sched_cfg as make_cfg
 from test_scheduler import FakeExecutor, check_invariants, drive, req
 
+from lp_jax.bench.open_loop import use_policy
 from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims, nnls_gram
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
@@ -334,8 +334,7 @@ def engine(engines):
 def _use_policy(engine, **changes):
     """A fresh scheduler, the engine's own config with `changes`, on the same compiled
     programs (the executor is policy-agnostic; hidden row areas are the same size)."""
-    cfg = dataclasses.replace(engine.base_config, **changes)
-    engine.scheduler = Scheduler(cfg, engine.scheduler.latency)
+    use_policy(engine, engine.base_config, **changes)
 
 
 def _run(engine, adds):

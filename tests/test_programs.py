@@ -13,13 +13,19 @@ import re
 
 import numpy as np
 import pytest
+from conftest import make_sched_cfg
 from conftest import make_seq as _seq
 
 from lp_jax import LLM, SamplingParams
 from lp_jax.core.layer_groups import split_layers
 from lp_jax.core.plan import PrefillChunk, StepPlan
-from lp_jax.executor.model_runner import resolve_buckets
-from lp_jax.executor.step import default_token_buckets
+from lp_jax.core.programs import default_token_buckets, step_buckets
+
+
+def buckets_for(policy: str, budget: int, max_num_seqs: int) -> tuple[int, ...]:
+    """The default row buckets of a policy at this budget (any model)."""
+    return step_buckets(make_sched_cfg(policy, max_num_batched_tokens=budget,
+                                       max_num_seqs=max_num_seqs))
 
 MAX_PROGRAMS = 32
 
@@ -47,7 +53,7 @@ def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
     stats = llm.stats()
     sched = llm.engine.scheduler.config
     assert sched.max_model_len == 4096 and sched.max_num_batched_tokens == 4096
-    assert stats["programs"] == len(resolve_buckets(None, "layered", 4096, sched.max_num_seqs))
+    assert stats["programs"] == len(buckets_for("layered", 4096, sched.max_num_seqs))
     # start-up a person can watch: progress while compiling, then one "ready" line
     done = [int(m.group(1)) for m in map(re.compile(r"compiled (\d+)/(\d+) programs").match,
                                            lines) if m]
@@ -80,11 +86,11 @@ def test_program_count_is_bounded_and_layered_close_to_chunked(budget, max_num_s
     1.5x chunked at the same budget and max_num_seqs."""
     if budget < max_num_seqs:
         pytest.skip("chunked needs a budget of at least max_num_seqs")  # a config error
-    chunked = len(resolve_buckets(None, "chunked", budget, max_num_seqs))
-    layered = len(resolve_buckets(None, "layered", budget, max_num_seqs))
+    chunked = len(buckets_for("chunked", budget, max_num_seqs))
+    layered = len(buckets_for("layered", budget, max_num_seqs))
     assert layered <= MAX_PROGRAMS - 4 and layered <= 1.5 * chunked
     # FlowPrefill's segments (any unit span) and paused batches add no program key
-    assert len(resolve_buckets(None, "flowprefill", budget, max_num_seqs)) == layered
+    assert len(buckets_for("flowprefill", budget, max_num_seqs)) == layered
 
 
 def test_default_buckets_bound_padding():

@@ -50,7 +50,7 @@ def test_no_tpu_noise_on_a_machine_without_one():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    code = ("from lp_jax.executor.backend_select import skip_absent_tpu\n"
+    code = ("from lp_jax.backend_select import skip_absent_tpu\n"
             "print(skip_absent_tpu())\nimport jax\nprint(jax.devices()[0].platform)\n")
     quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                            text=True, timeout=120)

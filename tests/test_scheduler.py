@@ -15,11 +15,13 @@ from conftest import make_sched_cfg
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims
 from lp_jax.core.metrics import RequestMetrics, percentile, slo_pass, summarize
 from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.policies import resolve_policy
 from lp_jax.core.sampling_params import SamplingParams
-from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from lp_jax.core.slo import SLO
 
@@ -967,7 +969,7 @@ def workloads(draw, policy):
     cfg["num_pages"] = need + draw(st.sampled_from([0, 0, 1, 2, 4, 16]))  # mostly tight
     abort = st.tuples(st.integers(0, 20), st.integers(0, len(reqs) - 1), st.booleans())
     aborts = draw(st.lists(abort, max_size=4))  # (step, seq_id, during the step)
-    return SchedulerConfig(**cfg), reqs, aborts
+    return SchedulerConfig(**cfg | {"policy": resolve_policy(policy)}), reqs, aborts
 
 
 @pytest.mark.parametrize("driver", [drive, drive_overlapped])

@@ -224,7 +224,7 @@ def test_real_engine_slo(real_server):
 # ---------------------------------------------------------------------- lp-serve flags
 def test_serve_flowprefill_flags(tmp_path):
     from lp_jax import serve
-    from lp_jax.core.policies.flowprefill import GRANULARITIES
+    from lp_jax.core.config import GRANULARITIES
 
     path = tmp_path / "classes.json"
     path.write_text(json.dumps(CLASSES))

@@ -27,7 +27,7 @@ from lp_jax.sim import (
     prior_calibration,
     synthesize,
 )
-from lp_jax.sim.muxwise import contended
+from lp_jax.sim.muxwise import MuxWisePolicy, contended
 
 H100 = get_hardware("h100")
 SHAPE = QWEN3_30B_A3B
@@ -201,7 +201,10 @@ def test_muxwise_config_checks():
     # The TBT SLO reaches the scheduler (the adaptive layered policy reads it there).
     sim = Simulator(_config(policy="layered", layer_groups="adaptive"))
     assert sim.scheduler_config().tbt_slo_s == TBT and sim.observes_latency
-    assert Simulator(_config()).scheduler_config().policy == "layered"
+    # MuxWise runs the core as its own policy class, with a layered-size budget
+    mux = Simulator(_config()).scheduler_config()
+    assert issubclass(mux.policy, MuxWisePolicy) and mux.name == "muxwise"
+    assert mux.max_num_batched_tokens == 8192 and mux.policy_class is mux.policy
 
 
 def test_bench_script_smoke(tmp_path):

@@ -44,20 +44,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lp_jax.aot.chips import chip
 from lp_jax.config import ModelConfig
-from lp_jax.core.scheduler import POLICIES
-from lp_jax.executor.model_runner import resolve_buckets
+from lp_jax.core.config import SchedulerConfig
+from lp_jax.core.policies import resolve_policy
+from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends, kv_cache_shape, packs_kv
-from lp_jax.roofline.hardware import get_hardware
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
            "qwen3-8b": "Qwen3-8B.json", "gpt-oss-20b": "gpt-oss-20b.json"}
-CHIPS = {"v5e": "TPU v5e", "v6e": "TPU v6e", "v5p": "TPU v5p", "v4": "TPU v4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class AotConfig:
     """The engine arguments that shape the programs (EngineConfig's names)."""
 
     platform: str  # "tpu" or "cuda"
-    scheduling: str = "layered"
+    scheduling: str = "layered"  # a policy name or package.module:Class
     max_model_len: int = 4096
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: the policy's default
@@ -85,8 +85,7 @@ class AotConfig:
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
             raise ValueError(f"platform must be tpu or cuda, got {self.platform!r}")
-        if self.scheduling not in POLICIES:
-            raise ValueError(f"scheduling must be one of {sorted(POLICIES)}")
+        resolve_policy(self.scheduling)  # a name, a Policy class or package.module:Class
         if self.platform == "cuda" and math.prod(self.mesh_shape) != 1:
             raise ValueError("--platform cuda compiles for one device; meshes compile for tpu")
         if self.gpu not in GPU_TARGETS:
@@ -112,21 +111,6 @@ def cuda_mode() -> str:
     from pallas_kernels.compile_targets import cuda_compiler_missing
 
     return "export" if cuda_compiler_missing() else "compile"
-
-
-def chip(cfg: AotConfig) -> tuple[str, float]:
-    """(name, HBM bytes) of the target chip: a GPU's from its target config (what the
-    device reports), a TPU's from the roofline table."""
-    if cfg.platform == "cuda":
-        from pallas_kernels.compile_targets import gpu_target_field
-
-        return (gpu_target_field(cfg.gpu, "name"),
-                float(gpu_target_field(cfg.gpu, "device_memory_size")))
-    generation = cfg.topology.split(":")[0]
-    if generation not in CHIPS:
-        raise ValueError(f"unknown TPU generation in {cfg.topology!r}; known: {sorted(CHIPS)}")
-    hw = get_hardware(CHIPS[generation])
-    return hw.name, hw.hbm_bytes
 
 
 def _devices(cfg: AotConfig):
@@ -160,6 +144,18 @@ class Build:
     layer_expert_bytes_per_device: int  # one layer's experts on one device
 
 
+def scheduler_config(model_cfg: ModelConfig, cfg: AotConfig, num_pages: int) -> SchedulerConfig:
+    """The engine's scheduler config for these arguments: its policy sizes the programs.
+    A budget left to the policy is the policy's own (the engine caps it at max_model_len,
+    lp_jax/engine/config.py; the AOT runs of BENCHMARKS.md predate that rule)."""
+    return SchedulerConfig(
+        policy=resolve_policy(cfg.scheduling), num_layers=model_cfg.num_hidden_layers,
+        max_model_len=cfg.max_model_len, page_size=cfg.page_size, num_pages=num_pages,
+        vocab_size=model_cfg.vocab_size, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_paused_prefills=cfg.max_paused_prefills)
+
+
 def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     """The abstract engine: program spec, step function and sharded argument shapes.
     Raises ValueError if the weights and KV pool cannot fit the chip's HBM."""
@@ -167,17 +163,16 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     model_cfg = model_cfg.replace(dtype=dtype.name)
     data, expert, tensor = cfg.mesh_shape
     mesh = make_mesh(data, expert, tensor, devices=_devices(cfg))
-    budget = cfg.max_num_batched_tokens or POLICIES[cfg.scheduling].budget(cfg)
-    max_prefill = max(budget, cfg.max_model_len) if cfg.scheduling == "orca" else budget
-    buckets = resolve_buckets(cfg.token_buckets, cfg.scheduling, max_prefill, cfg.max_num_seqs)
+    L, S = model_cfg.num_hidden_layers, cfg.page_size
+    pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
+    sched_cfg = scheduler_config(model_cfg, cfg, pages)
+    buckets = step_buckets(sched_cfg, cfg.token_buckets)
     graphdef, abstract_state = abstract_model(model_cfg, dtype)
     shardings = param_shardings(abstract_state, mesh)
     state = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
         abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
     weight_bytes = sum(_shard_bytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state))
-    L, S = model_cfg.num_hidden_layers, cfg.page_size
-    pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
     kernel = "tpu" if cfg.platform == "tpu" else "gpu"
     kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel))
     kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
@@ -185,9 +180,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
                     pages_per_seq=math.ceil(cfg.max_model_len / S),
                     max_num_seqs=cfg.max_num_seqs,
-                    hidden_rows=cfg.max_num_seqs
-                    + budget * POLICIES[cfg.scheduling].hidden_slots(cfg),
-                    buckets=buckets)
+                    hidden_rows=hidden_rows(sched_cfg), buckets=buckets)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,

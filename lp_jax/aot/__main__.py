@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
-from lp_jax.core.scheduler import POLICIES
+from lp_jax.core.policies import POLICIES
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS))
     src.add_argument("--config", help="a config.json, or a directory holding one")
-    ap.add_argument("--scheduling", default="layered", choices=sorted(POLICIES))
+    ap.add_argument("--scheduling", "--scheduler-cls", default="layered",
+                    help=f"{', '.join(sorted(POLICIES))}, or a Policy class as "
+                         "package.module:Class (its bucket rules shape the programs)")
     ap.add_argument("--max-paused-prefills", type=int, default=8,
                     help="flowprefill: paused batches whose hidden rows the programs hold")
     ap.add_argument("--max-model-len", type=int, default=4096)

@@ -139,7 +139,7 @@ def _check_compiled(rec: dict, build, cfg) -> list[str]:
                    f"{mem['alias'] / 2**20:.0f} MiB of aliases")
     out += problems(rec.get("kernels") or [])
     if cfg is not None and cfg.platform == "cuda":
-        from lp_jax.aot import chip
+        from lp_jax.aot.chips import chip
 
         name, hbm = chip(cfg)
         need = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]

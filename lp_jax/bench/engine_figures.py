@@ -11,6 +11,7 @@ returns a flat dict of figures that the script writes as one table row.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -58,10 +59,11 @@ def build_engine(scale, cfg_dict: dict, model_dir: Path, verdict: dict, cache_di
 
 
 def engine_info(engine) -> dict:
-    from lp_jax.executor.model_runner import resolve_buckets
+    from lp_jax.core.policies import LayeredPolicy
+    from lp_jax.core.programs import step_buckets
 
     c = engine.config
-    default = resolve_buckets(None, "layered", c.max_num_batched_tokens, c.max_num_seqs)
+    default = step_buckets(dataclasses.replace(engine.scheduler.config, policy=LayeredPolicy))
     return dict(layers=engine.runner.L, buckets=list(engine.runner.spec.buckets),
                 default_layered_programs=len(default), kv_pages=c.kv_pages,
                 kernel_backends=engine.stats()["kernel_backends"])

@@ -144,8 +144,8 @@ class MoeBench:
 
 
 def time_attention(cfg, backend: str, batch: int, context: int, iters: int) -> dict:
+    from lp_jax.bench.attention_kernels import bench_decode_attention
     from lp_jax.roofline import get_hardware
-    from pallas_kernels.attention.bench import bench_decode_attention
 
     row = bench_decode_attention(
         batch=batch, context=context, num_heads=cfg.num_attention_heads,

@@ -11,12 +11,16 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from lp_jax.core.policies import resolve_policy
 from lp_jax.core.scheduler import Scheduler
 
 
 def use_policy(engine, base, **changes) -> None:
-    """A fresh scheduler with `changes` to the SchedulerConfig `base`, on the engine's
-    compiled executor (which is policy-agnostic) and latency estimator."""
+    """A fresh scheduler with `changes` to the SchedulerConfig `base` (`policy` may be a
+    name), on the engine's compiled executor (which is policy-agnostic) and latency
+    estimator."""
+    if "policy" in changes:
+        changes["policy"] = resolve_policy(changes["policy"])
     engine.scheduler = Scheduler(dataclasses.replace(base, **changes), engine.scheduler.latency)
 
 

@@ -1,14 +1,10 @@
-"""Iteration-level scheduler: one core, three prefill policies.
+"""Iteration-level scheduler: one core, pluggable prefill policies.
 
 The `Scheduler` core owns all bookkeeping: the waiting queue (ordered by priority, arrival,
 id), KV-page admission, decode growth, recompute preemption, aborts and `commit`. A `Policy`
-only decides the prefill part of each plan:
-
-- `OrcaPolicy`: whole prompts next to the decodes (stalls decodes behind long prompts);
-- `ChunkedPolicy`: Sarathi-Serve stall-free batching, prompts cut along tokens to fill a token
-  budget shared with the decodes;
-- `LayeredPolicy`: the paper's layered prefill; one batch of prompt tokens crosses one group of
-  layers per iteration, so every layer sees each prompt token once and decodes never stall.
+(policies/) only decides the prefill part of each plan: orca (whole prompts), chunked
+(Sarathi-Serve), layered (the paper's layered prefill), flowprefill (preemptible prefill
+under slack-aware EDF), or a user's own class.
 
 Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`. Plans
 are committed in the order they were made, and at most two are outstanding (overlapped
@@ -42,26 +38,14 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass
 
 from lp_jax.core.block_manager import BlockManager
+from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import LatencyModel, ModelDims
-from lp_jax.core.layer_groups import LayerGroupMode, check_mode
 from lp_jax.core.plan import StepPlan
-from lp_jax.core.policies.base import ChunkedPolicy, LayeredPolicy, OrcaPolicy, Policy
-from lp_jax.core.policies.flowprefill import GRANULARITIES, FlowPrefillPolicy
+from lp_jax.core.policies.base import Policy
 from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
-POLICIES: dict[str, type[Policy]] = {
-    "orca": OrcaPolicy,
-    "chunked": ChunkedPolicy,
-    "layered": LayeredPolicy,
-    "flowprefill": FlowPrefillPolicy,
-}
-
-_POSITIVE_FIELDS = (
-    "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
-).split()
 _STAT_KEYS = (
     "iterations iterations_decode iterations_prefill iterations_hybrid iterations_idle "
     "prefill_tokens decode_tokens prefill_batches preemptions finished aborted "
@@ -70,93 +54,9 @@ _STAT_KEYS = (
 ).split()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerConfig:
-    policy: str  # a key of POLICIES: "orca", "chunked", "layered" or "flowprefill"
-    num_layers: int
-    max_model_len: int
-    page_size: int
-    num_pages: int
-    vocab_size: int
-    max_num_seqs: int = 128  # admitted sequences (prefilling + decoding)
-    max_num_batched_tokens: int | None = None  # prefill token budget; None: the policy default
-    layer_groups: LayerGroupMode = "paper"
-    max_layer_groups: int = 16
-    eos_token_id: int | None = None
-    extra_eos_token_ids: tuple[int, ...] = ()  # more ids that end a completion
-    # FlowPrefill (flowprefill.py): segment size of a preemptible prefill, whether a
-    # layered batch is preemptible at group boundaries, the batching rule's alpha, and
-    # how many paused batches keep their hidden states on device.
-    # layer_groups="adaptive": each iteration's prefill span is the most layers for which
-    # the predicted step (decodes + span) stays within tbt_slo_s * (1 - adaptive_margin);
-    # the tightest running request's TBT SLO, if smaller, wins. None: no TBT limit.
-    tbt_slo_s: float | None = None
-    adaptive_margin: float = 0.1
-    preemption_granularity: str = "operator"
-    preemptible: bool = False
-    slo_alpha: float = 0.1
-    max_paused_prefills: int = 8
-    # Share KV pages of equal prefixes (block_manager.py). EngineConfig turns it on; off
-    # here, so the simulator and the plan-shape tests see whole prefills.
-    enable_prefix_caching: bool = False
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        for name in _POSITIVE_FIELDS:
-            x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {x!r}")
-        check_mode(self.layer_groups)
-        if self.tbt_slo_s is not None and not (isinstance(self.tbt_slo_s, int | float)
-                                               and 0 < self.tbt_slo_s < 86400):
-            raise ValueError(f"tbt_slo_s must be a positive number of seconds, got "
-                             f"{self.tbt_slo_s!r}")
-        if isinstance(self.adaptive_margin, bool) or not isinstance(
-                self.adaptive_margin, int | float) or not 0 <= self.adaptive_margin < 1:
-            raise ValueError(f"adaptive_margin must be in [0, 1), got {self.adaptive_margin!r}")
-        if self.layer_groups == "adaptive" and (self.policy != "layered" or self.preemptible):
-            raise ValueError('layer_groups="adaptive" is for the layered policy (not '
-                             "preemptible, not flowprefill)")
-        if self.preemption_granularity not in GRANULARITIES:
-            raise ValueError(f"preemption_granularity must be one of {GRANULARITIES}, "
-                             f"got {self.preemption_granularity!r}")
-        for name in ("preemptible", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.preemptible and self.policy != "layered":
-            raise ValueError("preemptible applies to the layered policy (flowprefill always "
-                             "is); use scheduling='flowprefill' or 'layered'")
-        if isinstance(self.slo_alpha, bool) or not isinstance(self.slo_alpha, int | float) \
-                or not 0 <= self.slo_alpha < 1:
-            raise ValueError(f"slo_alpha must be in [0, 1), got {self.slo_alpha!r}")
-        if isinstance(self.max_paused_prefills, bool) or not isinstance(
-                self.max_paused_prefills, int) or self.max_paused_prefills < 0:
-            raise ValueError(
-                f"max_paused_prefills must be an int >= 0, got {self.max_paused_prefills!r}")
-        for name, ids in (("eos_token_id", (self.eos_token_id,)),
-                          ("extra_eos_token_ids", self.extra_eos_token_ids)):
-            bad = [t for t in ids if t is not None and not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} {bad[0]} outside [0, {self.vocab_size})")
-        if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", self.policy_class.budget(self))
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        self.policy_class.check(self)
-
-    @property
-    def policy_class(self) -> type[Policy]:
-        """The policy; a preemptible layered batch runs under FlowPrefill's rules."""
-        return FlowPrefillPolicy if self.preemptible else POLICIES[self.policy]
-
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None,
-                 policy_class: type[Policy] | None = None) -> None:
-        """`policy_class` overrides config.policy (the simulator's own policies)."""
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None) -> None:
         self.config = config
         # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
         # from measured steps through observe().
@@ -178,7 +78,7 @@ class Scheduler:
         self._next_batch = 0
         self._now = 0.0
         self._stats: Counter[str] = Counter()
-        self.policy: Policy = (policy_class or config.policy_class)(self)
+        self.policy: Policy = config.policy_class(self)
 
     # ----- requests -----
     def add(self, seq: Sequence, prefill_after: Sequence | None = None) -> None:
@@ -288,8 +188,25 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Counters: iterations (per phase too), tokens, batches, preemptions, finishes;
         prefix_cache_queries / _hits: tokens looked up in the cache at admissions and
-        found there; prefill_tokens counts only the tokens computed."""
-        return {k: self._stats[k] for k in _STAT_KEYS}
+        found there; prefill_tokens counts only the tokens computed; then any counter a
+        policy added through `count`."""
+        return {k: self._stats[k] for k in (*_STAT_KEYS, *sorted(self._stats.keys()
+                                                                 - set(_STAT_KEYS)))}
+
+    # ----- what a policy sees (policies/base.py lists it)
+    @property
+    def now(self) -> float:
+        """The time the current plan is made at (schedule's `now`)."""
+        return self._now
+
+    @property
+    def next_step_id(self) -> int:
+        """The step id of the plan being made (of the next one, between plans)."""
+        return self._next_step
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds n to the counter `name` of stats()."""
+        self._stats[name] += n
 
     # ----- one iteration -----
     def can_plan_ahead(self) -> bool:

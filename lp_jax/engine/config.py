@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from lp_jax.core.config import SchedulerConfig
+from lp_jax.core.policies import Policy, resolve_policy
+
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
 
@@ -25,7 +28,9 @@ def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str | None = None  # Hugging Face directory; None: the embedded fable model
-    scheduling: str = "layered"  # "orca", "chunked", "layered" or "flowprefill"
+    # "orca", "chunked", "layered", "flowprefill", a Policy subclass, or the dotted path
+    # of one ("package.module:Class"); lp_jax/core/policies/base.py is the interface.
+    scheduling: str | type[Policy] = "layered"
     max_model_len: int | None = None  # None: min(max_position_embeddings, 8192)
     max_num_seqs: int = 32
     # None: the policy's default, capped at max_model_len (default_prefill_budget)
@@ -86,9 +91,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.backends not in ("fallback", "strict", "off"):
             raise ValueError(f"backends must be fallback, strict or off, got {self.backends!r}")
-        if self.scheduling not in ("orca", "chunked", "layered", "flowprefill"):
-            raise ValueError("scheduling must be orca, chunked, layered or flowprefill, "
-                             f"got {self.scheduling!r}")
+        resolve_policy(self.scheduling)  # raises ValueError naming what is wrong
         for name in ("max_num_seqs", "max_layer_groups", "page_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -114,6 +117,26 @@ class EngineConfig:
             if not v or v[0] < 1:
                 raise ValueError(f"token_buckets must be positive sizes, got {self.token_buckets}")
             object.__setattr__(self, "token_buckets", v)
+
+    def scheduler_config(self, model_config, *, max_model_len: int,
+                         num_pages: int) -> SchedulerConfig:
+        """The scheduler's config, derived: every field both configs name is taken as
+        is; the rest come from the model. A budget left to the policy is capped at
+        max_model_len (default_prefill_budget). Raises ValueError for a bad combination."""
+        mine = {f.name for f in dataclasses.fields(self)}
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)
+                  if f.name in mine}
+        cfg = SchedulerConfig(**(shared | dict(
+            policy=resolve_policy(self.scheduling),
+            tbt_slo_s=None if self.tbt_slo_ms is None else self.tbt_slo_ms / 1e3,
+            num_layers=model_config.num_hidden_layers, vocab_size=model_config.vocab_size,
+            eos_token_id=model_config.eos_token_id,
+            extra_eos_token_ids=model_config.extra_eos_token_ids,
+            max_model_len=max_model_len, num_pages=num_pages)))
+        if self.max_num_batched_tokens is None:
+            cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_prefill_budget(
+                cfg.max_num_batched_tokens, max_model_len))
+        return cfg
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -29,17 +29,19 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from lp_jax import backend_select
 from lp_jax.config import ModelConfig
 from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.core.sampling_params import SamplingParams
-from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import Sequence
 from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
-from lp_jax.engine.config import EngineConfig, default_max_model_len, default_prefill_budget
-from lp_jax.executor import backend_select, compile_guard, distributed
+from lp_jax.engine.config import EngineConfig, default_max_model_len
+from lp_jax.executor import compile_guard, distributed
 from lp_jax.executor.kernel_check import check_backends
-from lp_jax.executor.model_runner import ModelRunner, StepHandle, resolve_buckets
+from lp_jax.executor.model_runner import ModelRunner, StepHandle
 from lp_jax.executor.plan_channel import (
     FollowerChannel,
     LeaderChannel,
@@ -188,34 +190,13 @@ class LLMEngine:
                          or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
         # (from free memory once the weights are in) is filled in after loading.
-        sched_cfg = SchedulerConfig(
-            policy=config.scheduling, num_layers=model_cfg.num_hidden_layers,
-            max_model_len=max_model_len, page_size=config.page_size,
-            num_pages=config.kv_pages or 1,
-            vocab_size=model_cfg.vocab_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            layer_groups=config.layer_groups, max_layer_groups=config.max_layer_groups,
-            eos_token_id=model_cfg.eos_token_id,
-            extra_eos_token_ids=model_cfg.extra_eos_token_ids,
-            tbt_slo_s=None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1e3,
-            adaptive_margin=config.adaptive_margin,
-            preemption_granularity=config.preemption_granularity,
-            preemptible=config.preemptible, slo_alpha=config.slo_alpha,
-            max_paused_prefills=config.max_paused_prefills,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        if config.max_num_batched_tokens is None:  # the policy's default, model-sized
-            sched_cfg = dataclasses.replace(sched_cfg, max_num_batched_tokens=(
-                default_prefill_budget(sched_cfg.max_num_batched_tokens, max_model_len)))
-        budget = sched_cfg.max_num_batched_tokens
+        sched_cfg = config.scheduler_config(model_cfg, max_model_len=max_model_len,
+                                            num_pages=config.kv_pages or 1)
         self.slo_classes = parse_slo_classes(config.slo_classes or {})
         dims = ModelDims.from_config(model_cfg)
         latency = (LatencyModel.load(config.latency_model, dims) if config.latency_model
                    else LatencyModel(dims))
-        # Orca admits a prompt longer than its budget alone, so it may run any prompt.
-        max_prefill = max(budget, max_model_len) if config.scheduling == "orca" else budget
-        buckets = resolve_buckets(config.token_buckets, config.scheduling, max_prefill,
-                                  config.max_num_seqs)
+        buckets = step_buckets(sched_cfg, config.token_buckets)  # checked before loading
         # Several processes: JAX's distributed runtime first (before any backend starts);
         # the mesh then spans every process's devices.
         self.process = distributed.initialize(config.num_processes, config.process_id,
@@ -240,9 +221,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            max_prefill_tokens=max_prefill, policy=config.scheduling,
-            backends=backends, seed=config.seed, token_buckets=buckets,
-            hidden_slots=self.scheduler.policy.hidden_slots(sched_cfg),
+            token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
+            backends=backends, seed=config.seed,
         )
         self.slo_tracker = SLOTracker()
         self._ids = itertools.count()
@@ -282,7 +262,7 @@ class LLMEngine:
         buckets = r.spec.buckets
         return (f"ready in {self.startup_seconds:.1f} s: {Path(self.model_dir).name} "
                 f"({cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.dtype}), policy "
-                f"{self.config.scheduling}, {len(r.programs)} programs (rows {buckets[0]}.."
+                f"{sc.name}, {len(r.programs)} programs (rows {buckets[0]}.."
                 f"{buckets[-1]}), max_model_len {sc.max_model_len}, max_num_seqs "
                 f"{sc.max_num_seqs}, prefill budget {sc.max_num_batched_tokens} tokens; "
                 f"memory: weights {mib(r.state)}, KV {sc.num_pages} pages x {sc.page_size} "

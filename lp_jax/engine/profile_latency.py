@@ -43,7 +43,7 @@ def profile_engine(engine, *, output_tokens: int = 8, seed: int = 0) -> LatencyM
             while engine.has_unfinished():
                 engine.step()
     model = engine.scheduler.latency
-    model.source = f"profiled ({cfg.policy}, {len(waves)} waves)"
+    model.source = f"profiled ({cfg.name}, {len(waves)} waves)"
     return model
 
 

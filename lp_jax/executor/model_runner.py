@@ -13,7 +13,7 @@ batch's previous group, and leave it into the carried buffer (b < L) or to sampl
 is one call of its decode rows through every layer.
 
 Every call is one program of the family in step.py, chosen by its row count alone, so
-the engine compiles one program per row bucket (`step.default_token_buckets`): the count grows
+the engine compiles one program per row bucket (`core.programs.step_buckets`): the count grows
 with log(budget), not with the layer count, the group sizes, G, or a product of prefill
 and decode buckets. `warmup()` compiles them all; the persistent compilation cache makes
 restarts cheap. The KV pool and the hidden buffer are donated to every call.
@@ -47,13 +47,12 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.core.plan import StepPlan
+from lp_jax.core.programs import bucket_for
 from lp_jax.core.sequence import SequenceStatus
 from lp_jax.executor.plan_channel import StepCodec, host_array
 from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
     StepSpec,
-    bucket_for,
-    default_token_buckets,
     empty_inputs,
     init_counts,
     make_step,
@@ -114,26 +113,12 @@ class _Call:
     scored: list = dataclasses.field(default_factory=list)  # (seq, position, row, rows)
 
 
-def resolve_buckets(token_buckets, policy: str, max_prefill_tokens: int,
-                    max_num_seqs: int) -> tuple[int, ...]:
-    """The row buckets, checked to cover the largest call: chunked shares its budget with
-    the decodes; layered and orca run up to max_prefill_tokens prompt tokens next to every
-    decode. Raises ValueError, before anything is loaded or compiled."""
-    max_rows = max_prefill_tokens + (0 if policy == "chunked" else max_num_seqs)
-    buckets = tuple(token_buckets) if token_buckets else default_token_buckets(max_rows)
-    if buckets[-1] < max_rows:
-        raise ValueError(
-            f"token_buckets {buckets} must reach {max_rows} rows: the {policy} policy "
-            f"runs up to {max_prefill_tokens} prefill tokens"
-            + ("" if policy == "chunked" else f" next to {max_num_seqs} decodes"))
-    return buckets
-
-
 class ModelRunner:
     def __init__(self, model: StackedCausalLM, *, mesh, num_pages: int, page_size: int,
-                 max_model_len: int, max_num_seqs: int, max_prefill_tokens: int,
-                 policy: str, backends: KernelBackends, seed: int = 0, token_buckets=None,
-                 hidden_slots: int = 0):
+                 max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
+                 hidden_rows: int, backends: KernelBackends, seed: int = 0):
+        """`token_buckets` and `hidden_rows`: the program family the scheduler config
+        needs (lp_jax/core/programs.py)."""
         cfg = self.cfg = model.config
         if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
             raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
@@ -141,17 +126,13 @@ class ModelRunner:
         self.dtype = model.dtype
         self.L = cfg.num_hidden_layers
         self.seed = seed
-        buckets = resolve_buckets(token_buckets, policy, max_prefill_tokens, max_num_seqs)
-        # Rows [0, max_num_seqs) carry decode rows between a step's calls; then come
-        # `hidden_slots` areas of max_prefill_tokens rows each, where prefill batches that
-        # span several plans (layered groups, FlowPrefill segments, paused batches) keep
-        # their hidden states. The scheduler assigns rows (StepPlan.prefill_rows).
-        R0 = max_num_seqs
+        if hidden_rows < max_num_seqs:
+            raise ValueError(f"hidden_rows {hidden_rows} < max_num_seqs {max_num_seqs}")
         self.spec = StepSpec(
             num_layers=self.L, hidden_size=cfg.hidden_size, page_size=page_size,
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
-            hidden_rows=R0 + max_prefill_tokens * hidden_slots,
-            buckets=buckets)
+            hidden_rows=hidden_rows,
+            buckets=tuple(token_buckets))
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)

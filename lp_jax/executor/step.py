@@ -55,31 +55,6 @@ BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS
 # Rows per slice of prompt scoring: [256, vocabulary] float32 logits at a time (156 MB at
 # Qwen3's 151,936 entries), each slice one read of the LM head.
 SCORE_ROWS = 256
-_POW2_UP_TO = 512  # buckets double up to here, then grow by 1.5x (padding <= 1.5x)
-
-
-def default_token_buckets(max_rows: int, *, min_rows: int = 1) -> tuple[int, ...]:
-    """Row buckets: powers of two up to 512, then alternately x1.5 and x4/3 (768, 1024,
-    1536, 2048, ...), with max_rows itself last. Padding stays under 2x in every call and
-    under 1.5x above 512 rows, where padded rows cost compute; the count grows with
-    log(max_rows) only: 19 buckets for an 8192-token layered budget."""
-    out, b = [], min_rows
-    while b < max_rows:
-        out.append(b)
-        if b < _POW2_UP_TO:
-            b *= 2
-        else:
-            b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
-    return (*out, max_rows)
-
-
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} rows exceed the largest compiled bucket {buckets[-1]}")
-
-
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """The static shape of the program family. `max_num_seqs` bounds the sequences of a

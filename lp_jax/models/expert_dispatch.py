@@ -44,7 +44,7 @@ Transports, one signature (`_ragged_round_trip`, `_capacity_round_trip`):
   testing the ragged offsets on CPU.
 
 "auto" picks allreduce or all_to_all per call at trace time (T is static) from the
-communication bytes per layer: `lp_jax.roofline.ep_comm.choose_dispatch`. With
+communication bytes per layer: `dispatch_bytes.fewer_bytes`. With
 ep == 1 (no expert axis, or it does not divide E) there is nothing to dispatch.
 
 Stats are the same under both schemes: tokens_per_expert [E] is the sum of the
@@ -60,6 +60,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lp_jax.models.dispatch_bytes import fewer_bytes
 from pallas_kernels import moe
 from pallas_kernels.moe.ref import combine, route
 
@@ -96,11 +97,9 @@ def resolve_dispatch(dispatch: str, *, ep: int, tokens: int, hidden: int, top_k:
         return "allreduce"
     if dispatch != "auto":
         return dispatch
-    from lp_jax.roofline.ep_comm import choose_dispatch
-
     transport = "ragged" if transport == "ref_ragged" else transport
-    return choose_dispatch(tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport,
-                           reduce_bytes=reduce_bytes)
+    return fewer_bytes(tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport,
+                       reduce_bytes=reduce_bytes)
 
 
 # ------------------------------------------------------------------ transports

@@ -62,115 +62,25 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from lp_jax.models.dispatch_bytes import (  # the byte model: the engine's "auto" uses it
+    DEFAULT_CAPACITY_FACTOR,
+    EXPERT_ID_BYTES,
+    F32_BYTES,
+    SCHEMES,
+    TRANSPORTS,
+    AllToAllBytes,
+    _check,
+    all_to_all_bytes,
+    allreduce_bytes,
+    capacity_rows,
+    comm_bytes,
+    fewer_bytes,
+    tokens_per_device,
+)
 from lp_jax.roofline.hardware import Hardware
 
-SCHEMES = ("allreduce", "all_to_all")
-TRANSPORTS = ("ragged", "capacity")
 TOPOLOGIES = ("switch", "torus2d", "torus3d")
-F32_BYTES = 4  # the all-reduce sums y_TD in float32
-EXPERT_ID_BYTES = 4  # int32 expert id sent with each dispatched row
-DEFAULT_CAPACITY_FACTOR = 2.0
 _MAX_SCAN_BLOCKS = 10_000_000  # crossover search bound, far above any real crossover
-
-
-def _check(tokens: int, hidden: int, top_k: int, ep: int, act_bytes: int, transport: str):
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0, got {tokens}")
-    if hidden < 1 or top_k < 1 or ep < 1 or act_bytes < 1:
-        raise ValueError("hidden, top_k, ep and act_bytes must be >= 1")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-
-
-def tokens_per_device(tokens: int, ep: int) -> int:
-    """t: each device's share of T once T is padded to a multiple of ep."""
-    return -(-tokens // ep)
-
-
-def capacity_rows(tokens: int, top_k: int, ep: int, capacity_factor: float) -> int:
-    """C: rows per destination per round of the capacity transport."""
-    t = tokens_per_device(tokens, ep)
-    return max(1, math.ceil(capacity_factor * t * top_k / ep))
-
-
-def allreduce_bytes(tokens: int, hidden: int, ep: int, *, reduce_bytes: int = F32_BYTES) -> float:
-    """Bytes one device sends in a ring all-reduce of y_TD: 2(ep-1)/ep T D reduce_bytes.
-
-    The source sums in float32 (reduce_bytes 4). TPU's compiler moves the cast to the
-    activation dtype before the all-reduce and reduces in bf16 (2 bytes; read from the
-    compiled HLO by launch/bench_ep_comm.py): pass reduce_bytes=2 for TPU."""
-    _check(tokens, hidden, 1, ep, reduce_bytes, "ragged")
-    return 2 * (ep - 1) / ep * tokens * hidden * reduce_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class AllToAllBytes:
-    """Bytes one device sends in each phase of the all_to_all scheme, one MoE layer."""
-
-    dispatch: float  # routed rows to the experts' owners: D x act_bytes + expert id each
-    combine: float  # expert outputs back to the rows' sources: D x act_bytes each
-    all_gather: float  # the [t, D] combined outputs to the other ep-1 devices
-
-    @property
-    def total(self) -> float:
-        return self.dispatch + self.combine + self.all_gather
-
-
-def all_to_all_bytes(
-    tokens: int,
-    hidden: int,
-    top_k: int,
-    ep: int,
-    *,
-    act_bytes: int = 2,
-    transport: str = "ragged",
-    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
-) -> AllToAllBytes:
-    """Per-device bytes of the all_to_all scheme (module docstring for the assumptions).
-
-    ragged:   rows sent = t A (ep-1)/ep (expected, uniform routing);
-    capacity: rows sent = (ep-1) C (one round, padded slots included).
-    """
-    _check(tokens, hidden, top_k, ep, act_bytes, transport)
-    t = tokens_per_device(tokens, ep)
-    if transport == "ragged":
-        rows_sent = t * top_k * (ep - 1) / ep
-    else:
-        rows_sent = (ep - 1) * capacity_rows(tokens, top_k, ep, capacity_factor)
-    row_bytes = hidden * act_bytes
-    return AllToAllBytes(
-        dispatch=rows_sent * (row_bytes + EXPERT_ID_BYTES),
-        combine=rows_sent * row_bytes,
-        all_gather=(ep - 1) * t * row_bytes,
-    )
-
-
-def comm_bytes(
-    scheme: str,
-    tokens: int,
-    hidden: int,
-    top_k: int,
-    ep: int,
-    *,
-    act_bytes: int = 2,
-    transport: str = "ragged",
-    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
-    reduce_bytes: int = F32_BYTES,
-) -> float:
-    """Bytes one device sends for one MoE layer under `scheme`."""
-    if scheme == "allreduce":
-        return allreduce_bytes(tokens, hidden, ep, reduce_bytes=reduce_bytes)
-    if scheme == "all_to_all":
-        return all_to_all_bytes(
-            tokens,
-            hidden,
-            top_k,
-            ep,
-            act_bytes=act_bytes,
-            transport=transport,
-            capacity_factor=capacity_factor,
-        ).total
-    raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
 
 
 # ---- time model ----------------------------------------------------------------------
@@ -298,18 +208,15 @@ def choose_dispatch(
     """Returns "allreduce" or "all_to_all": the scheme with fewer bytes per device per layer, or
     with `link`, the faster one under the time model. Ties and ep == 1 -> "allreduce".
     `reduce_bytes`: the all-reduce's element width (see allreduce_bytes)."""
+    if link is None:
+        return fewer_bytes(tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport,
+                           reduce_bytes=reduce_bytes)
     _check(tokens, hidden, top_k, ep, act_bytes, transport)
     if ep == 1:
         return "allreduce"
-    if link is None:
-        cost = lambda scheme: comm_bytes(  # noqa: E731
-            scheme, tokens, hidden, top_k, ep, act_bytes=act_bytes, transport=transport,
-            reduce_bytes=reduce_bytes,
-        )
-    else:
-        cost = lambda scheme: comm_seconds(  # noqa: E731
-            scheme, tokens, hidden, top_k, ep, link, act_bytes=act_bytes, transport=transport
-        )
+    cost = lambda scheme: comm_seconds(  # noqa: E731
+        scheme, tokens, hidden, top_k, ep, link, act_bytes=act_bytes, transport=transport
+    )
     return "all_to_all" if cost("all_to_all") < cost("allreduce") else "allreduce"
 
 
@@ -378,3 +285,10 @@ def crossover_tokens(
             continue  # a2a constant over the block, the all-reduce rising: a2a wins it all
         return 1 + next(n for n in range(t * ep, first - 1, -1) if a2a(n) >= ar(n))
     return 1
+
+
+__all__ = ["AllToAllBytes", "DEFAULT_CAPACITY_FACTOR", "EXPERT_ID_BYTES", "F32_BYTES", "Link",
+           "SCHEMES", "TOPOLOGIES", "TRANSPORTS", "all_to_all_bytes", "allreduce_bytes",
+           "capacity_rows", "choose_dispatch", "collective_steps", "comm_bytes",
+           "comm_seconds", "crossover_tokens", "mean_hops", "tokens_per_device",
+           "torus_dims"]

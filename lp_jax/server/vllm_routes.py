@@ -41,9 +41,9 @@ def add_routes(app: web.Application, server) -> None:
 
 
 async def version(request) -> web.Response:
-    import lp_jax
+    from lp_jax.version import lp_jax_version
 
-    return web.json_response({"version": lp_jax.__version__})
+    return web.json_response({"version": lp_jax_version()})
 
 
 def _check_model(server, body: dict) -> None:

@@ -83,7 +83,7 @@ import numpy as np
 
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.core.policies.base import PrefillPart
-from lp_jax.core.policies.flowprefill import PausableBatches
+from lp_jax.core.policies.pausable import PausableBatches
 from lp_jax.core.sequence import Sequence, SequenceStatus
 from lp_jax.sim.calibration import StepFeatures
 from lp_jax.sim.executor import CostModelExecutor, StepCost
@@ -312,6 +312,7 @@ class MuxWisePolicy(PausableBatches):
     """MuxWise's partitioning and layer-wise prefill launches (module note). Bind a cost
     model and a TBT SLO with `muxwise_policy` before handing it to a `Scheduler`."""
 
+    name = "muxwise"
     cost_model: PartitionCostModel
     tbt_slo_s: float
 
@@ -382,7 +383,7 @@ class MuxWisePolicy(PausableBatches):
             if share < 1.0:
                 c.overlapped += 1
                 c.share_sum += share
-        self._launches[self.sched._next_step] = Launch(share, changed)
+        self._launches[self.sched.next_step_id] = Launch(share, changed)
         self._share = share
 
     def _tbt_target(self) -> float:
@@ -671,8 +672,8 @@ def _last_true(lo: int, hi: int, pred) -> int:
 
 
 def muxwise_policy(model: PartitionCostModel, tbt_slo_s: float) -> type[MuxWisePolicy]:
-    """A `MuxWisePolicy` class bound to a cost model and a TBT SLO, for
-    `Scheduler(config, latency, policy_class=...)`."""
+    """A `MuxWisePolicy` class bound to a cost model and a TBT SLO: a SchedulerConfig's
+    `policy`."""
     if not (math.isfinite(tbt_slo_s) and tbt_slo_s > 0):
         raise ValueError(f"tbt_slo_s must be > 0, got {tbt_slo_s}")
     return type("BoundMuxWisePolicy", (MuxWisePolicy,),

@@ -8,7 +8,7 @@ Every request asks for exactly its output length (`max_tokens=output_len`,
 `ignore_eos=True`), so the token ids sampled are irrelevant and a constant is committed.
 The scheduler module is imported, not copied: every policy runs unchanged.
 `policy="muxwise"` (muxwise.py) runs the same core with a simulator-only policy class
-(`Scheduler(policy_class=...)`) that also picks an SM partition per plan, and an executor
+(its SchedulerConfig.policy) that also picks an SM partition per plan, and an executor
 that times the overlapped decode step and prefill launch under that partition.
 
 A request's SLO reaches its `Sequence` (FlowPrefill's deadlines); `SimResult.ttft_attainment`
@@ -36,10 +36,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import LatencyModel, ModelDims, profile_prompts
 from lp_jax.core.metrics import RequestMetrics, summarize
+from lp_jax.core.policies import resolve_policy
 from lp_jax.core.sampling_params import SamplingParams
-from lp_jax.core.scheduler import Scheduler, SchedulerConfig
+from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import Sequence
 from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.model_shape import ModelShape
@@ -63,7 +65,9 @@ _TOKEN = 1  # committed for every sampled position; requests ignore EOS
 class SimConfig:
     shape: ModelShape
     hardware: Hardware
-    policy: str = "layered"  # a scheduler policy, or "muxwise" (lp_jax/sim/muxwise.py)
+    # A scheduler policy (a name, a Policy class or package.module:Class), or "muxwise"
+    # (lp_jax/sim/muxwise.py, simulator-only).
+    policy: str | type = "layered"
     tp: int = 1
     ep: int = 1
     max_num_batched_tokens: int | None = None  # None: the policy's default (512 / 8192)
@@ -116,6 +120,8 @@ class SimConfig:
         if self.policy == "muxwise" and self.preemptible:
             raise ValueError('policy "muxwise" preempts between its own launches; '
                              "preemptible applies to layered")
+        if self.policy != "muxwise":
+            resolve_policy(self.policy)  # raises ValueError naming what is wrong
 
     @property
     def is_muxwise(self) -> bool:
@@ -238,11 +244,13 @@ class Simulator:
             self.mux_executor = MuxWiseExecutor(self.partition)
 
     def scheduler_config(self) -> SchedulerConfig:
-        """The engine's scheduler config; muxwise runs the core with policy "layered" in
-        the config (its budget and checks) and its own policy class."""
+        """The engine's scheduler config, with MuxWise's policy class bound to this
+        simulator's partition model under policy "muxwise"."""
         c = self.config
+        policy = (muxwise_policy(self.partition, c.tbt_slo_s) if c.is_muxwise
+                  else resolve_policy(c.policy))
         return SchedulerConfig(
-            policy="layered" if c.is_muxwise else c.policy,
+            policy=policy,
             num_layers=c.shape.num_layers, max_model_len=c.max_model_len,
             page_size=c.page_size, num_pages=self.num_pages, vocab_size=c.shape.vocab_size,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
@@ -257,7 +265,8 @@ class Simulator:
         """Whether runs feed step times to the scheduler's estimator (SimConfig note)."""
         c = self.config
         if c.observe_latency is None:
-            return c.policy == "flowprefill" or c.preemptible or c.layer_groups == "adaptive"
+            return (self.scheduler_config().policy_class.uses_latency
+                    or c.layer_groups == "adaptive")
         return c.observe_latency
 
     def make_scheduler(self) -> Scheduler:
@@ -267,10 +276,7 @@ class Simulator:
         latency = copy.deepcopy(c.latency) if c.latency is not None else None
         if latency is None:
             latency = LatencyModel(ModelDims.from_config(c.shape))
-        policy_class = None
-        if self.partition is not None:
-            policy_class = muxwise_policy(self.partition, c.tbt_slo_s)
-        return Scheduler(self.scheduler_config(), latency=latency, policy_class=policy_class)
+        return Scheduler(self.scheduler_config(), latency=latency)
 
     def _step_function(self, sched: Scheduler):
         """plan -> StepCost: the executor's, or MuxWise's overlapped iteration under the
@@ -367,7 +373,7 @@ def warm_latency(config: SimConfig, *, seed: int = 0, output_len: int = 1) -> La
     requests = [Request(1000.0 * w, n, output_len) for w, wave in enumerate(waves) for n in wave]
     result = sim.run(requests)
     model = result.latency
-    model.source = f"simulated profile ({len(waves)} waves, {config.policy})"
+    model.source = f"simulated profile ({len(waves)} waves, {cfg.name})"
     return model
 
 

@@ -39,18 +39,12 @@ FlowPrefill paper (the prefill instance of a disaggregated deployment).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lp_jax.core.layer_groups import num_layer_groups, split_layers
 from lp_jax.core.plan import PrefillChunk, StepPlan
-from lp_jax.core.policies.base import Policy, PrefillPart
+from lp_jax.core.policies.base import PrefillPart
+from lp_jax.core.policies.pausable import PausableBatches
 from lp_jax.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from lp_jax.core.scheduler import SchedulerConfig
-
-GRANULARITIES = ("operator", "layer", "group")
-_INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -68,118 +62,17 @@ class _Batch:
         return [c.seq for c in self.chunks]
 
 
-class PausableBatches(Policy):
-    """The bookkeeping of preemptible prefill batches, shared by FlowPrefill and the
-    simulator's MuxWise: one running batch, paused ones, and the hidden-buffer row areas
-    they own. A batch is any object with `batch_id`, `chunks`, `rows` and `slot`."""
-
-    def __init__(self, sched) -> None:
-        super().__init__(sched)
-        self._running = None
-        self._paused: list = []
-        self._free_slots = list(range(self.hidden_slots(sched.config)))
-        self._event = True  # a scheduling round is due
-
-    def notify(self, event: str, seq: Sequence) -> None:
-        """Every request event calls for a round; an aborted member leaves its batch."""
-        self._event = True
-        if event == "abort":
-            self._drop_seq(seq)
-
-    @staticmethod
-    def budget(cfg: SchedulerConfig) -> int:
-        return 8192
-
-    @staticmethod
-    def hidden_slots(cfg: SchedulerConfig) -> int:
-        return 1 + cfg.max_paused_prefills
-
-    def can_plan_ahead(self, pending: StepPlan) -> bool:
-        return True  # an arrival meanwhile preempts at the next segment boundary
-
-    def release_paused(self, busy: set[int]) -> list[Sequence]:
-        """Gives up the paused batch ranked last (`_batch_key`) whose KV no outstanding
-        plan writes; returns its sequences for the scheduler to preempt (recompute)."""
-        now = self.sched._now
-        for b in sorted(self._paused, key=lambda b: self._batch_key(b, now), reverse=True):
-            if not any(s.seq_id in busy for s in b.seqs):
-                self._remove(b)
-                self.sched._stats["paused_prefills_preempted"] += 1
-                return b.seqs
-        return []
-
-    def _begin_round(self, admit: bool):
-        """Counts a scheduling round and returns (now, the live batches, the candidates
-        not in a batch: admitted prefills, and the waiting requests when `admit`)."""
-        s = self.sched
-        s._stats["scheduling_rounds"] += 1
-        self._event = not admit  # a round that could not admit is retried next plan
-        batches = ([self._running] if self._running else []) + self._paused
-        in_batch = {q.seq_id for b in batches for q in b.seqs}
-        free = [q for q in s.prefilling if q.seq_id not in in_batch]
-        if admit:
-            free += s.waiting
-        return s._now, batches, free
-
-    def _batch_key(self, b, now: float) -> tuple:
-        """Rank of a batch (lower runs first)."""
-        raise NotImplementedError
-
-    def _take_rows(self, chunks: list[PrefillChunk]) -> tuple[int, list[int]]:
-        """A free row area for a new batch, and each chunk's first row in it."""
-        slot = self._free_slots.pop(0)
-        rows, r = [], slot * self.sched.config.max_num_batched_tokens
-        for c in chunks:
-            rows.append(r)
-            r += c.num_tokens
-        return slot, rows
-
-    def _switch(self, target) -> None:
-        """Run `target` (None: nothing), pausing the running batch."""
-        r, s = self._running, self.sched
-        if target is r:
-            return
-        if r is not None:
-            self._paused.append(r)
-            s._stats["prefill_pauses"] += 1
-        if target is not None and target in self._paused:
-            self._paused.remove(target)
-            s._stats["prefill_resumes"] += 1
-        self._running = target
-
-    def _find(self, batch_id: int | None):
-        if self._running is not None and self._running.batch_id == batch_id:
-            return self._running
-        return next((b for b in self._paused if b.batch_id == batch_id), None)
-
-    def _remove(self, b) -> None:
-        if b is self._running:
-            self._running = None
-        else:
-            self._paused.remove(b)
-        self._free_slots.append(b.slot)
-        self._free_slots.sort()
-
-    def _drop_seq(self, seq: Sequence):
-        """An aborted member leaves its batch; the other chunks keep their rows. Returns
-        the batch it left, if any."""
-        for b in ([self._running] if self._running else []) + self._paused:
-            for i, c in enumerate(b.chunks):
-                if c.seq is seq:
-                    del b.chunks[i], b.rows[i]
-                    if not b.chunks:
-                        self._remove(b)
-                    return b
-        return None
-
-
 class FlowPrefillPolicy(PausableBatches):
     """Event-driven slack-aware EDF over preemptible prefill batches."""
+
+    name = "flowprefill"
+    uses_latency = True  # slack = deadline - now - predicted remaining prefill
 
     def __init__(self, sched) -> None:
         super().__init__(sched)
         cfg = sched.config
-        self.granularity = "group" if cfg.policy == "layered" else cfg.preemption_granularity
+        # A preemptible layered batch (preemptible=True) pauses at its group boundaries.
+        self.granularity = "group" if cfg.preemptible else cfg.preemption_granularity
         self.alpha = cfg.slo_alpha
         self._load_at, self._load = None, (0, 0)  # decodes (rows, context) at a plan
 
@@ -259,8 +152,8 @@ class FlowPrefillPolicy(PausableBatches):
         s = self.sched
         if segments is None:
             segments = self._num_segments(sum(t for t, _ in chunks_TP))
-        if self._load_at != s._next_step:  # once per plan's ranking, not per candidate
-            self._load_at = s._next_step
+        if self._load_at != s.next_step_id:  # once per plan's ranking, not per candidate
+            self._load_at = s.next_step_id
             self._load = (len(s.running), sum(q.num_tokens for q in s.running))
         B, ctx = self._load
         return s.latency.prefill_seconds(chunks_TP, start_unit, 2 * s.config.num_layers,

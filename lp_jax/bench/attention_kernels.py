@@ -5,9 +5,9 @@ sequence once. The useful traffic is sum(seq_lens) * 2K * H * itemsize plus q an
 the output; GB/s = useful bytes / best time. The peak comes from the roofline table
 (lp_jax.roofline.hardware) when the device is in it, else from a measured copy.
 
-    python -m pallas_kernels.attention.bench --small          # CPU, seconds
-    python -m pallas_kernels.attention.bench                  # GPU/TPU, Qwen3-MoE shapes
-    python -m pallas_kernels.attention.bench --sweep          # GPU: kernel configs, 32 x 4096
+    python -m lp_jax.bench.attention_kernels --small          # CPU, seconds
+    python -m lp_jax.bench.attention_kernels                  # GPU/TPU, Qwen3-MoE shapes
+    python -m lp_jax.bench.attention_kernels --sweep          # GPU: kernel configs, 32 x 4096
 
 `bench_decode_attention` is the importable piece (launch/bench_kernels.py may call it);
 `sweep_gpu_decode` times the Triton decode kernel's splits, block, warps and stages at
