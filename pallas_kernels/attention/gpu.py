@@ -36,6 +36,11 @@ of padding, as blocks then start mid-table. Sinks: the prefill kernel takes them
 [K, Gp] operand and starts its online softmax from them (m = sink, l = 1); decode
 merges them into its splits in XLA, as one more partial (acc 0, m = sink, l = 1).
 
+Cost estimates: the Triton lowering drops `cost_estimate`, so each kernel's estimate is
+`cost.estimate(name, ...)` under its pallas_call name (`cost.paged_attention`: a full
+page table, tokens spread evenly over the sequences; decode's kernel writes float32
+partials [B, K, splits, Gp, H + 2], its `out_bytes`).
+
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
 tl.dot needs K >= 16); q and the cache of one dtype in {float32, bfloat16,
@@ -74,6 +79,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import cost
 from pallas_kernels.attention.ref import MASK_VALUE, check_layout, query_blocks
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -269,7 +275,7 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="lp_paged_decode_attention",
+        name=cost.GPU_DECODE_ATTENTION,
     )(*operands)
 
     # Merge the splits (empty ones carry m = MASK_VALUE, l = 0).
@@ -415,7 +421,7 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
         out_shape=jax.ShapeDtypeStruct((T_pad, K, Gp, H), q_TNH.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="lp_paged_prefill_attention",
+        name=cost.GPU_PREFILL_ATTENTION,
     )(*operands)
 
     o_TNH = o_TKGH[:T, :, :G].reshape(T, N, H)

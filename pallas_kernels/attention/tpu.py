@@ -62,6 +62,11 @@ zero-padded to 2H lanes (so V drops out of the scores), p @ [K | V] puts p @ V i
 upper lanes, and the wrapper keeps those. The MXU does the work of head_dim 128; HBM
 traffic and the cache stay at head_dim 64.
 
+Cost estimate: `cost.paged_attention` of the static shapes, assuming a full page table
+(every sequence at C * S keys, the T tokens spread evenly over the B sequences) and no
+window; flops count the real query heads and head_dim, not the sublane padding of R
+nor, packed, the V lanes the MXU also multiplies.
+
 Constraints (ValueError naming the failed one): head_dim a multiple of 128 (lanes), or
 2 * head_dim with a packed pool; page_size a multiple of 8 (sublanes), q and cache in
 {float32, bfloat16}, N divisible by K.
@@ -86,6 +91,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import cost
 from pallas_kernels.attention.ref import (
     MASK_VALUE,
     check_layout,
@@ -411,7 +417,11 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
             vmem_limit_bytes=max(32 << 20, int(vmem_bytes * 1.5)),
         ),
         interpret=_interpret_arg(interpret),
-        name="lp_tpu_ragged_paged_attention",
+        name=cost.TPU_ATTENTION,
+        cost_estimate=cost.paged_attention(
+            tokens=T, seqs=B, pages_per_seq=C, page_size=S, heads=N, kv_heads=K, head_dim=H,
+            q_itemsize=jnp.dtype(q_TNH.dtype).itemsize, kv_itemsize=itemsize,
+            block_q=bq).pallas(),
     )(*prefetch, *inputs)
 
     if packed:  # the lanes of p @ V

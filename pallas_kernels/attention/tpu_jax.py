@@ -25,6 +25,10 @@ Constraints, checked with a ValueError naming the failed one:
 * N divisible by K; q and cache in {float32, bfloat16};
 * every sequence in the batch has q_len <= seq_len (the kernel's own runtime rule).
 
+Cost estimate: the shipped pallas_call declares none and takes none from us, so XLA
+counts it as nearly free. `cost.estimate(cost.TPU_JAX_ATTENTION, ...)` (under the
+kernel's own name) gives the figure of our kernel, which does the same work.
+
 Interpret mode: `interpret=True` runs the call under `pltpu.force_tpu_interpret_mode()`.
 In jax 0.11.2 this does NOT work for this kernel: the TPU interpreter cannot read
 through a reshaped ref (`kv_bufs ... .reshape(...)` -> "'ReshapeTransform' object

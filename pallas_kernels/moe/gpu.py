@@ -54,6 +54,13 @@ its K loop has the race described above (delay_release=1, no wgmma_wait; the sam
 lowered-module check flags it), so it is no safe fallback either. It is timed next to
 this backend in `launch/bench_kernels.py`.
 
+Cost estimates: `plgpu.kernel` takes none and the GPU lowering would drop one, so the
+two calls' estimates are `cost.estimate(cost.GPU_MOE_GATE_UP / GPU_MOE_DOWN, ...)`
+(`cost.moe_matmul`, uniform routing). In the HLO both are `mosaic_gpu` custom calls,
+told apart by their weight operand. Bytes count each active expert's weights once: a
+tile's (tile, n) work items, and the tiles of one expert, run side by side, so repeats
+come from L2 (an assumption until the H200 measures it).
+
 Status: passes the GPU interpreter tests and goes through
 Mosaic GPU lowering (layout inference, shared-memory budget) for an H200 at
 Qwen3-30B-A3B shapes with stacked weights, and at GPT-OSS-20B shapes with biases, in

@@ -63,6 +63,14 @@ to 3072 at load time (zero columns and rows: exact) would restore 128-multiple b
 
 Combine is `layout.combine_padded` (XLA gather + weighted sum in float32).
 
+Cost estimates. Each pallas_call declares `cost.moe_matmul` of its shapes, assuming
+uniform routing (the tokens, top-k and experts come from `moe_ffn_tpu`): the routed
+rows' flops, the expected active experts' weights read once (once per tile when a tile
+walks more than one weight block), rows in and out. P, the padded bound, is no part of
+it: the used tiles are a run-time value, and P is about tm times the routed rows when
+they are fewer than the experts (decode), so declaring P rows overstated decode's flops
+about tm-fold (tests/test_kernel_cost.py).
+
 Status: both gate/up paths and the down kernel pass the TPU interpreter tests, and
 compile with the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e
 devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py),
@@ -80,6 +88,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import cost
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
     check_activation,
@@ -306,6 +315,7 @@ def gate_up_gather(
     tn: int | None = None,
     b_gate_up=None,
     act=gated,
+    routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """h_PF = act(x[tok] @ Wg[g] + bg[g], x[tok] @ Wu[g] + bu[g]) for the rows of the
@@ -316,6 +326,9 @@ def gate_up_gather(
     L*E): each grid step reads the block of the tile's layer, all E experts (a few
     hundred KB), and picks the tile's expert in the epilogue (float32).
     Rows of unused tiles and pad rows are left unwritten / garbage.
+
+    routing: the (tokens, top_k, experts) behind the layout, for the cost estimate
+    (`cost.moe_matmul`: uniform routing); None: P rows routed over the G groups.
     """
     D = x_TD.shape[1]
     G, _, F2 = w_gate_up_GDF2.shape
@@ -376,14 +389,11 @@ def gate_up_gather(
         ),
         # The gather pipeline carries state from tile to tile: no parallel axis.
         compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * P * D * F2,
-            transcendentals=P * F,
-            bytes_accessed=P * D * itemsize + P * F * itemsize
-            + min(G, P // tm) * D * F2 * w_itemsize  # an expert per tile at most
-            + _nbytes(b_gate_up),
-        ),
+        cost_estimate=_moe_cost(routing, P, G, k=D, n=F, glu=True, lhs_dtype=x_TD.dtype,
+                                w_dtype=w_gate_up_GDF2.dtype, out_dtype=x_TD.dtype,
+                                bias=b_gate_up, tm=tm, blocks=tiles_n * tiles_k),
         interpret=_interpret_arg(interpret),
+        name=cost.TPU_MOE_GATE_UP_GATHER,
     )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None],
       *([w_GPKF2] * len(offsets)), *bias_args)
 
@@ -408,8 +418,16 @@ def _bias_vmem_bytes(bias_args, width: int) -> int:
     return sum(2 * b.shape[-2] * width * b.dtype.itemsize for b in bias_args)
 
 
-def _nbytes(array) -> int:
-    return 0 if array is None else array.size * array.dtype.itemsize
+def _moe_cost(routing, P: int, G: int, *, k: int, n: int, glu: bool, lhs_dtype, w_dtype,
+              out_dtype, bias, tm: int, blocks: int):
+    """`cost.moe_matmul` of a kernel call as a pl.CostEstimate. A grid of more than one
+    weight block per tile (blocks > 1) walks them again for every tile."""
+    routing = routing or cost.Routing(tokens=P, top_k=1, experts=G)
+    return cost.moe_matmul(
+        **routing._asdict(), k=k, n=n, glu=glu, lhs_itemsize=jnp.dtype(lhs_dtype).itemsize,
+        w_itemsize=jnp.dtype(w_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
+        bias_itemsize=0 if bias is None else bias.dtype.itemsize, tm=tm,
+        refetch_per_tile=blocks > 1).pallas()
 
 
 # ------------------------------------------------------------- grouped matmul by tiles
@@ -437,6 +455,7 @@ def tile_gmm(
     out_dtype=None,
     bias=None,
     act=gated,
+    routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """out[m*tm:(m+1)*tm] = f(lhs[m*tm:(m+1)*tm] @ rhs[g] + bias[g]), g = tile_group[m],
@@ -446,6 +465,7 @@ def tile_gmm(
     f(z) = act(z[:, :F], z[:, F:]) (`ref.gated`: SiLU(gate) * up unless given), out is
     [P, F]. bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs (G = L*E), added
     in float32 (see `gate_up_gather`). Rows of unused tiles are left unwritten.
+    routing: for the cost estimate, as in `gate_up_gather`.
     """
     P, K = lhs_PK.shape
     G, K2, N2 = rhs_GKN2.shape
@@ -484,14 +504,11 @@ def tile_gmm(
         # No "parallel" axis: parallel axes must lead the grid and have a static size
         # (the interpreter permutes them), and the tile axis is dynamic.
         compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
-        cost_estimate=pl.CostEstimate(
-            flops=2 * P * K * N2,
-            transcendentals=P * N if swiglu else 0,
-            bytes_accessed=P * K * in_item + P * N * out_item
-            + min(G, P // tm) * K * N2 * w_item  # an expert per tile at most
-            + _nbytes(bias),
-        ),
+        cost_estimate=_moe_cost(routing, P, G, k=K, n=N, glu=swiglu, lhs_dtype=lhs_PK.dtype,
+                                w_dtype=rhs_GKN2.dtype, out_dtype=out_dtype, bias=bias, tm=tm,
+                                blocks=tiles_n * tiles_k),
         interpret=_interpret_arg(interpret),
+        name=cost.TPU_MOE_GATE_UP if swiglu else cost.TPU_MOE_DOWN,
     )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs), *bias_args)
 
 
@@ -538,25 +555,26 @@ def moe_ffn_tpu(
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
     tile_group_M = layout.tile_group_M + group_offset
+    routing = cost.Routing(tokens=x_TD.shape[0], top_k=top_k, experts=E)
 
     if fused_gather and x_TD.dtype in GATHER_DTYPES:
         h_PF = gate_up_gather(
             x_TD, w_gate_up_GDF2, layout.token_ids_P, tile_group_M,
             layout.tile_rows_M, layout.num_tiles,
             tm=tm, tk=tiling.tk, tn=tiling.tn, b_gate_up=b_gate_up, act=act,
-            interpret=interpret,
+            routing=routing, interpret=interpret,
         )
     else:
         h_PF = tile_gmm(
             x_TD[layout.token_ids_P], w_gate_up_GDF2, tile_group_M, layout.num_tiles,
             swiglu=True, tm=tm, tk=tiling.tk or D, tn=tiling.tn or _pick_block(F, 1024),
-            bias=b_gate_up, act=act, interpret=interpret,
+            bias=b_gate_up, act=act, routing=routing, interpret=interpret,
         )
     y_PD = tile_gmm(
         h_PF.astype(w_down_GFD.dtype), w_down_GFD, tile_group_M, layout.num_tiles,
         swiglu=False, tm=tm, tk=tiling.down_tk or _pick_block(F, 2048),
         tn=tiling.down_tn or _pick_block(D, 2048), out_dtype=x_TD.dtype, bias=b_down,
-        interpret=interpret,
+        routing=routing, interpret=interpret,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
     return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
