@@ -27,7 +27,8 @@ from lp_jax.sim import (
     prior_calibration,
     synthesize,
 )
-from lp_jax.sim.muxwise import MuxWisePolicy, contended
+from lp_jax.sim.muxwise import MuxWisePolicy
+from lp_jax.sim.muxwise_cost import contended
 
 H100 = get_hardware("h100")
 SHAPE = QWEN3_30B_A3B

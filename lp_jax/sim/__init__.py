@@ -10,8 +10,9 @@ roofline cost model instead of the JAX executor:
                    CSV / JSONL traces loaded through grain; multi-SLO task classes
                    (FlowPrefill's QwenTrace) whose TTFT SLOs are k x a solo TTFT;
 - `simulator`   -- `SimConfig`, `Simulator.run(requests) -> SimResult`;
-- `muxwise`     -- MuxWise: SM-partition cost model of concurrent prefill / decode streams,
-                   its executor and policy (`SimConfig(policy="muxwise", tbt_slo_s=...)`);
+- `muxwise_cost` -- MuxWise's SM-partition cost model of concurrent prefill / decode
+                   streams, and its executor;
+- `muxwise`     -- MuxWise's policy (`SimConfig(policy="muxwise", tbt_slo_s=...)`);
 - `slo`         -- attainment and the sustainable-rate search.
 
 `launch/reproduce_paper.py` reproduces the layered-prefill paper's comparison with it,
@@ -22,14 +23,8 @@ roofline cost model instead of the JAX executor:
 from lp_jax.sim.calibration import GPU_PRIOR, Calibration, StepFeatures, prior_calibration
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor, StepCost
-from lp_jax.sim.muxwise import (
-    Launch,
-    MuxWiseExecutor,
-    MuxWiseOptions,
-    MuxWisePolicy,
-    PartitionCostModel,
-    muxwise_policy,
-)
+from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
+from lp_jax.sim.muxwise_cost import Launch, MuxWiseExecutor, MuxWiseOptions, PartitionCostModel
 from lp_jax.sim.simulator import (
     SimConfig,
     SimResult,

@@ -39,6 +39,7 @@ import numpy as np
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import LatencyModel, ModelDims, profile_prompts
 from lp_jax.core.metrics import RequestMetrics, summarize
+from lp_jax.core.plan import StepResult
 from lp_jax.core.policies import resolve_policy
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
@@ -49,13 +50,8 @@ from lp_jax.roofline.routing import Routing
 from lp_jax.sim.calibration import Calibration, prior_calibration
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor
-from lp_jax.sim.muxwise import (
-    MuxWiseExecutor,
-    MuxWiseOptions,
-    MuxWisePolicy,
-    PartitionCostModel,
-    muxwise_policy,
-)
+from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
+from lp_jax.sim.muxwise_cost import MuxWiseExecutor, MuxWiseOptions, PartitionCostModel
 from lp_jax.sim.workload import Request
 
 _TOKEN = 1  # committed for every sampled position; requests ignore EOS
@@ -102,7 +98,7 @@ class SimConfig:
     # The decode TBT SLO the policies that plan for one read: muxwise (required there) and
     # the adaptive layered policy (layer_groups="adaptive"; SchedulerConfig.tbt_slo_s).
     tbt_slo_s: float | None = None
-    # MuxWise's constants (muxwise.py); None: the defaults. Only with policy "muxwise".
+    # MuxWise's constants (muxwise_cost.py); None: the defaults. Only with policy "muxwise".
     muxwise: MuxWiseOptions | None = None
 
     def __post_init__(self) -> None:
@@ -320,7 +316,7 @@ class Simulator:
             if plan.phase == "idle":
                 if self.partition is not None:
                     sched.policy.take_launch(plan.step_id)
-                sched.commit(plan, {}, now)
+                sched.commit(plan, StepResult(), now)
                 if nxt >= len(order):
                     raise RuntimeError(f"simulation stuck at t={now:.3f}: nothing can run")
                 now = max(now, requests[order[nxt]].arrival)
@@ -335,7 +331,7 @@ class Simulator:
             if observe is not None:  # the experts the step activated, over its MoE layers
                 experts = cost.expert_bytes / expert_size if self.config.shape.is_moe else None
                 observe(plan, cost.seconds, experts)
-            sched.commit(plan, {s.seq_id: _TOKEN for s in plan.sampling_seqs}, now)
+            sched.commit(plan, StepResult({s.seq_id: _TOKEN for s in plan.sampling_seqs}), now)
         span = now - start
         energy = math.nan
         if self.energy is not None:
