@@ -94,6 +94,7 @@ Shutdown: on SIGTERM the server refuses new requests (503), gives those in fligh
 `--shutdown-grace` seconds to finish, aborts the rest, and exits 0.
 """
 
-from lp_jax.server.app import OpenAIServer, ServerThread, serve
+from lp_jax.server.app import OpenAIServer
+from lp_jax.server.serving import ServerThread, serve
 
 __all__ = ["OpenAIServer", "ServerThread", "serve"]

@@ -1,0 +1,184 @@
+"""One choice of a response (a prompt's sample) and its OpenAI log-probability objects.
+
+A request is one or more choices: a completions batch of prompts times `n` samples, each
+an engine request. A choice keeps its own detokenizer, stop-string state, echo and
+log-probability formatter; `usage` sums a request's choices as OpenAI counts them.
+"""
+
+from __future__ import annotations
+
+from lp_jax.server import protocol
+from lp_jax.server.detok import TextAssembler
+
+
+def usage(choices: list[Choice]) -> dict:
+    """OpenAI's usage of a request: each prompt's tokens once (however many samples), every
+    choice's completion tokens; cached tokens as the first sample of each prompt found."""
+    firsts = [c for c in choices if c.sample_index == 0]
+    cached = [c.cached for c in firsts]
+    return protocol.usage(sum(len(c.ids) for c in firsts),
+                          sum(c.asm.num_tokens for c in choices),
+                          None if any(x is None for x in cached) else sum(cached))
+
+
+class Choice:
+    """One choice of a response (a prompt's sample): its engine request, its text (with
+    the echo, if asked), its log-probabilities."""
+
+    def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req):
+        self.index, self.handle, self.ids, self.req = index, handle, ids, req
+        self.sample_index = index % req.n
+        self.tokenizer = tokenizer
+        self.asm = TextAssembler(tokenizer, ids, req.stop)
+        self.lps = None if req.logprobs is None else LogprobFormatter(tokenizer, req)
+        self.lp_tokens, self.lp_entries = [], []  # the whole choice's, when not streamed
+        self.reason = self.last = self.cached = None
+        self.started = False  # chat: its first chunk (with the role) went out
+        self.prompt_lps = None  # the engine's prompt log-probabilities, from the first delta
+        self.prompt_lps_pending = True  # streaming: not yet sent
+        self.echo = self._echo_text(prompt)
+        self.echo_pending = bool(self.echo) or (req.echo and self.lps is not None)
+
+    def _echo_text(self, prompt) -> str:
+        req = self.req
+        if not req.echo:
+            return ""
+        if req.kind == "chat":  # vLLM's: the last message, when it is the assistant's
+            last = req.messages[-1]
+            return last["content"] if last["role"] == "assistant" else ""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(self.ids) if self.tokenizer else ""
+
+    def push(self, delta, *, stream: bool) -> tuple[str, tuple | None]:
+        """Takes one engine delta; returns (text to stream, None or the (tokens, entries)
+        whose logprobs the chunk carries: formatted by `_chunk`, off the loop if big)."""
+        self.last = delta
+        out = delta.output
+        self.cached = getattr(out, "num_cached_tokens", None)
+        if self.prompt_lps is None:
+            self.prompt_lps = getattr(out, "prompt_logprobs", None)
+        text = self.asm.push(delta.new_token_ids)
+        lp_delta = None
+        # An engine without log-probabilities (the mock) answers logprobs: null.
+        new_lps = getattr(out, "new_logprobs", None)
+        if self.lps is not None and new_lps is not None:
+            tokens, entries = list(delta.new_token_ids), list(new_lps)
+            if self.echo_pending and self.req.kind == "completion":
+                tokens, entries = list(self.ids) + tokens, self._prompt_lp_entries() + entries
+            self.lp_tokens += tokens
+            self.lp_entries += entries
+            if stream:
+                lp_delta = tokens, entries
+        elif new_lps is None:
+            self.lps = None
+        if self.echo_pending:
+            self.echo_pending = False
+            text = self.echo + text
+        if self.asm.stopped:
+            self.reason = "stop"
+            self.handle.abort()  # the engine stops generating; the client is answered
+        elif delta.finished:
+            text += self.asm.finish()
+            self.reason = delta.finish_reason
+        if self.reason is not None:
+            self.handle.finished = True
+        return text, lp_delta
+
+    def prompt_logprob_entries(self) -> int:
+        """Entries its `prompt_logprobs` body holds: the token and its alternatives a row."""
+        k = self.req.prompt_logprobs
+        return 0 if k is None or self.prompt_lps is None else len(self.prompt_lps) * (k + 1)
+
+    def chunk_entries(self, lp_delta) -> int:
+        """As `num_entries`, for the next streamed chunk: its logprobs, its prompt's."""
+        n = len(lp_delta[0]) * (self.req.logprobs + 2) if lp_delta else 0
+        return n + (self.prompt_logprob_entries() if self.prompt_lps_pending else 0)
+
+    def num_entries(self) -> int:
+        """Roughly the JSON values its body holds: one a token, times the alternatives
+        when log-probabilities are asked for; decides whether it is built off the loop."""
+        tokens = self.asm.num_tokens + (len(self.ids) if self.req.echo else 0)
+        per_token = 1 if self.req.logprobs is None else self.req.logprobs + 2
+        return tokens * per_token + self.prompt_logprob_entries()
+
+    def _prompt_lp_entries(self) -> list:
+        """The echoed prompt's log-probability entries: None for the first token."""
+        lps = self.prompt_lps or [None] * len(self.ids)
+        return list(lps)
+
+    def prompt_logprobs_body(self):
+        """vLLM's `prompt_logprobs`: per prompt token, None (the first) or
+        {token_id: {"logprob", "decoded_token"}} for the token and its top alternatives."""
+        if self.prompt_lps is None:
+            return None
+        k = self.req.prompt_logprobs
+        texts: dict[int, str] = {}  # a token's text, decoded once (rows share alternatives)
+
+        def dec(t: int) -> str:
+            if t not in texts:
+                texts[t] = (self.tokenizer.decode([t], skip_special_tokens=False)
+                            if self.tokenizer else f"token_id:{t}")
+            return texts[t]
+
+        out = []
+        for d in self.prompt_lps:
+            if d is None:
+                out.append(None)
+                continue
+            first, *alts = d.items()  # the prompt token, then the engine's top alternatives
+            keep = [first, *alts[:k]]
+            out.append({str(t): {"logprob": v, "decoded_token": dec(t)} for t, v in keep})
+        return out
+
+    def choice_body(self) -> dict:
+        lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
+        if self.req.kind == "chat":
+            return {"index": self.index, "message": {"role": "assistant",
+                                                     "content": self.echo + self.asm.text},
+                    "logprobs": lp, "finish_reason": self.reason}
+        body = {"index": self.index, "text": self.echo + self.asm.text, "logprobs": lp,
+                "finish_reason": self.reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body()
+        return body
+
+
+class LogprobFormatter:
+    """OpenAI `logprobs` objects for a request's tokens, chunk by chunk or whole (the same
+    tokens give the same entries either way). Completions: the legacy shape (tokens,
+    token_logprobs, top_logprobs with the sampled token and the top `logprobs`, as vLLM's,
+    text_offset); chat: content entries with the top `top_logprobs` alternatives. Token
+    text is each id decoded alone (special tokens kept), so it may be a partial character."""
+
+    def __init__(self, tokenizer, req):
+        self.tokenizer, self.chat, self.top = tokenizer, req.kind == "chat", req.logprobs
+        self.offset = 0  # completions: the next token's character offset in the text
+
+    def _text(self, t: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{t}"
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def _entry(self, t: int, lp: float) -> dict:
+        text = self._text(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    def format(self, token_ids: list[int], entries: list[dict]) -> dict:
+        if self.chat:
+            return {"content": [
+                {**self._entry(t, d[t]),
+                 "top_logprobs": [self._entry(a, v) for a, v in
+                                  sorted(d.items(), key=lambda kv: -kv[1])[: self.top]]}
+                for t, d in zip(token_ids, entries, strict=True)]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, d in zip(token_ids, entries, strict=True):
+            text = self._text(t)
+            out["tokens"].append(text)  # d is None for an echoed prompt's first token
+            out["token_logprobs"].append(None if d is None else d[t])
+            out["top_logprobs"].append(None if d is None else
+                                       {self._text(a): v for a, v in d.items()})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+

@@ -1,0 +1,165 @@
+"""From a generation request's body to queued engine requests: parse it, check the model
+and the SLO fields, tokenize every prompt on a worker thread, check the limits (n, prompt
+bytes, context length, scored prompt entries) and queue each prompt's samples, all or none.
+
+Every refusal is an `APIError` (a 400 naming the field, a 503 when overloaded), counted in
+`server.metrics.rejected` by reason. The functions take the `OpenAIServer` they answer for
+as their first argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from lp_jax.server import protocol
+from lp_jax.server.chat import ChatTemplateError
+from lp_jax.server.choice import Choice
+from lp_jax.server.engine_loop import EngineDeadError, OverloadedError
+from lp_jax.server.protocol import APIError
+
+RETRY_AFTER_S = 1
+
+
+async def read_request(server, request, parse):
+    """The request `parse` makes of the body, for a served model, its SLO resolved."""
+    try:
+        req = parse(protocol.parse_json(await server.read_body(request)))
+        server.check_model(req.model)
+        req.slo = _resolve_slo(server, req.slo_fields)
+        return req
+    except APIError:
+        server.metrics.rejected.inc(reason="invalid")
+        raise
+
+
+def _resolve_slo(server, fields: dict | None):
+    """The engine's SLO for a request's SLO fields (None: none given); a 400 naming the
+    field for an unknown class or a value the engine refuses, before anything is queued.
+    `resolve_slo` only reads the classes fixed at start-up, so any thread may call it."""
+    if fields is None:
+        return None
+    resolve = getattr(server.engine, "resolve_slo", None)
+    if resolve is None:
+        raise protocol.unsupported(next(iter(fields)), "this engine has no latency SLOs")
+    try:
+        return resolve(fields)
+    except ValueError as exc:
+        msg = str(exc)
+        param = next((f for f in protocol.SLO_FIELDS if f in msg and f in fields),
+                     next(iter(fields)))
+        raise protocol.bad(msg, param) from None
+
+
+def _tokenize(server, req, prompt) -> list[int]:
+    """Runs on a worker thread, so that a long prompt does not stall the event loop.
+    `encode_batch` releases the GIL while it works; `encode` holds it throughout."""
+    if req.kind == "chat":
+        try:
+            text = server.chat.render(req.messages, req.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise protocol.bad(str(exc), "messages") from None
+        if server.tokenizer is None:
+            raise protocol.bad("chat needs a tokenizer and this model has none", "messages")
+        ids = server.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    elif isinstance(prompt, str):
+        if server.tokenizer is None:
+            raise protocol.bad("this model has no tokenizer: send 'prompt' as a list of "
+                               "token ids", "prompt")
+        ids = server.tokenizer.encode_batch([prompt])[0].ids
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < server.vocab_size]
+        if bad:
+            raise protocol.bad(f"token ids {bad[:5]} outside [0, {server.vocab_size})",
+                               "prompt")
+    if not ids:
+        raise protocol.bad("the prompt is empty after tokenization", "prompt")
+    return ids
+
+
+def _budget(server, req, n_prompt: int) -> int:
+    limit = server.max_model_len
+    if n_prompt > limit:
+        raise protocol.bad(f"this model's maximum context length is {limit} tokens; the "
+                           f"prompt has {n_prompt}", "prompt")
+    if req.max_tokens is None:
+        return max(1, limit - n_prompt)
+    if n_prompt + req.max_tokens > limit:
+        raise protocol.bad(
+            f"this model's maximum context length is {limit} tokens; you requested "
+            f"{n_prompt + req.max_tokens} ({n_prompt} in the prompt, {req.max_tokens} "
+            "in the completion)", "max_tokens")
+    return req.max_tokens
+
+
+async def submit(server, req) -> list[Choice]:
+    """Tokenizes every prompt and queues each prompt's `n` samples, all or none; one
+    `Choice` per sample, in OpenAI's choice order (prompt-major)."""
+    arrival = time.perf_counter()
+    try:
+        if req.n > server.max_n:
+            raise protocol.bad(f"'n' must be at most {server.max_n} (this server's --max-n), "
+                               f"got {req.n}", "n")
+        if req.prompt_bytes > server.max_prompt_bytes:
+            raise protocol.bad(
+                f"the prompt has {req.prompt_bytes} bytes, more than {server.max_model_len} "
+                "tokens (this model's maximum context length) can hold",
+                "messages" if req.kind == "chat" else "prompt")
+        prompts = req.prompts if req.kind == "completion" else [None]
+        ids_list = await asyncio.to_thread(
+            lambda: [_tokenize(server, req, p) for p in prompts])
+        _check_prompt_logprobs(server, req, ids_list)
+        params = [req.sampling_params(_budget(server, req, len(ids)), server.vocab_size)
+                  for ids in ids_list]
+        # Queued together (one engine iteration takes them all); all or none. Every
+        # choice's deltas go to one queue, in the order the engine made them.
+        queue = asyncio.Queue()
+        added = await asyncio.gather(
+            *(server.engine_loop.add(ids, p, priority=req.priority, arrival_time=arrival,
+                                   slo=req.slo, queue=queue)
+              for ids, p in zip(ids_list, params, strict=True)),
+            return_exceptions=True)
+        failed = [a for a in added if isinstance(a, BaseException)]
+        if failed:
+            for handles in added:
+                for h in () if isinstance(handles, BaseException) else handles:
+                    h.abort()
+            raise failed[0]
+        choices = []
+        for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
+            for handle in handles:
+                choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req))
+        return choices
+    except APIError:
+        server.metrics.rejected.inc(reason="invalid")
+        raise
+    except ValueError as exc:  # the engine's own validation
+        server.metrics.rejected.inc(reason="invalid")
+        raise protocol.bad(str(exc)) from None
+    except OverloadedError as exc:
+        server.metrics.rejected.inc(reason="overloaded")
+        raise APIError(503, f"server overloaded: {exc}; retry later",
+                       type="server_overloaded", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineDeadError as exc:
+        server.metrics.rejected.inc(reason="engine_dead")
+        raise APIError(500, str(exc), type="internal_server_error",
+                       code="engine_dead") from None
+    except RuntimeError as exc:
+        raise APIError(500, str(exc), type="internal_server_error") from None
+
+
+def _check_prompt_logprobs(server, req, ids_list: list[list[int]]) -> None:
+    """A 400 for a request whose scored prompts hold more than
+    `max_prompt_logprob_entries` entries, before anything is queued."""
+    entries = protocol.prompt_logprob_entries(req, [len(ids) for ids in ids_list])
+    if entries > server.max_prompt_logprob_entries:
+        k = req.scored_prompt()
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
+        raise protocol.bad(
+            f"this request scores {entries} prompt log-probability entries ("
+            f"{sum(len(ids) for ids in ids_list)} prompt tokens x {req.n} samples x "
+            f"{k + 1} entries per token), more than this server's limit of "
+            f"{server.max_prompt_logprob_entries} (lp-serve --max-prompt-logprob-entries); "
+            "send fewer or shorter prompts, or fewer alternatives", param)
