@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims
 from lp_jax.core.metrics import RequestMetrics, percentile, slo_pass, summarize
-from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.plan import PrefillChunk, StepPlan, StepResult
 from lp_jax.core.policies import resolve_policy
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
@@ -104,11 +104,11 @@ class FakeExecutor:
                 assert self.layers[key] == list(range(2 * num_layers))  # each unit once
                 for pos in range(c.start, c.end):
                     self.kv[self._slot(c.seq, pos)] = (c.seq, pos)
-        return {
+        return StepResult({
             s.seq_id: self.token_fn(s.seq_id, s.num_tokens)
             for s in plan.sampling_seqs
             if not s.is_finished
-        }
+        })
 
     def _check_rows(self, plan):
         """A batch's chunks keep their hidden rows from group to group, and no two live
@@ -161,6 +161,10 @@ def check_invariants(sched):
         assert len(s.page_ids) == bm.pages_for(s.prefill_target)
     for s in sched._zombies:
         assert s.is_finished
+    # every admitted sequence holds its own slot, and only those do (Sequence.slot)
+    slots = [s.slot for s in sched.running + sched.prefilling]
+    assert len(set(slots)) == len(slots) and all(0 <= x < cfg.max_num_seqs for x in slots)
+    assert all(s.slot is None for s in sched.waiting + sched._zombies)
 
 
 def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20_000,
@@ -254,7 +258,7 @@ def test_idle_plan():
     plan = sched.schedule(0.0)
     assert plan.phase == "idle" and plan.prefill_batch_id is None
     assert (plan.layer_start, plan.layer_end, plan.num_groups) == (0, 8, 1)
-    assert sched.commit(plan, {}, 1.0) == []
+    assert sched.commit(plan, StepResult(), 1.0) == []
     assert sched.stats()["iterations_idle"] == 1 and not sched.has_unfinished()
 
 
@@ -571,7 +575,7 @@ def test_layered_does_not_plan_ahead_when_the_next_plan_may_form_a_batch():
     sched.add(req(1, 8, 3))
     assert sched.can_plan_ahead()
     g1 = sched.schedule(1.0)
-    sched.commit(g0, {}, 1.0)
+    sched.commit(g0, StepResult(), 1.0)
     sampled = ex.run(g1)
     # g1 ends the batch and seq 1 waits: the next plan forms a batch, which a request
     # arriving while g1 runs must be able to join
@@ -711,7 +715,7 @@ def test_abort_during_a_step_frees_after_commit(policy, send_token):
     sched.abort(0)
     assert sched.block_manager.num_free_pages == 4096 - 6  # a's pages are still being written
     if not send_token:
-        del sampled[0]
+        del sampled.tokens[0]
     finished = sched.commit(plan, sampled, 2.0)
     assert finished == [] and a.num_output_tokens == 1 and b.num_output_tokens == 2
     assert sched.block_manager.num_free_pages == 4096 - 3
@@ -812,7 +816,7 @@ def test_commit_and_schedule_misuse():
     plan = sched.schedule(0.0)
     other = StepPlan(step_id=plan.step_id, num_layers=8)
     with pytest.raises(RuntimeError, match="oldest plan"):
-        sched.commit(other, {}, 1.0)
+        sched.commit(other, StepResult(), 1.0)
     for sampled, match in [
         ({}, "no sampled token"),
         ({0: 1, 5: 1}, "do not sample"),
@@ -822,9 +826,13 @@ def test_commit_and_schedule_misuse():
         ({0: 1.0}, "outside"),
     ]:
         with pytest.raises(ValueError, match=match):
-            sched.commit(plan, sampled, 1.0)
+            sched.commit(plan, StepResult(sampled), 1.0)
         assert sched.running == [] and plan.prefill[0].seq.num_computed_tokens == 0
-    sched.commit(plan, {0: 5}, 1.0)
+    with pytest.raises(TypeError, match="StepResult"):
+        sched.commit(plan, {0: 5}, 1.0)
+    with pytest.raises(ValueError, match="prompt log-probabilities"):
+        sched.commit(plan, StepResult({0: 5}, prompt_logprobs=((0, 1, {1: 0.0}),)), 1.0)
+    sched.commit(plan, StepResult({0: 5}), 1.0)
     assert sched.running[0].output_token_ids == [5]
 
 

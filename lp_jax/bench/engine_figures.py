@@ -2,7 +2,7 @@
 chunked-against-layered comparison with expert bytes and NVML energy, a profiler split
 of one step, and a short serving run.
 
-The step figures drive `ModelRunner.dispatch`/`collect` with hand-built plans, so a
+The step figures drive `ModelRunner.dispatch` and `StepHandle.collect` with hand-built plans, so a
 decode at a 2560-token context runs without prefilling it first and an 8192-token prompt
 runs as chunked-512 or layered plans on the same engine. The fake sequences' pages may
 overlap between figures: their KV contents do not matter for timing. Each function
@@ -104,7 +104,7 @@ def run_plans(runner, plans) -> tuple[float, int]:
     """(seconds, experts activated) of the plans one after another, each waited for."""
     t, experts = time.perf_counter(), 0
     for plan in plans:
-        experts += sum(runner.collect(runner.dispatch(plan))[1])
+        experts += sum(runner.dispatch(plan).collect().experts_activated)
     return time.perf_counter() - t, experts
 
 
@@ -128,7 +128,7 @@ def time_decode(engine, B: int, context: int, iters: int) -> dict:
     sync = min(run_plans(runner, [plan])[0] for _ in range(iters))
     t = time.perf_counter()
     for h in [runner.dispatch(plan) for _ in range(iters)]:
-        runner.collect(h)
+        h.collect()
     step = (time.perf_counter() - t) / iters
     bound = _roofline_s(engine, [StepTokens(decode_seqs=B, decode_context=context)])
     return dict(batch=B, context=context, ms_per_token=1e3 * step, sync_step_ms=1e3 * sync,

@@ -1,9 +1,10 @@
 """What one iteration must compute: the plan the scheduler hands to an executor.
 
 An executor (the JAX model runner, or a simulator's cost model) carries out a `StepPlan` and
-returns one sampled token per sequence that samples; the scheduler's `commit` then applies
-them. Plans say which tokens run through which layers and nothing about devices, arrays or
-padding.
+returns a `StepResult`: one sampled token per sequence that samples, the log-probabilities
+asked for, and what the step cost; the scheduler's `commit(plan, result, now)` alone
+applies it to the sequences. Plans say which tokens run through which layers and nothing
+about devices, arrays or padding.
 
 Every plan has two parts:
 - `decode`: sequences that each run their last token through all layers and sample one token;
@@ -150,3 +151,28 @@ class StepPlan:
         """Sequences that get a token from this iteration: decodes, then completed prefills."""
         done = tuple(c.seq for c in self.prefill if c.samples) if self.is_last_group else ()
         return self.decode + done
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What an executor returns for one plan (collected on the host).
+
+    `tokens`: the sampled token of each of the plan's sampling sequences (by seq_id);
+    `logprobs`: {token_id: logprob} of the sampled token and the top alternatives, for the
+    sequences that asked; `prompt_logprobs`: (seq_id, position, {token_id: logprob}) for
+    each prompt position the step scored; `experts_activated`: per call of the step,
+    summed over its layers, with `prefill_call` the call that ran the prefill group;
+    `dispatched_at` / `collected_at`: perf_counter times (0.0 where not measured)."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: tuple[tuple[int, int, dict[int, float]], ...] = ()
+    experts_activated: tuple[int, ...] = ()
+    prefill_call: int | None = None
+    dispatched_at: float = 0.0
+    collected_at: float = 0.0
+
+    @property
+    def prefill_experts(self) -> int:
+        """Experts the prefill group's call activated (0 without prefill)."""
+        return 0 if self.prefill_call is None else self.experts_activated[self.prefill_call]

@@ -6,7 +6,7 @@ id), KV-page admission, decode growth, recompute preemption, aborts and `commit`
 (Sarathi-Serve), layered (the paper's layered prefill), flowprefill (preemptible prefill
 under slack-aware EDF), or a user's own class.
 
-Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, sampled, now)`. Plans
+Protocol: `plan = schedule(now)`, the executor runs it, `commit(plan, result, now)`. Plans
 are committed in the order they were made, and at most two are outstanding (overlapped
 scheduling: the engine plans and dispatches step k+1 while the device runs step k).
 A plan's effects split in two. Those its tokens do not decide (prefill progress, a
@@ -42,7 +42,7 @@ from collections import Counter
 from lp_jax.core.block_manager import BlockManager
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.latency import LatencyModel, ModelDims
-from lp_jax.core.plan import StepPlan
+from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.policies.base import Policy
 from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
@@ -78,6 +78,8 @@ class Scheduler:
         self._next_batch = 0
         self._now = 0.0
         self._stats: Counter[str] = Counter()
+        # Sequence slots (Sequence.slot): one per admitted sequence, lowest first.
+        self._free_seq_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.policy: Policy = config.policy_class(self)
 
     # ----- requests -----
@@ -170,6 +172,7 @@ class Scheduler:
             self.policy.notify("abort", seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
         seq.finish_time = now
+        self._free_slot(seq)
         if seq.num_pending_tokens:  # its token is dropped at commit
             del seq.token_ids[-1]
             seq.num_pending_tokens = 0
@@ -249,14 +252,26 @@ class Scheduler:
         self._pending.append(plan)
         return plan
 
-    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float) -> list[Sequence]:
-        """Apply the executor's sampled tokens; returns the sequences that finished."""
+    def commit(self, plan: StepPlan, result: StepResult, now: float) -> list[Sequence]:
+        """Apply what the executor returned for `plan` (its sampled tokens, and the
+        log-probabilities asked for) to the sequences; returns those that finished. The
+        only place a step's results enter the sequences."""
         if not self._pending or plan is not self._pending[0]:
             raise RuntimeError("commit expects the oldest plan schedule() returned")
+        if not isinstance(result, StepResult):
+            raise TypeError(f"commit takes a StepResult, got {type(result).__name__}")
+        sampled = result.tokens
         expect = {s.seq_id: s for s in plan.sampling_seqs}
-        extra = set(sampled) - set(expect)
+        extra = (set(sampled) | set(result.logprobs)) - set(expect)
         if extra:
             raise ValueError(f"tokens for seqs {sorted(extra)} that do not sample in this plan")
+        scored = {c.seq.seq_id: c.seq for c in plan.prefill}
+        for sid, pos, lp in result.prompt_logprobs:
+            seq = scored.get(sid)
+            if seq is None or seq.prompt_logprobs is None or not 0 < pos < seq.num_prompt_tokens:
+                raise ValueError(f"prompt log-probabilities for seq {sid} at {pos}: not a "
+                                 "position this plan scores")
+            seq.prompt_logprobs[pos] = lp
         for sid, seq in expect.items():
             if seq.is_finished:
                 continue  # aborted after schedule(); its token, if any, is dropped
@@ -273,6 +288,9 @@ class Scheduler:
         finished: list[Sequence] = []
         for seq in plan.sampling_seqs:
             if not seq.is_finished:
+                lp = result.logprobs.get(seq.seq_id)
+                if lp is not None and seq.logprobs is not None:  # before a stop finishes it
+                    seq.logprobs.append(lp)
                 self._append_token(seq, sampled[seq.seq_id], now, finished)
         if plan.is_last_group:
             self._stats["prefill_tokens"] += plan.num_prefill_tokens
@@ -312,6 +330,7 @@ class Scheduler:
             self._stats["prefix_cache_queries"] += seq.prefill_target
             self._stats["prefix_cache_hits"] += cached
         seq.status = SequenceStatus.RUNNING
+        seq.slot = self._free_seq_slots.pop()
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self._now
             seq.num_cached_tokens = cached
@@ -401,6 +420,7 @@ class Scheduler:
         """Recompute-style: drop the KV, keep the outputs, prefill everything again later."""
         (self.running if seq in self.running else self.prefilling).remove(seq)
         self.block_manager.free(seq)
+        self._free_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.prefill_target = seq.num_tokens
@@ -425,11 +445,19 @@ class Scheduler:
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = status
         seq.finish_time = now
+        self._free_slot(seq)
         self._release(seq)
         del self._live[seq.seq_id]
         self._stats["finished"] += 1
         finished.append(seq)
         self.policy.notify("finish", seq)
+
+    def _free_slot(self, seq: Sequence) -> None:
+        """Gives back an admitted sequence's slot. A dispatched step may still write its
+        state there; the next owner's first step resets it after that, in device order."""
+        if seq.slot is not None:
+            self._free_seq_slots.append(seq.slot)
+            seq.slot = None
 
     def _release(self, seq: Sequence) -> None:
         """Free a finished sequence's pages, or hold them while a planned step writes them."""

@@ -68,6 +68,7 @@ class Sequence:
         "prompt_logprobs",
         "request_id",
         "index",
+        "slot",
     )
 
     def __init__(
@@ -113,6 +114,9 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * self.num_prompt_tokens
             if self.sampling_params.prompt_logprobs is not None else None)
+        # Its slot among the admitted sequences, in [0, max_num_seqs), while admitted: the
+        # executor keeps its on-device state there (the penalties' token counts).
+        self.slot: int | None = None
 
     def __repr__(self) -> str:
         return (

@@ -33,6 +33,7 @@ from lp_jax import backend_select
 from lp_jax.config import ModelConfig
 from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.metrics import RequestMetrics
+from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
@@ -223,6 +224,7 @@ class LLMEngine:
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
             backends=backends, seed=config.seed,
+            channel=self.channel if self.channel is not None and self.is_leader else None,
         )
         self.slo_tracker = SLOTracker()
         self._ids = itertools.count()
@@ -241,7 +243,6 @@ class LLMEngine:
                 warm_broadcasts(self.runner.codec.max_message_bytes())
             if self.is_leader:
                 self.channel.wait_ready(timeout_s=3600.0)
-                self.runner.channel = self.channel
             else:
                 self.channel.ready()
         # Every backend compile of start-up once the weights are in: the KV pool, the step
@@ -422,7 +423,7 @@ class LLMEngine:
             self._counters["overlapped_steps"] += 1
             outputs = self._complete(prev, overlapped=handle is not None)
         if handle is None:
-            self.scheduler.commit(plan, {}, time.perf_counter())
+            self.scheduler.commit(plan, StepResult(), time.perf_counter())
         elif self.config.async_scheduling:
             self._inflight = handle
         else:
@@ -434,27 +435,21 @@ class LLMEngine:
         """Waits for a dispatched step and commits it; one output per sampled token.
         `overlapped`: a later step is running, so the commit's host time is hidden."""
         t0 = time.perf_counter()
-        sampled, counts = self.runner.collect(handle)
-        t1 = time.perf_counter()
+        result = handle.collect()
+        t1 = result.collected_at
         plan = handle.plan
-        self._count_expert_bytes(handle, counts)
+        self._count_expert_bytes(plan, result)
         # The step ran from its dispatch, or from the previous step's end if it queued
         # behind it, until now: an upper bound when the host collects late.
-        self.scheduler.observe(plan, t1 - max(handle.dispatched_at, self._last_done),
-                               sum(counts))
+        self.scheduler.observe(plan, t1 - max(result.dispatched_at, self._last_done),
+                               sum(result.experts_activated))
         self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
-        by_id = {s.seq_id: s for s in alive}
-        for seq, pos, lp in self.runner.collect_prompt_logprobs(handle):
-            seq.prompt_logprobs[pos] = lp
-        for sid, lp in self.runner.collect_logprobs(handle, sampled).items():
-            if sid in by_id:  # appended before the commit, so a stop token has its entry
-                by_id[sid].logprobs.append(lp)
-        for seq in self.scheduler.commit(plan, sampled, time.perf_counter()):
+        for seq in self.scheduler.commit(plan, result, time.perf_counter()):
             m = seq.metrics()
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
-        outputs = [self._output(s, [sampled[s.seq_id]]) for s in alive]
+        outputs = [self._output(s, [result.tokens[s.seq_id]]) for s in alive]
         t2 = time.perf_counter()
         self._counters["device_seconds"] += t1 - t0
         self._counters["host_seconds"] += t2 - t1
@@ -462,15 +457,15 @@ class LLMEngine:
             self._counters["overlapped_host_seconds"] += t2 - t1
         return outputs
 
-    def _count_expert_bytes(self, handle: StepHandle, counts):
-        plan = handle.plan
+    def _count_expert_bytes(self, plan: StepPlan, result: StepResult):
         per_expert = self.model_config.expert_bytes
-        self._counters["experts_activated"] += sum(counts)
-        self._counters["expert_bytes_loaded"] += sum(counts) * per_expert
-        if handle.mixed is not None:
-            mixed = counts[handle.mixed]  # the call that ran the prefill group
+        total = sum(result.experts_activated)
+        self._counters["experts_activated"] += total
+        self._counters["expert_bytes_loaded"] += total * per_expert
+        if result.prefill_call is not None:
             bid = plan.prefill_batch_id
-            self._batch_bytes[bid] = self._batch_bytes.get(bid, 0) + mixed * per_expert
+            self._batch_bytes[bid] = (self._batch_bytes.get(bid, 0)
+                                      + result.prefill_experts * per_expert)
             while len(self._batch_bytes) > _KEEP_BATCHES:
                 self._batch_bytes.popitem(last=False)
 

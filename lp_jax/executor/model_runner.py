@@ -19,15 +19,17 @@ and decode buckets. `warmup()` compiles them all; the persistent compilation cac
 restarts cheap. The KV pool and the hidden buffer are donated to every call.
 
 `dispatch(plan, prev)` launches a step's calls without waiting and returns a
-`StepHandle`; `collect(handle)` waits for its tokens. Every program returns sampled tokens
+`StepHandle`; `handle.collect()` waits for it and returns the step's `StepResult`, which
+the scheduler's `commit` alone applies to the sequences. Every program returns sampled tokens
 in one fixed-size array; a decode whose last token is still a placeholder (its step was
 planned before the step sampling that token was committed; see scheduler.py) reads it on
 device from `prev`'s array, so step k+1 is planned and dispatched while step k runs.
 
 Sampling options are per-row inputs of the same programs (`_fill_sampling`). Penalties
-read token counts kept on device (step.py `counts`): the runner gives each admitted
-sequence with penalties a count slot, freed once it finishes or is preempted (a
-re-prefill starts at position 0 and resets its slot). Log-probabilities are always
+read token counts kept on device (step.py `counts`), one row per sequence slot: the
+scheduler gives each admitted sequence a slot (`Sequence.slot`), which the plan carries,
+and a penalized sequence's first chunk (position 0) resets its row. The runner keeps no
+per-sequence state of its own. Log-probabilities are always
 outputs of a sampling call, copied to the host only for steps where a row asked. Prompt
 log-probabilities come from the call where a chunk's rows leave the last layer: each row
 scores the next prompt token (`_score_targets`).
@@ -46,9 +48,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from lp_jax.core.plan import StepPlan
+from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.programs import bucket_for
-from lp_jax.core.sequence import SequenceStatus
 from lp_jax.executor.plan_channel import StepCodec, host_array
 from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
@@ -70,19 +71,19 @@ from lp_jax.progress import Progress
 from lp_jax.sharding import named_sharding, replicated
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepHandle:
     """A dispatched step: its plan, the device arrays it will fill, and where each
-    sampling sequence's token sits in `tokens_R`. `counts[mixed]` is the call that ran
-    the prefill group (None without prefill)."""
+    sampling sequence's token sits in `tokens_R`. `collect()` waits for them and returns
+    the step's `StepResult`."""
 
     plan: StepPlan
     tokens_R: jax.Array | None
-    counts: list
-    mixed: int | None
+    counts: list  # experts activated, per call (device scalars)
+    prefill_call: int | None  # the call that ran the prefill group (None without prefill)
     rows: dict[int, int]  # seq_id -> row of tokens_R
-    dispatched_at: float = 0.0  # perf_counter when its calls were launched
-    step_id: int = 0  # the runner's count of dispatched steps (the plan channel's id)
+    dispatched_at: float  # perf_counter when its calls were launched
+    step_id: int  # the runner's count of dispatched steps (the plan channel's id)
     # (logprob_R, top_logprob_RK, top_id_RK) device arrays and {seq_id: top count} when a
     # sampling row asked for log-probabilities; else None
     logprobs: tuple | None = None
@@ -91,6 +92,55 @@ class StepHandle:
     # call that scored, and (seq, first scored position, first row, rows) per chunk.
     prompt_scores: tuple | None = None
     scored: list | None = None
+    channel: object = None  # a multi-process leader's channel: it records the tokens
+
+    def collect(self) -> StepResult:
+        """Waits for the step; its tokens, log-probabilities and expert counts."""
+        tokens, tokens_R = {}, None
+        if self.tokens_R is not None:
+            tokens_R = host_array(self.tokens_R)
+            tokens = {sid: int(tokens_R[r]) for sid, r in self.rows.items()}
+        if self.channel is not None:
+            self.channel.record_tokens(self.step_id, tokens_R)
+        return StepResult(
+            tokens=tokens, logprobs=self._logprobs(tokens),
+            prompt_logprobs=self._prompt_logprobs(),
+            experts_activated=tuple(int(host_array(c)) for c in self.counts),
+            prefill_call=self.prefill_call, dispatched_at=self.dispatched_at,
+            collected_at=time.perf_counter())
+
+    def _logprobs(self, tokens: dict[int, int]) -> dict[int, dict[int, float]]:
+        """{seq_id: {token_id: logprob}} for the rows that asked: the sampled token first,
+        then the top `logprobs` alternatives, as vLLM's per-token dicts."""
+        if self.logprobs is None:
+            return {}
+        chosen_R, top_RK, ids_RK = (host_array(x) for x in self.logprobs)
+        out = {}
+        for sid, k in self.wants_logprobs.items():
+            r = self.rows[sid]
+            d = {tokens[sid]: float(chosen_R[r])}
+            for t, v in zip(ids_RK[r, :k].tolist(), top_RK[r, :k].tolist(), strict=True):
+                d.setdefault(t, v)
+            out[sid] = d
+        return out
+
+    def _prompt_logprobs(self) -> tuple:
+        """(seq_id, position, {token_id: logprob}) for each prompt position the step
+        scored: that prompt token's log-probability given the tokens before it, then the
+        top `prompt_logprobs` alternatives."""
+        if self.prompt_scores is None:
+            return ()
+        chosen_N, top_NK, ids_NK = (host_array(x) for x in self.prompt_scores)
+        out = []
+        for seq, pos, row, n in self.scored:
+            k = seq.sampling_params.prompt_logprobs
+            for j in range(n):
+                r, p = row + j, pos + j
+                d = {seq.token_ids[p]: float(chosen_N[r])}
+                for t, v in zip(ids_NK[r, :k].tolist(), top_NK[r, :k].tolist(), strict=True):
+                    d.setdefault(t, v)
+                out.append((seq.seq_id, p, d))
+        return tuple(out)
 
 
 @dataclasses.dataclass
@@ -116,9 +166,10 @@ class _Call:
 class ModelRunner:
     def __init__(self, model: StackedCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
-                 hidden_rows: int, backends: KernelBackends, seed: int = 0):
+                 hidden_rows: int, backends: KernelBackends, seed: int = 0, channel=None):
         """`token_buckets` and `hidden_rows`: the program family the scheduler config
-        needs (lp_jax/core/programs.py)."""
+        needs (lp_jax/core/programs.py). `channel`: a multi-process leader's
+        LeaderChannel (plan_channel.py), which every dispatched step goes through."""
         cfg = self.cfg = model.config
         if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
             raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
@@ -144,16 +195,11 @@ class ModelRunner:
             np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), self._replicated)
-        self._slots: dict[int, tuple[int, object]] = {}  # seq_id -> (count slot, seq)
-        self._free_slots = list(range(max_num_seqs))
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
                                        counts_sharding=self._replicated),
                              donate_argnums=(1, 2, 4))
-        self._sample_out = None  # the last sampling call's outputs
-        self._score_out = None  # the last prompt-scoring call's outputs
         self.programs: dict[int, jax.stages.Compiled] = {}
-        # A multi-process leader's LeaderChannel (plan_channel.py); None otherwise.
-        self.channel = None
+        self.channel = channel
         self.codec = StepCodec(self.spec)
         self._step_ids = itertools.count()
         self.compile_seconds = 0.0
@@ -316,20 +362,12 @@ class ModelRunner:
             self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
 
-    def _slot(self, seq) -> int:
-        """seq's count slot, taking a free one the first time."""
-        got = self._slots.get(seq.seq_id)
-        if got is None:
-            got = self._slots[seq.seq_id] = (self._free_slots.pop(), seq)
-        return got[0]
-
-    def _free_count_slots(self):
-        """Frees the slots of finished and preempted sequences. A dispatched step may still
-        count into a freed slot; its next owner's reset runs after it, in device order."""
-        for sid, (slot, seq) in list(self._slots.items()):
-            if seq.is_finished or seq.status is SequenceStatus.WAITING:
-                del self._slots[sid]
-                self._free_slots.append(slot)
+    @staticmethod
+    def _slot(seq) -> int:
+        """seq's count slot: its slot among the admitted sequences (Sequence.slot)."""
+        if seq.slot is None:
+            raise RuntimeError(f"seq {seq.seq_id} runs with penalties but holds no slot")
+        return seq.slot
 
     def _fill_sampling(self, out: dict, rows: list):
         eos = self.cfg.eos_token_ids
@@ -364,7 +402,6 @@ class ModelRunner:
         With a plan channel (a multi-process leader), the calls' inputs go to every
         follower first, and each runs the same calls (`run_calls`)."""
         t0 = time.perf_counter()
-        self._free_count_slots()
         calls, mixed = self._plan_calls(plan, prev)
         batch, useful, padded = [], 0.0, 0.0
         for call in calls:
@@ -378,8 +415,7 @@ class ModelRunner:
         if self.channel is not None:
             prev_id = prev.step_id if prev_tokens is not None else -1
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
-        self._sample_out = self._score_out = None
-        counts, tokens_R = self.run_calls(batch, prev_tokens)
+        counts, outs = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
         n_dec = len(plan.decode)
         rows = {s.seq_id: j for j, s in enumerate(plan.decode)}
@@ -390,22 +426,23 @@ class ModelRunner:
             sampling_seqs += ending
         wants = {s.seq_id: s.sampling_params.logprobs for s in sampling_seqs
                  if s.sampling_params.logprobs is not None}
-        out = self._sample_out
-        logprobs = (out["logprob_R"], out["top_logprob_RK"], out["top_id_RK"]) if (
-            wants and out is not None) else None
-        scores = None
-        if mixed is not None and calls[mixed].scored:
-            out = self._score_out
-            scores = (out["prompt_logprob_N"], out["prompt_top_logprob_NK"],
-                      out["prompt_top_id_NK"])
-        return StepHandle(plan, tokens_R, counts, mixed, rows, t0, step_id, logprobs,
-                          wants or None, scores, calls[mixed].scored if scores else None)
+        sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
+        score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
+        return StepHandle(
+            plan=plan, tokens_R=None if sample is None else sample["tokens_R"], counts=counts,
+            prefill_call=mixed, rows=rows, dispatched_at=t0, step_id=step_id,
+            logprobs=(sample["logprob_R"], sample["top_logprob_RK"], sample["top_id_RK"])
+            if wants and sample is not None else None,
+            wants_logprobs=wants or None,
+            prompt_scores=(score["prompt_logprob_N"], score["prompt_top_logprob_NK"],
+                           score["prompt_top_id_NK"]) if score is not None else None,
+            scored=calls[mixed].scored if score is not None else None, channel=self.channel)
 
     def run_calls(self, batch: list[tuple[int, dict]], prev_tokens_R: jax.Array | None):
-        """Runs (bucket, inputs) calls in order; returns (experts activated per call, the
-        sampled tokens_R or None). The leader's dispatch and a follower's loop both end
-        here, so every process runs the same programs on the same inputs."""
-        counts, tokens_R = [], None
+        """Runs (bucket, inputs) calls in order; returns (experts activated per call, each
+        call's outputs). The leader's dispatch and a follower's loop both end here, so
+        every process runs the same programs on the same inputs."""
+        counts, outs = [], []
         prev = self._no_prev_tokens if prev_tokens_R is None else prev_tokens_R
         for N, inputs in batch:
             inputs["prev_tokens_R"] = prev
@@ -413,12 +450,8 @@ class ModelRunner:
                 self.state, self.kv_pages, self.hidden_RD, inputs, self.counts)
             self.counts = out["counts"]
             counts.append(out["experts_activated"])
-            if inputs["do_sample"]:
-                tokens_R = out["tokens_R"]
-                self._sample_out = out
-            if inputs["do_score"]:
-                self._score_out = out
-        return counts, tokens_R
+            outs.append(out)
+        return counts, outs
 
     def _count_padding(self, useful: float, padded: float):
         r = self.row_layers
@@ -426,47 +459,3 @@ class ModelRunner:
         r["padded"] += padded
         if useful:
             r["max_step_ratio"] = max(r["max_step_ratio"], padded / useful)
-
-    def collect(self, handle: StepHandle):
-        """Waits for a dispatched step. Returns ({seq_id: token} for the plan's sampling
-        sequences, experts activated per call)."""
-        sampled, tokens = {}, None
-        if handle.tokens_R is not None:
-            tokens = host_array(handle.tokens_R)
-            sampled = {sid: int(tokens[r]) for sid, r in handle.rows.items()}
-        if self.channel is not None:
-            self.channel.record_tokens(handle.step_id, tokens)
-        return sampled, [int(host_array(c)) for c in handle.counts]
-
-    def collect_prompt_logprobs(self, handle: StepHandle) -> list:
-        """(seq, position, {token_id: logprob}) for each prompt position the step scored:
-        that prompt token's log-probability given the tokens before it, then the top
-        `prompt_logprobs` alternatives."""
-        if handle.prompt_scores is None:
-            return []
-        chosen_N, top_NK, ids_NK = (host_array(x) for x in handle.prompt_scores)
-        out = []
-        for seq, pos, row, n in handle.scored:
-            k = seq.sampling_params.prompt_logprobs
-            for j in range(n):
-                r, p = row + j, pos + j
-                d = {seq.token_ids[p]: float(chosen_N[r])}
-                for t, v in zip(ids_NK[r, :k].tolist(), top_NK[r, :k].tolist(), strict=True):
-                    d.setdefault(t, v)
-                out.append((seq, p, d))
-        return out
-
-    def collect_logprobs(self, handle: StepHandle, sampled: dict[int, int]) -> dict:
-        """{seq_id: {token_id: logprob}} for the step's rows that asked: the sampled token
-        first, then the top `logprobs` alternatives, as vLLM's per-token dicts."""
-        if handle.logprobs is None:
-            return {}
-        chosen_R, top_RK, ids_RK = (host_array(x) for x in handle.logprobs)
-        out = {}
-        for sid, k in handle.wants_logprobs.items():
-            r = handle.rows[sid]
-            d = {sampled[sid]: float(chosen_R[r])}
-            for t, v in zip(ids_RK[r, :k].tolist(), top_RK[r, :k].tolist(), strict=True):
-                d.setdefault(t, v)
-            out[sid] = d
-        return out

@@ -6,7 +6,7 @@
     runner.dispatch(plan):
       calls = [(N, inputs)] (numpy)      ---- STEP ---->  decode_step -> same calls
       run calls on local shards          <- collectives ->  run calls on local shards
-    runner.collect(): tokens_R           <---- ACK -----   crc32(tokens_R) per step
+    handle.collect(): tokens_R          <---- ACK -----   crc32(tokens_R) per step
       compare crc32s (tokens must agree)
     shutdown                              ---- STOP ---->  leave the loop
 
@@ -441,7 +441,9 @@ def run_follower(runner, channel: FollowerChannel) -> int:
             if prev is None:
                 distributed.fatal(f"step {step_id} reads the tokens of step {prev_id}, "
                                   "which this follower does not hold")
-        _, tokens_R = runner.run_calls(batch, prev)
+        _, outs = runner.run_calls(batch, prev)
+        tokens_R = next((o["tokens_R"] for (_, x), o in zip(batch, outs, strict=True)
+                         if x["do_sample"]), None)
         if tokens_R is not None:
             tokens[step_id] = tokens_R
             for old in [k for k in tokens if k < step_id - 4]:
