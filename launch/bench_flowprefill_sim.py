@@ -69,8 +69,8 @@ from lp_jax.sim import (  # noqa: E402
     multi_slo_requests,
     parse_assignments,
     parse_task_class,
+    report,
     solo_ttft,
-    sustainable_rate,
     ttft_attainment,
     warm_latency,
 )
@@ -202,15 +202,10 @@ def attainment_of(cfg: SimConfig, reqs: list[Request]) -> dict[str, float]:
 
 # ----- (a) goodput -------------------------------------------------------------------------
 def goodput(combo: Combo, cfg: SimConfig, args) -> dict:
-    per_class: dict[float, dict[str, float]] = {}
-
-    def evaluate(rate: float) -> float:
-        att = attainment_of(cfg, requests_at(combo, rate, 1.0, args))
-        per_class[rate] = att
-        return att["all"]
-
     grid = [f * combo.capacity for f in args.rate_fractions]
-    search = sustainable_rate(evaluate, grid, target=TARGET, bisect_steps=args.bisect_steps)
+    search, per_class = report.search_rate(
+        lambda rate: attainment_of(cfg, requests_at(combo, rate, 1.0, args)), grid, "all",
+        target=TARGET, bisect_steps=args.bisect_steps)
     return {
         "rate": search.rate,
         "lower_bound_only": search.lower_bound_only,
@@ -341,10 +336,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _fmt_rate(g: dict) -> str:
-    if not g["rate"]:
-        text = f"< {min(float(r) for r in g['points']):.2f}"
-    else:
-        text = f"{g['rate']:.2f}{'+' if g['lower_bound_only'] else ''}"
+    text = report.rate_cell(g["rate"], g["lower_bound_only"],
+                            min(float(r) for r in g["points"]))
     if g.get("stuck_rates"):
         text += " (stuck at " + ", ".join(f"{r:.2f}" for r in g["stuck_rates"]) + ")"
     return text
@@ -559,12 +552,12 @@ def main(argv=None) -> dict:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: v for k, v in vars(args).items()}, "results": results}
-    (out / "flowprefill_sim.json").write_text(json.dumps(report, indent=1, default=str))
+    saved = {"args": {k: v for k, v in vars(args).items()}, "results": results}
+    (out / "flowprefill_sim.json").write_text(json.dumps(saved, indent=1, default=str))
     md = to_markdown(results, args)
     (out / "flowprefill_sim.md").write_text(md)
     print(md)
-    return report
+    return saved
 
 
 if __name__ == "__main__":

@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
-import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -64,8 +62,8 @@ from lp_jax.sim import (  # noqa: E402
     Simulator,
     class_slos,
     multi_slo_requests,
+    report,
     solo_ttft,
-    sustainable_rate,
     synthesize,
     warm_latency,
 )
@@ -204,15 +202,14 @@ def search(task) -> tuple[str, str, dict]:
     wl, policy, args = task
     t0 = time.perf_counter()
     cfg = sim_config(wl, policy, args)
-    points: dict[float, dict] = {}
 
-    def evaluate(rate: float) -> float:
+    def measure(rate: float) -> dict:
         n = num_requests(rate, args)
-        points[rate] = point(wl, cfg, rate, n, max(n, args.max_requests))
-        return points[rate]["attainment"]
+        return point(wl, cfg, rate, n, max(n, args.max_requests))
 
-    found = sustainable_rate(evaluate, wl.grid, target=TARGET, bisect_steps=args.bisect_steps,
-                             max_extensions=args.max_extensions, full_curve=False)
+    found, points = report.search_rate(measure, wl.grid, "attainment", target=TARGET,
+                                       bisect_steps=args.bisect_steps,
+                                       max_extensions=args.max_extensions, full_curve=False)
     out = {
         "rate": found.rate,
         "lower_bound_only": found.lower_bound_only,
@@ -227,17 +224,11 @@ def search(task) -> tuple[str, str, dict]:
 
 # ----- report --------------------------------------------------------------------------------
 def _rate(r: dict) -> str:
-    if not r["rate"]:
-        return f"< {r['curve'][0]['rate']:.2f}"
-    return f"{r['rate']:.2f}{'+' if r['lower_bound_only'] else ''}"
+    return report.rate_cell(r["rate"], r["lower_bound_only"], r["curve"][0]["rate"])
 
 
 def _x(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
-
-
-def _f(x, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def markdown(results: dict, workloads: list[Workload], policies: list[str], meta: dict) -> str:
@@ -274,16 +265,11 @@ def _detail_table(results: dict, workloads: list[Workload], policies: list[str])
              "gap (ms), expert GB per 100 requests, mJ per token.", "",
              "| workload | policy | TTFT mean | TTFT p99 | max-ITL p99 ms | expert GB/100 | "
              "mJ/token |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for wl in workloads:
-        for p in policies:
-            a = results[wl.key][p]["at_rate"]
-            if not a or a.get("stuck"):
-                continue
-            lines.append(f"| {wl.title} | {p} | {_f(a['ttft_mean'], '.2f')} | "
-                         f"{_f(a['ttft_p99'], '.2f')} | {_f(1e3 * a['max_itl_p99'], '.0f')} | "
-                         f"{_f(a['expert_gb_per_100_requests'], '.0f')} | "
-                         f"{_f(a['mj_per_token'], '.1f')} |")
-    return lines
+    return lines + _at_rate_rows(results, workloads, policies, lambda a: [
+        report.cell(a["ttft_mean"], ".2f"), report.cell(a["ttft_p99"], ".2f"),
+        report.cell(1e3 * a["max_itl_p99"], ".0f"),
+        report.cell(a["expert_gb_per_100_requests"], ".0f"),
+        report.cell(a["mj_per_token"], ".1f")])
 
 
 def _muxwise_table(results: dict, workloads: list[Workload], policies: list[str]) -> list[str]:
@@ -296,17 +282,18 @@ def _muxwise_table(results: dict, workloads: list[Workload], policies: list[str]
              "| workload | variant | prefill share | units / launch | repartitions | "
              "short preemptions | no share fits |", "| --- | --- | ---: | ---: | ---: | ---: | "
              "---: |"]
-    for wl in workloads:
-        for p in muxes:
-            a = results[wl.key][p]["at_rate"]
-            if not a or a.get("stuck"):
-                continue
-            lines.append(f"| {wl.title} | {p} | {_f(a['muxwise_mean_prefill_share'], '.2f')} | "
-                         f"{_f(a['muxwise_units_per_launch'], '.1f')} | "
-                         f"{a['muxwise_repartitions']:.0f} | "
-                         f"{a['muxwise_short_preemptions']:.0f} | "
-                         f"{a['muxwise_fallback_partitions']:.0f} |")
-    return lines
+    return lines + _at_rate_rows(results, workloads, muxes, lambda a: [
+        report.cell(a["muxwise_mean_prefill_share"], ".2f"),
+        report.cell(a["muxwise_units_per_launch"], ".1f"), f"{a['muxwise_repartitions']:.0f}",
+        f"{a['muxwise_short_preemptions']:.0f}", f"{a['muxwise_fallback_partitions']:.0f}"])
+
+
+def _at_rate_rows(results: dict, workloads: list[Workload], policies: list[str],
+                  cells) -> list[str]:
+    """A row per (workload, policy) that ran at its sustainable rate: the workload, the
+    policy, then `cells(its point there)`."""
+    return [report.row([wl.title, p, *cells(a)]) for wl in workloads for p in policies
+            for a in [results[wl.key][p]["at_rate"]] if a and not a.get("stuck")]
 
 
 def _requests_text(args) -> str:
@@ -327,32 +314,19 @@ def write_csv(results: dict, path: Path) -> None:
 
 def plot(results: dict, workloads: list[Workload], policies: list[str], path: Path) -> bool:
     try:
-        import matplotlib
+        plt = report.pyplot()
     except ImportError:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, wl in zip(axes.flat, workloads, strict=False):
-        for p in policies:
-            r = results[wl.key][p]
-            ax.plot([pt["rate"] for pt in r["curve"]],
-                    [100 * pt["attainment"] for pt in r["curve"]], "o-", ms=3,
-                    label=f"{p} ({_rate(r)})")
-        ax.axhline(100 * TARGET, color="gray", ls="--", lw=1)
-        ax.set_title(wl.title, fontsize=9)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("SLO attainment (%)")
-        ax.set_ylim(-2, 102)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(workloads):]:
-        ax.axis("off")
-    fig.suptitle("SLO attainment vs rate: MuxWise and the layered-prefill baselines "
-                 "(simulated 2x H100, TP2)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = [{"title": wl.title, "legend": {"fontsize": 7},
+               "curves": [([pt["rate"] for pt in r["curve"]],
+                           [100 * pt["attainment"] for pt in r["curve"]],
+                           {"ms": 3, "label": f"{p} ({_rate(r)})"})
+                          for p in policies for r in [results[wl.key][p]]]}
+              for wl in workloads]  # fmt: skip
+    report.plot_attainment(path, panels, grid=(2, 3), figsize=(15, 8), dpi=110,
+                           target_pct=100 * TARGET, plt=plt,
+                           title="SLO attainment vs rate: MuxWise and the layered-prefill "
+                           "baselines (simulated 2x H100, TP2)")
     return True
 
 
@@ -395,14 +369,9 @@ def main(argv=None) -> dict:
     workloads, multi_info = select_workloads(args.workloads)
     tasks = [(wl, p, args) for wl in workloads for p in policies]
     results: dict[str, dict] = {wl.key: {} for wl in workloads}
-    pool = mp.get_context("fork").Pool(args.workers) if args.workers > 1 else None
-    try:
-        it = pool.imap_unordered(search, tasks) if pool else map(search, tasks)
-        for key, p, out in it:
+    with report.pool(args.workers) as pool:
+        for key, p, out in pool.imap_unordered(search, tasks):
             results[key][p] = out
-    finally:
-        if pool:
-            pool.close()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"requests": _requests_text(args), "multi_slo": multi_info,
@@ -412,11 +381,11 @@ def main(argv=None) -> dict:
     if plot(results, workloads, policies, out_dir / "muxwise_sim_attainment.png"):
         md += "\nAttainment against rate: muxwise_sim_attainment.png\n"
     (out_dir / "muxwise_sim.md").write_text(md)
-    report = {"meta": meta, "results": results}
-    (out_dir / "muxwise_sim.json").write_text(json.dumps(report, indent=1, default=str))
+    saved = {"meta": meta, "results": results}
+    (out_dir / "muxwise_sim.json").write_text(json.dumps(saved, indent=1, default=str))
     print(md)
     print(f"total {meta['wall_s']:.0f} s", file=sys.stderr)
-    return report
+    return saved
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import sys
 import time
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from lp_jax.sim import (  # noqa: E402
     Simulator,
     StepFeatures,
     prior_calibration,
-    sustainable_rate,
+    report,
     synthesize,
 )
 
@@ -115,14 +114,10 @@ def _point(panel: Panel, policy: str, rate: float, n: int, cal: Calibration) -> 
 
 def _search(args) -> tuple[str, str, dict]:
     panel, policy, n, cal = args
-    summaries: dict[float, dict] = {}
-
-    def evaluate(rate: float) -> float:
-        summaries[rate] = _point(panel, policy, rate, n, cal)
-        return summaries[rate]["slo_attainment"]
-
     grid = [g * panel.paper_rates[0] for g in GRID]
-    found = sustainable_rate(evaluate, grid, bisect_steps=4, full_curve=True, max_extensions=4)
+    found, summaries = report.search_rate(
+        lambda rate: _point(panel, policy, rate, n, cal), grid, "slo_attainment",
+        bisect_steps=4, full_curve=True, max_extensions=4)
     out = {
         "rate": found.rate,
         "lower_bound_only": found.lower_bound_only,
@@ -207,7 +202,7 @@ def study(cals: dict[str, Calibration], n_for: dict[str, int], workers: int) -> 
     tasks = [(p, pol, n_for[p.workload], cals[p.model]) for p in PANELS for pol in POLICIES]
     tasks.append((PANELS[0], "chunked-2048", n_for["arxiv"], cals["qwen"]))  # papers.md 1.3->2.6
     results: dict[str, dict] = {p.key: {} for p in PANELS}
-    with _pool(workers) as pool:
+    with report.pool(workers) as pool:
         for key, pol, out in pool.imap_unordered(_search, tasks):
             results[key][pol] = out
         refs = []
@@ -221,20 +216,6 @@ def study(cals: dict[str, Calibration], n_for: dict[str, int], workers: int) -> 
         for key, pol, label, s in pool.imap_unordered(_reference, refs):
             results[key][pol][label] = s
     return results
-
-
-class _Serial:
-    imap_unordered = staticmethod(map)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _pool(workers: int):
-    return mp.get_context("fork").Pool(workers) if workers > 1 else _Serial()
 
 
 def _rel(sim: float, paper: float) -> float:
@@ -336,7 +317,7 @@ def comparison_rows(results: dict) -> list[dict]:
 
 
 def _fmt(x, pct=False) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+    if report.missing(x):
         return "-"
     if pct:
         return f"{100 * x:+.0f}%"
@@ -367,40 +348,26 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(results: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, p in zip(axes.flat, PANELS, strict=True):
-        colors = {"chunked": "tab:red", "layered": "tab:blue", "chunked-2048": "tab:orange"}
+    colors = {"chunked": "tab:red", "layered": "tab:blue", "chunked-2048": "tab:orange"}
+    panels = []
+    for p in PANELS:
+        curves = []
         for pol, color in colors.items():
             if pol not in results[p.key]:
                 continue
             curve = results[p.key][pol]["curve"]
             rates = sorted(float(r) for r in curve)
             att = [100 * curve[f"{r:.6g}"]["slo_attainment"] for r in rates]
-            ax.plot(
-                rates,
-                att,
-                "o-",
-                color=color,
-                ms=3,
-                label=f"{pol} (sim {results[p.key][pol]['rate']:.2f})",
-            )
-        for rate, color in zip(p.paper_rates, ("tab:red", "tab:blue"), strict=True):
-            ax.axvline(rate, color=color, ls=":", lw=1)
-        ax.axhline(90, color="gray", ls="--", lw=1)
-        ax.set_title(f"{p.title} (TTFT {p.ttft_slo:g} s, TBT {1e3 * p.tbt_slo:g} ms)", fontsize=9)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("SLO attainment (%)")
-        ax.set_ylim(-2, 102)
-        ax.legend(fontsize=8, title="dotted: paper's rates", title_fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            label = f"{pol} (sim {results[p.key][pol]['rate']:.2f})"
+            curves.append((rates, att, {"color": color, "ms": 3, "label": label}))
+        panels.append({
+            "title": f"{p.title} (TTFT {p.ttft_slo:g} s, TBT {1e3 * p.tbt_slo:g} ms)",
+            "curves": curves,
+            "vlines": [(rate, {"color": color, "ls": ":", "lw": 1}) for rate, color in
+                       zip(p.paper_rates, ("tab:red", "tab:blue"), strict=True)],
+            "legend": {"fontsize": 8, "title": "dotted: paper's rates", "title_fontsize": 7},
+        })  # fmt: skip
+    report.plot_attainment(path, panels, grid=(2, 2), figsize=(11, 8), title=title, dpi=120)
 
 
 def main() -> None:
