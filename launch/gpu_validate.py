@@ -75,12 +75,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "launch")]
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from lp_jax.bench import engine_figures as ef  # noqa: E402
 from lp_jax.bench import kernel_figures as kf  # noqa: E402
 from lp_jax.bench.budget import BudgetRun, attempt, summary  # noqa: E402
+from lp_jax.bench.kernel_figures import kernel_verdicts  # noqa: E402
 
 SMOKE_LABEL = "CPU smoke, not a measurement"
 # kernels: ~10 s of Python + CUDA start, the full-depth random stacks (~58 GB, one small
@@ -167,148 +166,12 @@ def check_cases(cfg, smoke: bool) -> list[tuple[str, str, object]]:
     scale, L = (SMOKE if smoke else H200), cfg.num_hidden_layers
     first, *rest = scale.check_tokens
     moe = lambda T: ("moe", f"moe_ffn[gpu] T={T}, layer {L - 1} of {L}",  # noqa: E731
-                     lambda: moe_check(cfg, T))
+                     lambda: kf.moe_check(cfg, T))
     attention = ("attention", f"attention[gpu] ragged + decode, layer {L - 1} of {L}, "
                  "contexts to " + ("40" if smoke else "4100"),
-                 lambda: attention_check(cfg, smoke))
+                 lambda: kf.attention_check(cfg, smoke))
     return [moe(first), attention, *map(moe, rest)]  # both ops get a verdict early
 
-
-def _random_stack(key, shape, scale: float):
-    """[L, ...] random bfloat16, one layer drawn at a time (float32 temporaries of one
-    layer, not of the stack; every index stays under 2^31)."""
-    def fill(i, w):
-        one = jax.random.normal(jax.random.fold_in(key, i), shape[1:], jnp.float32) * scale
-        return jax.lax.dynamic_update_index_in_dim(w, one.astype(kf.DTYPE), i, 0)
-
-    return jax.lax.fori_loop(0, shape[0], fill, jnp.zeros(shape, kf.DTYPE))
-
-
-def moe_check(cfg, T: int):
-    """moe_ffn[gpu] on layer L-1 (a traced index) of full-depth stacked weights, the last
-    eighth of the rows masked, against the float32 reference on that layer."""
-    from pallas_kernels.moe import moe_ffn
-    from pallas_kernels.moe.ref import ref_moe_ffn
-
-    D, F, E, L = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                  cfg.num_hidden_layers)
-    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
-    args = (sd((T, D), kf.DTYPE), sd((T, E), f32), sd((L, E, D, 2 * F), kf.DTYPE),
-            sd((L, E, F, D), kf.DTYPE), sd((), jnp.int32))
-    kw = dict(top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-              token_mask_T=np.arange(T) < T - T // 8)
-
-    def kernel(x, logits, w_gate_up, w_down, layer):
-        return moe_ffn(x, logits, w_gate_up, w_down, layer=layer, backend="gpu", **kw)[0]
-
-    def reference(x, logits, w_gate_up, w_down, layer):
-        with jax.default_matmul_precision("highest"):
-            return ref_moe_ffn(x.astype(f32), logits, w_gate_up[layer].astype(f32),
-                               w_down[layer].astype(f32), **kw)[0]
-
-    def make_args():
-        k = jax.random.split(jax.random.key(T), 4)
-        stack = jax.jit(_random_stack, static_argnums=(1, 2))
-        return (jax.random.normal(k[0], (T, D), kf.DTYPE), jax.random.normal(k[1], (T, E)),
-                stack(k[2], args[2].shape, D**-0.5), stack(k[3], args[3].shape, F**-0.5),
-                jnp.int32(L - 1))
-
-    return [("moe_ffn", kernel, reference, args, make_args)]
-
-
-def attention_check(cfg, smoke: bool):
-    """The gpu attention backend's ragged call (prefill chunks after cached context, fresh
-    prompts, decode tokens) and decode call, on layer L-1's pages of an L-layer pool
-    (the page table offset by (L-1) x pages per layer, as the model does), against the
-    xla backend on the same inputs."""
-    from pallas_kernels import attention
-
-    N, K, H, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, kf.PAGE_SIZE
-    L = cfg.num_hidden_layers
-    q_lens, ctx = ([20, 9, 1], [20, 14, 40]) if smoke else (
-        [300, 64, 1, 1, 1], [300, 101, 17, 2048, 4100])  # context after this step
-    pages = [-(-n // S) for n in ctx]
-    P, B = sum(pages) + 3, len(ctx)  # pages per layer
-    sd, i32 = jax.ShapeDtypeStruct, jnp.int32
-    pool, C = sd((L * P, S, 2 * K, H), kf.DTYPE), max(pages)
-    ragged_args = (sd((sum(q_lens), N, H), kf.DTYPE), pool, sd((B + 1,), i32), sd((B,), i32),
-                   sd((B, C), i32), sd((), i32))
-    decode_args = (sd((B, N, H), kf.DTYPE), pool, sd((B,), i32), sd((B, C), i32))
-
-    def inputs():
-        rng = np.random.default_rng(0)
-        table_BC = np.zeros((B, C), np.int32)
-        free = iter(rng.permutation(P))
-        for b, n in enumerate(pages):
-            table_BC[b, :n] = [(L - 1) * P + next(free) for _ in range(n)]
-        k = jax.random.split(jax.random.key(1), 3)
-        return dict(kv=jax.random.normal(k[0], pool.shape, kf.DTYPE), table=jnp.asarray(table_BC),
-                    q_T=jax.random.normal(k[1], ragged_args[0].shape, kf.DTYPE),
-                    q_B=jax.random.normal(k[2], decode_args[0].shape, kf.DTYPE),
-                    starts=jnp.asarray(np.cumsum([0, *q_lens]), i32),
-                    lens=jnp.asarray(ctx, i32))
-
-    cache = {}
-    made = lambda: cache.setdefault("inputs", inputs())  # noqa: E731 - one pool for both
-    ragged = {b: (lambda *a, b=b: attention.ragged_paged_attention(*a, sm_scale=H**-0.5,
-                                                                    backend=b))
-              for b in ("gpu", "xla")}
-    decode = {b: (lambda *a, b=b: attention.decode_attention(*a, sm_scale=H**-0.5, backend=b))
-              for b in ("gpu", "xla")}
-    return [
-        ("ragged", ragged["gpu"], ragged["xla"], ragged_args,
-         lambda: (lambda m: (m["q_T"], m["kv"], m["starts"], m["lens"], m["table"],
-                             jnp.int32(B)))(made())),
-        ("decode", decode["gpu"], decode["xla"], decode_args,
-         lambda: (lambda m: (m["q_B"], m["kv"], m["lens"], m["table"]))(made())),
-    ]
-
-
-def run_check(build) -> dict:
-    """Compiles (timed) and runs each pair of a check; the largest relative error."""
-    errs, compile_s = [], 0.0
-    for _, kernel, reference, _, make_args in build():
-        args = make_args()
-        outs = []
-        for fn in (kernel, reference):
-            t = time.perf_counter()
-            compiled = jax.jit(fn).lower(*args).compile()
-            compile_s += time.perf_counter() - t
-            outs.append(compiled(*args))
-        errs.append(kf.rel_err(*outs))
-    return {"rel_err": max(errs), "compile_s": compile_s}
-
-
-def kernel_verdicts(cases: list, planned: list, killed: bool) -> tuple[dict, list]:
-    """(verdict per op, cases not run) from the child's rows. An op passes if every case
-    planned for it ran and passed, fails if one ran and failed (a case the child died in,
-    unkilled, failed too), and has no verdict otherwise: a case the child did not reach,
-    or was killed in, proves nothing, and the engine then runs `auto` with its own
-    start-up self-test and fallback."""
-    rows = {(c["op"], c["case"]): c for c in cases}
-    states, not_run = {}, []  # (op, case) -> True / False / None (no verdict), in order
-    for key in planned:
-        row = rows.get(key)
-        if row is None:
-            not_run.append(f"{key[1]}: not reached")
-            states[key] = None
-        elif row.get("status") == "running" and killed:
-            row.update(status="interrupted", ok=None)
-            not_run.append(f"{key[1]}: interrupted by the kill")
-            states[key] = None
-        elif row.get("status") == "running":
-            row.update(status="crashed", ok=False)
-            states[key] = False
-        else:
-            states[key] = bool(row["ok"])
-    verdict = {}
-    for op in dict.fromkeys(op for op, _ in planned):
-        mine = [v for (o, _), v in states.items() if o == op]
-        if False in mine:
-            verdict[op] = False
-        elif all(mine):
-            verdict[op] = True
-    return verdict, not_run
 
 
 def section_kernels(run: Validation, sec: dict):
@@ -353,7 +216,7 @@ def kernel_check_child(path: Path, smoke: bool):
         out["cases"].append(row)
         write()  # a kill from here on leaves this case "running": interrupted, not failed
         t = time.perf_counter()
-        row.update(attempt(lambda b=build: run_check(b)))
+        row.update(attempt(lambda b=build: kf.run_check(b)))
         row.update(status="done", tol=kf.TOL, ok=row.get("rel_err", math.inf) <= kf.TOL,
                    seconds=time.perf_counter() - t)
         write()

@@ -1,6 +1,12 @@
 """Kernel-level figures of launch/gpu_validate.py: the Pallas GPU kernels checked against
 their references at a model's shapes, and the MoE and decode-attention microbenchmarks.
 
+A check (`moe_check`, `attention_check`) addresses layer L-1 of a full-depth stack, as the
+engine's last layer does, and is built as (kernel, reference, argument shapes, argument
+maker), so it can be compiled without a device (`--compile-times`) or run (`run_check`);
+`kernel_verdicts` turns the checks a child process finished, or did not, into a verdict
+per op.
+
 `moe_ffn` is timed per layer inside a loop over several layers' stacked weights, as the
 model runs it: no host dispatch per call and no cache reuse between layers. The grouped
 matmul baselines (`lax.ragged_dot`, jax's `ragged_dot_mgpu`, wrapped by
@@ -38,59 +44,141 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
 
 
-def check_moe(cfg, T: int) -> float:
-    """moe_ffn[gpu] on two stacked layers (layer 1 addressed in place), the last eighth of
-    the rows masked, against the float32 reference. Returns the relative error."""
+def _random_stack(key, shape, scale: float):
+    """[L, ...] random bfloat16, one layer drawn at a time (float32 temporaries of one
+    layer, not of the stack; every index stays under 2^31)."""
+    def fill(i, w):
+        one = jax.random.normal(jax.random.fold_in(key, i), shape[1:], jnp.float32) * scale
+        return jax.lax.dynamic_update_index_in_dim(w, one.astype(DTYPE), i, 0)
+
+    return jax.lax.fori_loop(0, shape[0], fill, jnp.zeros(shape, DTYPE))
+
+
+def moe_check(cfg, T: int):
+    """moe_ffn[gpu] on layer L-1 (a traced index) of full-depth stacked weights, the last
+    eighth of the rows masked, against the float32 reference on that layer."""
     from pallas_kernels.moe import moe_ffn
     from pallas_kernels.moe.ref import ref_moe_ffn
 
-    D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    k = jax.random.split(jax.random.key(T), 4)
-    x_TD = jax.random.normal(k[0], (T, D), DTYPE)
-    logits_TE = jax.random.normal(k[1], (T, E), jnp.float32)
-    w_gate_up_LEDF2 = jax.random.normal(k[2], (2, E, D, 2 * F), DTYPE) * D**-0.5
-    w_down_LEFD = jax.random.normal(k[3], (2, E, F, D), DTYPE) * F**-0.5
+    D, F, E, L = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                  cfg.num_hidden_layers)
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    args = (sd((T, D), DTYPE), sd((T, E), f32), sd((L, E, D, 2 * F), DTYPE),
+            sd((L, E, F, D), DTYPE), sd((), jnp.int32))
     kw = dict(top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-              token_mask_T=jnp.arange(T) < T - T // 8)
-    got, _ = jax.jit(lambda *a: moe_ffn(*a, layer=1, backend="gpu", **kw))(
-        x_TD, logits_TE, w_gate_up_LEDF2, w_down_LEFD)
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    with jax.default_matmul_precision("highest"):
-        want, _ = jax.jit(lambda *a: ref_moe_ffn(*a, **kw))(
-            f32(x_TD), logits_TE, f32(w_gate_up_LEDF2[1]), f32(w_down_LEFD[1]))
-    return rel_err(got, want)
+              token_mask_T=np.arange(T) < T - T // 8)
+
+    def kernel(x, logits, w_gate_up, w_down, layer):
+        return moe_ffn(x, logits, w_gate_up, w_down, layer=layer, backend="gpu", **kw)[0]
+
+    def reference(x, logits, w_gate_up, w_down, layer):
+        with jax.default_matmul_precision("highest"):
+            return ref_moe_ffn(x.astype(f32), logits, w_gate_up[layer].astype(f32),
+                               w_down[layer].astype(f32), **kw)[0]
+
+    def make_args():
+        k = jax.random.split(jax.random.key(T), 4)
+        stack = jax.jit(_random_stack, static_argnums=(1, 2))
+        return (jax.random.normal(k[0], (T, D), DTYPE), jax.random.normal(k[1], (T, E)),
+                stack(k[2], args[2].shape, D**-0.5), stack(k[3], args[3].shape, F**-0.5),
+                jnp.int32(L - 1))
+
+    return [("moe_ffn", kernel, reference, args, make_args)]
 
 
-def check_attention(cfg, smoke: bool) -> float:
+def attention_check(cfg, smoke: bool):
     """The gpu attention backend's ragged call (prefill chunks after cached context, fresh
-    prompts, decode tokens) and decode call (contexts up to 4100) on a random paged pool,
-    against the xla backend. Returns the larger relative error."""
+    prompts, decode tokens) and decode call, on layer L-1's pages of an L-layer pool
+    (the page table offset by (L-1) x pages per layer, as the model does), against the
+    xla backend on the same inputs."""
     from pallas_kernels import attention
 
     N, K, H, S = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, PAGE_SIZE
+    L = cfg.num_hidden_layers
     q_lens, ctx = ([20, 9, 1], [20, 14, 40]) if smoke else (
         [300, 64, 1, 1, 1], [300, 101, 17, 2048, 4100])  # context after this step
     pages = [-(-n // S) for n in ctx]
-    rng = np.random.default_rng(0)
-    P = sum(pages) + 3
-    table_BC = np.zeros((len(ctx), max(pages)), np.int32)
-    free = iter(rng.permutation(P))
-    for b, n in enumerate(pages):
-        table_BC[b, :n] = [next(free) for _ in range(n)]
-    k = jax.random.split(jax.random.key(1), 3)
-    kv_PSJH = jax.random.normal(k[0], (P, S, 2 * K, H), DTYPE)
-    q_TNH = jax.random.normal(k[1], (sum(q_lens), N, H), DTYPE)
-    q_BNH = jax.random.normal(k[2], (len(ctx), N, H), DTYPE)
-    args = (jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32), jnp.asarray(ctx, jnp.int32),
-            jnp.asarray(table_BC), jnp.int32(len(ctx)))
-    out = {}
-    for b in ("gpu", "xla"):
-        fn = lambda *a, b=b: attention.ragged_paged_attention(  # noqa: E731
-            *a, sm_scale=H**-0.5, backend=b)
-        dec = lambda *a, b=b: attention.decode_attention(  # noqa: E731
-            *a, sm_scale=H**-0.5, backend=b)
-        out[b] = (jax.jit(fn)(q_TNH, kv_PSJH, *args), jax.jit(dec)(q_BNH, kv_PSJH, *args[1:3]))
-    return max(rel_err(g, w) for g, w in zip(out["gpu"], out["xla"], strict=True))
+    P, B = sum(pages) + 3, len(ctx)  # pages per layer
+    sd, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pool, C = sd((L * P, S, 2 * K, H), DTYPE), max(pages)
+    ragged_args = (sd((sum(q_lens), N, H), DTYPE), pool, sd((B + 1,), i32), sd((B,), i32),
+                   sd((B, C), i32), sd((), i32))
+    decode_args = (sd((B, N, H), DTYPE), pool, sd((B,), i32), sd((B, C), i32))
+
+    def inputs():
+        rng = np.random.default_rng(0)
+        table_BC = np.zeros((B, C), np.int32)
+        free = iter(rng.permutation(P))
+        for b, n in enumerate(pages):
+            table_BC[b, :n] = [(L - 1) * P + next(free) for _ in range(n)]
+        k = jax.random.split(jax.random.key(1), 3)
+        return dict(kv=jax.random.normal(k[0], pool.shape, DTYPE), table=jnp.asarray(table_BC),
+                    q_T=jax.random.normal(k[1], ragged_args[0].shape, DTYPE),
+                    q_B=jax.random.normal(k[2], decode_args[0].shape, DTYPE),
+                    starts=jnp.asarray(np.cumsum([0, *q_lens]), i32),
+                    lens=jnp.asarray(ctx, i32))
+
+    cache = {}
+    made = lambda: cache.setdefault("inputs", inputs())  # noqa: E731 - one pool for both
+    ragged = {b: (lambda *a, b=b: attention.ragged_paged_attention(*a, sm_scale=H**-0.5,
+                                                                    backend=b))
+              for b in ("gpu", "xla")}
+    decode = {b: (lambda *a, b=b: attention.decode_attention(*a, sm_scale=H**-0.5, backend=b))
+              for b in ("gpu", "xla")}
+    return [
+        ("ragged", ragged["gpu"], ragged["xla"], ragged_args,
+         lambda: (lambda m: (m["q_T"], m["kv"], m["starts"], m["lens"], m["table"],
+                             jnp.int32(B)))(made())),
+        ("decode", decode["gpu"], decode["xla"], decode_args,
+         lambda: (lambda m: (m["q_B"], m["kv"], m["lens"], m["table"]))(made())),
+    ]
+
+
+def run_check(build) -> dict:
+    """Compiles (timed) and runs each pair of a check; the largest relative error."""
+    errs, compile_s = [], 0.0
+    for _, kernel, reference, _, make_args in build():
+        args = make_args()
+        outs = []
+        for fn in (kernel, reference):
+            t = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args).compile()
+            compile_s += time.perf_counter() - t
+            outs.append(compiled(*args))
+        errs.append(rel_err(*outs))
+    return {"rel_err": max(errs), "compile_s": compile_s}
+
+
+def kernel_verdicts(cases: list, planned: list, killed: bool) -> tuple[dict, list]:
+    """(verdict per op, cases not run) from the child's rows. An op passes if every case
+    planned for it ran and passed, fails if one ran and failed (a case the child died in,
+    unkilled, failed too), and has no verdict otherwise: a case the child did not reach,
+    or was killed in, proves nothing, and the engine then runs `auto` with its own
+    start-up self-test and fallback."""
+    rows = {(c["op"], c["case"]): c for c in cases}
+    states, not_run = {}, []  # (op, case) -> True / False / None (no verdict), in order
+    for key in planned:
+        row = rows.get(key)
+        if row is None:
+            not_run.append(f"{key[1]}: not reached")
+            states[key] = None
+        elif row.get("status") == "running" and killed:
+            row.update(status="interrupted", ok=None)
+            not_run.append(f"{key[1]}: interrupted by the kill")
+            states[key] = None
+        elif row.get("status") == "running":
+            row.update(status="crashed", ok=False)
+            states[key] = False
+        else:
+            states[key] = bool(row["ok"])
+    verdict = {}
+    for op in dict.fromkeys(op for op, _ in planned):
+        mine = [v for (o, _), v in states.items() if o == op]
+        if False in mine:
+            verdict[op] = False
+        elif all(mine):
+            verdict[op] = True
+    return verdict, not_run
 
 
 class MoeBench:
