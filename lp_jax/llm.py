@@ -14,8 +14,12 @@ class LLM:
     leader calls `shutdown()` or exits, and `generate` then returns []."""
 
     def __init__(self, model: str | None = None, **engine_args):
+        """`engine_args`: EngineConfig's fields, and `log` (print) and `executor` (None:
+        the model's own; see LLMEngine)."""
         log = engine_args.pop("log", print)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), log=log)
+        executor = engine_args.pop("executor", None)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args), log=log,
+                                executor=executor)
         if not self.engine.is_leader:
             self.engine.serve_follower()
 

@@ -139,46 +139,6 @@ def test_seeded_sampling_is_reproducible_across_policies(engines):
     assert c != a
 
 
-def test_bad_requests_fail_alone_and_leak_nothing(expected, engines):
-    llm = engines("layered")
-    eng = llm.engine
-    good = eng.add_request(_prompts()[1], GREEDY)
-    for bad in ([], [1] * 4000, [3, 600, 5], [-1, 4]):
-        with pytest.raises(ValueError):
-            eng.add_request(bad, GREEDY)
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert list(done) == [good] and done[good].token_ids == expected[1]
-    s = llm.stats()
-    assert s["free_pages"] == s["total_pages"]
-
-
-def test_abort_in_every_state_frees_all_pages(engines):
-    llm = engines("layered")
-    eng = llm.engine
-    p = _prompts()
-    long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    decoding = eng.add_request(p[1], long_params)
-    eng.step()
-    eng.step()  # now decoding
-    in_flight = eng.add_request(p[3][:64], long_params)  # a 2-group layered batch
-    waiting = eng.add_request(p[2], long_params)
-    while not eng.scheduler.policy.in_flight():
-        eng.step()  # until the batch is in flight (group 0 of 2)
-    assert eng.abort(in_flight) and eng.abort(waiting) and eng.abort(decoding)
-    assert not eng.abort(12345)
-    finished = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            finished[out.request_id] = out
-    assert {finished[r].finish_reason for r in (in_flight, waiting, decoding)} == {"abort"}
-    s = llm.stats()
-    assert s["free_pages"] == s["total_pages"]
-
-
 def test_an_abort_is_reported_even_when_nothing_else_runs(engines):
     eng = engines("chunked").engine
     rid = eng.add_request(_prompts()[0], GREEDY)
@@ -244,11 +204,13 @@ def test_orca_runs_a_prompt_longer_than_its_budget(expected, engines):
     assert out.token_ids == expected[1]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0])
 def test_random_workload_with_aborts_matches_chunked(seed, engines):
     """Random prompt lengths, arrival steps and aborts through the layered engine (with
     small budget: chunks cross groups while others arrive and leave); the survivors'
-    tokens equal a clean chunked run's, nothing compiles, and every page comes back."""
+    tokens equal a clean chunked run's, nothing compiles, and every page comes back.
+    Seeds 1 and 2, and every policy with and without overlap, run on the fake executor
+    (test_engine_fake.py); this one keeps the model's KV under aborts honest."""
     rng = np.random.default_rng(seed)
     n = 8
     prompts = [rng.integers(0, 509, int(rng.integers(1, 240))).tolist() for _ in range(n)]

@@ -172,9 +172,12 @@ def _default_model_dir():
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, log=print):
-        from lp_jax.loader import load_model
-
+    def __init__(self, config: EngineConfig, *, log=print, executor=None):
+        """`executor`: in place of loading the weights and compiling the programs, a
+        callable (SchedulerConfig, row buckets, ModelConfig) -> an executor with
+        ModelRunner's serving interface (`dispatch`, `warmup`, `memory`, `programs`,
+        `compile_seconds`, `row_layers`); tests/fake_executor.py is one, so engine tests
+        of scheduling and output plumbing compile nothing. Needs one process."""
         t_start = time.perf_counter()
         backend_select.skip_absent_tpu()  # before the first backend starts
         compile_guard.install()
@@ -198,34 +201,21 @@ class LLMEngine:
         latency = (LatencyModel.load(config.latency_model, dims) if config.latency_model
                    else LatencyModel(dims))
         buckets = step_buckets(sched_cfg, config.token_buckets)  # checked before loading
-        # Several processes: JAX's distributed runtime first (before any backend starts);
-        # the mesh then spans every process's devices.
-        self.process = distributed.initialize(config.num_processes, config.process_id,
-                                              config.coordinator_address)
-        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
-        model = load_model(model_dir, config=model_cfg, load_format=config.load_format,
-                           mesh=self.mesh, dtype=config.dtype)
-        compiles_before = compile_guard.compilations()
-        backends, self.kernel_report = check_backends(
-            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
-                                      moe_dispatch=config.moe_dispatch),
-            model.dtype, page_size=config.page_size, mode=config.backends, log=self.log)
-        # Expert bytes count in the dtype the engine runs, not the checkpoint's.
-        self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         self.tokenizer = _load_tokenizer(model_dir)
-        num_pages = config.kv_pages or self._default_kv_pages(model, max_model_len)
         self.channel = None
-        if self.process.multi_process:  # every process must build the same programs
-            num_pages, backends = self._join_processes(model_cfg, num_pages, backends)
-        sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
+        self._compiles_loaded = compile_guard.compilations()  # _load_and_build moves it on
+        if executor is None:
+            self.runner, sched_cfg = self._load_and_build(model_cfg, sched_cfg, buckets)
+        else:
+            if (config.num_processes or 1) > 1:
+                raise ValueError("an executor given to LLMEngine runs in one process")
+            self.process, self.mesh, self.kernel_report = distributed.SINGLE, None, {}
+            self.model_config = model_cfg
+            pages = config.kv_pages or config.max_num_seqs * math.ceil(
+                max_model_len / config.page_size)
+            sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
+            self.runner = executor(sched_cfg, buckets, model_cfg)
         self.scheduler = Scheduler(sched_cfg, latency)
-        self.runner = ModelRunner(
-            model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
-            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
-            backends=backends, seed=config.seed,
-            channel=self.channel if self.channel is not None and self.is_leader else None,
-        )
         self.slo_tracker = SLOTracker()
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
@@ -247,18 +237,52 @@ class LLMEngine:
                 self.channel.ready()
         # Every backend compile of start-up once the weights are in: the KV pool, the step
         # programs (dummy weights compile their own one-off initialisers while loading).
-        self._startup_compilations = compile_guard.compilations() - compiles_before
+        self._startup_compilations = compile_guard.compilations() - self._compiles_loaded
         self._compiles_while_serving = 0  # any backend compile inside step()
         self.startup_seconds = time.perf_counter() - t_start
         self.log(self.ready_line())
+
+    def _load_and_build(self, model_cfg: ModelConfig, sched_cfg, buckets):
+        """Loads the weights, self-tests the kernels, sizes the KV pool and builds the
+        ModelRunner (joining the other processes first, if any). Returns the runner and
+        the scheduler config with its page count."""
+        from lp_jax.loader import load_model
+
+        config = self.config
+        # Several processes: JAX's distributed runtime first (before any backend starts);
+        # the mesh then spans every process's devices.
+        self.process = distributed.initialize(config.num_processes, config.process_id,
+                                              config.coordinator_address)
+        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
+        model = load_model(self.model_dir, config=model_cfg, load_format=config.load_format,
+                           mesh=self.mesh, dtype=config.dtype)
+        self._compiles_loaded = compile_guard.compilations()
+        backends, self.kernel_report = check_backends(
+            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
+                                      moe_dispatch=config.moe_dispatch),
+            model.dtype, page_size=config.page_size, mode=config.backends, log=self.log)
+        # Expert bytes count in the dtype the engine runs, not the checkpoint's.
+        self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
+        num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
+        if self.process.multi_process:  # every process must build the same programs
+            num_pages, backends = self._join_processes(model_cfg, num_pages, backends)
+        sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
+        runner = ModelRunner(
+            model, mesh=self.mesh, num_pages=num_pages, page_size=config.page_size,
+            max_model_len=sched_cfg.max_model_len, max_num_seqs=config.max_num_seqs,
+            token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
+            backends=backends, seed=config.seed,
+            channel=self.channel if self.channel is not None and self.is_leader else None)
+        return runner, sched_cfg
 
     def ready_line(self) -> str:
         """One line for the log once the engine can serve: the model, the policy, its
         programs, and where the memory went (weights, KV pool, the carried-hidden buffer)."""
         cfg, r, sc = self.model_config, self.runner, self.scheduler.config
+        mem = r.memory()
 
-        def mib(tree) -> str:
-            return f"{sum(x.nbytes for x in jax.tree.leaves(tree)) / 2**20:,.1f} MiB"
+        def mib(key) -> str:
+            return f"{mem[key] / 2**20:,.1f} MiB"
 
         buckets = r.spec.buckets
         return (f"ready in {self.startup_seconds:.1f} s: {Path(self.model_dir).name} "
@@ -266,8 +290,8 @@ class LLMEngine:
                 f"{sc.name}, {len(r.programs)} programs (rows {buckets[0]}.."
                 f"{buckets[-1]}), max_model_len {sc.max_model_len}, max_num_seqs "
                 f"{sc.max_num_seqs}, prefill budget {sc.max_num_batched_tokens} tokens; "
-                f"memory: weights {mib(r.state)}, KV {sc.num_pages} pages x {sc.page_size} "
-                f"tokens {mib(r.kv_pages)}, hidden buffer {mib(r.hidden_RD)}")
+                f"memory: weights {mib('weights')}, KV {sc.num_pages} pages x {sc.page_size} "
+                f"tokens {mib('kv')}, hidden buffer {mib('hidden')}")
 
     def _join_processes(self, model_cfg: ModelConfig, num_pages: int, backends):
         """Connects the plan channel; the leader's page count and kernel backends (found

@@ -206,6 +206,14 @@ class ModelRunner:
         # Padding, in row-layers: rows computed vs real rows, over all calls.
         self.row_layers = {"useful": 0.0, "padded": 0.0, "max_step_ratio": 1.0}
 
+    def memory(self) -> dict[str, int]:
+        """Bytes of the weights, the KV pool and the carried-hidden buffer (all devices)."""
+        def nbytes(tree) -> int:
+            return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+        return {"weights": nbytes(self.state), "kv": nbytes(self.kv_pages),
+                "hidden": nbytes(self.hidden_RD)}
+
     # ------------------------------------------------------------ programs
     def warmup(self, log=print):
         """Compiles every program, several at a time: XLA compiles outside the GIL, so
