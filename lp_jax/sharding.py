@@ -11,8 +11,6 @@ parallelism), which keeps every mesh shape runnable.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -92,6 +90,3 @@ def named_sharding(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> N
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
-
-def mesh_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape.values())

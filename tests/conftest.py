@@ -94,6 +94,11 @@ def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
     return s
 
 
+def output_ids(seq) -> list[int]:
+    """A Sequence's output token ids (its tokens after the prompt)."""
+    return seq.token_ids[seq.num_prompt_tokens:]
+
+
 def make_sched_cfg(policy, **kw):
     """A SchedulerConfig for host-only scheduler tests (8 layers, 4,096 pages of 4)."""
     from lp_jax.core.config import SchedulerConfig

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from conftest import make_sched_cfg as make_cfg
+from conftest import output_ids
 from test_scheduler import FakeExecutor, check_invariants, drive, req
 
 from lp_jax.bench.open_loop import use_policy
@@ -248,7 +249,7 @@ def test_urgent_request_preempts_and_the_long_one_resumes_in_place(granularity):
     s = sched.stats()
     assert s["prefill_pauses"] == 1 and s["prefill_resumes"] == 1
     drive(sched, ex=ex)  # everything finishes, every chunk crossed each unit once
-    assert long_.output_token_ids and urgent.output_token_ids
+    assert output_ids(long_) and output_ids(urgent)
 
 
 def test_preemptible_layered_pauses_at_group_boundaries():
@@ -313,7 +314,7 @@ def test_memory_pressure_preempts_a_paused_prefill_before_decodes():
     assert sched.stats()["paused_prefills_preempted"] == 1 and long_.num_preemptions == 1
     assert dec.num_preemptions == 0
     drive(sched, ex=ex)
-    assert long_.output_token_ids and dec.num_output_tokens == 60
+    assert output_ids(long_) and dec.num_output_tokens == 60
 
 
 # ---------------------------------------------------------------------- engine

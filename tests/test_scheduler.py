@@ -11,7 +11,7 @@ that share cached prefix pages (prefix caching) are checked too.
 from collections import Counter
 
 import pytest
-from conftest import make_sched_cfg
+from conftest import make_sched_cfg, output_ids
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -52,6 +52,8 @@ class FakeExecutor:
         self.layers = {}  # (batch_id, seq_id, start, end) -> operator units crossed, in order
         self.rows = {}  # batch_id -> (hidden rows it holds, its seq ids) until it ends
         self.plans = []
+        self.preempted = {}  # step_id -> seq ids preempted while that plan was made
+        self._seen = {}  # seq_id -> (Sequence, its preemption count when last seen)
 
     def _slot(self, seq, pos):
         """The KV slot the model writes for `pos` (metadata.py's page * S + offset)."""
@@ -78,12 +80,20 @@ class FakeExecutor:
     def run(self, plan):
         num_layers = self.sched.config.num_layers
         self.plans.append(plan)
-        if plan.preempted:  # recompute preemption: the sequence's KV is gone, but for the
+        # Sequences preempted since the last plan ran, seen through their preemption
+        # counts (a plan states no preemptions: the executor keeps no state that needs it)
+        preempted = tuple(sorted(sid for sid, (s, n) in self._seen.items()
+                                 if s.num_preemptions > n))
+        for s in [*plan.decode, *(c.seq for c in plan.prefill),
+                  *(s for s, _ in self._seen.values())]:
+            self._seen[s.seq_id] = (s, s.num_preemptions)
+        self.preempted[plan.step_id] = preempted
+        assert not set(preempted) & {c.seq.seq_id for c in plan.prefill}
+        if preempted:  # recompute preemption: the sequence's KV is gone, but for the
             cached = self.sched.block_manager._hash_of  # pages the prefix cache keeps
             S = self.sched.block_manager.page_size
             self.kv = {k: v for k, v in self.kv.items()
-                       if v[0].seq_id not in plan.preempted or k // S in cached}
-        assert not set(plan.preempted) & {c.seq.seq_id for c in plan.prefill}
+                       if v[0].seq_id not in preempted or k // S in cached}
         for seq in plan.decode:
             # (planned over an uncommitted plan, its last token is still a placeholder)
             assert seq.status is RUNNING and seq.num_computed_tokens == seq.num_tokens - 1
@@ -188,10 +198,10 @@ def drive(sched, requests=(), *, ex=None, before=None, during=None, max_steps=20
             check_invariants(sched)
             step += 1
             continue
-        running_before = list(sched.running)
+        running_before = [(s, s.num_preemptions) for s in sched.running]
         plan = sched.schedule(float(step))
-        if plan.preempted:  # victims come from the tail of the running decodes
-            victims = [s for s in running_before if s.seq_id in plan.preempted]
+        victims = [s for s, n in running_before if s.num_preemptions > n]
+        if victims:  # victims come from the tail of the running decodes
             assert min((v.sort_key for v in victims), default=(99, 0.0, 0)) > max(
                 (s.sort_key for s in plan.decode), default=(-1, 0.0, -1)
             )
@@ -416,7 +426,7 @@ def mixed_workload():
 
 
 def outputs(reqs):
-    return {r.seq_id: r.output_token_ids for r in reqs}
+    return {r.seq_id: output_ids(r) for r in reqs}
 
 
 @pytest.mark.parametrize(
@@ -436,7 +446,7 @@ def test_every_policy_produces_the_same_tokens(kw):
     drive(Scheduler(make_cfg(**kw)), reqs)
     for r in reqs:
         assert r.status is SequenceStatus.FINISHED_LENGTH
-        assert r.output_token_ids == expected_output(r, 4096)
+        assert output_ids(r) == expected_output(r, 4096)
         assert r.num_preemptions == 0
 
 
@@ -482,7 +492,7 @@ def test_stop_conditions(policy, extra_eos):
         eos_token_id=eos)
     sched = Scheduler(make_cfg(policy, **ids))
     drive(sched, reqs, ex=FakeExecutor(sched, token_fn))
-    got = {r.seq_id: (r.output_token_ids, r.finish_reason) for r in reqs}
+    got = {r.seq_id: (output_ids(r), r.finish_reason) for r in reqs}
     assert got == {
         0: ([1, 1, eos], "stop"),
         1: ([1, 1, eos] + [1] * 7, "length"),
@@ -530,7 +540,7 @@ def test_overlapped_scheduling_gives_the_same_tokens(policy):
     ex = drive_overlapped(Scheduler(make_cfg(policy)), reqs)
     assert ex.overlapped > 10
     for r in reqs:
-        assert r.output_token_ids == expected_output(r, 4096)
+        assert output_ids(r) == expected_output(r, 4096)
         assert len(r.token_times) == r.num_output_tokens
 
 
@@ -540,7 +550,7 @@ def test_overlapped_speculation_stops_at_length_and_drops_tokens_after_a_stop():
     reqs = [req(0, 5, 10, stop_token_ids=[stop]), req(1, 5, 4)]
     sched = Scheduler(make_cfg("chunked", max_model_len=64))
     ex = drive_overlapped(sched, reqs)
-    assert reqs[0].finish_reason == "stop" and reqs[0].output_token_ids[-1] == stop
+    assert reqs[0].finish_reason == "stop" and output_ids(reqs[0])[-1] == stop
     assert reqs[0].num_output_tokens == 3 and reqs[1].num_output_tokens == 4
     decodes = [[s.seq_id for s in p.decode] for p in ex.plans]
     # seq 0 ran one wasted decode after its stop token; seq 1 none after its last token
@@ -622,9 +632,9 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(kw):
     overlapped = workload()
     ex_o = drive_overlapped(Scheduler(make_cfg(page_size=2, num_pages=pages, **kw)), overlapped)
     assert outputs(overlapped) == outputs(free) and ex_o.overlapped > 0
-    assert any(p.preempted for p in ex_o.plans)
+    assert any(ex_o.preempted.values())
     assert sched.stats()["preemptions"] > 0
-    assert any(p.preempted for p in ex.plans)
+    assert any(ex.preempted.values())
     assert sum(r.num_preemptions for r in tight) == sched.stats()["preemptions"]
     resumed = [c for p in ex.plans for c in p.prefill if c.seq.num_preemptions and c.start == 0]
     assert any(c.seq.prefill_target > c.seq.num_prompt_tokens for c in resumed)
@@ -639,12 +649,12 @@ def test_decode_that_is_the_tail_preempts_itself_never_the_layered_batch():
     q = req(1, 12, 1, arrival=1)  # 3 pages, held by the batch of steps 8-15
     ex = drive(sched, [d, q])
     # step 12: d (9 tokens) needs its third page, none is free, and d is the only decode
-    p = next(p for p in ex.plans if p.preempted)
-    assert p.step_id == 12 and p.preempted == (0,) and not p.decode
+    p = next(p for p in ex.plans if ex.preempted[p.step_id])
+    assert p.step_id == 12 and ex.preempted[12] == (0,) and not p.decode
     assert chunk_view(p) == [(1, 0, 12)] and p.group_index == 4  # the batch goes on
     resume = next(p for p in ex.plans if p.step_id > 12 and p.prefill and p.prefill[0].seq is d)
     assert chunk_view(resume) == [(0, 0, 9)] and resume.step_id == 16
-    assert d.output_token_ids == expected_output(d, 4096) and d.num_preemptions == 1
+    assert output_ids(d) == expected_output(d, 4096) and d.num_preemptions == 1
     assert q.num_preemptions == 0
 
 
@@ -653,11 +663,11 @@ def test_lower_priority_decode_is_preempted_first():
     sched = Scheduler(cfg)
     hi, lo = req(0, 2, 12, priority=0), req(1, 2, 12, priority=1, arrival=-1.0)
     ex = drive(sched, [lo, hi])
-    victims = [sid for p in ex.plans for sid in p.preempted]
+    victims = [sid for ids in ex.preempted.values() for sid in ids]
     assert victims and set(victims) == {1}
     assert hi.num_preemptions == 0 and lo.num_preemptions >= 1
-    assert hi.output_token_ids == expected_output(hi, 4096)
-    assert lo.output_token_ids == expected_output(lo, 4096)
+    assert output_ids(hi) == expected_output(hi, 4096)
+    assert output_ids(lo) == expected_output(lo, 4096)
 
 
 # ----- aborts -----
@@ -671,7 +681,7 @@ def test_abort_waiting_and_unknown():
     assert sched.abort(1, now=1.0) is b and b.finish_reason == "abort" and b.finish_time == 1.0
     assert b not in sched.waiting and sched.abort(1) is None and sched.abort(99) is None
     drive(sched, ex=ex)
-    assert a.finish_reason == "length" and not b.output_token_ids
+    assert a.finish_reason == "length" and not output_ids(b)
     assert sched.stats()["aborted"] == 1
 
 
@@ -698,7 +708,7 @@ def test_abort_partial_chunked_prefill():
     assert a in sched.prefilling and a.num_computed_tokens == 16
     sched.abort(0)
     assert sched.block_manager.num_free_pages == 4096 and not sched.prefilling
-    assert not a.output_token_ids
+    assert not output_ids(a)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -737,11 +747,11 @@ def test_abort_inside_an_in_flight_layered_batch():
         assert chunk_view(plan) == [(0, 0, 40), (1, 0, 40)]
     assert sched.block_manager.num_free_pages == 4096 - 20
     last = step_once(sched, 3, ex)
-    assert last.is_last_group and a.output_token_ids == [] and b.num_output_tokens == 1
+    assert last.is_last_group and output_ids(a) == [] and b.num_output_tokens == 1
     assert sched.block_manager.num_free_pages == 4096 - 10  # a's pages are back, b's remain
     assert chunk_view(step_once(sched, 4, ex)) == [(2, 0, 4)]  # c waited for the next batch
     drive(sched, ex=ex)
-    assert b.output_token_ids == expected_output(b, 4096)
+    assert output_ids(b) == expected_output(b, 4096)
 
 
 def test_abort_whole_in_flight_batch_still_frees_everything():
@@ -833,7 +843,7 @@ def test_commit_and_schedule_misuse():
     with pytest.raises(ValueError, match="prompt log-probabilities"):
         sched.commit(plan, StepResult({0: 5}, prompt_logprobs=((0, 1, {1: 0.0}),)), 1.0)
     sched.commit(plan, StepResult({0: 5}), 1.0)
-    assert sched.running[0].output_token_ids == [5]
+    assert output_ids(sched.running[0]) == [5]
 
 
 @pytest.mark.parametrize(
@@ -1012,9 +1022,9 @@ def test_random_workloads(policy, driver, data):
         want = expected_output(r, cfg.max_model_len, cfg.eos_token_id, token_fn)
         assert r.is_finished
         if r.seq_id in aborted:
-            assert r.finish_reason == "abort" and want[: r.num_output_tokens] == r.output_token_ids
+            assert r.finish_reason == "abort" and want[: r.num_output_tokens] == output_ids(r)
         else:
-            assert r.output_token_ids == want
+            assert output_ids(r) == want
             stopped = r.status is SequenceStatus.FINISHED_STOPPED
             assert r.finish_reason == ("stop" if stopped else "length")
             assert len(r.token_times) == r.num_output_tokens

@@ -67,7 +67,6 @@ class StepPlan:
     layer_end: int | None = None  # None: num_layers
     group_index: int = 0
     num_groups: int = 1
-    preempted: tuple[int, ...] = ()  # seq ids whose device-side state must be forgotten
     # The prefill span in operator units; None: the layer range (2 * layer_start, ...).
     # Given, they set layer_start / layer_end to the layers they touch.
     unit_start: int | None = None
@@ -78,7 +77,6 @@ class StepPlan:
         set_ = object.__setattr__
         set_(self, "decode", tuple(self.decode))
         set_(self, "prefill", tuple(self.prefill))
-        set_(self, "preempted", tuple(self.preempted))
         set_(self, "prefill_rows", tuple(self.prefill_rows))
         if self.layer_end is None:
             set_(self, "layer_end", self.num_layers)

@@ -243,7 +243,6 @@ class Scheduler:
             layer_end=part.layer_end,
             group_index=part.group_index,
             num_groups=part.num_groups,
-            preempted=tuple(s.seq_id for s in preempted),
             unit_start=part.unit_start,
             unit_end=part.unit_end,
             prefill_rows=part.rows,

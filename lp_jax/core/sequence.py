@@ -66,7 +66,6 @@ class Sequence:
         "page_hashes",
         "logprobs",
         "prompt_logprobs",
-        "request_id",
         "index",
         "slot",
     )
@@ -80,14 +79,10 @@ class Sequence:
         priority: int = 0,
         arrival_time: float = 0.0,
         slo: SLO | None = None,
-        request_id: int | None = None,
         index: int = 0,
     ) -> None:
         self.seq_id = seq_id
-        # The request it samples for (its first sequence's id) and which sample it is:
-        # a request with n > 1 is n sequences.
-        self.request_id = seq_id if request_id is None else request_id
-        self.index = index
+        self.index = index  # which sample of its request (a request with n > 1 is n sequences)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -140,10 +135,6 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def reads_prefix_cache(self) -> bool:

@@ -386,7 +386,7 @@ class LLMEngine:
                                                   max_tokens=1)
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
                        arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                       slo=slo, request_id=prefill_after, index=index)
+                       slo=slo, index=index)
         self.scheduler.add(seq, leader)  # validates; raises before any state changes
         return seq.seq_id
 

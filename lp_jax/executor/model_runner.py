@@ -404,7 +404,7 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Launches the plan's calls and returns without waiting for the device. `prev`:
         the dispatched, uncommitted step whose tokens this plan's placeholders stand for.
-        plan.preempted needs nothing here: the scheduler owns the hidden buffer's prefill
+        A preemption needs nothing here: the scheduler owns the hidden buffer's prefill
         rows (plan.prefill_rows), so a preempted or aborted batch's rows are simply not
         read again, and it never preempts a batch an outstanding plan still runs.
         With a plan channel (a multi-process leader), the calls' inputs go to every

@@ -130,9 +130,6 @@ class LayerCost:
         """Sum of per-op roofline times (ops run one after another)."""
         return sum(op.time_on(hardware, efficiency) for op in self.ops)
 
-    def times_on(self, hardware: Hardware, efficiency: float = 1.0) -> dict[str, float]:
-        return {op.name: op.time_on(hardware, efficiency) for op in self.ops}
-
     def scaled(self, factor: float) -> LayerCost:
         return LayerCost(tuple(op.scaled(factor) for op in self.ops))
 

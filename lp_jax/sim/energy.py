@@ -67,9 +67,6 @@ class EnergyModel:
             + self.j_per_byte * hbm_bytes
         )
 
-    def dynamic_joules(self, flops: float, hbm_bytes: float) -> float:
-        return self.j_per_flop * flops + self.j_per_byte * hbm_bytes
-
     @classmethod
     def fit(
         cls, samples: Sequence[tuple[float, float, float, float]], *, source: str = "fitted"

@@ -197,7 +197,7 @@ def contended(t_a: float, mem_a: float, t_b: float, mem_b: float) -> tuple[float
 def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
     """(its decodes alone through every layer, its prefill span alone)."""
     dec = StepPlan(plan.step_id, plan.num_layers, decode=plan.decode)
-    pre = replace(plan, decode=(), preempted=())
+    pre = replace(plan, decode=())
     return dec, pre
 
 
