@@ -113,7 +113,7 @@ def test_a_layered_plan_becomes_calls_over_its_group(group):
     a, b = split_layers(L, G)[group]
     chunks = (PrefillChunk(_seq(0, 100), 0, 100),)
     decode = (_seq(1, 5, decoding=True), _seq(2, 9, decoding=True))
-    plan = StepPlan(0, L, decode, chunks, prefill_batch_id=0, layer_start=a, layer_end=b,
+    plan = StepPlan(0, L, decode, chunks, prefill_batch_id=0, unit_start=2 * a, unit_end=2 * b,
                     group_index=group, num_groups=G)
     runner = object.__new__(ModelRunner)  # only the host-side planning, no model
     runner.L = L

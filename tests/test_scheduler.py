@@ -876,15 +876,15 @@ def test_plan_objects_validate():
     assert chunk.samples and chunk.num_tokens == 10
     with pytest.raises(ValueError, match="prefill_batch_id"):
         StepPlan(step_id=0, num_layers=4, prefill=(chunk,))
-    with pytest.raises(ValueError, match="layer range"):
-        StepPlan(step_id=0, num_layers=4, prefill=(chunk,), prefill_batch_id=0, layer_end=5)
+    with pytest.raises(ValueError, match="unit range"):
+        StepPlan(step_id=0, num_layers=4, prefill=(chunk,), prefill_batch_id=0, unit_end=10)
     with pytest.raises(ValueError, match="all layers"):
-        StepPlan(step_id=0, num_layers=4, prefill=(chunk,), prefill_batch_id=0, layer_end=2)
+        StepPlan(step_id=0, num_layers=4, prefill=(chunk,), prefill_batch_id=0, unit_end=4)
     with pytest.raises(ValueError, match="twice"):
         StepPlan(step_id=0, num_layers=4, decode=(s,), prefill=(chunk,), prefill_batch_id=0)
     plan = StepPlan(
         step_id=0, num_layers=4, prefill=(chunk,), prefill_batch_id=0,
-        layer_start=2, layer_end=4, group_index=1, num_groups=2,
+        unit_start=4, unit_end=8, group_index=1, num_groups=2,
     )  # fmt: skip
     assert plan.is_last_group and not plan.is_first_group and plan.sampling_seqs == (s,)
 

@@ -202,8 +202,8 @@ def test_step_time_grows_with_context_and_decodes():
         L,
         prefill=(PrefillChunk(long, 0, 8192),),
         prefill_batch_id=0,
-        layer_start=0,
-        layer_end=3,
+        unit_start=0,
+        unit_end=6,
         num_groups=16,
     )
     cost = ex.run(group)

@@ -52,7 +52,7 @@ def _plan(shape, chunks, span=None, decode=(), layers=None) -> StepPlan:
     if span is not None:
         kw = dict(unit_start=span[0], unit_end=span[1], num_groups=2 * L)
     elif layers is not None:
-        kw = dict(layer_start=layers[0], layer_end=layers[1], num_groups=L)
+        kw = dict(unit_start=2 * layers[0], unit_end=2 * layers[1], num_groups=L)
     return StepPlan(0, L, decode=tuple(decode), prefill=tuple(chunks),
                     prefill_batch_id=0 if chunks else None, **kw)  # fmt: skip
 

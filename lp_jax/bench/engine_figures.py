@@ -96,7 +96,7 @@ def layered_plans(seqs, groups: int, L: int) -> list:
 
     chunks = tuple(PrefillChunk(s, 0, s.prefill_target) for s in seqs)
     ranges = split_layers(L, min(groups, L))
-    return [StepPlan(g, L, prefill=chunks, prefill_batch_id=0, layer_start=a, layer_end=b,
+    return [StepPlan(g, L, prefill=chunks, prefill_batch_id=0, unit_start=2 * a, unit_end=2 * b,
                      group_index=g, num_groups=len(ranges)) for g, (a, b) in enumerate(ranges)]
 
 

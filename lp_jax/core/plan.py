@@ -8,15 +8,16 @@ about devices, arrays or padding.
 
 Every plan has two parts:
 - `decode`: sequences that each run their last token through all layers and sample one token;
-- `prefill`: prompt chunks that run through layers [layer_start, layer_end) only. Orca and
+- `prefill`: prompt chunks that run through operator units [unit_start, unit_end) only
+  (layers [layer_start, layer_end)). Orca and
   chunked prefill always use the whole stack (one group). Layered prefill runs the same chunks
   for G consecutive iterations, group g in iteration g; the executor keeps the batch's hidden
   states between them under `prefill_batch_id`, embeds the tokens when `is_first_group`, and
   computes logits for the chunks that `samples` when `is_last_group`.
 
 Preemptible prefill (FlowPrefill, flowprefill.py) runs a batch in segments that may end
-inside a layer: `unit_start` / `unit_end` give the prefill span in operator units (unit 2i
-is layer i's attention half, 2i + 1 its MLP half); they default to the layer range. A
+inside a layer, which operator units (unit 2i is layer i's attention half, 2i + 1 its
+MLP half) express; a layered group g is units [2a, 2b) for its layers [a, b). A
 batch's carried hidden states live in the executor's hidden buffer at `prefill_rows` (the
 first row of each chunk; default: packed from 0), so a paused batch keeps its rows while
 another runs, and dropping one chunk does not move the others.
@@ -63,14 +64,13 @@ class StepPlan:
     decode: tuple[Sequence, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
     prefill_batch_id: int | None = None  # set iff prefill is non-empty
-    layer_start: int = 0
-    layer_end: int | None = None  # None: num_layers
+    # The prefill span in operator units (2i: layer i's attention half, 2i + 1 its MLP
+    # half); unit_end None: 2 * num_layers, the whole stack. layer_start / layer_end are
+    # the layers it touches.
+    unit_start: int = 0
+    unit_end: int | None = None
     group_index: int = 0
     num_groups: int = 1
-    # The prefill span in operator units; None: the layer range (2 * layer_start, ...).
-    # Given, they set layer_start / layer_end to the layers they touch.
-    unit_start: int | None = None
-    unit_end: int | None = None
     prefill_rows: tuple[int, ...] = ()  # hidden-buffer row of each chunk; (): packed from 0
 
     def __post_init__(self) -> None:
@@ -78,25 +78,12 @@ class StepPlan:
         set_(self, "decode", tuple(self.decode))
         set_(self, "prefill", tuple(self.prefill))
         set_(self, "prefill_rows", tuple(self.prefill_rows))
-        if self.layer_end is None:
-            set_(self, "layer_end", self.num_layers)
         units = 2 * self.num_layers
-        if (self.unit_start is None) != (self.unit_end is None):
-            raise ValueError("give both unit_start and unit_end, or neither")
-        if self.unit_start is None:
-            set_(self, "unit_start", 2 * self.layer_start)
-            set_(self, "unit_end", 2 * self.layer_end)
-        else:
-            if not 0 <= self.unit_start < self.unit_end <= units:
-                raise ValueError(f"unit range [{self.unit_start}, {self.unit_end}) not inside "
-                                 f"[0, {units})")
-            set_(self, "layer_start", self.unit_start // 2)
-            set_(self, "layer_end", -(-self.unit_end // 2))
-        if not 0 <= self.layer_start < self.layer_end <= self.num_layers:
-            raise ValueError(
-                f"layer range [{self.layer_start}, {self.layer_end}) not inside "
-                f"[0, {self.num_layers})"
-            )
+        if self.unit_end is None:
+            set_(self, "unit_end", units)
+        if not 0 <= self.unit_start < self.unit_end <= units:
+            raise ValueError(f"unit range [{self.unit_start}, {self.unit_end}) not inside "
+                             f"[0, {units})")
         if not 0 <= self.group_index < self.num_groups <= units:
             raise ValueError(f"group {self.group_index} of {self.num_groups} is invalid")
         if self.num_groups == 1 and (self.unit_start, self.unit_end) != (0, units):
@@ -108,6 +95,16 @@ class StepPlan:
         ids = [s.seq_id for s in self.decode] + [c.seq.seq_id for c in self.prefill]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a sequence appears twice in plan {self.step_id}: {ids}")
+
+    @property
+    def layer_start(self) -> int:
+        """The first layer the prefill span touches."""
+        return self.unit_start // 2
+
+    @property
+    def layer_end(self) -> int:
+        """One past the last layer the prefill span touches."""
+        return -(-self.unit_end // 2)
 
     @property
     def is_first_group(self) -> bool:

@@ -239,8 +239,6 @@ class Scheduler:
             decode=tuple(decode),
             prefill=part.chunks,
             prefill_batch_id=part.batch_id,
-            layer_start=part.layer_start,
-            layer_end=part.layer_end,
             group_index=part.group_index,
             num_groups=part.num_groups,
             unit_start=part.unit_start,

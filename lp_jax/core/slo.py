@@ -107,6 +107,27 @@ def resolve_slo(classes: dict[str, SLO], slo_class: str | None = None,
                explicit.tbt_s if tbt_ms is not None else base.tbt_s, base.name)
 
 
+REQUEST_FIELDS = ("slo_class", "ttft_slo_ms", "tbt_slo_ms")
+
+
+def request_slo(classes: dict[str, SLO], slo) -> SLO | None:
+    """The SLO of a request from what the engines' add_request takes: None, an `SLO`, the
+    name of a configured class, or a dict of the request fields (REQUEST_FIELDS). Raises
+    ValueError for a bad or unknown one."""
+    if slo is None or isinstance(slo, SLO):
+        return slo
+    if isinstance(slo, str):
+        return resolve_slo(classes, slo)
+    if isinstance(slo, dict):
+        extra = set(slo) - set(REQUEST_FIELDS)
+        if extra:
+            raise ValueError(f"unknown SLO fields {sorted(extra)}; known: {list(REQUEST_FIELDS)}")
+        return resolve_slo(classes, slo.get("slo_class"), slo.get("ttft_slo_ms"),
+                           slo.get("tbt_slo_ms"))
+    raise ValueError(f"slo must be an SLO, a class name or a dict of {list(REQUEST_FIELDS)}, "
+                     f"got {slo!r}")
+
+
 class SLOTracker:
     """Attained / total finished requests per (class, kind). Requests aborted before their
     first token, and kinds a request set no objective for, are not counted."""

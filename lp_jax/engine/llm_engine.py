@@ -38,7 +38,7 @@ from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import Sequence
-from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
+from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 from lp_jax.engine.config import EngineConfig, default_max_model_len
 from lp_jax.executor import compile_guard, distributed
 from lp_jax.executor.kernel_check import check_backends
@@ -392,17 +392,7 @@ class LLMEngine:
 
     def resolve_slo(self, slo) -> SLO | None:
         """An SLO from what add_request accepts; raises ValueError for bad or unknown ones."""
-        if slo is None or isinstance(slo, SLO):
-            return slo
-        if isinstance(slo, str):
-            return resolve_slo(self.slo_classes, slo)
-        if isinstance(slo, dict):
-            extra = set(slo) - {"slo_class", "ttft_slo_ms", "tbt_slo_ms"}
-            if extra:
-                raise ValueError(f"unknown SLO fields {sorted(extra)}")
-            return resolve_slo(self.slo_classes, slo.get("slo_class"),
-                               slo.get("ttft_slo_ms"), slo.get("tbt_slo_ms"))
-        raise ValueError(f"slo must be an SLO, a class name or a dict, got {slo!r}")
+        return request_slo(self.slo_classes, slo)
 
     def abort(self, request_id: int) -> bool:
         seq = self.scheduler.abort(request_id, now=time.perf_counter())

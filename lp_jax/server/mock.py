@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from lp_jax.core.metrics import RequestMetrics
 from lp_jax.core.sampling_params import SamplingParams
-from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, resolve_slo
+from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 
 
 @dataclass
@@ -114,16 +114,8 @@ class MockEngine:
         return seq.seq_id
 
     def resolve_slo(self, slo) -> SLO | None:
-        """As LLMEngine.resolve_slo: an SLO, a class name, or a dict of the request fields."""
-        if slo is None or isinstance(slo, SLO):
-            return slo
-        if isinstance(slo, str):
-            return resolve_slo(self.slo_classes, slo)
-        if not isinstance(slo, dict) or set(slo) - {"slo_class", "ttft_slo_ms", "tbt_slo_ms"}:
-            raise ValueError(f"slo must be an SLO, a class name or a dict of slo_class, "
-                             f"ttft_slo_ms and tbt_slo_ms, got {slo!r}")
-        return resolve_slo(self.slo_classes, slo.get("slo_class"), slo.get("ttft_slo_ms"),
-                           slo.get("tbt_slo_ms"))
+        """As LLMEngine.resolve_slo (core/slo.py's request_slo)."""
+        return request_slo(self.slo_classes, slo)
 
     def abort(self, request_id: int) -> bool:
         for queue in (self.scheduler.waiting, self.scheduler.running):

@@ -64,12 +64,10 @@ class PrefillPart:
 
     chunks: tuple[PrefillChunk, ...]
     batch_id: int | None
-    layer_start: int = 0
-    layer_end: int | None = None  # None: all layers
+    unit_start: int = 0  # the prefill span in operator units (StepPlan)
+    unit_end: int | None = None  # None: the whole stack
     group_index: int = 0
     num_groups: int = 1
-    unit_start: int | None = None  # operator-unit span; None: the layer range
-    unit_end: int | None = None
     rows: tuple[int, ...] = ()  # hidden-buffer row of each chunk; (): packed from 0
 
 

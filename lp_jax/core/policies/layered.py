@@ -61,7 +61,8 @@ class LayeredPolicy(Policy):
             b.groups.append((start, start + self._adaptive_span(b, start, num_decode)))
         start, end = b.groups[b.index]
         more = self.adaptive and end < self.sched.config.num_layers
-        return PrefillPart(b.chunks, b.batch_id, start, end, b.index, len(b.groups) + more)
+        return PrefillPart(b.chunks, b.batch_id, 2 * start, 2 * end, b.index,
+                           len(b.groups) + more)
 
     def tbt_target(self) -> float | None:
         """The TBT objective the decodes must keep: the tightest running request's, or the
