@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from lp_jax.config import ModelConfig
 from lp_jax.models import StackedCausalLM, model_class
-from lp_jax.models.qwen3_moe import embed_width
+from lp_jax.models.stacked import embed_width
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 

@@ -168,7 +168,7 @@ def test_the_audit_catches_a_weight_copy(mid_dir, tmp_path, monkeypatch, export_
     """The `xla` MoE reference slices w[layer] (a copy of one layer's experts): a step
     built on it must fail the audit, naming the op."""
     import lp_jax.aot as aot
-    from lp_jax.models.qwen3_moe import KernelBackends
+    from lp_jax.models.backends import KernelBackends
 
     monkeypatch.setattr(aot, "KernelBackends",
                         lambda moe, attention, **kw: KernelBackends(moe="xla", attention=attention,

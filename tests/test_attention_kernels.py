@@ -796,7 +796,7 @@ def test_gpu_decode_sweep_small():
 def test_tiny_model_generates_the_same_with_gpu_kernels(tiny_model):
     """The model's own calls (layer page offsets, decode_only steps) through the GPU
     kernels in interpret mode match the xla backend."""
-    from lp_jax.models.qwen3_moe import KernelBackends
+    from lp_jax.models.backends import KernelBackends
     from lp_jax.models.simple import greedy_generate
 
     prompt = list(range(3, 40))  # 37 tokens over 5 pages of 8, decode crosses a page

@@ -315,7 +315,7 @@ def test_20b_builds_abstractly_with_expected_bytes():
     attn = 2 * D * NH + 2 * D * KH + NH + 2 * KH + D + N
     mlp = D * E + E + E * (D * 2 * F + 2 * F + F * D + D)
     params = 2 * V * D + D + L * (attn + 2 * D + mlp)
-    # the embedding table is padded to 2944 = 23 x 128 columns (qwen3_moe.embed_width)
+    # the embedding table is padded to 2944 = 23 x 128 columns (stacked.embed_width)
     assert sum(math.prod(v.shape) for _, v in flat) == params + V * (2944 - D)
     assert 20.5e9 < params < 21.5e9  # "gpt-oss-20b": 21B parameters
     assert cfg.expert_bytes == (3 * D * F + 2 * F + D) * 2

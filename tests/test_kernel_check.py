@@ -11,7 +11,7 @@ import pytest
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax.config import ModelConfig
 from lp_jax.executor.kernel_check import KernelCheckError, check_backends
-from lp_jax.models.qwen3_moe import KernelBackends
+from lp_jax.models.backends import KernelBackends
 from pallas_kernels.attention import tpu as attention_tpu
 from pallas_kernels.moe import tpu as moe_tpu
 

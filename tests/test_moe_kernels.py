@@ -582,7 +582,7 @@ def test_jax_ragged_dot_mgpu_refills_without_waiting():
 def test_tiny_model_prefill_with_pallas_moe(tiny_model, monkeypatch):
     """The model's own call (inside jit and lax.scan over layers) with the tpu and gpu
     MoE backends in interpret mode (via the env var): same prompt logits as xla."""
-    from lp_jax.models.qwen3_moe import KernelBackends
+    from lp_jax.models.backends import KernelBackends
     from lp_jax.models.simple import greedy_generate
 
     monkeypatch.setenv(moe.INTERPRET_ENV, "1")

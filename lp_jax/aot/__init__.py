@@ -51,7 +51,8 @@ from lp_jax.core.policies import resolve_policy
 from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
-from lp_jax.models.qwen3_moe import KV_CACHE_AXES, KernelBackends, kv_cache_shape, packs_kv
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, packs_kv
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
 

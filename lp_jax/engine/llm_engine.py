@@ -49,7 +49,7 @@ from lp_jax.executor.plan_channel import (
     run_follower,
     warm_broadcasts,
 )
-from lp_jax.models.qwen3_moe import KernelBackends
+from lp_jax.models.backends import KernelBackends
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 
 _KEEP_BATCHES = 256

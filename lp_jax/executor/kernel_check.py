@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.models.qwen3_moe import KernelBackends, kv_cache_shape, packs_kv
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import kv_cache_shape, packs_kv
 from pallas_kernels import attention, moe
 from pallas_kernels.attention.ref import ref_ragged_paged_attention
 from pallas_kernels.moe.ref import ref_moe_ffn

@@ -58,15 +58,10 @@ from lp_jax.executor.step import (
     init_counts,
     make_step,
 )
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import KV_CACHE_AXES, init_kv_cache, kv_cache_shape, packs_kv
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
-from lp_jax.models.qwen3_moe import (
-    KV_CACHE_AXES,
-    KernelBackends,
-    StackedCausalLM,
-    init_kv_cache,
-    kv_cache_shape,
-    packs_kv,
-)
+from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
 from lp_jax.sharding import named_sharding, replicated
 

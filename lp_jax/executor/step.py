@@ -46,8 +46,8 @@ from flax import nnx
 
 from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from lp_jax.executor.sampler import apply_bias, apply_penalties, sample, token_logprobs
+from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
-from lp_jax.models.qwen3_moe import KernelBackends
 
 MAX_EOS_TOKEN_IDS = 8  # a model's eos ids (config.json and generation_config.json)
 # Per-row bias entries: the logit_bias cap, then min_tokens' masks (stop ids and eos).

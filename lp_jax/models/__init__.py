@@ -1,11 +1,9 @@
+from lp_jax.models.backends import KernelBackends
 from lp_jax.models.gpt_oss import GptOssForCausalLM
+from lp_jax.models.kv_cache import init_kv_cache
 from lp_jax.models.metadata import AttentionMetadata, build_metadata
-from lp_jax.models.qwen3_moe import (
-    KernelBackends,
-    Qwen3MoeForCausalLM,
-    StackedCausalLM,
-    init_kv_cache,
-)
+from lp_jax.models.qwen3_moe import Qwen3MoeForCausalLM
+from lp_jax.models.stacked import StackedCausalLM
 
 # model_type (config.json) -> model class; every class has the interface the engine
 # uses (embed, run_units, run_layers, compute_logits, config, dtype).

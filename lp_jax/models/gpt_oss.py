@@ -1,5 +1,5 @@
 """GPT-OSS (Hugging Face `gpt_oss`, GptOssForCausalLM) in Flax NNX, on the same stacked
-layer loop as Qwen3 (`StackedCausalLM` in qwen3_moe.py).
+layer loop as Qwen3 (`StackedCausalLM` in stacked.py).
 
 What differs from Qwen3, each checked against transformers' modeling_gpt_oss.py:
 
@@ -26,7 +26,7 @@ Kernels. Every attention backend we own ("xla", "tpu", "gpu") has sinks and wind
 biases and the clamped SwiGLU. JAX's shipped TPU attention ("tpu_jax") has neither:
 `serving_backends` swaps it for "tpu", with a warning, and the entry point itself
 refuses sinks and windows, so nothing can silently compute without them. On TPU the
-KV pool is packed [.., K, 2H] for head_dim 64 (`qwen3_moe.packs_kv`). On a mesh the
+KV pool is packed [.., K, 2H] for head_dim 64 (`kv_cache.packs_kv`). On a mesh the
 MoE takes Qwen3's path (`sharded_kernels.model_moe_ffn`: allreduce or all_to_all).
 """
 
@@ -39,17 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lp_jax.config import ModelConfig
-from lp_jax.models.qwen3_moe import (
-    KernelBackends,
-    StackedCausalLM,
-    _dot,
-    _param,
-    apply_rope,
-    embed_width,
-    rms_norm,
-    rope_frequencies,
-)
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.layers import apply_rope, dot, param, rms_norm, rope_frequencies
 from lp_jax.models.sharded_kernels import model_moe_ffn
+from lp_jax.models.stacked import StackedCausalLM
 from pallas_kernels import attention
 
 _WARNED: set[str] = set()
@@ -75,14 +68,14 @@ class GptOssAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         L, D, N = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads
         NH, KH = N * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = _param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype)
-        self.k_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
-        self.v_proj = _param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
+        self.q_proj = param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype)
+        self.k_proj = param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
+        self.v_proj = param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
         # [L, D, N*H], the checkpoint's [out, in]: with D = 2880 (not a multiple of 128)
         # XLA:TPU lays [L, N*H, D] out N*H-minor and copied the whole stack (540 MB) to
         # the loop's layout every step; this way round the minor axis is N*H.
-        self.o_proj = _param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype,
-                             fan_in=NH)
+        self.o_proj = param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype,
+                            fan_in=NH)
         if cfg.attention_bias:
             self.q_proj_bias = _zeros((L, NH), ("layers", "q_heads"), dtype)
             self.k_proj_bias = _zeros((L, KH), ("layers", "kv_heads"), dtype)
@@ -97,13 +90,13 @@ class GptOssMLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         L, D, E, F = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts,
                       cfg.moe_intermediate_size)
-        self.router = _param(rngs, (L, D, E), ("layers", "embed", None), dtype)
+        self.router = param(rngs, (L, D, E), ("layers", "embed", None), dtype)
         self.router_bias = _zeros((L, E), ("layers", None), dtype)
-        self.experts_gate_up_proj = _param(
+        self.experts_gate_up_proj = param(
             rngs, (L, E, D, 2 * F), ("layers", "experts", "embed", "expert_mlp"), dtype)
         self.experts_gate_up_proj_bias = _zeros((L, E, 2 * F),
                                                 ("layers", "experts", "expert_mlp"), dtype)
-        self.experts_down_proj = _param(
+        self.experts_down_proj = param(
             rngs, (L, E, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype)
         self.experts_down_proj_bias = _zeros((L, E, D), ("layers", "experts", "embed"), dtype)
 
@@ -115,19 +108,10 @@ def _zeros(shape, axes, dtype):
 class GptOssDecoderLayers(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         L, D = cfg.num_hidden_layers, cfg.hidden_size
-        self.input_layernorm = _param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
-        self.post_attention_layernorm = _param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
+        self.input_layernorm = param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
+        self.post_attention_layernorm = param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
         self.self_attn = GptOssAttention(cfg, dtype, rngs=rngs)
         self.mlp = GptOssMLP(cfg, dtype, rngs=rngs)
-
-
-class GptOssModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
-        V, D = cfg.vocab_size, cfg.hidden_size
-        self.embed_tokens = _param(rngs, (V, embed_width(cfg)), ("vocab", "embed"), dtype,
-                                   fan_in=D)
-        self.layers = GptOssDecoderLayers(cfg, dtype, rngs=rngs)
-        self.norm = _param(rngs, (D,), ("embed",), dtype, ones=True)
 
 
 class GptOssForCausalLM(StackedCausalLM):
@@ -137,12 +121,7 @@ class GptOssForCausalLM(StackedCausalLM):
         if cfg.model_type != "gpt_oss":
             raise ValueError(f"GptOssForCausalLM needs model_type 'gpt_oss', got "
                              f"{cfg.model_type!r}")
-        dtype = jnp.dtype(dtype or cfg.dtype)
-        self.config = cfg
-        self.dtype = dtype
-        self.model = GptOssModel(cfg, dtype, rngs=rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(
-            rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+        super().__init__(cfg, GptOssDecoderLayers, rngs=rngs, dtype=dtype)
         # Keys each layer sees; 0 = full attention. Read by the loop counter at run time.
         self._windows = tuple(cfg.layer_window(i) or 0 for i in range(cfg.num_hidden_layers))
 
@@ -151,7 +130,7 @@ class GptOssForCausalLM(StackedCausalLM):
 
     def _linear(self, i, h_TX, name):
         attn = self.model.layers.self_attn
-        y = _dot(h_TX, getattr(attn, name)[i])
+        y = dot(h_TX, getattr(attn, name)[i])
         if self.config.attention_bias:
             y = y + getattr(attn, f"{name}_bias")[i]
         return y

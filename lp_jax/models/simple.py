@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import init_kv_cache
 from lp_jax.models.metadata import build_metadata
-from lp_jax.models.qwen3_moe import KernelBackends, StackedCausalLM, init_kv_cache
+from lp_jax.models.stacked import StackedCausalLM
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "decode_only", "backends"),
