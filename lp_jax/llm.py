@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.engine.config import EngineConfig
-from lp_jax.engine.llm_engine import LLMEngine, RequestOutput
+from lp_jax.engine.llm_engine import LLMEngine
+from lp_jax.engine.outputs import RequestOutput
 
 
 class LLM:
