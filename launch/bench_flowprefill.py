@@ -8,7 +8,7 @@ each policy is a fresh `Scheduler` on the same executor, which is policy-agnosti
 hidden buffer has FlowPrefill's row areas, which the other policies leave unused). Every
 request is prefill-only (it ends at its first token), FlowPrefill's setting.
 
-Workload: the simulator's QwenTrace-like classes (`lp_jax.sim.workload.QWENTRACE`), prompt
+Workload: the simulator's QwenTrace-like classes (`lp_jax.sim.task_classes.QWENTRACE`), prompt
 lengths times --length-scale so a run takes minutes. SLO base: each class's TTFT SLO is
 k x the solo TTFT of its median prompt, measured here with one whole-prompt call
 (policy orca), times --slo-scale. Poisson arrivals at --load x the capacity the solo
@@ -43,7 +43,7 @@ from lp_jax.core.slo import SLO
 from lp_jax.engine.config import EngineConfig
 from lp_jax.engine.llm_engine import LLMEngine
 from lp_jax.sim.simulator import ttft_attainment
-from lp_jax.sim.workload import (
+from lp_jax.sim.task_classes import (
     QWENTRACE,
     class_slos,
     configure_classes,

@@ -6,7 +6,7 @@ Prefill-only (default; the paper's setting is the prefill instance of a disaggre
 deployment): every request ends at its first token. `--colocated` gives requests output
 lengths and runs the decodes in the same plans.
 
-Workload: QwenTrace-like task classes (`lp_jax.sim.workload.QWENTRACE`: chat, web_search,
+Workload: QwenTrace-like task classes (`lp_jax.sim.task_classes.QWENTRACE`: chat, web_search,
 summarisation, image_understanding; lognormal prompts around the paper's means, the image
 class's 1500-token mean ASSUMED), Poisson arrivals. Each class's TTFT SLO is k_class x the
 solo TTFT of its median prompt on the simulated machine (one whole-prompt step, policy

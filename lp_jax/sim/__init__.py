@@ -38,24 +38,26 @@ from lp_jax.sim.simulator import (
     weight_bytes,
 )
 from lp_jax.sim.slo import RateSearch, attainment, sustainable_rate
+from lp_jax.sim.task_classes import (
+    QWENTRACE,
+    TaskClass,
+    class_slos,
+    configure_classes,
+    multi_slo_requests,
+    parse_assignments,
+    parse_task_class,
+)
 from lp_jax.sim.workload import (
     ARXIV_PAPER,
-    QWENTRACE,
     SHAREGPT_8K,
     EmpiricalLengths,
     LognormalLengths,
     QuantileLengths,
     Request,
-    TaskClass,
     TraceRow,
     arrival_times,
-    class_slos,
-    configure_classes,
     length_model,
     load_trace,
-    multi_slo_requests,
-    parse_assignments,
-    parse_task_class,
     synthesize,
     trace_requests,
 )
