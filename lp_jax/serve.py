@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="commit each step before planning the next")
     e.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache [default: ~/.cache/lp_jax/jax_cache]; '' for none")
+    e.add_argument("--trace", dest="trace_path", default=None, metavar="PATH",
+                   help="write the decision trace (one JSON line per plan and request "
+                        "event) here; python -m lp_jax.trace plot PATH draws it")
     f = p.add_argument_group("latency SLOs and FlowPrefill (EngineConfig)")
     f.add_argument("--slo-classes", type=_slo_classes, default=None,
                    help='named SLO classes requests may give as slo_class: inline JSON or a '
@@ -232,7 +235,7 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
                 "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
-                "coordinator_address", "plan_channel", "follower_timeout_s")
+                "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path")
 
 
 def engine_config(args):

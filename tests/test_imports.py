@@ -21,6 +21,7 @@ FLOORS = {
     "lp_jax.config": 0, "lp_jax.sharding": 0, "lp_jax.safetensors_io": 0,
     "lp_jax.progress": 0, "lp_jax.backend_select": 0, "lp_jax.version": 0,
     "lp_jax.core": 1,  # the pure-Python scheduling core
+    "lp_jax.trace": 2,  # the decision trace: written by the engine and the simulator
     "lp_jax.models": 2,
     "lp_jax.loader": 3, "lp_jax.roofline": 3, "checkpoints": 3,
     "lp_jax.executor": 4, "lp_jax.sim": 4,

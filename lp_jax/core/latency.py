@@ -195,6 +195,18 @@ class LatencyModel:
         return self.predict(self.plan_features(plan), len(plan.decode),
                             plan.num_prefill_tokens)
 
+    def peek_plan(self, plan) -> float:
+        """predict_plan for an observer (the decision trace): the same value, without
+        re-solving the fit in place, so that observing changes nothing the scheduler
+        sees later (observe() uses the coefficients as they stand)."""
+        if not self._stale:
+            return self.predict_plan(plan)
+        coef, since = self.coef_F, self._since_solve
+        try:
+            return self.predict_plan(plan)
+        finally:
+            self.coef_F, self._since_solve, self._stale = coef, since, True
+
     def prefill_seconds(self, chunks_TP, a: int, b: int, *, segments: int = 1,
                         num_decode: int = 0, decode_context: int = 0) -> float:
         """Predicted time to run chunks through units [a, b) in `segments` steps."""

@@ -87,6 +87,12 @@ class EngineConfig:
     coordinator_address: str | None = None
     plan_channel: str = "host"  # "host" (TCP) or "device" (broadcast_one_to_all)
     follower_timeout_s: float = 60.0  # a follower silent this long ends the leader
+    # The decision trace (lp_jax/trace/writer.py): one JSON line per plan and request
+    # event, written here; `python -m lp_jax.trace plot` draws it.
+    trace_path: str | None = None
+    # Scheduler time advanced by the latency estimator's predicted step times instead of
+    # wall time (core/clock.py): arrivals, deadlines and metrics on it, reproducible.
+    virtual_clock: bool = False
 
     def __post_init__(self):
         if self.backends not in ("fallback", "strict", "off"):

@@ -31,6 +31,7 @@ import numpy as np
 
 from lp_jax import backend_select
 from lp_jax.config import ModelConfig
+from lp_jax.core.clock import VirtualClock, WallClock, nominal_latency
 from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.programs import hidden_rows, step_buckets
@@ -51,6 +52,7 @@ from lp_jax.executor.plan_channel import (
 )
 from lp_jax.models.backends import KernelBackends
 from lp_jax.sharding import make_mesh, parse_mesh_shape
+from lp_jax.trace.writer import TraceWriter
 
 _KEEP_BATCHES = 256
 
@@ -91,7 +93,9 @@ class LLMEngine:
         self.slo_classes = parse_slo_classes(config.slo_classes or {})
         dims = ModelDims.from_config(model_cfg)
         latency = (LatencyModel.load(config.latency_model, dims) if config.latency_model
-                   else LatencyModel(dims))
+                   else nominal_latency(dims) if config.virtual_clock else LatencyModel(dims))
+        # The scheduler's time (core/clock.py); a virtual clock moves by predicted steps.
+        self.clock = VirtualClock() if config.virtual_clock else WallClock()
         buckets = step_buckets(sched_cfg, config.token_buckets)  # checked before loading
         self.tokenizer = _load_tokenizer(model_dir)
         self.channel = None
@@ -108,6 +112,11 @@ class LLMEngine:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
             self.runner = executor(sched_cfg, buckets, model_cfg)
         self.scheduler = Scheduler(sched_cfg, latency)
+        self.trace = None  # the decision trace (lp_jax/trace), with config.trace_path
+        if config.trace_path and self.is_leader:
+            self.trace = TraceWriter(config.trace_path, source="engine", policy=sched_cfg.name,
+                                     num_layers=sched_cfg.num_layers,
+                                     clock="virtual" if config.virtual_clock else "wall")
         self.slo_tracker = SLOTracker()
         self._ids = itertools.count()
         self._aborted: list[Sequence] = []  # finished by abort(), reported at the next step
@@ -191,7 +200,7 @@ class LLMEngine:
         with other engine arguments stops with an error naming them."""
         config = self.config
         mine = {k: repr(v) for k, v in dataclasses.asdict(config).items()
-                if k not in ("process_id", "model", "compilation_cache_dir")}
+                if k not in ("process_id", "model", "compilation_cache_dir", "trace_path")}
         mine["model_config"] = repr(model_cfg)
         if self.is_leader:
             self.channel = LeaderChannel(self.process, transport=config.plan_channel,
@@ -228,6 +237,8 @@ class LLMEngine:
         """Stops the followers of a multi-process leader (a no-op otherwise; idempotent)."""
         if self.channel is not None and self.is_leader:
             self.channel.stop()
+        if self.trace is not None:
+            self.trace.close()
 
     def _default_kv_pages(self, model, max_model_len: int) -> int:
         """Enough pages for max_num_seqs full-length sequences, capped by free memory."""
@@ -277,9 +288,11 @@ class LLMEngine:
             sampling_params = dataclasses.replace(sampling_params or SamplingParams(),
                                                   max_tokens=1)
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
-                       arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                       arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo, index=index)
         self.scheduler.add(seq, leader)  # validates; raises before any state changes
+        if self.trace is not None:
+            self.trace.arrival(seq, seq.arrival_time)
         return seq.seq_id
 
     def resolve_slo(self, slo) -> SLO | None:
@@ -287,9 +300,11 @@ class LLMEngine:
         return request_slo(self.slo_classes, slo)
 
     def abort(self, request_id: int) -> bool:
-        seq = self.scheduler.abort(request_id, now=time.perf_counter())
+        seq = self.scheduler.abort(request_id, now=self.clock.now())
         if seq is not None:
             self._aborted.append(seq)
+            if self.trace is not None:
+                self.trace.finish(seq, seq.finish_time)
             if seq.num_output_tokens:  # cut short (a stop string, a client gone) after its
                 m = seq.metrics()     # first token: its objectives were met or missed
                 self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
@@ -319,8 +334,16 @@ class LLMEngine:
             # add the requests that arrived meanwhile before it is made.
             return self._take_aborted(self._complete(prev))
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(t0)
+        now = self.clock.now()
+        plan = self.scheduler.schedule(now)
+        predicted = None
+        if plan.phase != "idle" and (self.trace is not None or self.clock.virtual):
+            predicted = self.scheduler.latency.peek_plan(plan)
+        if self.trace is not None:
+            self.trace.plan(plan, now, predicted, self.scheduler)
         handle = self.runner.dispatch(plan, prev) if plan.phase != "idle" else None
+        if handle is not None:
+            self.clock.dispatched(plan.step_id, predicted)
         t1 = time.perf_counter()
         host = t1 - t0
         outputs = []
@@ -329,7 +352,7 @@ class LLMEngine:
             self._counters["overlapped_steps"] += 1
             outputs = self._complete(prev, overlapped=handle is not None)
         if handle is None:
-            self.scheduler.commit(plan, StepResult(), time.perf_counter())
+            self.scheduler.commit(plan, StepResult(), self.clock.now())
         elif self.config.async_scheduling:
             self._inflight = handle
         else:
@@ -347,14 +370,23 @@ class LLMEngine:
         self._count_expert_bytes(plan, result)
         # The step ran from its dispatch, or from the previous step's end if it queued
         # behind it, until now: an upper bound when the host collects late.
-        self.scheduler.observe(plan, t1 - max(result.dispatched_at, self._last_done),
-                               sum(result.experts_activated))
+        start = max(result.dispatched_at, self._last_done)
+        # A virtual clock keeps the estimator as loaded: wall times would bring the noise in.
+        ran = self.clock.collected(plan.step_id)
+        if ran is None:
+            self.scheduler.observe(plan, t1 - start, sum(result.experts_activated))
+            ran = start, t1
         self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
-        for seq in self.scheduler.commit(plan, result, time.perf_counter()):
+        now = self.clock.now()
+        if self.trace is not None:
+            self.trace.step_done(plan, t1 - start if result.collected_at else None, *ran)
+        for seq in self.scheduler.commit(plan, result, now):
             m = seq.metrics()
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
+            if self.trace is not None:
+                self.trace.finish(seq, now)
         outputs = [self._output(s, [result.tokens[s.seq_id]]) for s in alive]
         t2 = time.perf_counter()
         self._counters["device_seconds"] += t1 - t0

@@ -53,6 +53,7 @@ from lp_jax.sim.executor import CostModelExecutor
 from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
 from lp_jax.sim.muxwise_cost import MuxWiseExecutor, MuxWiseOptions, PartitionCostModel
 from lp_jax.sim.workload import Request
+from lp_jax.trace.writer import TraceWriter
 
 _TOKEN = 1  # committed for every sampled position; requests ignore EOS
 
@@ -284,9 +285,15 @@ class Simulator:
         run = self.mux_executor.run
         return lambda plan: run(plan, policy.take_launch(plan.step_id))
 
-    def run(self, requests: list[Request]) -> SimResult:
+    def run(self, requests: list[Request], trace=None) -> SimResult:
+        """`trace`: a path, a text file or a TraceWriter for the run's decision trace
+        (lp_jax/trace/writer.py; the engine's format, on the simulated clock)."""
         wall0 = time.perf_counter()
         sched = self.make_scheduler()
+        if trace is not None and not isinstance(trace, TraceWriter):
+            with TraceWriter(trace, source="sim", policy=sched.config.name,
+                             num_layers=sched.config.num_layers, clock="simulated") as w:
+                return self.run(requests, trace=w)
         run_step = self._step_function(sched)
         observe = sched.observe if self.observes_latency else None
         expert_size = self.config.shape.expert_bytes or 1
@@ -308,11 +315,16 @@ class Simulator:
                 )  # fmt: skip
                 sched.add(seq)
                 seqs[i] = seq
+                if trace is not None:
+                    trace.arrival(seq, r.arrival)
                 nxt += 1
             if not sched.has_unfinished():
                 now = requests[order[nxt]].arrival
                 continue
             plan = sched.schedule(now)
+            if trace is not None:
+                trace.plan(plan, now, sched.latency.peek_plan(plan)
+                           if plan.phase != "idle" else None, sched)
             if plan.phase == "idle":
                 if self.partition is not None:
                     sched.policy.take_launch(plan.step_id)
@@ -322,6 +334,8 @@ class Simulator:
                 now = max(now, requests[order[nxt]].arrival)
                 continue
             cost = run_step(plan)
+            if trace is not None:
+                trace.step_done(plan, cost.seconds, now, now + cost.seconds)
             now += cost.seconds
             busy += cost.seconds
             flops += cost.flops
@@ -331,7 +345,11 @@ class Simulator:
             if observe is not None:  # the experts the step activated, over its MoE layers
                 experts = cost.expert_bytes / expert_size if self.config.shape.is_moe else None
                 observe(plan, cost.seconds, experts)
-            sched.commit(plan, StepResult({s.seq_id: _TOKEN for s in plan.sampling_seqs}), now)
+            done = sched.commit(plan, StepResult({s.seq_id: _TOKEN for s in plan.sampling_seqs}),
+                                now)
+            if trace is not None:
+                for seq in done:
+                    trace.finish(seq, now)
         span = now - start
         energy = math.nan
         if self.energy is not None:
@@ -354,8 +372,8 @@ class Simulator:
         )
 
 
-def simulate(config: SimConfig, requests: list[Request]) -> SimResult:
-    return Simulator(config).run(requests)
+def simulate(config: SimConfig, requests: list[Request], trace=None) -> SimResult:
+    return Simulator(config).run(requests, trace=trace)
 
 
 def warm_latency(config: SimConfig, *, seed: int = 0, output_len: int = 1) -> LatencyModel:
