@@ -21,6 +21,7 @@ The MoE runs on the "xla" reference backend unless said otherwise (the engine: "
 xla_tiles on CPU); XLA:CPU compile time, not the kernels, sets this file's pace.
 """
 
+import dataclasses
 import math
 import re
 
@@ -37,7 +38,7 @@ from lp_jax.models.sharded_kernels import kernel_mesh, resolve_moe_dispatch, sha
 from lp_jax.roofline.ep_comm import choose_dispatch
 from lp_jax.sharding import make_mesh, named_sharding
 from pallas_kernels import compile_targets
-from pallas_kernels.moe import moe_ffn
+from pallas_kernels.moe import MoEActivation, moe_ffn
 
 L, D, E, F, A = 2, 32, 8, 16, 2
 LAYER = 1
@@ -169,7 +170,7 @@ def _gpt_oss_experts(mesh):
                  for a, ax in zip(arrays, axes, strict=True))
 
 
-GPT_OSS_ACT = dict(activation="gpt_oss_clamped", swiglu_limit=0.5, swiglu_alpha=1.702)
+GPT_OSS_ACT = MoEActivation("gpt_oss_clamped", limit=0.5, alpha=1.702)
 
 
 @pytest.mark.parametrize("backend", ["xla", "tpu"])  # tpu: the Pallas kernel, interpreted
@@ -181,18 +182,19 @@ def test_gpt_oss_experts_under_all_to_all(backend):
     mesh = make_mesh(expert=4, tensor=2)
     x_TD, logits_TE, mask_T = _tokens(13, hot=False, seed=18)
     wg, wd, bg, bd = _gpt_oss_experts(None)
-    kw = dict(top_k=A, norm_topk_prob=True, token_mask_T=mask_T, **GPT_OSS_ACT)
+    kw = dict(top_k=A, norm_topk_prob=True, token_mask_T=mask_T, activation=GPT_OSS_ACT)
     want_y, want_stats = moe_ffn(x_TD, logits_TE, wg, wd, layer=LAYER, backend="xla",
-                                 b_gate_up=bg, b_down=bd, **kw)
-    free_y, _ = moe_ffn(x_TD, logits_TE, wg, wd, layer=LAYER, backend="xla", b_gate_up=bg,
-                        b_down=bd, **{**kw, "swiglu_limit": 1e9})
+                                 biases=(bg, bd), **kw)
+    unclamped = dataclasses.replace(GPT_OSS_ACT, limit=1e9)
+    free_y, _ = moe_ffn(x_TD, logits_TE, wg, wd, layer=LAYER, backend="xla",
+                        biases=(bg, bd), **{**kw, "activation": unclamped})
     assert np.linalg.norm(free_y - want_y) > 0.1 * np.linalg.norm(want_y)  # clamped
     schemes = SCHEMES if backend == "xla" else {"capacity": SCHEMES["capacity"]}
 
     def run(x, lg, wg, wd, bg, bd, layer):
         return {name: sharded_moe_ffn(kernel_mesh(wg), x, lg, wg, wd, layer=layer,
-                                      backend=backend, interpret=True, b_gate_up=bg,
-                                      b_down=bd, **kw, **scheme)
+                                      backend=backend, interpret=True, biases=(bg, bd),
+                                      **kw, **scheme)
                 for name, scheme in schemes.items()}
 
     args = (x_TD, logits_TE, *_gpt_oss_experts(mesh), jnp.int32(LAYER))

@@ -180,8 +180,8 @@ def test_moe_biases_and_clamped_swiglu():
     mask = np.arange(T) < T - 2
     want = _np_moe(x, logits, wgu[1], bgu[1], wd[1], bd[1], A, limit) * mask[:, None]
     x, logits, wgu, wd, bgu, bd, mask = map(jnp.asarray, (x, logits, wgu, wd, bgu, bd, mask))
-    kw = dict(layer=1, top_k=A, norm_topk_prob=True, token_mask_T=mask, b_gate_up=bgu,
-              b_down=bd, activation="gpt_oss_clamped", swiglu_limit=limit)
+    kw = dict(layer=1, top_k=A, norm_topk_prob=True, token_mask_T=mask, biases=(bgu, bd),
+              activation=moe.MoEActivation("gpt_oss_clamped", limit=limit))
     for fn in (ref_moe_ffn, moe_ffn_xla_tiles):
         got, stats = fn(x, logits, wgu, wd, **kw)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, err_msg=fn.__name__)

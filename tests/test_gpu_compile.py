@@ -36,6 +36,7 @@ GPT_OSS = dict(D=2880, E=32, A=4, F=2880)
 
 
 def _moe(model: dict, biases: bool):
+    from pallas_kernels.moe import MoEActivation
     from pallas_kernels.moe.gpu import moe_ffn_gpu
 
     D, E, A, F, L, T = model["D"], model["E"], model["A"], model["F"], 2, 64
@@ -44,11 +45,10 @@ def _moe(model: dict, biases: bool):
     kw = dict(top_k=A, norm_topk_prob=True)
     if biases:
         args += [sd((L, E, 2 * F), bf16), sd((L, E, D), bf16)]
-        kw.update(activation="gpt_oss_clamped", swiglu_limit=7.0, swiglu_alpha=1.702)
+        kw.update(activation=MoEActivation("gpt_oss_clamped", limit=7.0, alpha=1.702))
 
     def fn(x, logits, w_gate_up, w_down, layer, *b):
-        bias = dict(b_gate_up=b[0], b_down=b[1]) if b else {}
-        return moe_ffn_gpu(x, logits, w_gate_up, w_down, layer=layer, **bias, **kw)[0]
+        return moe_ffn_gpu(x, logits, w_gate_up, w_down, layer=layer, biases=b, **kw)[0]
 
     return fn, args
 

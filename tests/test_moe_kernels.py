@@ -640,7 +640,7 @@ def _oss_case():
 
 def _oss_kwargs(mask, **kw):
     return dict(top_k=2, norm_topk_prob=True, token_mask_T=jnp.asarray(mask),
-                activation="gpt_oss_clamped", swiglu_limit=OSS_LIMIT, **kw)
+                activation=moe.MoEActivation("gpt_oss_clamped", limit=OSS_LIMIT), **kw)
 
 
 def test_gpt_oss_case_passes_the_clamp():
@@ -660,7 +660,7 @@ def test_gpt_oss_case_passes_the_clamp():
 
 
 def _oss_call(backend, x, logits, wgu, wd, bgu, bd, mask, layer):
-    kw = _oss_kwargs(mask, layer=layer, b_gate_up=bgu, b_down=bd)
+    kw = _oss_kwargs(mask, layer=layer, biases=(bgu, bd))
     tiling = OSS_TILINGS[backend]
     if backend == "gpu":
         return gpu.moe_ffn_gpu(x, logits, wgu, wd, **kw, tiling=tiling, num_sms=GPU_SMS,
@@ -682,7 +682,7 @@ def test_gpt_oss_experts_match_reference(backend):
     for layer in range(2):
         y, stats = run_layer(x, logits, *poisoned, mask, jnp.int32(layer))
         y_ref, stats_ref = ref_moe_ffn(x, logits, wgu, wd, **_oss_kwargs(
-            mask, layer=layer, b_gate_up=bgu, b_down=bd))
+            mask, layer=layer, biases=(bgu, bd)))
         assert rel_err(y, y_ref) < 1e-5, layer
         assert not np.asarray(y)[~np.asarray(mask)].any(), "padding tokens output 0"
         for key in stats_ref:
@@ -698,7 +698,7 @@ def test_gpt_oss_auto_backend_is_the_kernel():
     kw = _oss_kwargs(mask.astype(bool), layer=0)
 
     def fn(x, logits, wgu, wd, bgu, bd):
-        return moe.moe_ffn(x, logits, wgu, wd, b_gate_up=bgu, b_down=bd, **kw)[0]
+        return moe.moe_ffn(x, logits, wgu, wd, biases=(bgu, bd), **kw)[0]
 
     args = (x, logits.astype(jnp.float32), wgu, wd, bgu, bd)
     with compile_targets.tpu_target("v6e"):
@@ -727,7 +727,7 @@ def _oss20b_args():
 def _oss20b_moe(kernel, **kw):
     return lambda x, logits, wgu, wd, bgu, bd, layer: kernel(
         x, logits, wgu, wd, layer=layer, top_k=OSS20B["A"], norm_topk_prob=True,
-        b_gate_up=bgu, b_down=bd, activation="gpt_oss_clamped", **kw)
+        biases=(bgu, bd), activation=moe.MoEActivation("gpt_oss_clamped"), **kw)
 
 
 def _hlo_roots(hlo: str, target: str) -> list[list[tuple[str, str]]]:

@@ -24,6 +24,7 @@ import numpy as np
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_cache_shape, packs_kv
+from lp_jax.models.layers import expert_activation
 from pallas_kernels import attention, moe
 from pallas_kernels.attention.ref import ref_ragged_paged_attention
 from pallas_kernels.moe.ref import ref_moe_ffn
@@ -62,19 +63,18 @@ def check_moe(cfg: ModelConfig, backend: str, dtype) -> None:
     w_gate_up = (jax.random.normal(k[2], (2, E, D, 2 * F), jnp.float32) * D**-0.5).astype(dtype)
     w_down = (jax.random.normal(k[3], (2, E, F, D), jnp.float32) * F**-0.5).astype(dtype)
     mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
-    kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T)
-    biases = {}
+    kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T,
+              activation=expert_activation(cfg))
+    biases = ()
     if cfg.swiglu_limit is not None:  # GPT-OSS: expert biases, clamped SwiGLU
         kb = jax.random.split(jax.random.key(2), 2)
-        biases = dict(b_gate_up=jax.random.normal(kb[0], (2, E, 2 * F)).astype(dtype),
-                      b_down=jax.random.normal(kb[1], (2, E, D)).astype(dtype))
-        kw.update(activation="gpt_oss_clamped", swiglu_limit=cfg.swiglu_limit,
-                  swiglu_alpha=cfg.swiglu_alpha)
-    got, _ = jax.jit(lambda *a, **b: moe.moe_ffn(*a, layer=1, backend=backend, **b, **kw))(
-        x_TD, logits_TE, w_gate_up, w_down, **biases)
-    want, _ = jax.jit(lambda *a, **b: ref_moe_ffn(*a, **b, **kw))(
-        x_TD, logits_TE, w_gate_up[1], w_down[1],
-        **{k: v[1] for k, v in biases.items()})
+        biases = (jax.random.normal(kb[0], (2, E, 2 * F)).astype(dtype),
+                  jax.random.normal(kb[1], (2, E, D)).astype(dtype))
+    got, _ = jax.jit(lambda *a, biases: moe.moe_ffn(*a, layer=1, backend=backend,
+                                                    biases=biases, **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, biases=biases)
+    want, _ = jax.jit(lambda *a, biases: ref_moe_ffn(*a, biases=biases, **kw))(
+        x_TD, logits_TE, w_gate_up[1], w_down[1], biases=tuple(b[1] for b in biases))
     err = _rel_err(got, want)
     if not err <= _tolerance(dtype):
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 
 from lp_jax.models.dispatch_bytes import fewer_bytes
 from pallas_kernels import moe
-from pallas_kernels.moe.ref import combine, route
+from pallas_kernels.moe.ref import SILU, MoEActivation, combine, route
 
 DISPATCHES = ("allreduce", "all_to_all", "auto")
 TRANSPORTS = ("ragged", "capacity", "ref_ragged")
@@ -222,22 +222,13 @@ def _transport(name: str):
 
 
 # -------------------------------------------------------- dispatch and combine
-def moe_kwargs(biases, options) -> dict:
-    """moe_ffn's GPT-OSS keywords from biases (() or (b_gate_up, b_down)) and the
-    activation's keywords (options; None: the default SiLU)."""
-    kw = dict(options or {})
-    if biases:
-        kw.update(b_gate_up=biases[0], b_down=biases[1])
-    return kw
-
-
-def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(), options=None):
+def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(),
+                   activation: MoEActivation = SILU):
     """experts_fn for the transports: moe_ffn on received rows, one row per (token, slot).
-    biases: () or this shard's (b_gate_up, b_down); options: the activation's keywords
-    (`sharded_kernels.expert_options`). A row's output includes its expert's down bias;
-    the source weights it by the routing when it combines."""
+    biases: () or this shard's (b_gate_up, b_down); activation: as in moe_ffn. A row's
+    output includes its expert's down bias; the source weights it by the routing when
+    it combines."""
     E_local = w_gate_up.shape[-3]
-    gpt_oss = moe_kwargs(biases, options)
 
     def experts_fn(rows_QD, local_ids_Q):
         valid_Q = local_ids_Q >= 0
@@ -247,7 +238,7 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(), o
         logits_QE = jnp.where(ids_Q[:, None] == jnp.arange(E_local), 0.0, -jnp.inf)
         y_QD, _ = moe.moe_ffn(rows_QD, logits_QE, w_gate_up, w_down, layer=layer, top_k=1,
                               norm_topk_prob=False, backend=backend, token_mask_T=valid_Q,
-                              interpret=interpret, **gpt_oss)
+                              interpret=interpret, biases=biases, activation=activation)
         return y_QD
 
     return experts_fn
@@ -255,7 +246,8 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(), o
 
 def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, layer, *, axis,
                    top_k, norm_topk_prob, backend, interpret, transport,
-                   capacity_factor=CAPACITY_FACTOR, biases=(), options=None):
+                   capacity_factor=CAPACITY_FACTOR, biases=(),
+                   activation: MoEActivation = SILU):
     """One shard's part of the all_to_all scheme, inside shard_map over `axis`.
 
     x_tD, router_logits_tE, token_mask_t: this shard's t tokens (logits over all E
@@ -283,7 +275,7 @@ def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, laye
     y_RD = round_trip(
         x_tD[order_R // A], plan,
         _owner_experts(w_gate_up, w_down, layer, backend=backend, interpret=interpret,
-                       biases=biases, options=options),
+                       biases=biases, activation=activation),
         axis=axis, ep=ep, max_rows_per_owner=t * min(A, E_local),
         capacity_factor=capacity_factor, a2a=a2a)
     weights_tA = jnp.where(token_mask_t[:, None], weights_tA, 0.0)

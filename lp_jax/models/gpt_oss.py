@@ -12,7 +12,7 @@ What differs from Qwen3, each checked against transformers' modeling_gpt_oss.py:
 * every layer is MoE: a router with a bias, softmax over the top-k logits (the same
   weights as softmax, top-k, renormalise), experts `intermediate_size` wide with
   biases on both projections and the clamped SwiGLU
-  (`pallas_kernels.moe.ref.glu(..., "gpt_oss_clamped")`);
+  (`MoEActivation("gpt_oss_clamped", ...)`: `layers.expert_activation`);
 * RMSNorm scales in float32 before the cast (GptOssRMSNorm).
 
 Parameter names follow the checkpoint (`model.layers.N.self_attn.sinks`,
@@ -40,7 +40,14 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.layers import apply_rope, dot, param, rms_norm, rope_frequencies
+from lp_jax.models.layers import (
+    apply_rope,
+    dot,
+    expert_activation,
+    param,
+    rms_norm,
+    rope_frequencies,
+)
 from lp_jax.models.sharded_kernels import model_moe_ffn
 from lp_jax.models.stacked import StackedCausalLM
 from pallas_kernels import attention
@@ -171,9 +178,9 @@ class GptOssForCausalLM(StackedCausalLM):
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=i, top_k=cfg.num_experts_per_tok, norm_topk_prob=True,
             backend=backends.moe, moe_dispatch=backends.moe_dispatch,
-            token_mask_T=token_mask_T, b_gate_up=mlp.experts_gate_up_proj_bias[...],
-            b_down=mlp.experts_down_proj_bias[...], activation="gpt_oss_clamped",
-            swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+            token_mask_T=token_mask_T,
+            biases=(mlp.experts_gate_up_proj_bias[...], mlp.experts_down_proj_bias[...]),
+            activation=expert_activation(cfg))
         return x_TD + y_TD, stats["experts_activated"]
 
     def serving_backends(self, backends: KernelBackends) -> KernelBackends:

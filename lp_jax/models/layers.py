@@ -1,6 +1,7 @@
 """The building blocks both model families use: parameters with logical axes, the
-float32-accumulating dot, RMSNorm and rotary embeddings (default RoPE and YaRN), each
-computed as transformers computes it, so a model file holds only what is its own."""
+float32-accumulating dot, RMSNorm, rotary embeddings (default RoPE and YaRN) and the
+experts' activation, each computed as transformers computes it, so a model file holds
+only what is its own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lp_jax.config import ModelConfig
+from pallas_kernels.moe import SILU, MoEActivation
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, *, fan_in: int | None = None, ones=False):
@@ -27,6 +29,14 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, *, fan_in: int | None = None, ones
 def dot(x, w):
     """x @ w accumulated in float32, returned in x's dtype."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def expert_activation(cfg: ModelConfig) -> MoEActivation:
+    """The MoE kernels' activation for cfg: GPT-OSS's clamped SwiGLU when the config has
+    a `swiglu_limit`, else SiLU(gate) * up."""
+    if cfg.swiglu_limit is None:
+        return SILU
+    return MoEActivation("gpt_oss_clamped", limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
 
 
 def rms_norm(x, weight, eps, *, scale_in_float32=False):

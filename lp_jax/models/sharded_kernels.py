@@ -53,12 +53,11 @@ from lp_jax.models.expert_dispatch import (
     all_to_all_moe,
     default_transport,
     mesh_platform,
-    moe_kwargs,
     resolve_dispatch,
 )
 from lp_jax.sharding import LOGICAL_RULES
 from pallas_kernels import attention, moe
-from pallas_kernels.moe.ref import check_activation, check_bias, combine, moe_stats, route
+from pallas_kernels.moe.ref import SILU, MoEActivation, check_bias, combine, moe_stats, route
 
 PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
@@ -158,25 +157,12 @@ def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_
 
 
 # ------------------------------------------------------------------------ MoE
-def expert_options(b_gate_up=None, b_down=None, activation="silu", swiglu_limit=7.0,
-                   swiglu_alpha=1.702):
-    """(biases, options): the expert biases as a tuple of operands (empty, or
-    (b_gate_up, b_down): they travel through shard_map beside the weights) and the
-    static keywords of the activation; `expert_dispatch.moe_kwargs` turns both back
-    into moe_ffn's."""
-    check_activation(activation)
-    if (b_gate_up is None) != (b_down is None):
-        raise ValueError("expert biases come in pairs: pass both b_gate_up and b_down")
-    biases = () if b_gate_up is None else (b_gate_up, b_down)
-    return biases, dict(activation=activation, swiglu_limit=swiglu_limit,
-                        swiglu_alpha=swiglu_alpha)
-
-
 def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
-                  norm_topk_prob, backend, moe_dispatch, token_mask_T, **experts):
+                  norm_topk_prob, backend, moe_dispatch, token_mask_T, biases=None,
+                  activation: MoEActivation = SILU):
     """A model layer's MoE (Qwen3, GPT-OSS): the whole stacked expert weights (and
-    biases, `experts`: see `expert_options`) and the layer index go to the kernels,
-    which address the layer themselves. On a multi-device mesh, read off the weights, a
+    GPT-OSS's biases, with its activation: as in moe_ffn) and the layer index go to the
+    kernels, which address the layer themselves. On a multi-device mesh, read off the weights, a
     Pallas kernel runs per expert shard, and so does any backend under the all_to_all
     dispatch; the xla backends under allreduce stay under GSPMD."""
     mesh = kernel_mesh(w_gate_up)
@@ -186,12 +172,12 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     return sharded_moe_ffn(
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
         norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
-        dispatch=dispatch, **experts)
+        dispatch=dispatch, biases=biases, activation=activation)
 
 
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
                        top_k, norm_topk_prob, token_mask_T, backend, interpret,
-                       biases=(), options=None):
+                       biases=(), activation: MoEActivation = SILU):
     """The part of `moe.moe_ffn` computed by one shard's experts.
 
     The weights (and biases) hold the shard's E_local experts ([E_local, ...], or the
@@ -218,8 +204,8 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
     y_RD, stats = moe.moe_ffn(
         jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up, w_down, layer=layer,
         top_k=1, norm_topk_prob=False, backend=backend,
-        token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret,
-        **moe_kwargs(biases, options),
+        token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret, biases=biases,
+        activation=activation,
     )
     weights_TA = jnp.where(mine_TA, weights_TA, 0.0)
     y_TD = combine(y_RD, jnp.arange(T * top_k, dtype=jnp.int32), weights_TA, T)
@@ -229,15 +215,15 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
 def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
                     dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
-                    **experts):
+                    biases=None, activation: MoEActivation = SILU):
     """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
     directly when `mesh` is None).
 
     Weights as in moe_ffn: [E, D, 2F] / [E, F, D] with layer=None, or the stacked
     [L, E, D, 2F] / [L, E, F, D] with `layer`, split on their E axis (dim 1 when
     stacked): each shard addresses the layer inside its own shard, no weight copy.
-    `experts`: moe_ffn's GPT-OSS keywords (b_gate_up, b_down, activation, swiglu_limit,
-    swiglu_alpha; see `expert_options`); the biases are split like the weights.
+    `biases` (None or (b_gate_up, b_down)) and `activation`: GPT-OSS's, as in moe_ffn;
+    the biases are split like the weights, as operands beside them.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
     schemes: tokens_per_expert over all E experts, and the rest derived from it by
@@ -256,14 +242,13 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     `capacity_factor` sizes the CPU transport's rounds; `_transport` ("ragged",
     "capacity", "ref_ragged"; None: by the mesh's platform) is for tests.
     """
-    biases, options = expert_options(**experts)
-    if biases:
-        check_bias(*biases, w_gate_up, w_down)
+    biases = tuple(biases or ())  # operands that travel through shard_map
+    check_bias(biases, w_gate_up, w_down)
     if mesh is None:
         return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
                            top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
-                           token_mask_T=token_mask_T, interpret=interpret,
-                           **moe_kwargs(biases, options))
+                           token_mask_T=token_mask_T, interpret=interpret, biases=biases,
+                           activation=activation)
     T = x_TD.shape[0]
     experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
     transport = _transport or default_transport(mesh)
@@ -282,7 +267,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args, split_specs,
             layer_args, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
             interpret=interpret, transport=transport, capacity_factor=capacity_factor,
-            options=options)
+            activation=activation)
 
     def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
         biases, layer_arg = rest[:len(split_args) - 2], rest[len(split_args) - 2:]
@@ -292,7 +277,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             x_TD, router_logits_TE, w_gate_up, w_down, offset,
             layer_arg[0] if layer_arg else None,
             top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T,
-            backend=backend, interpret=interpret, biases=biases, options=options)
+            backend=backend, interpret=interpret, biases=biases, activation=activation)
         if experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E

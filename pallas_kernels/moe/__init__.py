@@ -21,13 +21,15 @@ inside a layer loop is fine). The kernel backends address the layer inside the w
 arrays (`ref.stacked_experts`: the expert ids are offset by layer*E into the
 [L*E, ...] view), so a layer loop copies no weights; the xla reference slices.
 
-GPT-OSS experts (biases `b_gate_up` [.., E, 2F] / `b_down` [.., E, D], stacked like
-the weights, and `activation="gpt_oss_clamped"`; see ref.py) run on every backend, and
-"auto" resolves for them as for Qwen3. The kernels add the biases in float32 in their
-epilogues (gate/up bias before the activation, down bias to each routed row before
-the weighted combine, as transformers' GptOssExperts) and take stacked biases whole,
-like the weights. Without biases and with activation="silu" the kernels take exactly
-the operands they take for Qwen3.
+GPT-OSS experts (`biases=(b_gate_up [.., E, 2F], b_down [.., E, D])`, stacked like
+the weights, and `activation=MoEActivation("gpt_oss_clamped", limit, alpha)`; see
+ref.py) run on every backend, and "auto" resolves for them as for Qwen3. The
+activation is one frozen (hashable, jit-static) object that every backend takes
+whole. The kernels add the biases in float32 in their epilogues (gate/up bias before
+the activation, down bias to each routed row before the weighted combine, as
+transformers' GptOssExperts) and take stacked biases whole, like the weights. Without
+biases and with the default `SILU` the kernels take exactly the operands they take
+for Qwen3.
 
 All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
@@ -45,7 +47,7 @@ import os
 
 import jax
 
-from pallas_kernels.moe.ref import ref_moe_ffn
+from pallas_kernels.moe.ref import SILU, MoEActivation, ref_moe_ffn
 from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
 from pallas_kernels.platform import target_platform
 
@@ -96,11 +98,8 @@ def moe_ffn(
     backend: str = "auto",
     token_mask_T: jax.Array | None = None,
     interpret=None,
-    b_gate_up=None,
-    b_down=None,
-    activation: str = "silu",
-    swiglu_limit: float = 7.0,
-    swiglu_alpha: float = 1.702,
+    biases=None,
+    activation: MoEActivation = SILU,
 ):
     """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
 
@@ -111,7 +110,8 @@ def moe_ffn(
     interpret: run the Pallas backends in interpret mode: True/False, None (default:
       $LP_JAX_PALLAS_INTERPRET), or a `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`
       for the tpu / gpu backend. Ignored by xla.
-    b_gate_up / b_down, activation, swiglu_limit / swiglu_alpha: GPT-OSS experts (ref.py),
+    biases: None, or GPT-OSS's (b_gate_up, b_down), stacked like the weights.
+    activation: a `MoEActivation` (default SILU; GPT-OSS's clamped SwiGLU). Both (ref.py)
       on every backend.
     """
     auto = backend == "auto"
@@ -119,10 +119,7 @@ def moe_ffn(
     if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                  token_mask_T=token_mask_T)
-    if b_gate_up is not None or b_down is not None or activation != "silu":  # GPT-OSS
-        kwargs.update(b_gate_up=b_gate_up, b_down=b_down, activation=activation,
-                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+                  token_mask_T=token_mask_T, biases=biases, activation=activation)
     args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)

@@ -22,7 +22,7 @@ reading. The GPU interpreter runs WGMMAs synchronously (jax 0.11.2), so its race
 detector cannot see this; tests/test_moe_kernels.py checks the wait in the lowered
 Mosaic module instead.
 
-Epilogues: act(gate, up) on the float32 accumulators (`ref.gated`: SiLU(gate) * up,
+Epilogues: act(gate, up) on the float32 accumulators (a `ref.MoEActivation`: SiLU(gate) * up,
 or GPT-OSS's clamped SwiGLU) for gate/up, the identity for down. GPT-OSS expert
 biases ([E, N] / stacked [L, E, N], viewed for free as [G, N]) are one more operand:
 each work item TMAs its expert's bn-wide bias slices (gate and up) into shared memory
@@ -79,9 +79,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
-    check_activation,
+    SILU,
+    MoEActivation,
     check_bias,
-    gated,
     moe_stats,
     route,
     stacked_experts,
@@ -144,7 +144,7 @@ def tile_gmm(
     row_align: int = 8,
     num_sms: int | None = None,
     bias=None,
-    act=gated,
+    act=SILU,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
     """out[m*tm:(m+1)*tm] = f(lhs[row_start[m] : row_start[m]+tm] @ rhs[g] + bias[g]),
@@ -153,7 +153,7 @@ def tile_gmm(
     For m < num_tiles only. rhs is [G, K, N] (G = E, or L*E for stacked layers with
     the layer's offset already in tile_group). swiglu=False: f is the identity and out
     is [M*tm, N]. swiglu=True: rhs is [G, K, 2F], f(z) = act(z[:, :F], z[:, F:])
-    (`ref.gated`: SiLU(gate) * up unless given), out is [M*tm, F].
+    (a `ref.MoEActivation`: SiLU(gate) * up unless given), out is [M*tm, F].
     bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs, viewed (for free) as
     [G, ...]: each work item TMAs its expert's bn-wide slices (gate and up) into shared
     memory and adds them to the float32 accumulators before f.
@@ -284,20 +284,18 @@ def moe_ffn_gpu(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
-    b_gate_up=None,
-    b_down=None,
-    activation: str = "silu",
-    swiglu_limit: float = 7.0,
-    swiglu_alpha: float = 1.702,
+    biases=None,
+    activation: MoEActivation = SILU,
     tiling: GpuTiling = GpuTiling(),
     num_sms: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """The `gpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`.
 
-    Biases and activation (GPT-OSS) as in `ref.ref_moe_ffn`, added in float32 in the
-    epilogues: b_gate_up before the activation, b_down to each routed row before the
-    weighted combine; stacked [L, E, ...] biases are passed whole, like the weights.
+    `biases` (b_gate_up, b_down) and `activation` (GPT-OSS) as in `ref.ref_moe_ffn`, the
+    biases added in float32 in the epilogues: b_gate_up before the activation, b_down to
+    each routed row before the weighted combine; stacked [L, E, ...] biases are passed
+    whole, like the weights.
 
     Hardware needs bfloat16/float16 weights (WGMMA takes the N-major [K, N] weight tiles
     only for 16-bit types); float32 runs in interpret mode only (for tests), and
@@ -306,10 +304,7 @@ def moe_ffn_gpu(
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
-    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
-    check_activation(activation)
-    act = functools.partial(gated, activation=activation, swiglu_limit=swiglu_limit,
-                            swiglu_alpha=swiglu_alpha)
+    b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
@@ -329,7 +324,7 @@ def moe_ffn_gpu(
     h_PF = tile_gmm(
         x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
         bk=_fit_block(D, bk), bn=_fit_block(F, tiling.gate_up_bn),
-        out_dtype=w_down_GFD.dtype, bias=b_gate_up, act=act, **common,
+        out_dtype=w_down_GFD.dtype, bias=b_gate_up, act=activation, **common,
     )
     y_PD = tile_gmm(
         h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,

@@ -17,14 +17,18 @@ add to their expert ids, so they address the layer inside the whole array. This
 reference takes the slice w[layer] instead, a copy of one layer's experts: it is the
 oracle, not a path that has to be fast.
 
-GPT-OSS experts (off by default): biases on both projections, `b_gate_up` [E, 2F] and
-`b_down` [E, D] (stacked [L, E, 2F] / [L, E, D] with `layer`), in the same [gate | up]
-order as the weights, and the clamped SwiGLU `activation="gpt_oss_clamped"` (`glu`).
-The router bias is the model's: it is in the router logits before they get here.
+GPT-OSS experts (off by default): biases on both projections, `biases=(b_gate_up,
+b_down)` with b_gate_up [E, 2F] and b_down [E, D] (stacked [L, E, 2F] / [L, E, D] with
+`layer`), in the same [gate | up] order as the weights, and the clamped SwiGLU
+`activation=MoEActivation("gpt_oss_clamped", limit, alpha)`. The activation is one
+frozen options object, so every backend takes it as one static argument; the biases
+are operands. The router bias is the model's: it is in the router logits before they
+get here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -33,46 +37,56 @@ import jax.numpy as jnp
 ACTIVATIONS = ("silu", "gpt_oss_clamped")
 
 
-def glu(gate_up_xF2: jax.Array, activation: str = "silu", *, swiglu_limit: float = 7.0,
-        swiglu_alpha: float = 1.702) -> jax.Array:
-    """The gated activation of fused [gate | up] rows (in float32 if given float32).
+@dataclasses.dataclass(frozen=True)
+class MoEActivation:
+    """The experts' gated activation: frozen and hashable, so a static argument of every
+    backend. Called on gate and up given apart (the kernels' epilogues hold them in two
+    accumulators), in float32 if given float32.
 
-    "silu": SiLU(gate) * up (Qwen3). "gpt_oss_clamped" (transformers' GptOssExperts):
-    gate clamped above at the limit, up to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate).
+    "silu": SiLU(gate) * up (Qwen3); `limit` and `alpha` are unused. "gpt_oss_clamped"
+    (transformers' GptOssExperts): gate clamped above at `limit`, up to [-limit, limit],
+    then (up + 1) * gate * sigmoid(alpha * gate).
     """
+
+    kind: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"unknown MoE activation {self.kind!r}; expected one of "
+                             f"{ACTIVATIONS}")
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.kind == "silu":
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+SILU = MoEActivation()
+
+
+def glu(gate_up_xF2: jax.Array, activation: MoEActivation = SILU) -> jax.Array:
+    """`activation` on fused [gate | up] rows."""
     F = gate_up_xF2.shape[-1] // 2
-    return gated(gate_up_xF2[..., :F], gate_up_xF2[..., F:], activation,
-                 swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    return activation(gate_up_xF2[..., :F], gate_up_xF2[..., F:])
 
 
-def gated(gate: jax.Array, up: jax.Array, activation: str = "silu", *,
-          swiglu_limit: float = 7.0, swiglu_alpha: float = 1.702) -> jax.Array:
-    """`glu` on gate and up given apart (the kernels' epilogues hold them in two
-    accumulators)."""
-    if activation == "silu":
-        return jax.nn.silu(gate) * up
-    check_activation(activation)
-    gate = jnp.minimum(gate, swiglu_limit)
-    up = jnp.clip(up, -swiglu_limit, swiglu_limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * swiglu_alpha))
-
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
-
-
-def check_bias(b_gate_up, b_down, w_gate_up, w_down) -> None:
-    """Biases come both or neither, shaped like the weights without their input axis."""
-    if (b_gate_up is None) != (b_down is None):
-        raise ValueError("expert biases come in pairs: pass both b_gate_up and b_down")
-    if b_gate_up is None:
-        return
+def check_bias(biases, w_gate_up, w_down) -> tuple:
+    """(b_gate_up, b_down), or (None, None) for no biases (None or ()). Biases come as a
+    pair, shaped like the weights without their input axis."""
+    if not biases:
+        return None, None
+    if len(biases) != 2:
+        raise ValueError(f"expert biases come in pairs (b_gate_up, b_down), got {len(biases)}")
+    b_gate_up, b_down = biases
     want = (w_gate_up.shape[:-2] + w_gate_up.shape[-1:], w_down.shape[:-2] + w_down.shape[-1:])
     if (b_gate_up.shape, b_down.shape) != want:
         raise ValueError(f"expert biases {b_gate_up.shape} / {b_down.shape} do not match the "
                          f"weights {w_gate_up.shape} / {w_down.shape}: want {want}")
+    return b_gate_up, b_down
 
 
 def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -164,20 +178,17 @@ def ref_moe_ffn(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
-    b_gate_up=None,
-    b_down=None,
-    activation: str = "silu",
-    swiglu_limit: float = 7.0,
-    swiglu_alpha: float = 1.702,
+    biases=None,
+    activation: MoEActivation = SILU,
 ):
     """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats).
 
     With `layer`, slices w[layer] out of the stacked weights: a copy of one layer's
     experts, acceptable for the reference only (the kernels address the layer in place).
-    Biases and `activation`: see the module docstring.
+    `biases` and `activation`: see the module docstring.
     """
     stacked_experts(w_gate_up_LEDF2, w_down_LEFD, layer)  # checks the shapes
-    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
+    b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
     if layer is None:
         w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2, w_down_LEFD
         b_gate_up_EF2, b_down_ED = b_gate_up, b_down
@@ -196,7 +207,7 @@ def ref_moe_ffn(
     if b_gate_up_EF2 is not None:  # rows of masked tokens get some bias; their weight is 0
         expert_R = expert_ids_TA.reshape(-1)[sort_order_R]
         gate_up_RF2 = gate_up_RF2 + b_gate_up_EF2[expert_R].astype(gate_up_RF2.dtype)
-    h_RF = glu(gate_up_RF2, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    h_RF = glu(gate_up_RF2, activation)
     y_RD = jax.lax.ragged_dot(h_RF.astype(w_down_EFD.dtype), w_down_EFD, group_sizes_E)
     if b_down_ED is not None:
         y_RD = y_RD + b_down_ED[expert_R].astype(y_RD.dtype)
@@ -206,10 +217,10 @@ def ref_moe_ffn(
 
 def ref_moe_ffn_dense(
     x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k, norm_topk_prob,
-    token_mask_T=None, b_gate_up=None, b_down=None, activation="silu", swiglu_limit=7.0,
-    swiglu_alpha=1.702,
+    token_mask_T=None, biases=None, activation: MoEActivation = SILU,
 ):
     """Every expert on every token, weighted by the routing: the oracle for tests only."""
+    b_gate_up, b_down = check_bias(biases, w_gate_up_EDF2, w_down_EFD)
     E = w_gate_up_EDF2.shape[0]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
@@ -219,7 +230,7 @@ def ref_moe_ffn_dense(
     gate_up_TEF2 = jnp.einsum("td,edf->tef", x32, w_gate_up_EDF2.astype(jnp.float32))
     if b_gate_up is not None:
         gate_up_TEF2 = gate_up_TEF2 + b_gate_up.astype(jnp.float32)
-    h_TEF = glu(gate_up_TEF2, activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    h_TEF = glu(gate_up_TEF2, activation)
     y_TED = jnp.einsum("tef,efd->ted", h_TEF, w_down_EFD.astype(jnp.float32))
     if b_down is not None:
         y_TED = y_TED + b_down.astype(jnp.float32)

@@ -39,7 +39,7 @@ in its high half; each half moved into the high 16 bits is that value as a float
 exactly. The gate/up weights are viewed as [G, pack, D/pack, 2F] to match (free), so
 the two halves are two dots.
 
-Epilogues. The gate/up kernels end in act(gate, up) (`ref.gated`: SiLU(gate) * up,
+Epilogues. The gate/up kernels end in act(gate, up) (a `ref.MoEActivation`: SiLU(gate) * up,
 or GPT-OSS's clamped SwiGLU), the down kernel in the identity, on the float32 sums.
 GPT-OSS expert biases ([E, N] or stacked [L, E, N], passed whole like the weights)
 come as one more BlockSpec per weight block: the [E, tn] block of the tile's layer
@@ -91,9 +91,9 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import cost
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
-    check_activation,
+    SILU,
+    MoEActivation,
     check_bias,
-    gated,
     moe_stats,
     route,
     stacked_experts,
@@ -314,13 +314,13 @@ def gate_up_gather(
     tk: int | None = None,
     tn: int | None = None,
     b_gate_up=None,
-    act=gated,
+    act=SILU,
     routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """h_PF = act(x[tok] @ Wg[g] + bg[g], x[tok] @ Wu[g] + bu[g]) for the rows of the
     used tiles, g = tile_group_M[tile] (a row of the possibly stacked [G, D, 2F]
-    weights); act is `ref.gated` (SiLU(gate) * up) unless given.
+    weights); act is a `ref.MoEActivation` (SiLU(gate) * up unless given).
 
     b_gate_up: None, or the biases [E, 2F] / stacked [L, E, 2F] like the weights (G =
     L*E): each grid step reads the block of the tile's layer, all E experts (a few
@@ -454,7 +454,7 @@ def tile_gmm(
     tn: int,
     out_dtype=None,
     bias=None,
-    act=gated,
+    act=SILU,
     routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
@@ -462,7 +462,7 @@ def tile_gmm(
     for m < num_tiles.
 
     swiglu=False: f is the identity and out is [P, N]. swiglu=True: rhs is [G, K, 2F],
-    f(z) = act(z[:, :F], z[:, F:]) (`ref.gated`: SiLU(gate) * up unless given), out is
+    f(z) = act(z[:, :F], z[:, F:]) (a `ref.MoEActivation`: SiLU(gate) * up unless given), out is
     [P, F]. bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs (G = L*E), added
     in float32 (see `gate_up_gather`). Rows of unused tiles are left unwritten.
     routing: for the cost estimate, as in `gate_up_gather`.
@@ -523,30 +523,24 @@ def moe_ffn_tpu(
     top_k: int,
     norm_topk_prob: bool,
     token_mask_T: jax.Array | None = None,
-    b_gate_up=None,
-    b_down=None,
-    activation: str = "silu",
-    swiglu_limit: float = 7.0,
-    swiglu_alpha: float = 1.702,
+    biases=None,
+    activation: MoEActivation = SILU,
     tiling: TpuTiling = TpuTiling(),
     fused_gather: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
 ):
     """The `tpu` backend of `moe_ffn`. Returns (y_TD, stats) like `ref.ref_moe_ffn`.
 
-    Biases and activation (GPT-OSS) as in `ref.ref_moe_ffn`: b_gate_up is added before
-    the activation in the gate/up epilogue, b_down to each routed row in the down
-    epilogue (before the weighted combine), both in float32; the stacked [L, E, ...]
-    biases are passed whole, like the weights. fused_gather needs bfloat16 or float32
-    x; other dtypes take the fallback.
+    `biases` (b_gate_up, b_down) and `activation` (GPT-OSS) as in `ref.ref_moe_ffn`:
+    b_gate_up is added before the activation in the gate/up epilogue, b_down to each
+    routed row in the down epilogue (before the weighted combine), both in float32; the
+    stacked [L, E, ...] biases are passed whole, like the weights. fused_gather needs
+    bfloat16 or float32 x; other dtypes take the fallback.
     """
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
-    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
-    check_activation(activation)
-    act = functools.partial(gated, activation=activation, swiglu_limit=swiglu_limit,
-                            swiglu_alpha=swiglu_alpha)
+    b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
@@ -561,14 +555,14 @@ def moe_ffn_tpu(
         h_PF = gate_up_gather(
             x_TD, w_gate_up_GDF2, layout.token_ids_P, tile_group_M,
             layout.tile_rows_M, layout.num_tiles,
-            tm=tm, tk=tiling.tk, tn=tiling.tn, b_gate_up=b_gate_up, act=act,
+            tm=tm, tk=tiling.tk, tn=tiling.tn, b_gate_up=b_gate_up, act=activation,
             routing=routing, interpret=interpret,
         )
     else:
         h_PF = tile_gmm(
             x_TD[layout.token_ids_P], w_gate_up_GDF2, tile_group_M, layout.num_tiles,
             swiglu=True, tm=tm, tk=tiling.tk or D, tn=tiling.tn or _pick_block(F, 1024),
-            bias=b_gate_up, act=act, routing=routing, interpret=interpret,
+            bias=b_gate_up, act=activation, routing=routing, interpret=interpret,
         )
     y_PD = tile_gmm(
         h_PF.astype(w_down_GFD.dtype), w_down_GFD, tile_group_M, layout.num_tiles,

@@ -19,19 +19,26 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
-from pallas_kernels.moe.ref import check_bias, glu, moe_stats, route, stacked_experts
+from pallas_kernels.moe.ref import (
+    SILU,
+    MoEActivation,
+    check_bias,
+    glu,
+    moe_stats,
+    route,
+    stacked_experts,
+)
 
 TILE_ROWS = 32
 
 
 def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, layer=None,
-                      top_k, norm_topk_prob, token_mask_T=None, b_gate_up=None, b_down=None,
-                      activation="silu", swiglu_limit=7.0, swiglu_alpha=1.702,
-                      tm: int = TILE_ROWS):
+                      top_k, norm_topk_prob, token_mask_T=None, biases=None,
+                      activation: MoEActivation = SILU, tm: int = TILE_ROWS):
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
-    check_bias(b_gate_up, b_down, w_gate_up_LEDF2, w_down_LEFD)
+    b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
     if b_gate_up is not None:  # [L*E, ...] like the weights: a free reshape
         b_gate_up_GF2 = b_gate_up.reshape(-1, b_gate_up.shape[-1])
         b_down_GD = b_down.reshape(-1, b_down.shape[-1])
@@ -45,8 +52,7 @@ def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, l
         gate_up_tF2 = jnp.dot(x_MtD[m], w_gate_up_GDF2[g], preferred_element_type=jnp.float32)
         if b_gate_up is not None:
             gate_up_tF2 = gate_up_tF2 + b_gate_up_GF2[g].astype(jnp.float32)
-        h_tF = glu(gate_up_tF2, activation, swiglu_limit=swiglu_limit,
-                   swiglu_alpha=swiglu_alpha).astype(w_down_GFD.dtype)
+        h_tF = glu(gate_up_tF2, activation).astype(w_down_GFD.dtype)
         y_tD = jnp.dot(h_tF, w_down_GFD[g], preferred_element_type=jnp.float32)
         if b_down is not None:
             y_tD = y_tD + b_down_GD[g].astype(jnp.float32)
