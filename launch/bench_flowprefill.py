@@ -21,6 +21,9 @@ arrival falls within a segment decides the wait). Blocking = the urgent request'
 minus its TTFT alone under the same policy (so the wait until its prefill starts, plus any
 slowdown while it runs), in ms (mean and max) and as a share of the long prompt's solo
 TTFT.
+
+`--trace`: each policy's open-loop run also writes its decision trace
+(`trace_<policy>.jsonl`, lp_jax/trace) and timeline (`timeline_<policy>.png`) to --out.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from lp_jax.sim.task_classes import (
     parse_assignments,
     parse_task_class,
 )
+from lp_jax.trace import TraceWriter
+from lp_jax.trace.timeline import plot_timeline
 
 POLICIES = {
     "chunked-512": dict(policy="chunked", max_num_batched_tokens=512),
@@ -116,6 +121,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=6, help="blocking arrivals per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", action="store_true",
+                   help="write each policy's decision trace and timeline PNG to --out")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,9 +166,18 @@ def main(argv=None) -> dict:
                "policies": {}}
     for name in args.policies.split(","):
         use_policy(engine, base, **POLICIES[name])
+        if args.trace:
+            engine.trace = TraceWriter(out / f"trace_{name}.jsonl", source="engine",
+                                       policy=name, num_layers=base.num_layers, clock="wall")
         t = time.perf_counter()
         metrics = run_open_loop(engine, timed)
         wall = time.perf_counter() - t
+        if args.trace:
+            engine.trace.close()
+            engine.trace = None
+            plot_timeline(out / f"trace_{name}.jsonl", out / f"timeline_{name}.png",
+                          title=f"bench_flowprefill: {name}")
+            print(f"wrote {out / f'trace_{name}.jsonl'} and {out / f'timeline_{name}.png'}")
         s = engine.scheduler.stats()
         by_class = {}
         for c in classes:

@@ -104,7 +104,9 @@ def plot_timeline(trace: str | Path | list[dict], out: str | Path, *,
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("time (s)")
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, num_units / 2))
-    fig.colorbar(sm, ax=ax, pad=0.01).set_label("prefill span: first layer")
+    layers = num_units // 2
+    fig.colorbar(sm, ax=ax, pad=0.01, ticks=range(0, layers + 1, max(1, layers // 8))
+                 ).set_label("prefill span: first layer")
     if title is None:
         title = (f"{header.get('source', 'trace')}: {header.get('policy', '?')}, "
                  f"{header.get('clock', '?')} clock")
