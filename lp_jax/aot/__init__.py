@@ -53,6 +53,7 @@ from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, packs_kv
+from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
 
@@ -267,6 +268,7 @@ def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None
         rec["memory"] = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in
                          ("argument", "output", "alias", "temp", "generated_code")}
         rec["optimized_hlo"] = compiled.as_text()
+        rec["cost_analysis"] = _cost_analysis(compiled)
     else:
         from pallas_kernels.compile_targets import H200, pallas_target
 
@@ -321,7 +323,8 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
         (out_dir / f"program_{N}.stablehlo.txt").write_text(rec["stablehlo"])
         found = audit_program(rec, b, cfg)
         rec.pop("stablehlo")
-        rec.pop("optimized_hlo", None)
+        if "optimized_hlo" in rec:
+            _write_compiled(rec, b, cfg, out_dir)
         rec.update(found)
         mem = rec.get("memory", {})
         ours = [k for k in rec.get("kernels") or [] if k["ours"]]
@@ -353,12 +356,46 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
         "weight_bytes_per_device": b.weight_bytes_per_device,
         "kv_bytes_per_device": b.kv_bytes_per_device,
         "layer_expert_bytes_per_device": b.layer_expert_bytes_per_device,
+        "model_shape": dataclasses.asdict(  # what lp_jax.roofline --aot costs against
+            ModelShape.from_model_config(model_cfg, model_cfg.model_type)),
         "programs": programs, "violations": violations, "jax": jax.__version__,
     }
     if reads_kernels:
         summary["our_kernels"] = our_kernels(programs)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _cost_analysis(compiled) -> dict | None:
+    """compiled.cost_analysis() as JSON numbers (None where the backend has none: cuda)."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without it raises rather than return None
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else None
+    return {k: float(v) for k, v in ca.items()} if ca else None
+
+
+def _write_compiled(rec: dict, b: Build, cfg: AotConfig, out_dir: Path) -> None:
+    """Writes program_N.hlo.txt (optimized HLO) and program_N.cost_analysis.json; the
+    record keeps their names, XLA's headline figures (the layer loop counted once, a
+    Pallas call as its pl.CostEstimate declares) and each Pallas kernel's cost.py
+    estimate at these rows (GPU lowerings drop the declared estimates)."""
+    from lp_jax.roofline.compiled import kernel_estimates
+
+    N, text = rec["rows"], rec.pop("optimized_hlo")
+    (out_dir / f"program_{N}.hlo.txt").write_text(text)
+    rec["optimized_hlo_file"] = f"program_{N}.hlo.txt"
+    ca = rec.pop("cost_analysis")
+    if ca is not None:
+        (out_dir / f"program_{N}.cost_analysis.json").write_text(json.dumps(ca, indent=1))
+        rec["cost_analysis"] = {k: ca[k] for k in ("flops", "transcendentals",
+                                                   "bytes accessed", "optimal_seconds")
+                                if k in ca}
+    else:
+        rec["cost_analysis"] = None
+    rec["pallas_estimates"] = kernel_estimates(text, b.model_config, cfg, N)
 
 
 def our_kernels(programs: list[dict]) -> list[dict]:

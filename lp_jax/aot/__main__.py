@@ -82,7 +82,10 @@ def main(argv=None) -> int:
         print(f"error: {message[:2000]}{' ...' if len(message) > 2000 else ''}", file=sys.stderr)
         return 2
     print(describe(summary))
-    print(f"wrote {args.out}/summary.json and {summary['num_programs']} StableHLO files")
+    compiled = sum(1 for p in summary["programs"] if p.get("optimized_hlo_file"))
+    print(f"wrote {args.out}/summary.json and {summary['num_programs']} StableHLO files"
+          + (f", {compiled} optimized HLO files (python -m lp_jax.roofline --aot {args.out})"
+             if compiled else ""))
     return 1 if summary["violations"] else 0
 
 

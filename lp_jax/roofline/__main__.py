@@ -9,6 +9,9 @@ of the current JAX device and a measured MoE knee (a few seconds on CPU).
 `--ep-comm` prints only the expert-parallel communication section instead (ep_comm.py:
 all-reduce vs all_to_all dispatch bytes, the tokens where all_to_all turns faster, and
 the scheme `auto` picks) for both Qwen3 MoE models, on NVLink and ICI.
+`--aot DIR` reads the compiled programs of a `python -m lp_jax.aot` run instead
+(compiled.py): per program, the cost outside the layer loop and per layer, the
+predicted time on the chip that run targeted, and the gap to the analytic model.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from lp_jax.roofline import plots, report
+from lp_jax.roofline import compiled, plots, report
 from lp_jax.roofline.hardware import HARDWARE, get_hardware, measure_current_device
 from lp_jax.roofline.model_shape import resolve_model
 from lp_jax.roofline.ridge import PAPER_CHUNKS, compute_bound_tokens, fig2_table
@@ -61,6 +64,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="print only the expert-parallel dispatch section (all-reduce vs all_to_all)",
     )
+    p.add_argument("--aot", type=Path, default=None, metavar="DIR",
+                   help="print the compiled-program roofline of a python -m lp_jax.aot run")
+    p.add_argument("--eff-compute", type=float, default=compiled.EFF_COMPUTE,
+                   help="--aot: share of peak FLOP/s an op reaches (default %(default)s, "
+                        "ASSUMED until fitted on the H200)")
+    p.add_argument("--eff-mem", type=float, default=compiled.EFF_MEM,
+                   help="--aot: share of HBM bandwidth an op reaches (default %(default)s, "
+                        "ASSUMED until fitted on the H200)")
     return p.parse_args(argv)
 
 
@@ -105,6 +116,11 @@ def print_ep_comm(models: Sequence[str] = EP_MODELS) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.aot is not None:
+        summary, hw, rooflines = compiled.read_aot(args.aot, eff_compute=args.eff_compute,
+                                                   eff_mem=args.eff_mem)
+        print(compiled.render(summary, hw, rooflines, args.eff_compute, args.eff_mem))
+        return 0
     if args.ep_comm:
         print_ep_comm()
         return 0

@@ -1,0 +1,523 @@
+"""The roofline of the compiled programs of an AOT run (`python -m lp_jax.roofline --aot DIR`).
+
+Design note. `python -m lp_jax.aot` writes each program's optimized HLO
+(program_N.hlo.txt) beside summary.json. XLA's own `cost_analysis()` counts the layer
+loop once (a 3-layer and a 6-layer program report the same flops) and a Pallas call
+only as far as its `pl.CostEstimate` declares (none on GPU), so this module reads the
+HLO itself:
+
+    HLO text -> hlo.parse -> walk: one record (class, flops, HBM bytes, link bytes) per op
+      outside the layer loop      counted once per call
+      the layer loop's body       counted once per layer the call runs
+      Pallas custom calls         costed by pallas_kernels/cost.py, by kernel name
+    -> time per op = max(flops / (peak x eff_compute), bytes / (HBM bw x eff_mem),
+                         link bytes / (link bw / 2 x eff_mem)), summed over ops
+    -> compared with cost_model.model_step_cost on the same shapes
+
+Rules, stated in the output: the layer loop is the top-level while loop that costs
+most; other while loops count one trip (their trip counts are run-time values); a
+conditional costs its costliest branch (the MoE branch, the ragged attention path,
+sampling), except prompt scoring (`_score_prompt`, off unless a request asks for
+prompt log-probabilities), which costs its skip branch. A Pallas call's cost is
+`cost.estimate(kernel, ...)` at the program's rows: uniform routing over the experts,
+and a full page table (every sequence at max_model_len, the new rows spread evenly
+over min(rows, max_num_seqs) sequences). Bytes: an op moves its operands and result,
+except that an in-place update moves its update, and an operand that a fusion only
+slices or gathers from (stacked layer weights, the embedding) moves the slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from lp_jax.roofline import hlo
+from lp_jax.roofline.cost_model import StepTokens, model_step_cost
+from lp_jax.roofline.hardware import Hardware, get_hardware
+from lp_jax.roofline.model_shape import ModelShape
+from pallas_kernels import cost
+
+EFF_COMPUTE = 0.6  # ASSUMED until fitted on the H200
+EFF_MEM = 0.8  # ASSUMED until fitted on the H200
+FLAG_ABOVE = 0.10  # differences to the analytic model above this are explained
+PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton")
+# Query rows (block_q x query heads per KV head) per work item of the attention
+# kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py's block_rows default.
+BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
+              cost.GPU_PREFILL_ATTENTION: 128}
+SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
+SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+         "partition-id", "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency",
+         "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
+         "send-done", "recv-done", "domain"}
+_COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-start",
+                "reduce-scatter", "all-to-all", "collective-permute",
+                "collective-permute-start", "ragged-all-to-all"}
+_ARITH = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "exponential",
+          "log", "tanh", "logistic", "rsqrt", "sqrt", "power", "negate", "abs", "compare",
+          "select", "exponential-minus-one", "log-plus-one", "erf", "cosine", "sine"}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+CLASSES = ("attention", "experts", "dense matmuls", "logits/sampling", "collectives",
+           "other")
+# What explains a class's gap to the analytic model (cost_model.py).
+WHY = {
+    "attention": "attention runs on every device of the expert axis (the formula splits "
+                 "tokens over ep) and cost.py reads whole pages for a full page table",
+    "experts": "the MoE kernels' cost.py estimates (uniform routing) against the "
+               "formula's expert GEMMs",
+    "dense matmuls": "q/k/v/o, router and dense-MLP matmuls as compiled: float32 "
+                     "accumulation outputs, layouts, replicated rows",
+    "logits/sampling": "sampling: the LM head over every sampled row in float32, "
+                       "penalties, top-k/top-p and the token draw, which the formula "
+                       "reduces to one bf16 LM head",
+    "collectives": "expert-parallel dispatch and tensor-parallel all-reduces as "
+                   "compiled (the formula overlaps them with compute)",
+    "other": "ops the formula leaves out: norms, rotary, routing layout and the sorted / "
+             "gathered copy of x, KV writes, elementwise ops over the padded row bucket",
+}
+
+
+@dataclasses.dataclass
+class Op:
+    cls: str
+    flops: float = 0.0
+    bytes: float = 0.0
+    link_bytes: float = 0.0
+    kernel: str | None = None  # a Pallas kernel's name
+
+    def seconds(self, hw: Hardware, eff_compute: float, eff_mem: float) -> float:
+        link = 0.5 * hw.interconnect_bw * eff_mem
+        return max(self.flops / (hw.peak_flops * eff_compute),
+                   self.bytes / (hw.hbm_bw * eff_mem),
+                   self.link_bytes / link if self.link_bytes and link > 0 else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What the kernel estimates need of one program: its shapes and mesh."""
+
+    rows: int
+    seqs: int
+    pages_per_seq: int
+    page_size: int
+    tp: int
+    ep: int
+    shape: ModelShape
+
+
+def kernel_cost(name: str, p: Program) -> cost.KernelCost:
+    """`cost.estimate(name, ...)` at the program's rows, per device: uniform routing over
+    the experts (a device holds 1/ep of them and their rows), a full page table."""
+    s, b = p.shape, p.shape.dtype_bytes
+    if name in (cost.TPU_ATTENTION, cost.TPU_JAX_ATTENTION, cost.GPU_DECODE_ATTENTION,
+                cost.GPU_PREFILL_ATTENTION):
+        tokens = p.seqs if name == cost.GPU_DECODE_ATTENTION else p.rows
+        heads, kv_heads = max(s.num_q_heads // p.tp, 1), max(s.num_kv_heads // p.tp, 1)
+        return cost.estimate(
+            name, tokens=tokens, seqs=p.seqs, pages_per_seq=p.pages_per_seq,
+            page_size=p.page_size, heads=heads, kv_heads=kv_heads, head_dim=s.head_dim,
+            q_itemsize=b, kv_itemsize=b,
+            block_q=max(1, BLOCK_ROWS.get(name, 1) // (heads // kv_heads)))
+    glu = "gate_up" in name
+    F = s.expert_width // p.tp
+    k, n = (s.hidden_size, F) if glu else (F, s.hidden_size)
+    c = cost.estimate(name, tokens=p.rows, top_k=s.top_k, experts=s.num_experts, k=k, n=n,
+                      glu=glu, lhs_itemsize=b, w_itemsize=b, out_itemsize=b)
+    return cost.KernelCost(*(round(v / p.ep) for v in dataclasses.astuple(c)))
+
+
+def kernel_name(instr: hlo.Instr, p: Program) -> str:
+    """The cost.py name of a Pallas custom call: its instruction name, op_name or
+    backend_config; a GPU MoE kernel (`mosaic_gpu`, unnamed) by its weight operand
+    ([G, D, 2F]: gate/up, [G, F, D]: down)."""
+    head = instr.name + " " + (instr.attr("op_name") or "")
+    for text in (head, instr.attrs):
+        found = [n for n in cost.ESTIMATES if n in text]
+        if found:
+            return max(found, key=len)
+    if instr.attr("custom_call_target") == "mosaic_gpu":
+        return cost.GPU_MOE_GATE_UP if _last_dim_is_2f(instr, p) else cost.GPU_MOE_DOWN
+    raise KeyError(f"Pallas call {instr.name} names no kernel of pallas_kernels/cost.py")
+
+
+def _last_dim_is_2f(instr: hlo.Instr, p: Program) -> bool:
+    constraints = instr.attrs.split("operand_layout_constraints={", 1)[-1]
+    dims = [hlo.dims_of(t) for t in constraints.split("}, ")]
+    return any(len(d) == 3 and d[-1] == 2 * p.shape.expert_width // p.tp for d in dims)
+
+
+class Walker:
+    """Costs one module's ops (see the module docstring for the rules)."""
+
+    def __init__(self, module: hlo.Module, p: Program, hw: Hardware, eff_compute: float,
+                 eff_mem: float):
+        self.m, self.p, self.hw = module, p, hw
+        self.eff = (eff_compute, eff_mem)
+        self.vocab_dev = p.shape.vocab_size // p.tp
+        self.hbm_only = hw.name.startswith("TPU")  # VMEM / SMEM buffers are no HBM traffic
+
+    def hbm(self, type_text: str) -> float:
+        return hlo.shape_bytes(type_text, self.hbm_only)
+
+    def seconds(self, ops) -> float:
+        return sum(op.seconds(self.hw, *self.eff) for op in ops)
+
+    def split(self) -> tuple[list[Op], list[Op]]:
+        """(outside the layer loop, the layer loop's body once)."""
+        loops: dict[str, list[Op]] = {}
+        outside = self.walk(self.m.computations[self.m.entry], loops, top=True)
+        if not loops:
+            raise ValueError("no while loop in the program: no layer loop to split off")
+        body = max(loops, key=lambda k: self.seconds(loops[k]))
+        for name, ops in loops.items():
+            if name != body:
+                outside += ops
+        return outside, loops[body]
+
+    def walk(self, comp: hlo.Computation, loops: dict, top: bool) -> list[Op]:
+        ops: list[Op] = []
+        for ins in comp.instrs.values():
+            if ins.opcode == "while":
+                body_comp = self.m.computations[ins.attr("body").lstrip("%")]
+                body = self.walk(body_comp, loops, top=False)
+                if top:
+                    loops[ins.name] = body
+                else:
+                    ops += body  # one trip (the trip count is a run-time value)
+            elif ins.opcode == "conditional":
+                ops += self._branch(ins, loops, top)
+            elif ins.opcode in ("call", "async-start") and ins.called:
+                ops += self.walk(self.m.computations[ins.called[0]], loops, top)
+            else:
+                op = self.op(comp, ins)
+                if op is not None:
+                    ops.append(op)
+        return ops
+
+    def _branch(self, ins: hlo.Instr, loops: dict, top: bool) -> list[Op]:
+        branches = []
+        for name in ins.called:
+            inner: dict[str, list[Op]] = {}
+            ops = self.walk(self.m.computations[name], inner, top)
+            ops += [op for loop in inner.values() for op in loop]
+            branches.append((self.seconds(ops), ops, self._calls(name, SKIPPED_FUNCTIONS)))
+        if any(skip for *_, skip in branches):
+            return min(branches, key=lambda b: b[0])[1]
+        return max(branches, key=lambda b: b[0])[1]
+
+    def _calls(self, comp_name: str, functions, seen=None) -> bool:
+        """Whether an instruction of comp_name (or what it calls) comes from `functions`."""
+        seen = set() if seen is None else seen
+        if comp_name in seen:
+            return False
+        seen.add(comp_name)
+        for ins in self.m.computations[comp_name].instrs.values():
+            if any(f in fn for fn in self.m.functions_of(ins)[:1] for f in functions):
+                return True
+            if any(self._calls(c, functions, seen) for c in ins.called):
+                return True
+        return False
+
+    def op(self, comp: hlo.Computation, ins: hlo.Instr) -> Op | None:
+        if ins.opcode in _FREE:
+            return None
+        operand_bytes = [self._bytes_of(comp, o) for o in ins.operands]
+        if ins.opcode == "custom-call":
+            target = ins.attr("custom_call_target")
+            if target in PALLAS_TARGETS:
+                name = kernel_name(ins, self.p)
+                c = kernel_cost(name, self.p)
+                cls = "attention" if "attention" in name else "experts"
+                return Op(cls, c.flops, c.bytes_accessed, kernel=name)
+            if target == "AllocateBuffer":
+                return None
+        if ins.opcode in _COLLECTIVES:
+            sent = ins.bytes if ins.opcode.startswith("all-gather") else sum(
+                hlo.shape_bytes(comp.instrs[o].type) for o in ins.operands if o in comp.instrs)
+            return Op("collectives", 0.0, sum(operand_bytes) + self.hbm(ins.type), sent)
+        if ins.opcode in ("copy-start", "slice-start"):  # a DMA, e.g. a prefetch to VMEM
+            parts = hlo.shapes(ins.type)
+            size, dest = parts[0] if ins.opcode == "copy-start" else parts[1]
+            src_hbm = sum(operand_bytes) > 0
+            return Op("other", 0.0, size * (src_hbm + (not dest or not self.hbm_only)))
+        flops, has_dot = self._flops(comp, ins)
+        if ins.opcode == "fusion":
+            moved = self._fusion_bytes(comp, ins)
+        elif ins.opcode == "dynamic-update-slice":
+            moved = 2 * operand_bytes[1]
+        elif ins.opcode == "scatter":
+            moved = 2 * operand_bytes[-1] + sum(operand_bytes[1:-1])
+        elif ins.opcode in _SLICING:
+            moved = (operand_bytes[0] > 0) * ins.bytes + self.hbm(ins.type) + sum(
+                operand_bytes[1:])
+        else:
+            moved = sum(operand_bytes) + self.hbm(ins.type)
+        return Op(self._class(ins, has_dot), flops, moved)
+
+    def _class(self, ins: hlo.Instr, has_dot: bool) -> str:
+        fn = (self.m.functions_of(ins) or ("",))[0]
+        if any(f in fn for f in SAMPLING_FUNCTIONS) or (
+                has_dot and self.vocab_dev in hlo.dims_of(ins.type)):
+            return "logits/sampling"
+        return "dense matmuls" if has_dot else "other"
+
+    def _bytes_of(self, comp: hlo.Computation, name: str) -> float:
+        ins = comp.instrs.get(name)
+        return self.hbm(ins.type) if ins is not None else 0.0
+
+    def _flops(self, comp: hlo.Computation, ins: hlo.Instr) -> tuple[float, bool]:
+        if ins.opcode == "fusion":
+            fused = self.m.computations[ins.called[0]]
+            total, dot = 0.0, False
+            for inner in fused.instrs.values():
+                f, d = self._flops(fused, inner)
+                total, dot = total + f, dot or d
+            return total, dot
+        if ins.opcode == "dot":
+            lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
+            contracting = [int(d) for d in (ins.attr("lhs_contracting_dims") or "{}")
+                           .strip("{}").split(",") if d]
+            return 2.0 * ins.elements * math.prod(lhs[d] for d in contracting), True
+        if ins.opcode == "convolution":
+            rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
+            labels = (ins.attr("dim_labels") or "_io->").split("_")[1].split("->")[0]
+            out_feature = rhs[labels.index("o")] if "o" in labels else 1
+            return 2.0 * ins.elements * math.prod(rhs) / out_feature, True
+        if ins.opcode in _ARITH:
+            return float(ins.elements), False
+        if ins.opcode == "reduce":
+            return float(math.prod(hlo.dims_of(comp.instrs[ins.operands[0]].type))), False
+        return 0.0, False
+
+    def _fusion_bytes(self, comp: hlo.Computation, ins: hlo.Instr) -> float:
+        fused = self.m.computations[ins.called[0]]
+        params = {i.name: int(i.args) for i in fused.instrs.values() if i.opcode == "parameter"}
+        users: dict[str, list[hlo.Instr]] = {n: [] for n in params}
+        for inner in fused.instrs.values():
+            for o in inner.operands:
+                if o in users:
+                    users[o].append(inner)
+        root = fused.root
+        outs = ([fused.instrs[o] for o in root.operands] if root.opcode == "tuple" else [root])
+        in_place, written = set(), 0.0
+        for out in outs:
+            if out.opcode in ("dynamic-update-slice", "scatter") and out.operands[0] in params:
+                in_place.add(out.operands[0])
+                update = fused.instrs[out.operands[1 if out.opcode != "scatter" else -1]]
+                written += self.hbm(update.type) if self.hbm(out.type) else 0.0
+            else:
+                written += self.hbm(out.type)
+        read = 0.0
+        for name, index in params.items():
+            if name in in_place:
+                continue
+            uses = users[name]
+            outer = self._bytes_of(comp, ins.operands[index]) if index < len(ins.operands) else 0
+            if outer and uses and all(u.opcode in _SLICING and u.operands[0] == name
+                                      for u in uses):
+                read += sum(u.bytes for u in uses)
+            else:
+                read += outer
+        return read + written
+
+
+@dataclasses.dataclass
+class Part:
+    """Summed cost of a list of ops, by class."""
+
+    flops: float
+    bytes: float
+    link_bytes: float
+    seconds: float
+    by_class: dict[str, float]  # seconds
+
+    @classmethod
+    def of(cls, ops: list[Op], hw, eff_compute, eff_mem) -> Part:
+        by_class = dict.fromkeys(CLASSES, 0.0)
+        for op in ops:
+            by_class[op.cls] += op.seconds(hw, eff_compute, eff_mem)
+        return cls(sum(o.flops for o in ops), sum(o.bytes for o in ops),
+                   sum(o.link_bytes for o in ops), sum(by_class.values()), by_class)
+
+
+def step_tokens(p: Program) -> StepTokens:
+    """The analytic model's step for a program's rows, as cost.py's kernels assume it: a
+    full page table, the rows spread over min(rows, max_num_seqs) sequences."""
+    ctx = p.pages_per_seq * p.page_size
+    if p.rows <= p.seqs:
+        return StepTokens(decode_seqs=p.rows, decode_context=ctx)
+    chunk = p.rows // p.seqs
+    return StepTokens(prefill_tokens=chunk * p.seqs, prefill_seqs=p.seqs,
+                      prefill_past=max(ctx - chunk, 0))
+
+
+def analytic(p: Program, hw: Hardware, eff_compute: float, eff_mem: float
+             ) -> tuple[float, float, dict[str, float]]:
+    """(outside-loop seconds, seconds per layer, seconds by class for a call through
+    every layer) of cost_model.model_step_cost, at the same efficiencies."""
+    classes = {"qkv_proj": "dense matmuls", "o_proj": "dense matmuls",
+               "router": "dense matmuls", "dense_mlp": "dense matmuls",
+               "attn_prefill": "attention", "attn_decode": "attention",
+               "experts": "experts", "lm_head": "logits/sampling"}
+    total = model_step_cost(p.shape, step_tokens(p), tp=p.tp, ep=p.ep, logits_tokens=p.seqs)
+    by_class = dict.fromkeys(CLASSES, 0.0)
+    for op in total.ops:
+        secs = Op(classes.get(op.name, "other"), op.flops + op.pad_flops, op.bytes,
+                  op.comm_bytes).seconds(hw, eff_compute, eff_mem)
+        by_class[classes.get(op.name, "other")] += secs
+    outside = by_class["logits/sampling"]
+    return outside, (sum(by_class.values()) - outside) / p.shape.num_layers, by_class
+
+
+def target_hardware(target: str) -> Hardware:
+    """The roofline table's entry for an AOT run's target chip name."""
+    for alias in ("h200", "h100"):
+        if alias in target.lower():
+            return get_hardware(alias)
+    return get_hardware(target)
+
+
+def program_of(summary: dict, rows: int) -> Program:
+    """A program of an AOT run's summary.json."""
+    shape_d = dict(summary["model_shape"])
+    for key in ("dense_layers", "sliding_layers"):
+        shape_d[key] = tuple(shape_d[key])
+    return _program(ModelShape(**shape_d), summary["config"], rows)
+
+
+def _program(shape: ModelShape, cfg: dict, rows: int) -> Program:
+    _, ep, tp = cfg["mesh_shape"]
+    return Program(rows=rows, seqs=min(rows, cfg["max_num_seqs"]),
+                   pages_per_seq=math.ceil(cfg["max_model_len"] / cfg["page_size"]),
+                   page_size=cfg["page_size"], tp=tp, ep=ep, shape=shape)
+
+
+def kernel_estimates(hlo_text: str, model_cfg, aot_cfg, rows: int) -> list[dict]:
+    """The Pallas calls of one program's optimized HLO (lp_jax.aot records them): each
+    kernel's count and its cost.py estimate per call at these rows, per device."""
+    p = _program(ModelShape.from_model_config(model_cfg, model_cfg.model_type),
+                 dataclasses.asdict(aot_cfg), rows)
+    module, counts = hlo.parse(hlo_text), {}
+    for comp in module.computations.values():
+        for ins in comp.instrs.values():
+            if ins.opcode == "custom-call" and ins.attr("custom_call_target") in PALLAS_TARGETS:
+                name = kernel_name(ins, p)
+                counts[name] = counts.get(name, 0) + 1
+    return [{"kernel": name, "calls_in_hlo": n, **dataclasses.asdict(kernel_cost(name, p)),
+             "assumes": "uniform routing, a full page table"}
+            for name, n in sorted(counts.items())]
+
+
+@dataclasses.dataclass
+class ProgramRoofline:
+    rows: int
+    layers: int
+    outside: Part
+    body: Part  # one layer
+    kernels: dict[str, cost.KernelCost]  # per call, the ones of one layer and outside
+    analytic_outside_s: float
+    analytic_layer_s: float
+    analytic_by_class: dict[str, float]
+    xla_flops: float | None  # cost_analysis(): the layer loop counted once
+
+    @property
+    def call_s(self) -> float:
+        return self.outside.seconds + self.layers * self.body.seconds
+
+    @property
+    def analytic_s(self) -> float:
+        return sum(self.analytic_by_class.values())
+
+    @property
+    def by_class(self) -> dict[str, float]:
+        return {c: self.outside.by_class[c] + self.layers * self.body.by_class[c]
+                for c in CLASSES}
+
+
+def program_roofline(hlo_text: str, summary: dict, rows: int, *, hw: Hardware | None = None,
+                     eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
+                     xla_flops: float | None = None) -> ProgramRoofline:
+    hw = hw or target_hardware(summary["target"])
+    p = program_of(summary, rows)
+    walker = Walker(hlo.parse(hlo_text), p, hw, eff_compute, eff_mem)
+    outside, body = walker.split()
+    kernels = {op.kernel: kernel_cost(op.kernel, p) for op in outside + body if op.kernel}
+    a_out, a_layer, a_cls = analytic(p, hw, eff_compute, eff_mem)
+    return ProgramRoofline(rows, summary["num_layers"],
+                           Part.of(outside, hw, eff_compute, eff_mem),
+                           Part.of(body, hw, eff_compute, eff_mem), kernels, a_out, a_layer,
+                           a_cls, xla_flops)
+
+
+def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM
+             ) -> tuple[dict, Hardware, list[ProgramRoofline]]:
+    out_dir = Path(out_dir)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    if "model_shape" not in summary:
+        raise ValueError(f"{out_dir}/summary.json predates the compiled roofline: rerun "
+                         "python -m lp_jax.aot")
+    hw = target_hardware(summary["target"])
+    rooflines = []
+    for prog in summary["programs"]:
+        name = prog.get("optimized_hlo_file")
+        if not name:
+            raise ValueError(f"program {prog['rows']} has no optimized HLO (mode "
+                             f"{summary['mode']!r}: an export compiles nothing)")
+        xla = (prog.get("cost_analysis") or {}).get("flops")
+        rooflines.append(program_roofline((out_dir / name).read_text(), summary, prog["rows"],
+                                          hw=hw, eff_compute=eff_compute, eff_mem=eff_mem,
+                                          xla_flops=xla))
+    return summary, hw, rooflines
+
+
+def render(summary: dict, hw: Hardware, rooflines: list[ProgramRoofline],
+           eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM) -> str:
+    L = summary["num_layers"]
+    mesh = summary["config"]["mesh_shape"]
+    lines = [
+        f"compiled-program roofline: {summary['model']} on {hw.name} (mesh data,expert,tensor "
+        f"= {tuple(mesh)}), {len(rooflines)} programs, per device; a call runs all {L} layers",
+        f"efficiencies ASSUMED (not fitted): compute {eff_compute:g} of "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s, memory {eff_mem:g} of {hw.hbm_bw / 1e12:.2f} "
+        "TB/s (links: half the bidirectional bandwidth x memory efficiency)",
+        "Pallas calls costed by pallas_kernels/cost.py by kernel name: uniform routing, a full "
+        "page table (every sequence at max_model_len)",
+        "",
+        f"{'rows':>6} | {'outside GFLOP':>13} {'MB':>8} {'ms':>7} | {'layer GFLOP':>11} "
+        f"{'MB':>8} {'ms':>7} | {'call ms':>8} | {'analytic ms':>11} {'ratio':>6} | "
+        f"{'XLA GFLOP*':>10}",
+    ]
+    for r in rooflines:
+        ratio = r.call_s / r.analytic_s if r.analytic_s else math.inf
+        xla = f"{r.xla_flops / 1e9:10.3f}" if r.xla_flops else f"{'-':>10}"
+        lines.append(
+            f"{r.rows:>6} | {r.outside.flops / 1e9:13.3f} {r.outside.bytes / 1e6:8.1f} "
+            f"{r.outside.seconds * 1e3:7.3f} | {r.body.flops / 1e9:11.3f} "
+            f"{r.body.bytes / 1e6:8.1f} {r.body.seconds * 1e3:7.3f} | {r.call_s * 1e3:8.3f} | "
+            f"{r.analytic_s * 1e3:11.3f} {ratio:6.2f} | {xla}"
+            + ("  FLAG" if abs(ratio - 1) > FLAG_ABOVE else ""))
+    lines.append("* XLA's cost_analysis(): the layer loop counted once, Pallas calls as "
+                 "declared")
+    for r in rooflines:
+        lines.append("")
+        lines.append(f"rows {r.rows}: Pallas kernels per call (cost.py): " + "; ".join(
+            f"{k} {c.flops / 1e9:.3f} GFLOP {c.bytes_accessed / 1e6:.1f} MB"
+            for k, c in sorted(r.kernels.items())))
+        ratio = r.call_s / r.analytic_s if r.analytic_s else math.inf
+        if abs(ratio - 1) <= FLAG_ABOVE:
+            lines.append(f"rows {r.rows}: within {FLAG_ABOVE:.0%} of the analytic model")
+            continue
+        compiled = r.by_class
+        gaps = sorted(CLASSES, key=lambda c: -abs(compiled[c] - r.analytic_by_class[c]))
+        lines.append(f"rows {r.rows}: compiled / analytic = {ratio:.2f}; by op class "
+                     "(ms, compiled vs analytic):")
+        for c in gaps:
+            diff = compiled[c] - r.analytic_by_class[c]
+            if abs(diff) < FLAG_ABOVE * abs(r.call_s - r.analytic_s) / 2:
+                continue
+            lines.append(f"  {c:<16} {compiled[c] * 1e3:8.3f} vs "
+                         f"{r.analytic_by_class[c] * 1e3:8.3f} ({diff * 1e3:+.3f}): {WHY[c]}")
+    return "\n".join(lines)
