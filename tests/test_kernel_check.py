@@ -10,7 +10,7 @@ import pytest
 
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax.config import ModelConfig
-from lp_jax.executor.kernel_check import KernelCheckError, check_backends
+from lp_jax.executor.kernel_check import KernelCheckError, check_backends, model_experts
 from lp_jax.models.backends import KernelBackends
 from pallas_kernels.attention import tpu as attention_tpu
 from pallas_kernels.moe import tpu as moe_tpu
@@ -37,12 +37,29 @@ def _failing_attention(*args, **kwargs):
     raise RuntimeError("Mosaic: offsets along tiled dimensions must be aligned (simulated)")
 
 
-def test_working_kernels_pass_and_are_kept(cfg, interpret):
+def test_working_kernels_pass_and_are_kept(cfg, interpret, tiny_model):
     logs = []
     chosen, report = check_backends(cfg, KernelBackends(moe="tpu", attention="tpu"),
-                                    jnp.float32, page_size=16, log=logs.append)
+                                    jnp.float32, page_size=16, log=logs.append,
+                                    experts=model_experts(tiny_model))
     assert (chosen.moe, chosen.attention) == ("tpu", "tpu")
     assert report == {"moe": ("tpu", None), "attention": ("tpu", None)} and not logs
+
+
+def test_the_moe_check_reads_the_last_layer_of_the_loaded_experts(cfg, interpret,
+                                                                  tiny_model):
+    """The engine's check runs on its own weights, at the stack's last layer (where a
+    stride that overflows at full depth would show): NaN there fails it; NaN in the
+    first layer, which it does not read, leaves it passing."""
+    w_gate_up, w_down, biases = model_experts(tiny_model)
+    L = w_gate_up.shape[0]
+    assert L > 1
+    backends = KernelBackends(moe="tpu", attention="xla")
+    for layer, passes in ((L - 1, False), (0, True)):
+        poisoned = (w_gate_up.at[layer].set(jnp.nan), w_down, biases)
+        chosen, report = check_backends(cfg, backends, jnp.float32, page_size=16,
+                                        log=lambda *_: None, experts=poisoned)
+        assert (chosen.moe == "tpu") is passes, (layer, report)
 
 
 def test_a_wrong_or_failing_kernel_falls_back_with_one_warning(cfg, interpret, monkeypatch):

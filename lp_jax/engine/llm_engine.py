@@ -42,7 +42,7 @@ from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 from lp_jax.engine.config import EngineConfig, default_max_model_len
 from lp_jax.engine.outputs import RequestOutput
 from lp_jax.executor import compile_guard, distributed
-from lp_jax.executor.kernel_check import check_backends
+from lp_jax.executor.kernel_check import check_backends, model_experts
 from lp_jax.executor.model_runner import ModelRunner, StepHandle
 from lp_jax.executor.plan_channel import (
     FollowerChannel,
@@ -161,7 +161,8 @@ class LLMEngine:
         backends, self.kernel_report = check_backends(
             model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
                                       moe_dispatch=config.moe_dispatch),
-            model.dtype, page_size=config.page_size, mode=config.backends, log=self.log)
+            model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
+            experts=model_experts(model))
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)

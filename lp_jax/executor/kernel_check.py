@@ -1,10 +1,13 @@
 """Start-up self-test of the Pallas kernels an engine selects, with a safe fallback.
 
 Before warm-up, every Pallas backend the configuration selects runs once on the real
-device: a small random problem with the model's own head and expert shapes, checked
-against the `ref` version. A compile error, a runtime error or a mismatch logs one
-warning naming the backend and the error, and switches that operation to its safe
-backend: the MoE to `xla_tiles` (cost follows the routing, never reads an idle expert),
+device, checked against the `ref` version: the MoE on the last layer of the engine's own
+loaded expert weights (the first device's shard of the stack, addressed by a traced layer
+index as the step does, so a stride or offset that overflows at full depth shows; no
+second stack is allocated), or of a small random stack when none is given; attention on
+a small random paged pool with the model's head shapes. A compile error, a runtime error
+or a mismatch logs one warning naming the backend and the error, and switches that
+operation to its safe backend: the MoE to `xla_tiles` (cost follows the routing, never reads an idle expert),
 attention to `xla`, or on a TPU to `tpu_jax` (JAX's shipped kernel) if it passes the same
 check. `mode="strict"` raises instead, `mode="off"` skips the check.
 
@@ -51,30 +54,63 @@ def _rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
 
 
-def check_moe(cfg: ModelConfig, backend: str, dtype) -> None:
-    """Runs `backend` on stacked weights of two layers (layer 1 addressed in place) for a
-    batch with masked rows; raises on an error or a mismatch with the reference."""
+def model_experts(model) -> tuple | None:
+    """(w_gate_up_LEDF2, w_down_LEFD, biases) of a loaded model's stacked experts, biases
+    () or (b_gate_up_LEF2, b_down_LED); None for a model without MoE layers."""
+    mlp = getattr(model.model.layers, "mlp", None)
+    if mlp is None:
+        return None
+    biases = ()
+    if hasattr(mlp, "experts_gate_up_proj_bias"):
+        biases = (mlp.experts_gate_up_proj_bias[...], mlp.experts_down_proj_bias[...])
+    return mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...], biases
+
+
+def _local(x: jax.Array) -> jax.Array:
+    """The first device's shard of `x` (the whole array when it is not sharded)."""
+    return x.addressable_shards[0].data if len(x.addressable_shards) > 1 else x
+
+
+def _random_experts(cfg: ModelConfig, dtype) -> tuple:
+    """A two-layer random stack of the model's expert shapes (at most 16 experts)."""
     E = min(cfg.num_experts, _MAX_EXPERTS)
-    top_k = min(cfg.num_experts_per_tok, E)
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
     k = jax.random.split(jax.random.key(0), 4)
-    x_TD = jax.random.normal(k[0], (_TOKENS, D), jnp.float32).astype(dtype)
-    logits_TE = jax.random.normal(k[1], (_TOKENS, E), jnp.float32)
     w_gate_up = (jax.random.normal(k[2], (2, E, D, 2 * F), jnp.float32) * D**-0.5).astype(dtype)
     w_down = (jax.random.normal(k[3], (2, E, F, D), jnp.float32) * F**-0.5).astype(dtype)
-    mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
-    kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T,
-              activation=expert_activation(cfg))
     biases = ()
     if cfg.swiglu_limit is not None:  # GPT-OSS: expert biases, clamped SwiGLU
         kb = jax.random.split(jax.random.key(2), 2)
         biases = (jax.random.normal(kb[0], (2, E, 2 * F)).astype(dtype),
                   jax.random.normal(kb[1], (2, E, D)).astype(dtype))
-    got, _ = jax.jit(lambda *a, biases: moe.moe_ffn(*a, layer=1, backend=backend,
-                                                    biases=biases, **kw))(
-        x_TD, logits_TE, w_gate_up, w_down, biases=biases)
-    want, _ = jax.jit(lambda *a, biases: ref_moe_ffn(*a, biases=biases, **kw))(
-        x_TD, logits_TE, w_gate_up[1], w_down[1], biases=tuple(b[1] for b in biases))
+    return w_gate_up, w_down, biases
+
+
+def check_moe(cfg: ModelConfig, backend: str, dtype, experts: tuple | None = None) -> None:
+    """Runs `backend` on the last layer of a stack of expert weights (`experts`, as
+    `model_experts` gives them; default: a small random stack), addressed in place by a
+    traced index, for a batch with masked rows; raises on an error or a mismatch with the
+    reference."""
+    w_gate_up, w_down, biases = experts or _random_experts(cfg, dtype)
+    w_gate_up, w_down = _local(w_gate_up), _local(w_down)
+    biases = tuple(_local(b) for b in biases)
+    device = next(iter(w_gate_up.devices()))
+    L, E, D = w_gate_up.shape[:3]
+    top_k = min(cfg.num_experts_per_tok, E)
+    k = jax.random.split(jax.random.key(0), 2)
+    x_TD = jax.device_put(jax.random.normal(k[0], (_TOKENS, D), jnp.float32).astype(
+        w_gate_up.dtype), device)
+    logits_TE = jax.device_put(jax.random.normal(k[1], (_TOKENS, E), jnp.float32), device)
+    mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
+    kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T,
+              activation=expert_activation(cfg))
+    layer = jnp.int32(L - 1)
+    got, _ = jax.jit(lambda *a, layer, biases: moe.moe_ffn(*a, layer=layer, backend=backend,
+                                                           biases=biases, **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases)
+    want, _ = jax.jit(lambda x, lg, wg, wd, layer, biases: ref_moe_ffn(
+        x, lg, wg[layer], wd[layer], biases=tuple(b[layer] for b in biases), **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases)
     err = _rel_err(got, want)
     if not err <= _tolerance(dtype):
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
@@ -117,9 +153,11 @@ def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> No
 
 
 def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_size: int,
-                   mode: str = "fallback", log=print) -> tuple[KernelBackends, dict]:
-    """Checks the Pallas backends `backends` resolves to. Returns (the backends to serve
-    with, {op: (backend, None | the error that made it fall back)})."""
+                   mode: str = "fallback", log=print,
+                   experts: tuple | None = None) -> tuple[KernelBackends, dict]:
+    """Checks the Pallas backends `backends` resolves to; the MoE on `experts` (the loaded
+    model's, `model_experts`) when given. Returns (the backends to serve with, {op:
+    (backend, None | the error that made it fall back)})."""
     if mode not in MODES:
         raise ValueError(f"backends must be one of {MODES}, got {mode!r}")
     if cfg.model_type == "gpt_oss":  # JAX's shipped TPU attention has no sinks
@@ -134,7 +172,7 @@ def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_si
     if mode == "off":
         return dataclasses.replace(backends, **chosen), report
     platform = jax.default_backend()
-    checks = {"moe": (lambda b: check_moe(cfg, b, dtype), SAFE_MOE,
+    checks = {"moe": (lambda b: check_moe(cfg, b, dtype, experts), SAFE_MOE,
                       chosen["moe"] in ("tpu", "gpu") and bool(cfg.moe_layers)),
               "attention": (lambda b: check_attention(cfg, b, dtype, page_size),
                             SAFE_ATTENTION.get(platform, ("xla",)),
