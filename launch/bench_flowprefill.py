@@ -82,15 +82,22 @@ def solo(engine: LLMEngine, p: list[int], repeats: int = 3) -> float:
 
 
 def blocking(engine, long_p, short_p, repeats: int):
+    """The short request's extra TTFT when it arrives during the long prefill. It is
+    stamped at its nominal arrival (the engine learns of it only at the next step
+    boundary, and that wait is part of the blocking), with an SLO loose enough to stay
+    feasible while it waits (the long prefill's solo time: still far ahead of the long
+    request's deadline, so EDF ranks it first), so the figure is the preemption's and
+    not slack-aware EDF's demotion of an infeasible request."""
     long_solo, short_solo = solo(engine, long_p), solo(engine, short_p)
-    urgent = SLO(short_solo * 2)
+    urgent = SLO(long_solo + short_solo)
     waits = []
     for arrive_at in np.linspace(0.15, 0.65, repeats):
         t0 = time.perf_counter()
-        ids = {engine.add_request(long_p, ONE_TOKEN, slo=SLO(1e3)): "long"}
-        while time.perf_counter() - t0 < arrive_at * long_solo:
+        ids = {engine.add_request(long_p, ONE_TOKEN, slo=SLO(1e3), arrival_time=t0): "long"}
+        arrival = t0 + arrive_at * long_solo
+        while time.perf_counter() < arrival:
             engine.step()
-        ids[engine.add_request(short_p, ONE_TOKEN, slo=urgent)] = "short"
+        ids[engine.add_request(short_p, ONE_TOKEN, slo=urgent, arrival_time=arrival)] = "short"
         ttft = {}
         while engine.has_unfinished():
             for out in engine.step():

@@ -11,6 +11,7 @@ from fake_executor import FakeExecutor, fake_logprob, fake_token
 
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
+from lp_jax.core.slo import SLO
 from lp_jax.executor import compile_guard
 
 VOCAB = 512  # the tiny model's
@@ -23,6 +24,8 @@ POLICIES = {
                                 max_num_batched_tokens=64),
     "flowprefill": dict(scheduling="flowprefill", preemption_granularity="layer",
                         max_num_batched_tokens=64),
+    "flowprefill-operator": dict(scheduling="flowprefill", preemption_granularity="operator",
+                                 max_num_batched_tokens=64),
 }
 
 
@@ -187,3 +190,48 @@ def test_a_cached_prefix_is_skipped_and_counted():
 def test_an_executor_is_for_one_process():
     with pytest.raises(ValueError, match="one process"):
         fake_llm("chunked", num_processes=2, process_id=0, coordinator_address="x:1")
+
+
+def _short_ttft(policy, urgent_at=None, **kw):
+    """TTFT of a 5-token request under a virtual clock: alone (urgent_at None), or
+    arriving at virtual time `urgent_at` while a 60-token prompt prefills. Also returns
+    the predicted step time of each plan that carried the long prompt."""
+    llm = fake_llm(policy, virtual_clock=True, **kw)
+    eng = llm.engine
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = {}
+    if urgent_at is not None:
+        ids[eng.add_request(list(range(1, 61)), one, slo=SLO(100.0))] = "long"
+        while eng.clock.now() < urgent_at:
+            eng.step()
+    ids[eng.add_request(list(range(100, 105)), one, slo=SLO(10.0),
+                        arrival_time=eng.clock.now() if urgent_at is None else urgent_at)] = "s"
+    ttft = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                ttft[ids[out.request_id]] = out.metrics.ttft
+    lat = eng.scheduler.latency
+    long_steps = [lat.predict_plan(p) for p in eng.runner.plans
+                  if any(c.num_tokens > 5 for c in p.prefill)]
+    return ttft["s"], long_steps
+
+
+@pytest.mark.parametrize("policy,preemptible", [
+    ("flowprefill-operator", True), ("flowprefill", True), ("layered-preemptible", True),
+    ("layered-4", False)])
+def test_engine_blocking_of_an_urgent_arrival(policy, preemptible):
+    """Engine blocking, measured as FlowPrefill means it (issue #30): an urgent request
+    stamped at its nominal arrival, during a long prefill, on the virtual clock so the
+    figure is the schedule's and not the host's. Its extra TTFT over running alone is at
+    most two segments of the long prefill under a preemptible policy (with overlapped
+    scheduling two plans are outstanding), and more than that under plain layered
+    prefill, which finishes the batch's groups first."""
+    alone, _ = _short_ttft(policy)
+    for urgent_at in (0.002, 0.004, 0.006):
+        ttft, long_steps = _short_ttft(policy, urgent_at)
+        blocking, bound = ttft - alone, 2 * max(long_steps)
+        if preemptible:
+            assert blocking <= bound + 1e-9, (urgent_at, blocking, long_steps)
+        elif urgent_at == 0.002:  # early in the batch: it waits for most of it
+            assert blocking > bound, (blocking, long_steps)
