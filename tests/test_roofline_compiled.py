@@ -67,11 +67,13 @@ def test_aot_writes_the_optimized_hlo_and_xla_cost_analysis(aot_dirs):
 
 def test_the_layer_loop_is_split_off_and_counted_per_layer(aot_dirs):
     (_, _, [four]), (_, _, [eight]) = (compiled.read_aot(aot_dirs[n]) for n in (4, 8))
-    # XLA counts the layer loop once: the same flops for 2 and 4 layers
+    # XLA counts the layer loop once: the same flops for 4 and 8 layers
     assert four.xla_flops == pytest.approx(eight.xla_flops, rel=0.01)
     assert eight.body.flops == pytest.approx(four.body.flops, rel=0.01)
     assert eight.body.bytes == pytest.approx(four.body.bytes, rel=0.05)
-    assert eight.outside.seconds == pytest.approx(four.outside.seconds, rel=0.05)
+    assert eight.outside.flops == pytest.approx(four.outside.flops, rel=0.01)
+    # outside the loop XLA prefetches the small [L, ...] stacks (norm weights) to VMEM
+    assert eight.outside.seconds == pytest.approx(four.outside.seconds, rel=0.15)
     body4, body8 = 4 * four.body.seconds, 8 * eight.body.seconds
     assert body8 == pytest.approx(2 * body4, rel=0.05)
     assert eight.call_s - eight.outside.seconds == pytest.approx(body8)
