@@ -206,7 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--preemptible", action="store_true",
                    help="layered: a prefill batch may be preempted at its group boundaries")
     f.add_argument("--slo-alpha", type=_slo_alpha, default=0.1,
-                   help="batching keeps every member's slack >= alpha * its TTFT SLO")
+                   help="SLO-aware batching's margin, alpha * the TTFT SLO")
+    f.add_argument("--flowprefill-rules", choices=("reference", "lp_jax"), default="reference",
+                   help="flowprefill's ranking and batching: the released FlowPrefill code's "
+                        "(reference) or lp_jax's earlier ones [default: reference]")
     f.add_argument("--max-paused-prefills", type=_non_negative_int, default=8,
                    help="paused prefill batches whose hidden states stay on the device")
     f.add_argument("--latency-model", type=_existing_path, default=None,
@@ -233,7 +236,7 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "mesh_shape", "dtype", "moe_backend", "attention_backend", "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
-                "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
+                "flowprefill_rules", "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
                 "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from lp_jax.core.layer_groups import LayerGroupMode, check_mode
 
 GRANULARITIES = ("operator", "layer", "group")  # where a preemptible prefill may pause
+FLOWPREFILL_RULES = ("reference", "lp_jax")  # FlowPrefill's ranking and batching rules
 _POSITIVE_FIELDS = (
     "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
 ).split()
@@ -33,7 +34,9 @@ class SchedulerConfig:
     extra_eos_token_ids: tuple[int, ...] = ()  # more ids that end a completion
     # FlowPrefill (flowprefill.py): segment size of a preemptible prefill, whether a
     # layered batch is preemptible at group boundaries, the batching rule's alpha, and
-    # how many paused batches keep their hidden states on device.
+    # how many paused batches keep their hidden states on device; `flowprefill_rules`:
+    # "reference" (the released FlowPrefill code's ranking and batching, default) or
+    # "lp_jax" (EDF among infeasible ones too, every member's slack checked).
     # layer_groups="adaptive": each iteration's prefill span is the most layers for which
     # the predicted step (decodes + span) stays within tbt_slo_s * (1 - adaptive_margin);
     # the tightest running request's TBT SLO, if smaller, wins. None: no TBT limit.
@@ -42,6 +45,7 @@ class SchedulerConfig:
     preemption_granularity: str = "operator"
     preemptible: bool = False
     slo_alpha: float = 0.1
+    flowprefill_rules: str = "reference"
     max_paused_prefills: int = 8
     # Share KV pages of equal prefixes (block_manager.py). EngineConfig turns it on; off
     # here, so the simulator and the plan-shape tests see whole prefills.
@@ -70,6 +74,9 @@ class SchedulerConfig:
         if self.preemption_granularity not in GRANULARITIES:
             raise ValueError(f"preemption_granularity must be one of {GRANULARITIES}, "
                              f"got {self.preemption_granularity!r}")
+        if self.flowprefill_rules not in FLOWPREFILL_RULES:
+            raise ValueError(f"flowprefill_rules must be one of {FLOWPREFILL_RULES}, "
+                             f"got {self.flowprefill_rules!r}")
         for name in ("preemptible", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

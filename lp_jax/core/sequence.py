@@ -157,8 +157,10 @@ class Sequence:
 
     @property
     def deadline(self) -> float:
-        """When its first token is due: arrival + TTFT objective (inf: none)."""
-        if self.slo is None or self.slo.ttft_s is None:
+        """When its first token is due: arrival + TTFT objective (inf: none). Once the
+        first token is out there is no TTFT deadline any more (inf), so a decode that was
+        preempted and recomputes its prompt is not ranked as a late prefill."""
+        if self.slo is None or self.slo.ttft_s is None or self.token_times:
             return float("inf")
         return self.arrival_time + self.slo.ttft_s
 

@@ -45,7 +45,10 @@ class EngineConfig:
     # "group"); `preemptible` makes a layered batch preemptible at its group boundaries.
     preemption_granularity: str = "operator"
     preemptible: bool = False
-    slo_alpha: float = 0.1  # batching keeps every member's slack >= alpha * its TTFT SLO
+    slo_alpha: float = 0.1  # SLO-aware batching's margin: alpha * the TTFT SLO
+    # "reference": the released FlowPrefill code's rules; "lp_jax": this project's earlier
+    # ones (SchedulerConfig, lp_jax/core/policies/flowprefill.py).
+    flowprefill_rules: str = "reference"
     # Paused batches whose hidden states stay on device, each in max_num_batched_tokens
     # rows of the hidden buffer (Qwen3-30B-A3B at 8192 tokens: 32 MiB each).
     max_paused_prefills: int = 8

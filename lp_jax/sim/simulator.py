@@ -82,10 +82,12 @@ class SimConfig:
     energy: EnergyModel | None = None  # None: the table entry for the hardware, if any
     token_buckets: tuple[int, ...] | None = None  # the engine's row buckets, to mimic padding
     # FlowPrefill (lp_jax/core/policies/flowprefill.py): segment size of a preemptible prefill,
-    # preemptible layered batches, the SLO-aware batching alpha, paused batches kept.
+    # preemptible layered batches, the SLO-aware batching alpha, paused batches kept, and
+    # whose rules rank and batch ("reference" or "lp_jax").
     preemption_granularity: str = "operator"
     preemptible: bool = False
     slo_alpha: float = 0.1
+    flowprefill_rules: str = "reference"
     max_paused_prefills: int = 8
     # The scheduler's step-latency estimator (FlowPrefill's slack): a copy of this model
     # at the start of every run (runs stay pure functions of their requests); None: a fresh
@@ -254,7 +256,7 @@ class Simulator:
             layer_groups=c.layer_groups, max_layer_groups=c.max_layer_groups,
             preemption_granularity=c.preemption_granularity, preemptible=c.preemptible,
             slo_alpha=c.slo_alpha, max_paused_prefills=c.max_paused_prefills,
-            tbt_slo_s=c.tbt_slo_s,
+            flowprefill_rules=c.flowprefill_rules, tbt_slo_s=c.tbt_slo_s,
         )  # fmt: skip
 
     @property

@@ -19,16 +19,34 @@ preemption, or the end of a batch. Between events, a plan is the running batch's
 segment, at O(1) cost. A round ranks every candidate (the running batch, paused batches,
 and requests not in a batch) by slack-aware EDF:
 
-    deadline = arrival + TTFT SLO (infinite without one: best-effort)
+    deadline = arrival + TTFT SLO (infinite without one, or once the first token is out)
     slack    = deadline - now - predicted remaining prefill time (latency.py)
-    order    = priority, then feasible (slack >= 0) before infeasible, then deadline
 
-Infeasible requests are demoted, never dropped. If the top candidate is a request, a new
-batch is formed by SLO-aware batching: take it, then add candidates in order while the
-batch fits the token budget and every member keeps slack >= alpha * its TTFT SLO with the
-batch's predicted time; the running batch is paused if the new top is not it. A batch
-that needs a row area when none is free waits. Under memory pressure a paused batch is a
-preemption victim before running decodes (its pages are freed and its prompt recomputed).
+and forms a new batch by SLO-aware batching when the top candidate is a request; the
+running batch is paused if the new top is not it. `SchedulerConfig.flowprefill_rules`
+picks whose rules rank and batch:
+
+"reference" (default): the released FlowPrefill code (a vLLM fork,
+    HSIEHCHIACHI/FlowPrefill: `Request.update_priority`, `EngineCore.slo_aware_batching`).
+    Priority = sign(slack) / deadline, highest first: feasible candidates (slack > 0)
+    earliest deadline first, then infeasible ones latest deadline first. A batch is
+    ranked by its head (its first member). The head runs alone if its remaining prompt
+    exceeds the token budget (2048 by default, the code's token bound; the prompt is cut
+    into budget-sized chunks) or if deadline - now < alpha * its TTFT SLO. Otherwise the
+    other candidates are added in rank order, skipping any that would take the batch over
+    the budget (or that cannot be admitted now), and adding stops at the first one with
+    which the head's deadline - now - the batch's predicted time < alpha * its TTFT SLO:
+    the margin is alpha times the SLO, and only the head's is checked.
+"lp_jax": this project's earlier rules. Order = priority, then feasible (slack >= 0)
+    before infeasible, then deadline (earliest first in both). A batch is ranked by its
+    most urgent member. Candidates are added in rank order while the batch fits the
+    budget (8192 by default) and every member that can still make its deadline keeps
+    slack >= alpha * its TTFT SLO with the batch's predicted time; adding stops at the
+    first candidate that fails.
+
+Infeasible requests are demoted, never dropped. A batch that needs a row area when none
+is free waits. Under memory pressure a paused batch is a preemption victim before running
+decodes (its pages are freed and its prompt recomputed).
 
 Decodes, if any, run through all layers in the plans whose segment begins one of the
 batch's layered groups (co-located mode; see `decodes_now`). With
@@ -40,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.layer_groups import num_layer_groups, split_layers
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.core.policies.base import PrefillPart
@@ -74,7 +93,16 @@ class FlowPrefillPolicy(PausableBatches):
         # A preemptible layered batch (preemptible=True) pauses at its group boundaries.
         self.granularity = "group" if cfg.preemptible else cfg.preemption_granularity
         self.alpha = cfg.slo_alpha
+        self.reference = cfg.flowprefill_rules == "reference"
         self._load_at, self._load = None, (0, 0)  # decodes (rows, context) at a plan
+
+    @staticmethod
+    def default_budget(cfg: SchedulerConfig) -> int:
+        """The reference code's token bound (2048) under its rules; a preemptible layered
+        batch keeps layered's budget (and programs)."""
+        if cfg.preemptible:
+            return cfg.policy.default_budget(cfg)
+        return 2048 if cfg.flowprefill_rules == "reference" else 8192
 
     def on_advance(self, plan: StepPlan) -> None:
         b = self._find(plan.prefill_batch_id)
@@ -135,14 +163,22 @@ class FlowPrefillPolicy(PausableBatches):
         return self._key(q.priority, q.deadline, now, remaining, q.arrival_time, q.seq_id)
 
     def _batch_key(self, b: _Batch, now: float) -> tuple:
-        first = min(b.seqs, key=lambda q: (q.priority, q.deadline, q.arrival_time))
         remaining = self._remaining([(c.num_tokens, c.start) for c in b.chunks],
                                     b.segments[b.index][0], len(b.segments) - b.index)
+        if self.reference:  # the reference code ranks a batch by its head request
+            head = b.seqs[0]
+            return self._key(head.priority, head.deadline, now, remaining,
+                             head.arrival_time, head.seq_id)
+        first = min(b.seqs, key=lambda q: (q.priority, q.deadline, q.arrival_time))
         return self._key(first.priority, min(q.deadline for q in b.seqs), now, remaining,
                          first.arrival_time, first.seq_id)
 
-    @staticmethod
-    def _key(priority, deadline, now, remaining, arrival, seq_id) -> tuple:
+    def _key(self, priority, deadline, now, remaining, arrival, seq_id) -> tuple:
+        """Sort key, lowest runs first (module docstring: the rules)."""
+        if self.reference:  # sign(slack) / deadline, highest first
+            if deadline - now - remaining > 0:
+                return (priority, False, deadline, arrival, seq_id)
+            return (priority, True, -deadline, arrival, seq_id)
         infeasible = deadline - now - remaining < 0
         return (priority, infeasible, deadline, arrival, seq_id)
 
@@ -163,6 +199,8 @@ class FlowPrefillPolicy(PausableBatches):
     def _form_batch(self, candidates: list[Sequence], now: float) -> _Batch | None:
         """SLO-aware batching from candidates in rank order (a row area is free); None if
         the first cannot be admitted."""
+        if self.reference:
+            return self._form_batch_reference(candidates, now)
         s, cfg = self.sched, self.sched.config
         chunks: list[PrefillChunk] = []
         left = cfg.max_num_batched_tokens
@@ -182,15 +220,51 @@ class FlowPrefillPolicy(PausableBatches):
             left -= n
             if left == 0:
                 break
+        return self._new_batch(chunks)
+
+    def _form_batch_reference(self, candidates: list[Sequence], now: float) -> _Batch | None:
+        """The reference code's SLO-aware batching (module docstring)."""
+        s, left = self.sched, self.sched.config.max_num_batched_tokens
+        head, rest = candidates[0], candidates[1:]
+        start = s.prefill_start(head)  # the cached prefix admission takes as computed
+        need = head.prefill_target - start
+        if head.status is SequenceStatus.WAITING and s.admit(head) is None:
+            return None
+        chunks = [PrefillChunk(head, start, start + min(need, left))]
+        left -= chunks[0].num_tokens
+        slo = head.slo.ttft_s if head.slo is not None else None
+        margin = None if slo is None else self.alpha * slo
+        if need > chunks[0].num_tokens or (margin is not None
+                                           and head.deadline - now < margin):
+            rest = []  # over the bound, or too urgent to share: the head runs alone
+        for q in rest:
+            if left == 0:
+                break
+            start = s.prefill_start(q)
+            n = q.prefill_target - start
+            if n > left:
+                continue  # it would take the batch over the bound
+            trial = chunks + [PrefillChunk(q, start, start + n)]
+            if margin is not None and head.deadline - now - self._remaining(
+                    [(c.num_tokens, c.start) for c in trial], 0) < margin:
+                break  # the head's margin is spent: nothing more joins
+            if q.status is SequenceStatus.WAITING and s.admit(q) is None:
+                continue
+            chunks = trial
+            left -= n
+        return self._new_batch(chunks)
+
+    def _new_batch(self, chunks: list[PrefillChunk]) -> _Batch | None:
         if not chunks:
             return None
+        s = self.sched
         slot, rows = self._take_rows(chunks)
         tokens = sum(c.num_tokens for c in chunks)
         return _Batch(s.new_batch_id(), chunks, rows, slot, self._segments(tokens),
                       frozenset(a for a, _ in self._segments(tokens, "group")))
 
     def _keeps_slo(self, chunks: list[PrefillChunk], now: float) -> bool:
-        """Every member that can still make its deadline keeps slack >= alpha * SLO."""
+        """lp_jax rules: every member that can still make its deadline keeps slack >= alpha * SLO."""
         t = self._remaining([(c.num_tokens, c.start) for c in chunks], 0)
         for c in chunks:
             slo = c.seq.slo
