@@ -236,7 +236,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "mesh_shape", "dtype", "moe_backend", "attention_backend", "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
-                "flowprefill_rules", "max_paused_prefills", "slo_classes", "latency_model", "prefill_only",
+                "flowprefill_rules", "max_paused_prefills", "slo_classes", "latency_model",
+                "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
                 "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path")
 

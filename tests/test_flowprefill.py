@@ -164,18 +164,20 @@ def first_plans(ex):
     return out
 
 
-def test_edf_orders_by_deadline_not_arrival():
-    sched = fp(max_num_batched_tokens=32)  # one 30-token prompt per batch
+@pytest.mark.parametrize("rules", ["reference", "lp_jax"])
+def test_edf_orders_by_deadline_not_arrival(rules):
+    sched = fp(max_num_batched_tokens=32, flowprefill_rules=rules)  # one 30-token prompt per batch
     reqs = [slo_req(0, 30, 90.0), slo_req(1, 30, 30.0), slo_req(2, 30, 60.0)]
     ex = drive(sched, reqs)
     first = first_plans(ex)
     assert first[1] < first[2] < first[0]
 
 
-def test_infeasible_requests_are_demoted_not_dropped():
+@pytest.mark.parametrize("rules", ["reference", "lp_jax"])
+def test_infeasible_requests_are_demoted_not_dropped(rules):
     """Request 1's deadline is already past when it arrives: the feasible request 2
     (later deadline) goes first, and 1 still finishes."""
-    sched = fp(max_num_batched_tokens=32)
+    sched = fp(max_num_batched_tokens=32, flowprefill_rules=rules)
     _learnt(sched, 0.01)  # a 30-token prompt: 4.8 s predicted
     blocker = slo_req(0, 30, None)
     late = slo_req(1, 30, 0.5, arrival=1)  # due at 1.5: infeasible from the start
@@ -198,8 +200,9 @@ def _learnt(sched, seconds_per_token_unit):
 def test_slo_aware_batching_keeps_every_member_slack(alpha, together):
     """Two 20-token prompts, each predicted 20 * 16 * 0.01 = 3.2 s alone, 6.4 s together.
     The first's TTFT SLO is 10 s: batching keeps its slack at 3.6 s, so it is allowed with
-    alpha = 0 and refused with alpha = 0.5 (3.6 < 5)."""
-    sched = fp(slo_alpha=alpha)
+    alpha = 0 and refused with alpha = 0.5 (3.6 < 5). lp_jax's rule (the reference checks
+    the head only: test_reference_checks_only_the_head)."""
+    sched = fp(slo_alpha=alpha, flowprefill_rules="lp_jax")
     _learnt(sched, 0.01)
     a, b = slo_req(0, 20, 10.0), slo_req(1, 20, 50.0)
     sched.add(a)
@@ -207,6 +210,119 @@ def test_slo_aware_batching_keeps_every_member_slack(alpha, together):
     plan = sched.schedule(0.0)
     ids = [c.seq.seq_id for c in plan.prefill]
     assert ids == ([0, 1] if together else [0])
+
+
+# FlowPrefill's reference rules (HSIEHCHIACHI/FlowPrefill: Request.update_priority,
+# EngineCore.slo_aware_batching) against lp_jax's earlier ones (flowprefill_rules="lp_jax").
+def _batch_ids(sched, now):
+    return [c.seq.seq_id for c in sched.schedule(now).prefill]
+
+
+@pytest.mark.parametrize("rules, order", [("reference", [2, 1, 0]), ("lp_jax", [2, 0, 1])])
+def test_infeasible_order_latest_deadline_first_under_the_reference(rules, order):
+    """30-token prompts, 4.8 s predicted each: 0 (due at 1) and 1 (due at 2) are infeasible
+    from the start, 2 (due at 100) is feasible and goes first under both rules. The
+    reference's sign(slack) / deadline puts the infeasible ones latest deadline first;
+    lp_jax orders them earliest deadline first."""
+    sched = fp(max_num_batched_tokens=32, flowprefill_rules=rules)
+    _learnt(sched, 0.01)
+    ex = drive(sched, [slo_req(0, 30, 1.0), slo_req(1, 30, 2.0), slo_req(2, 30, 100.0)])
+    first = first_plans(ex)
+    assert sorted(first, key=first.get) == order
+
+
+@pytest.mark.parametrize("rules", ["reference", "lp_jax"])
+def test_head_over_the_bound_runs_alone(rules):
+    """A head longer than the token budget is cut to it and nothing joins it."""
+    sched = fp(max_num_batched_tokens=32, flowprefill_rules=rules)
+    _learnt(sched, 1e-5)
+    sched.add(slo_req(0, 40, 100.0))
+    sched.add(slo_req(1, 4, 200.0))
+    plan = sched.schedule(0.0)
+    assert [(c.seq.seq_id, c.num_tokens) for c in plan.prefill] == [(0, 32)]
+
+
+def test_reference_urgent_head_runs_alone():
+    """deadline - now < alpha x TTFT SLO (0.5 s < 1 s): the head runs alone although a
+    1-token request would fit; with more time left the two are batched."""
+    sched = fp(flowprefill_rules="reference")
+    _learnt(sched, 1e-4)
+    sched.add(slo_req(0, 1, 10.0))
+    sched.add(slo_req(1, 1, 100.0))
+    assert _batch_ids(sched, 9.5) == [0]
+    sched = fp(flowprefill_rules="reference")
+    _learnt(sched, 1e-4)
+    sched.add(slo_req(0, 1, 10.0))
+    sched.add(slo_req(1, 1, 100.0))
+    assert _batch_ids(sched, 8.0) == [0, 1]
+
+
+@pytest.mark.parametrize("rules, ids", [("reference", [0, 2]), ("lp_jax", [0])])
+def test_reference_skips_candidates_over_the_bound(rules, ids):
+    """Budget 64: 30 + 40 tokens exceed it, 30 + 20 do not. The reference skips request 1
+    and adds request 2; lp_jax stops at the first candidate that does not fit whole."""
+    sched = fp(flowprefill_rules=rules)
+    _learnt(sched, 1e-5)
+    for i, (n, slo) in enumerate([(30, 100.0), (40, 200.0), (20, 300.0)]):
+        sched.add(slo_req(i, n, slo))
+    assert _batch_ids(sched, 0.0) == ids
+
+
+@pytest.mark.parametrize("rules", ["reference", "lp_jax"])
+@pytest.mark.parametrize("alpha, together", [(0.0, True), (0.3, True), (0.4, False)])
+def test_stop_margin_is_alpha_times_the_slo(rules, alpha, together):
+    """Two 20-token prompts, 6.4 s predicted together; the head is due in 10 s, so 3.6 s
+    are left with the batch: the margin alpha x 10 s stops the batch from alpha = 0.4 on
+    (an alpha-seconds margin never would)."""
+    sched = fp(slo_alpha=alpha, flowprefill_rules=rules)
+    _learnt(sched, 0.01)
+    sched.add(slo_req(0, 20, 10.0))
+    sched.add(slo_req(1, 20, 50.0))
+    assert _batch_ids(sched, 0.0) == ([0, 1] if together else [0])
+
+
+@pytest.mark.parametrize("rules, ids", [("reference", [0, 1]), ("lp_jax", [0])])
+def test_reference_checks_only_the_head(rules, ids):
+    """At t = 88 with 6.4 s predicted for both: the head (arrived at 88, due at 99) keeps
+    4.6 s >= 0.1 x 11 s; request 1 (arrived at 0, due at 100, feasible alone) would keep
+    5.6 s < 0.1 x 100 s. The reference checks only the head and batches both; lp_jax
+    checks every member and leaves request 1 out."""
+    sched = fp(flowprefill_rules=rules)
+    _learnt(sched, 0.01)
+    sched.add(slo_req(0, 20, 11.0, arrival=88.0))
+    sched.add(slo_req(1, 20, 100.0))
+    assert _batch_ids(sched, 88.0) == ids
+
+
+def test_default_budget_follows_the_rules():
+    from lp_jax.core.policies import resolve_policy
+
+    def budget(policy, **kw):
+        return make_cfg(policy, **kw).max_num_batched_tokens
+
+    assert budget("flowprefill") == 2048  # the reference code's token bound
+    assert budget("flowprefill", flowprefill_rules="lp_jax") == 8192
+    assert budget("layered", preemptible=True) == budget("layered") == 8192
+    assert resolve_policy("flowprefill").default_budget(make_cfg(
+        "flowprefill", max_num_batched_tokens=64)) == 2048
+    with pytest.raises(ValueError, match="flowprefill_rules"):
+        make_cfg("flowprefill", flowprefill_rules="paper")
+
+
+@pytest.mark.parametrize("rules", ["reference", "lp_jax"])
+def test_a_request_past_its_first_token_has_no_ttft_deadline(rules):
+    """A decode preempted for recompute comes back with its TTFT deadline long past: it
+    is not ranked as an infeasible prefill (its first token is out), but as best-effort."""
+    sched = fp(flowprefill_rules=rules)
+    _learnt(sched, 0.01)
+    q = slo_req(0, 20, 1.0)
+    assert q.deadline == 1.0
+    q.token_times.append(0.8)  # produced its first token in time
+    assert q.deadline == math.inf
+    late = slo_req(1, 20, 1.0)  # a prefill that cannot make its deadline any more
+    sched.add(q)
+    sched.add(late)
+    assert _batch_ids(sched, 50.0)[0] == 0
 
 
 def test_rounds_run_only_on_events():

@@ -19,12 +19,14 @@ from lp_jax.core.slo import SLO
 from lp_jax.roofline import LLAMA3_8B, QWEN3_30B_A3B, ModelShape, get_hardware, resolve_model
 from lp_jax.sim import (
     QWENTRACE,
+    SLO_SCALES,
     Calibration,
     CostModelExecutor,
     Request,
     SimConfig,
     Simulator,
     TaskClass,
+    absolute_slos,
     class_slos,
     configure_classes,
     multi_slo_requests,
@@ -188,6 +190,20 @@ def test_slo_is_k_times_solo_ttft_and_scales():
     assert solo_ttft(replace(base, hardware=H100), 590) < solo_ttft(base, 590)  # H100 faster
     with pytest.raises(ValueError):
         class_slos(QWENTRACE, lambda n: 1.0, scale=0.0)
+
+
+def test_reference_absolute_slos_and_scales():
+    """The released FlowPrefill benchmark's SLO set (text, image, search, file) under the
+    QwenTrace-like class names, scaled together; its sweep 0.4 ... 2.0 in steps of 0.2."""
+    slos = absolute_slos(QWENTRACE)
+    got = {k: (v.ttft_s, v.tbt_s) for k, v in slos.items()}
+    assert got == {"chat": (0.25, 0.1), "web_search": (4.0, 0.2), "summarisation": (6.0, 0.2),
+                   "image_understanding": (0.5, 0.1)}
+    half = absolute_slos(QWENTRACE, 0.5)
+    assert half["web_search"].ttft_s == 2.0 and half["chat"].tbt_s == pytest.approx(0.05)
+    assert SLO_SCALES == (0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
+    with pytest.raises(ValueError, match="no absolute SLO"):
+        absolute_slos((TaskClass("code", 900.0, 1.0, 3.0),))
 
 
 def test_class_configuration_from_cli_strings():

@@ -40,7 +40,11 @@ from lp_jax.sim.simulator import (
 from lp_jax.sim.slo import RateSearch, attainment, sustainable_rate
 from lp_jax.sim.task_classes import (
     QWENTRACE,
+    REFERENCE_SLOS,
+    SLO_SCALES,
+    SLO_SETS,
     TaskClass,
+    absolute_slos,
     class_slos,
     configure_classes,
     multi_slo_requests,
@@ -87,6 +91,10 @@ __all__ = [
     "StepFeatures",
     "TaskClass",
     "TraceRow",
+    "REFERENCE_SLOS",
+    "SLO_SCALES",
+    "SLO_SETS",
+    "absolute_slos",
     "arrival_times",
     "attainment",
     "class_slos",

@@ -6,8 +6,11 @@ prompt lengths and TTFT objectives.
 mean prompt lengths; image_understanding's 1500 tokens, every weight, k and output length
 ASSUMED). `class_slos` sets each class's TTFT SLO to scale x k x the solo TTFT of its
 median prompt (the caller supplies the solo TTFT, e.g. `lp_jax.sim.simulator.solo_ttft`);
-`multi_slo_requests` draws classes by weight, prefill-only (output 1: the request ends at
-its first token) or co-located (lognormal outputs).
+`REFERENCE_SLOS` is the released FlowPrefill benchmark's absolute SLO set instead (TTFT /
+TBT in seconds per class; `absolute_slos` scales it), and `SLO_SCALES` its SLO-scale
+sweep (0.4-2.0 in steps of 0.2). `multi_slo_requests` draws classes by weight,
+prefill-only (output 1: the request ends at its first token) or co-located (lognormal
+outputs).
 """
 
 from __future__ import annotations
@@ -83,6 +86,34 @@ QWENTRACE: tuple[TaskClass, ...] = (
     TaskClass("image_understanding", 1500.0, 0.2, 4.0, output_mean=100.0,
               assumed="prompt mean 1500 (not in the paper), weight, k, output length"),
 )  # fmt: skip
+
+
+# The released FlowPrefill benchmark's absolute SLOs (HSIEHCHIACHI/FlowPrefill,
+# benchmarks/benchmark_offline.ipynb, SLO_DICT: text, image, search, file), TTFT / TBT in
+# seconds, under the names of the QwenTrace-like classes above.
+REFERENCE_SLOS: dict[str, tuple[float, float]] = {
+    "chat": (0.25, 0.1),  # text
+    "image_understanding": (0.5, 0.1),  # image
+    "web_search": (4.0, 0.2),  # search
+    "summarisation": (6.0, 0.2),  # file
+}
+# Its SLO-scale sweep: attainment at scale x each request's SLO, 0.4 ... 2.0.
+SLO_SCALES: tuple[float, ...] = tuple(round(0.4 + 0.2 * i, 1) for i in range(9))
+SLO_SETS = ("k", "reference")  # class_slos (k x solo TTFT) or absolute_slos
+
+
+def absolute_slos(classes: tuple[TaskClass, ...], scale: float = 1.0,
+                  table: dict[str, tuple[float, float]] | None = None) -> dict[str, SLO]:
+    """TTFT and TBT SLO per class from an absolute table (default `REFERENCE_SLOS`), both
+    times `scale`; a class the table lacks raises ValueError."""
+    table = REFERENCE_SLOS if table is None else table
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be > 0, got {scale}")
+    missing = [c.name for c in classes if c.name not in table]
+    if missing:
+        raise ValueError(f"no absolute SLO for classes {missing} (known: {', '.join(table)})")
+    return {c.name: SLO(scale * table[c.name][0], scale * table[c.name][1], c.name)
+            for c in classes}  # fmt: skip
 
 
 def parse_assignments(spec: str | None) -> dict[str, float]:

@@ -264,7 +264,8 @@ class FlowPrefillPolicy(PausableBatches):
                       frozenset(a for a, _ in self._segments(tokens, "group")))
 
     def _keeps_slo(self, chunks: list[PrefillChunk], now: float) -> bool:
-        """lp_jax rules: every member that can still make its deadline keeps slack >= alpha * SLO."""
+        """lp_jax rules: every member that can still make its deadline keeps slack >=
+        alpha * its SLO."""
         t = self._remaining([(c.num_tokens, c.start) for c in chunks], 0)
         for c in chunks:
             slo = c.seq.slo
