@@ -10,7 +10,10 @@ Workload: QwenTrace-like task classes (`lp_jax.sim.task_classes.QWENTRACE`: chat
 summarisation, image_understanding; lognormal prompts around the paper's means, the image
 class's 1500-token mean ASSUMED), Poisson arrivals. Each class's TTFT SLO is k_class x the
 solo TTFT of its median prompt on the simulated machine (one whole-prompt step, policy
-"orca"), times a global SLO scale. A request passes iff its TTFT <= its own SLO.
+"orca"), times a global SLO scale (`--slo-set k`, default), or the released FlowPrefill
+benchmark's absolute SLOs (`--slo-set reference`: chat 0.25 s, image 0.5 s, web_search
+4 s, summarisation 6 s; `lp_jax.sim.REFERENCE_SLOS`) times the scale. A request passes iff
+its TTFT <= its own SLO.
 
 Policies: chunked prefill (2048- and 8192-token budgets: the paper's CP2K / CP8K), FCFS
 whole prompts ("orca": DistServe's prefill instance, the paper's FCFS baseline), layered
@@ -18,15 +21,19 @@ FCFS (8192 budget, G = ceil(tokens / 512) groups), layered + preemptible (FlowPr
 at group boundaries), FlowPrefill at operator / layer / group granularity, and two
 sensitivity variants of FlowPrefill / operator: 2 paused batches instead of
 `--max-paused-prefills` (8, the engine's default), and the full 2 ms host overhead on every
-segment.
+segment. `--rules reference,lp_jax` runs every FlowPrefill-rule policy (FlowPrefill,
+layered + preemptible) under each of `flowprefill_rules` side by side (the reference's
+keep their keys; lp_jax's get a `_lp_jax` suffix and their own 8192 default budget).
 
 Per (hardware, model):
 (a) goodput: the highest Poisson rate with >= 90% of requests within their SLO
     (`lp_jax.sim.slo.sustainable_rate`, grid in fractions of the machine's capacity, then
     bisection);
 (b) SLO-scale sweep at a fixed rate (`--sweep-load` x capacity, default 0.25: about where
-    the FCFS baselines reach 90% at scale 1): attainment per policy and the tightest scale
-    each policy meets at 90% (interpolated);
+    the FCFS baselines reach 90% at scale 1), scales 0.4-2.0 in steps of 0.2 as the
+    reference benchmark's: attainment per policy and the tightest scale each policy meets
+    at 90% (interpolated). SLO-aware policies rerun at each scale (the reference scores
+    one run at scaled SLOs);
 (c) blocking: one long prompt (`--blocking-long` tokens, the loosest class's k) and a short
     request of the tightest class (chat) arriving at `--blocking-points` uniformly drawn
     times inside the long prefill (one run each); blocking = the short one's TTFT minus its
@@ -60,10 +67,12 @@ from lp_jax.core.slo import SLO  # noqa: E402
 from lp_jax.roofline import get_hardware, resolve_model  # noqa: E402
 from lp_jax.sim import (  # noqa: E402
     QWENTRACE,
+    SLO_SCALES,
     Request,
     SimConfig,
     Simulator,
     TaskClass,
+    absolute_slos,
     class_slos,
     configure_classes,
     multi_slo_requests,
@@ -132,6 +141,23 @@ BASELINES = ("layered_fcfs", "fcfs_whole", "chunked_2048", "chunked_8192")
 FLOW = "flowprefill_operator"
 
 
+def with_rules(specs: list[PolicySpec], rules: list[str]) -> list[PolicySpec]:
+    """Each FlowPrefill-rule policy once per rule set: the reference's keep their key and
+    label, others get a suffix ("flowprefill_operator_lp_jax")."""
+    out = []
+    for spec in specs:
+        if not spec.slo_aware:
+            out.append(spec)
+            continue
+        for rule in rules:
+            if rule == "reference":
+                out.append(spec)
+            else:
+                out.append(PolicySpec(f"{spec.key}_{rule}", f"{spec.label}, {rule} rules",
+                                      {**spec.options, "flowprefill_rules": rule}))
+    return out
+
+
 # ----- setup -----------------------------------------------------------------------------
 @dataclass
 class Combo:
@@ -160,7 +186,10 @@ def make_combo(hw_name: str, model_name: str, classes, args) -> Combo:
         observe_latency=args.online_latency,
     )
     solo = {c.name: solo_ttft(base, c.prompt_median) for c in classes}
-    slos = class_slos(classes, lambda n: solo_ttft(base, n))
+    if args.slo_set == "reference":
+        slos = absolute_slos(classes)
+    else:
+        slos = class_slos(classes, lambda n: solo_ttft(base, n))
     w = sum(c.weight for c in classes)
     mean_s = sum(c.weight * solo_ttft(base, round(c.prompt_mean)) for c in classes) / w
     return Combo(hw.name, shape.name, base, classes, solo, slos, 1.0 / mean_s)
@@ -503,7 +532,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="rate grid as fractions of the machine's capacity",
     )
     ap.add_argument("--bisect-steps", type=int, default=3)
-    ap.add_argument("--slo-scales", type=_floats, default=_floats("0.4,0.6,0.8,1,1.25,1.5,2"))
+    ap.add_argument("--slo-scales", type=_floats, default=list(SLO_SCALES))
+    ap.add_argument("--slo-set", choices=("k", "reference"), default="k",
+                    help="k x solo TTFT per class, or the reference's absolute SLOs")
+    ap.add_argument("--rules", default="reference",
+                    help="flowprefill_rules to run FlowPrefill-rule policies under, e.g. "
+                         "reference,lp_jax")
     ap.add_argument("--sweep-load", type=float, default=0.25, help="sweep rate / capacity")
     ap.add_argument("--sweep-rate", type=float, default=None, help="req/s (overrides load)")
     ap.add_argument("--blocking-long", type=int, default=32768)
@@ -544,7 +578,8 @@ def main(argv=None) -> dict:
         extra=[parse_task_class(s) for s in args.extra],
     )
     by_key = {s.key: s for s in POLICY_SPECS}
-    specs = [by_key[k] for k in args.policies.split(",") if k]
+    specs = with_rules([by_key[k] for k in args.policies.split(",") if k],
+                       [r for r in args.rules.split(",") if r])
     results = [
         run_combo(hw, model, classes, specs, args)
         for hw in args.hardware.split(",")

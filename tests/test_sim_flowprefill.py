@@ -349,6 +349,22 @@ def test_bench_script_quick(tmp_path):
     assert report["results"][0]["capacity_rps"] > 0
 
 
+def test_bench_script_rules_side_by_side_on_absolute_slos(tmp_path):
+    bench = launch_module("bench_flowprefill_sim")
+    keys = [s.key for s in bench.with_rules(list(bench.POLICY_SPECS[3:6]), ["reference", "lp_jax"])]
+    assert keys == ["layered_fcfs", "layered_preemptible", "layered_preemptible_lp_jax",
+                    "flowprefill_operator", "flowprefill_operator_lp_jax"]
+    bench.main([
+        "--out", str(tmp_path), "--hardware", "h100", "--models", "llama3-8b",
+        "--policies", "flowprefill_layer", "--rules", "reference,lp_jax", "--requests", "30",
+        "--parts", "sweep", "--slo-scales", "1,2", "--slo-set", "reference",
+    ])  # fmt: skip
+    (combo,) = json.loads((tmp_path / "flowprefill_sim.json").read_text())["results"]
+    assert set(combo["policies"]) == {"flowprefill_layer", "flowprefill_layer_lp_jax"}
+    assert {c["name"]: c["ttft_slo_ms"] for c in combo["classes"]}["chat"] == 250.0
+    assert "FlowPrefill / layer, lp_jax rules" in (tmp_path / "flowprefill_sim.md").read_text()
+
+
 def test_flowprefill_does_not_deadlock_on_a_loose_partial_prefill():
     cfg = SimConfig(
         shape=LLAMA3_8B,
