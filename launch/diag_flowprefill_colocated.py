@@ -6,7 +6,7 @@ runs the same requests; a request passes iff TTFT <= its SLO and every gap <= th
 SLO. Variants: layered FCFS; FlowPrefill at each granularity under the reference and the
 lp_jax rules; FlowPrefill / operator with the 2048 and 8192 budgets; no per-segment cost.
 Columns: pass share, TTFT-only and TBT-only pass shares, mean / p99 TTFT, p99 of the
-largest gap, prefill batches (tokens each), pauses, iterations.
+largest gap, iterations, pauses, expert bytes read, device-busy seconds.
 
     .venv/bin/python launch/diag_flowprefill_colocated.py --out runs/diag_flowprefill_colocated
 """
@@ -65,6 +65,7 @@ def run(wl, name: str, rate: float, n: int) -> dict:
         "ttft_pass": sum(ttft_ok) / n, "tbt_pass": sum(tbt_ok) / n,
         "ttft_mean": s["ttft_mean"], "ttft_p99": s["ttft_p99"],
         "max_itl_p99_ms": 1e3 * s["max_itl_p99"], "iterations": res.iterations,
+        "expert_gb": res.expert_bytes / 1e9, "busy_s": res.busy_s, "span_s": res.span_s,
         "prefill_batches": batches, "pauses": st.get("prefill_pauses", 0),
         "budget": sim.scheduler_config().max_num_batched_tokens,
         "stats": st,
@@ -92,7 +93,8 @@ def main(argv=None) -> dict:
             print(f"{key} @ {rate:g} {name:24s} pass {r['pass']:.3f} ttft {r['ttft_pass']:.3f} "
                   f"tbt {r['tbt_pass']:.3f} ttft mean {r['ttft_mean']:.2f} p99 "
                   f"{r['ttft_p99']:.2f} s, max-ITL p99 {r['max_itl_p99_ms']:.0f} ms, iters "
-                  f"{r['iterations']}, pauses {r['pauses']}", flush=True)
+                  f"{r['iterations']}, pauses {r['pauses']}, expert {r['expert_gb']:.0f} GB, busy "
+                  f"{r['busy_s']:.1f} s", flush=True)
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "diag.json").write_text(json.dumps(out, indent=1, default=str))
