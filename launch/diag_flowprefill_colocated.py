@@ -9,6 +9,9 @@ Columns: pass share, TTFT-only and TBT-only pass shares, mean / p99 TTFT, p99 of
 largest gap, iterations, pauses, expert bytes read, device-busy seconds.
 
     .venv/bin/python launch/diag_flowprefill_colocated.py --out runs/diag_flowprefill_colocated
+
+`--sustainable fp-lp_jax-operator,fp-ref-group-8192` instead runs bench_muxwise_sim's rate
+search (every workload) for those variants, beside its own policies.
 """
 
 from __future__ import annotations
@@ -79,7 +82,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rates", default="8.34,2.90", help="req/s per workload")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sustainable", default=None,
+                    help="variants to give bench_muxwise_sim's rate search instead")
     args = ap.parse_args(argv)
+    if args.sustainable:
+        names = args.sustainable.split(",")
+        for name in names:
+            opts = dict(VARIANTS[name])
+            opts.pop("segment_overhead_s", None)
+            mw.POLICIES[name] = opts
+        mw.ESTIMATOR_DRIVEN = (*mw.ESTIMATOR_DRIVEN, *names)
+        return mw.main(["--policies", args.sustainable, "--workers", "1", "--out", args.out])
     wls, _ = mw.select_workloads("panels,multislo")
     by_key = {w.key: w for w in wls}
     out: dict = {}
