@@ -7,9 +7,9 @@ index as the step does, so a stride or offset that overflows at full depth shows
 second stack is allocated), or of a small random stack when none is given; attention on
 a small random paged pool with the model's head shapes. A compile error, a runtime error
 or a mismatch logs one warning naming the backend and the error, and switches that
-operation to its safe backend: the MoE to `xla_tiles` (cost follows the routing, never reads an idle expert),
-attention to `xla`, or on a TPU to `tpu_jax` (JAX's shipped kernel) if it passes the same
-check. `mode="strict"` raises instead, `mode="off"` skips the check.
+operation to its safe backend: the MoE to `xla_tiles` (cost follows the routing, never
+reads an idle expert), attention to `xla`, or on a TPU to `tpu_jax` (JAX's shipped
+kernel) if it passes the same check. `mode="strict"` raises instead, `mode="off"` skips the check.
 
 A one-shot test catches what a first contact with a compiler finds (a layout Mosaic
 rejects, a kernel that faults, wrong numbers), not a rare race; the lowered-module tests

@@ -420,14 +420,10 @@ class ModelRunner:
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
         counts, outs = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
-        n_dec = len(plan.decode)
-        rows = {s.seq_id: j for j, s in enumerate(plan.decode)}
-        sampling_seqs = list(plan.decode)
-        if plan.is_last_group:
-            ending = [c.seq for c in plan.prefill if c.samples]
-            rows.update({s.seq_id: n_dec + k for k, s in enumerate(ending)})
-            sampling_seqs += ending
-        wants = {s.seq_id: s.sampling_params.logprobs for s in sampling_seqs
+        # Sampled rows are the plan's sampling sequences in order: decodes, then the
+        # chunks that end their prompts (_plan_calls).
+        rows = {s.seq_id: j for j, s in enumerate(plan.sampling_seqs)}
+        wants = {s.seq_id: s.sampling_params.logprobs for s in plan.sampling_seqs
                  if s.sampling_params.logprobs is not None}
         sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
         score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
