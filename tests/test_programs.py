@@ -31,8 +31,8 @@ MAX_PROGRAMS = 32
 
 
 def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
-    """The tiny checkpoint has max_position_embeddings 4096, so its defaults are
-    max_model_len 4096 and a layered budget of 4096 (the policy's 8192, capped at the
+    """The tiny checkpoint has max_position_embeddings 512, so its defaults are
+    max_model_len 512 and a layered budget of 512 (the policy's 8192, capped at the
     context: default_prefill_budget). With the old (prefill x decode x group) keys a
     default layered engine (the policy with the most programs: the budget's prompt rows
     next to max_num_seqs decodes) compiled 104+ programs and aborted the process; now it
@@ -52,8 +52,8 @@ def test_default_engine_starts_and_serves_every_sampling_feature(tiny_dir):
     llm = LLM(tiny_dir, log=lines.append, scheduling="layered")
     stats = llm.stats()
     sched = llm.engine.scheduler.config
-    assert sched.max_model_len == 4096 and sched.max_num_batched_tokens == 4096
-    assert stats["programs"] == len(buckets_for("layered", 4096, sched.max_num_seqs))
+    assert sched.max_model_len == 512 and sched.max_num_batched_tokens == 512
+    assert stats["programs"] == len(buckets_for("layered", 512, sched.max_num_seqs))
     # start-up a person can watch: progress while compiling, then one "ready" line
     done = [int(m.group(1)) for m in map(re.compile(r"compiled (\d+)/(\d+) programs").match,
                                            lines) if m]
@@ -95,10 +95,12 @@ def test_program_count_is_bounded_and_layered_close_to_chunked(budget, max_num_s
 
 def test_default_buckets_bound_padding():
     buckets = default_token_buckets(8224)
-    assert buckets[0] == 1 and buckets[-1] == 8224 and len(buckets) == 19
+    assert buckets[:5] == (1, 4, 16, 64, 128) and buckets[-1] == 8224 and len(buckets) == 16
     for n in range(1, 8225):
         b = next(b for b in buckets if n <= b)
-        assert b < 2 * n or n == 1 or b == n
+        assert b < 4 * n
+        if n > 64:
+            assert b < 2 * n or b == n
         if n > 512:
             assert b <= 1.5 * n
 

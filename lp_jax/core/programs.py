@@ -12,18 +12,25 @@ from __future__ import annotations
 
 from lp_jax.core.config import SchedulerConfig
 
+# Below _POW4_UP_TO rows a step reads every weight whatever its row count (far under the
+# ridge point of any chip: lp_jax.roofline), so buckets grow 4x there: padding costs
+# almost nothing, and each bucket saved is a program less to compile at start-up.
+_POW4_UP_TO = 64
 _POW2_UP_TO = 512  # buckets double up to here, then grow by 1.5x (padding <= 1.5x)
 
 
 def default_token_buckets(max_rows: int, *, min_rows: int = 1) -> tuple[int, ...]:
-    """Row buckets: powers of two up to 512, then alternately x1.5 and x4/3 (768, 1024,
-    1536, 2048, ...), with max_rows itself last. Padding stays under 2x in every call and
-    under 1.5x above 512 rows, where padded rows cost compute; the count grows with
-    log(max_rows) only: 19 buckets for an 8192-token layered budget."""
+    """Row buckets: 1, 4, 16, 64, then powers of two up to 512, then alternately x1.5 and
+    x4/3 (768, 1024, 1536, 2048, ...), with max_rows itself last. Padding stays under 4x
+    up to 64 rows (weight-bound steps), under 2x up to 512 and under 1.5x above, where
+    padded rows cost compute; the count grows with log(max_rows) only: 16 buckets for an
+    8192-token layered budget."""
     out, b = [], min_rows
     while b < max_rows:
         out.append(b)
-        if b < _POW2_UP_TO:
+        if b < _POW4_UP_TO:
+            b = min(4 * b, _POW4_UP_TO)
+        elif b < _POW2_UP_TO:
             b *= 2
         else:
             b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
