@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from lp_jax.structured.params import StructuredOutputsParams
+
 MAX_STOP_TOKEN_IDS = 64  # every sampled token is checked against them, like `stop` strings
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's cap; the sampler's rows are this wide
@@ -45,6 +47,10 @@ class SamplingParams:
     # ones start once the first has prefilled, so they take its prompt pages from the
     # prefix cache. A seeded request's sample i uses seed + i.
     n: int = 1
+    # The output's format (a JSON schema, a regex, a choice, a grammar; lp_jax/structured),
+    # as vLLM's; a dict is read as StructuredOutputsParams' fields. Whether the schema
+    # compiles is checked when the engine adds the request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
@@ -103,6 +109,17 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {rng}, got {v}")
             object.__setattr__(self, name, float(v))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            so = StructuredOutputsParams.from_dict(so)
+            object.__setattr__(self, "structured_outputs", so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, "
+                             f"got {so!r}"[:160])
+        if so is not None and self.min_tokens:
+            # min_tokens masks eos, which is all a finished grammar allows
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends")
 
     @property
     def has_penalties(self) -> bool:

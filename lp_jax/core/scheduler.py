@@ -15,7 +15,9 @@ applied by `_advance`: at the next `schedule()` if that comes first, else at com
 Each sequence the plan samples for then ends in a `PENDING_TOKEN` placeholder, which
 `commit` fills with the sampled token before applying stop conditions. A sequence whose
 pending token may finish it by length is held out of the next plan; one that stops on a
-stop token has one wasted decode in it, whose token commit drops.
+stop token has one wasted decode in it, whose token commit drops. A sequence with a
+grammar (structured outputs) is held out too: the bitmask of its next token needs the
+pending one, so it decodes every other step while others keep the device busy.
 
 Every admitted request holds the pages for its whole prefill target; a decode that needs a
 page and finds none preempts from the tail of the running decodes (lowest priority, latest
@@ -357,8 +359,8 @@ class Scheduler:
         prefilled, and the sequences whose prompt they finish join the decodes; the
         full pages either wrote are published to the prefix cache; the policy moves on.
         Every sequence the plan samples for gets a placeholder for the token. Returns the
-        ids of those the token may finish by length: they sit out a plan scheduled
-        before the commit.
+        ids of those the token may finish by length, and of those with a grammar (their
+        next mask needs the token): they sit out a plan scheduled before the commit.
         """
         sampling = []
         publish = self.block_manager.publish  # the plan's KV is in every layer now
@@ -384,7 +386,8 @@ class Scheduler:
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending_tokens = 1
             if (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                    or seq.num_tokens >= self.config.max_model_len):
+                    or seq.num_tokens >= self.config.max_model_len
+                    or seq.sampling_params.structured_outputs is not None):
                 held.add(seq.seq_id)
         return held
 

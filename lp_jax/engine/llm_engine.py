@@ -112,6 +112,7 @@ class LLMEngine:
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
             self.runner = executor(sched_cfg, buckets, model_cfg)
         self.scheduler = Scheduler(sched_cfg, latency)
+        self.structured = self._structured_outputs(model_dir)
         self.trace = None  # the decision trace (lp_jax/trace), with config.trace_path
         if config.trace_path and self.is_leader:
             self.trace = TraceWriter(config.trace_path, source="engine", policy=sched_cfg.name,
@@ -176,6 +177,21 @@ class LLMEngine:
             backends=backends, seed=config.seed,
             channel=self.channel if self.channel is not None and self.is_leader else None)
         return runner, sched_cfg
+
+    def _structured_outputs(self, model_dir):
+        """The grammar engine (lp_jax/structured) over the model's tokenizer, shared with
+        the runner, which fills the constrained rows' bitmasks; None without a tokenizer
+        or where the runner cannot apply masks (followers get them through the channel)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not (self.is_leader and path.is_file() and hasattr(self.runner, "structured")):
+            return None
+        from lp_jax.structured.compiler import GrammarCompiler
+        from lp_jax.structured.matchers import StructuredOutputs
+
+        cfg = self.model_config
+        self.runner.structured = StructuredOutputs(GrammarCompiler(
+            path, cfg.vocab_size, cfg.eos_token_ids))
+        return self.runner.structured
 
     def ready_line(self) -> str:
         """One line for the log once the engine can serve: the model, the policy, its
@@ -291,7 +307,15 @@ class LLMEngine:
         seq = Sequence(next(self._ids), token_ids, sampling_params, priority=priority,
                        arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo, index=index)
+        spec = seq.sampling_params.structured_outputs
+        if spec is not None:  # compiled (or found in the cache) before anything changes
+            if self.structured is None:
+                raise ValueError("structured_outputs needs the model's tokenizer.json and "
+                                 "an executor that applies token masks")
+            self.structured.check(spec)
         self.scheduler.add(seq, leader)  # validates; raises before any state changes
+        if spec is not None:
+            self.structured.add(seq.seq_id, spec)
         if self.trace is not None:
             self.trace.arrival(seq, seq.arrival_time)
         return seq.seq_id
@@ -304,6 +328,8 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id, now=self.clock.now())
         if seq is not None:
             self._aborted.append(seq)
+            if self.structured is not None:
+                self.structured.release(request_id)
             if self.trace is not None:
                 self.trace.finish(seq, seq.finish_time)
             if seq.num_output_tokens:  # cut short (a stop string, a client gone) after its
@@ -389,6 +415,12 @@ class LLMEngine:
             if self.trace is not None:
                 self.trace.finish(seq, now)
         outputs = [self._output(s, [result.tokens[s.seq_id]]) for s in alive]
+        if self.structured is not None and len(self.structured):
+            for s in alive:  # each committed token joins its grammar's matcher
+                if s.seq_id in self.structured:
+                    self.structured.advance(s.seq_id, result.tokens[s.seq_id])
+                    if s.is_finished:
+                        self.structured.release(s.seq_id)
         t2 = time.perf_counter()
         self._counters["device_seconds"] += t1 - t0
         self._counters["host_seconds"] += t2 - t1
@@ -445,6 +477,9 @@ class LLMEngine:
             kernel_fallbacks={op: e for op, (_, e) in self.kernel_report.items() if e},
             slo_attainment=self.slo_tracker.as_dict(),
             latency_model=self.scheduler.latency.error(),
+            structured_outputs=({**self.structured.stats, "live": len(self.structured),
+                                 **self.structured.compiler.stats}
+                                if self.structured is not None else {}),
             free_pages=self.scheduler.block_manager.num_free_pages,
             total_pages=self.scheduler.config.num_pages,
         )

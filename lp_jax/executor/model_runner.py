@@ -178,7 +178,7 @@ class ModelRunner:
             num_layers=self.L, hidden_size=cfg.hidden_size, page_size=page_size,
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
             hidden_rows=hidden_rows,
-            buckets=tuple(token_buckets))
+            buckets=tuple(token_buckets), vocab_size=cfg.vocab_size)
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)
@@ -194,6 +194,10 @@ class ModelRunner:
                                        counts_sharding=self._replicated),
                              donate_argnums=(1, 2, 4))
         self.programs: dict[int, jax.stages.Compiled] = {}
+        # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows
+        # of constrained samples; None: no request may carry a grammar.
+        self.structured = None
+        self._all_ones: dict[int, jax.Array] = {}  # per sampled-row count B, on device
         self.channel = channel
         self.codec = StepCodec(self.spec)
         self._step_ids = itertools.count()
@@ -357,6 +361,8 @@ class ModelRunner:
         if call.scored:
             inputs["do_score"] = np.bool_(True)
             inputs["score_target_N"][:n] = call.score_target
+        if "bitmask_SW" in inputs["sampling"]:  # None: all ones (run_calls)
+            inputs["sampling"]["bitmask_SW"] = None
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
@@ -374,6 +380,7 @@ class ModelRunner:
 
     def _fill_sampling(self, out: dict, rows: list):
         eos = self.cfg.eos_token_ids
+        constrained = []
         for i, (seq, pos) in enumerate(rows):
             p = seq.sampling_params
             if p.has_penalties:
@@ -390,10 +397,38 @@ class ModelRunner:
             # top_k past the vocabulary is no limit at all (and may not fit int32).
             out["top_k"][i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
             out["temperature"][i], out["top_p"][i] = p.temperature, p.top_p
+            if p.structured_outputs is not None:
+                constrained.append((seq, i))
             # Unseeded requests draw from a stream fixed by the engine seed and request id.
             seed = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) % 2**64
             out["seed_S2"][i] = seed >> 32, seed & 0xFFFFFFFF
             out["position"][i] = pos
+        if "bitmask_SW" in out:
+            out["bitmask_SW"] = self._bitmask(constrained, len(out["position"]))
+
+    def _bitmask(self, constrained: list, B: int) -> np.ndarray | None:
+        """The bitmask of a call's B sampled rows, from the constrained sequences'
+        matchers; None (all ones, on device: run_calls) when no row has a grammar."""
+        if not constrained:
+            return None
+        if self.structured is None:
+            raise RuntimeError("a request with structured_outputs reached a runner "
+                               "without a grammar engine")
+        for seq, _ in constrained:
+            if seq.num_pending_tokens:  # the scheduler holds these out (scheduler.py)
+                raise RuntimeError(f"seq {seq.seq_id} has a grammar and a token still on "
+                                   "device: its mask cannot be built")
+        mask_BW = np.full((B, self.spec.mask_words), -1, np.int32)
+        self.structured.fill([(seq.seq_id, i) for seq, i in constrained], mask_BW)
+        return mask_BW
+
+    def _ones(self, B: int) -> jax.Array:
+        """The all-ones bitmask of B sampled rows, kept on device: a call without a
+        constrained row sends no [B, ceil(V/32)] array."""
+        if B not in self._all_ones:
+            self._all_ones[B] = jax.device_put(
+                np.full((B, self.spec.mask_words), -1, np.int32), self._replicated)
+        return self._all_ones[B]
 
     # ------------------------------------------------------------ execute
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
@@ -445,6 +480,9 @@ class ModelRunner:
         prev = self._no_prev_tokens if prev_tokens_R is None else prev_tokens_R
         for N, inputs in batch:
             inputs["prev_tokens_R"] = prev
+            s = inputs["sampling"]
+            if "bitmask_SW" in s and s["bitmask_SW"] is None:
+                s["bitmask_SW"] = self._ones(len(s["position"]))
             self.kv_pages, self.hidden_RD, out = self._program(N)(
                 self.state, self.kv_pages, self.hidden_RD, inputs, self.counts)
             self.counts = out["counts"]

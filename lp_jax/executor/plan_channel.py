@@ -18,7 +18,10 @@ described: a decode step of 32 sequences at max_model_len 4096 is ~35 KB, most o
 page table. `prev_tokens_R`, the previous step's sampled tokens on device, is not sent:
 the follower keeps its own copy of every step's tokens (identical by construction, and
 checked: each follower acks every step with a crc32 of its tokens, and the leader
-compares them with its own).
+compares them with its own). The structured-output bitmask (`sampling["bitmask_SW"]`,
+[B, ceil(V/32)] int32, 4.9 MB at Qwen3's vocabulary and 256 rows) is not in the fixed
+layout either: each call ends with its constrained rows only, an int64 count r, r int32
+row indices and their r x W words; r = 0 (None in the inputs: all ones) costs 8 bytes.
 
 **Transports** (`plan_channel=`), both measured in BENCHMARKS.md (launch/bench_multihost.py):
 - "host": a TCP connection per follower. The leader listens on an ephemeral port and
@@ -76,6 +79,7 @@ class StepCodec:
         if N not in self._layouts:
             template = empty_inputs(self.spec, N)
             del template["prev_tokens_R"]
+            template["sampling"].pop("bitmask_SW", None)
             leaves, treedef = jax.tree.flatten(template)
             leaves = [np.asarray(x) for x in leaves]
             self._layouts[N] = (treedef, [(x.shape, x.dtype, x.nbytes) for x in leaves])
@@ -90,18 +94,37 @@ class StepCodec:
         parts = [header.tobytes()]
         for N, inputs in calls:
             inputs = {k: v for k, v in inputs.items() if k != "prev_tokens_R"}
-            leaves = jax.tree.leaves(inputs)
+            sampling = dict(inputs["sampling"])
+            mask_BW = sampling.pop("bitmask_SW", None)
+            leaves = jax.tree.leaves({**inputs, "sampling": sampling})
             layout = self._layout(N)[1]
             if len(leaves) != len(layout):
                 raise ValueError(f"inputs of a {N}-row call do not match the template")
             for x, (shape, dtype, _) in zip(leaves, layout, strict=True):
                 parts.append(np.ascontiguousarray(x, dtype).reshape(shape).tobytes())
+            if self.spec.vocab_size:
+                parts += self._encode_mask(mask_BW)
         return b"".join(parts)
+
+    def _encode_mask(self, mask_BW) -> list[bytes]:
+        """A call's bitmask as its rows that are not all ones (None: all ones)."""
+        if mask_BW is None:
+            return [np.int64(0).tobytes()]
+        mask_BW = np.asarray(mask_BW, np.int32)
+        if mask_BW.shape[1] != self.spec.mask_words:
+            raise ValueError(f"bitmask rows of {mask_BW.shape[1]} words, the spec's have "
+                             f"{self.spec.mask_words}")
+        rows = np.flatnonzero((mask_BW != -1).any(axis=1)).astype(np.int32)
+        return [np.int64(len(rows)).tobytes(), rows.tobytes(),
+                np.ascontiguousarray(mask_BW[rows]).tobytes()]
 
     def max_message_bytes(self) -> int:
         """The largest step message: MAX_CALLS calls of the largest bucket."""
-        layout = self._layout(self.spec.buckets[-1])[1]
-        return 8 * 8 + MAX_CALLS * sum(nbytes for _, _, nbytes in layout)
+        N = self.spec.buckets[-1]
+        layout = self._layout(N)[1]
+        mask = 8 + self.spec.seqs_for(N) * 4 * (1 + self.spec.mask_words)  # every row
+        return 8 * 8 + MAX_CALLS * (sum(nbytes for _, _, nbytes in layout)
+                                    + (mask if self.spec.vocab_size else 0))
 
     def decode(self, payload: bytes) -> tuple[int, int, list[tuple[int, dict]]]:
         header = np.frombuffer(payload, np.int64, 8)
@@ -116,10 +139,28 @@ class StepCodec:
                 leaves.append(np.frombuffer(payload, dtype, int(np.prod(shape)), offset)
                               .reshape(shape))
                 offset += nbytes
-            calls.append((int(N), jax.tree.unflatten(treedef, leaves)))
+            inputs = jax.tree.unflatten(treedef, leaves)
+            if self.spec.vocab_size:
+                inputs["sampling"]["bitmask_SW"], offset = self._decode_mask(
+                    payload, offset, self.spec.seqs_for(int(N)))
+            calls.append((int(N), inputs))
         if offset != len(payload):
             raise ValueError(f"step message has {len(payload) - offset} trailing bytes")
         return step_id, prev_step, calls
+
+
+    def _decode_mask(self, payload: bytes, offset: int, B: int):
+        """(the call's [B, W] bitmask, or None for all ones; the offset after it)."""
+        r = int(np.frombuffer(payload, np.int64, 1, offset)[0])
+        offset += 8
+        if r == 0:
+            return None, offset
+        W = self.spec.mask_words
+        rows = np.frombuffer(payload, np.int32, r, offset)
+        offset += 4 * r
+        mask_BW = np.full((B, W), -1, np.int32)
+        mask_BW[rows] = np.frombuffer(payload, np.int32, r * W, offset).reshape(r, W)
+        return mask_BW, offset + 4 * r * W
 
 
 def tokens_crc(tokens: np.ndarray | None) -> int:

@@ -12,6 +12,8 @@ Before sampling, `process_logits` applies per-row logit biases (min_tokens' mask
 -inf biases) and then vLLM's penalties from each row's token counts; `token_logprobs`
 reports log-probabilities of the raw model distribution (vLLM's default), with the top
 MAX_LOGPROBS alternatives. Both run for every row at fixed shapes: no program per feature.
+`apply_bitmask` then sets the tokens a row's grammar forbids to -inf (structured outputs,
+lp_jax/structured): the mask is llguidance's layout, bit v % 32 of int32 word v // 32.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ def apply_bias(logits_SV, ids_SK, bias_SK):
     S, V = logits_SV.shape
     ids_SK = jnp.where(ids_SK < 0, V, ids_SK)
     return logits_SV.at[jnp.arange(S)[:, None], ids_SK].add(bias_SK, mode="drop")
+
+
+def apply_bitmask(logits_SV, bitmask_SW):
+    """-inf where row s's bit for token v is 0; rows of all ones (-1) are unchanged.
+    Logit columns past the mask's 32 x W tokens are never allowed."""
+    W = bitmask_SW.shape[1]
+    v_V = jnp.arange(logits_SV.shape[1], dtype=jnp.int32)
+    words_SV = bitmask_SW[:, jnp.minimum(v_V // 32, W - 1)]
+    bits_SV = (words_SV >> (v_V % 32)[None, :]) & 1
+    return jnp.where((bits_SV != 0) & (v_V < 32 * W)[None, :], logits_SV, -jnp.inf)
 
 
 def apply_penalties(logits_SV, counts_SV, prompt_SV, presence_S, frequency_S, repetition_S):

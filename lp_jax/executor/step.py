@@ -31,6 +31,12 @@ SCORE_ROWS rows, so the logits never exist as one [prompt, vocabulary] array; sl
 without a scored row are skipped. Outputs `prompt_logprob_N` and the top MAX_LOGPROBS
 `prompt_top_logprob_NK` / `prompt_top_id_NK`.
 
+Structured outputs: `sampling["bitmask_SW"]`, one int32 row of ceil(V/32) words per
+sampled row (lp_jax/structured), masks the tokens each row's grammar forbids after the
+bias and the penalties; all ones for a row without a grammar. It is an input of every
+program, so constrained requests compile nothing, and the mask is skipped (lax.cond)
+when no row has one.
+
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
 """
@@ -45,9 +51,16 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
-from lp_jax.executor.sampler import apply_bias, apply_penalties, sample, token_logprobs
+from lp_jax.executor.sampler import (
+    apply_bias,
+    apply_bitmask,
+    apply_penalties,
+    sample,
+    token_logprobs,
+)
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.structured.params import mask_words
 
 MAX_EOS_TOKEN_IDS = 8  # a model's eos ids (config.json and generation_config.json)
 # Per-row bias entries: the logit_bias cap, then min_tokens' masks (stop ids and eos).
@@ -58,7 +71,9 @@ SCORE_ROWS = 256
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """The static shape of the program family. `max_num_seqs` bounds the sequences of a
-    call and its sampled rows; `hidden_rows` is the carried-hidden buffer's length."""
+    call and its sampled rows; `hidden_rows` is the carried-hidden buffer's length;
+    `vocab_size` the model's (padded) vocabulary, which the structured-output bitmask
+    covers (0: no bitmask input)."""
 
     num_layers: int
     hidden_size: int
@@ -67,6 +82,12 @@ class StepSpec:
     max_num_seqs: int
     hidden_rows: int
     buckets: tuple[int, ...]
+    vocab_size: int = 0
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a bitmask row (bit v % 32 of word v // 32 is token v)."""
+        return mask_words(self.vocab_size)
 
     def seqs_for(self, N: int) -> int:
         """Sequences (and sampled rows) a call of N rows can hold."""
@@ -168,6 +189,10 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_shar
                         s["repetition"])
                 logits_SV = jax.lax.cond(jnp.any(slot_S >= 0), penalize, lambda x: x,
                                          logits_SV)
+            if "bitmask_SW" in s:
+                mask_SW = s["bitmask_SW"]
+                logits_SV = jax.lax.cond(jnp.any(mask_SW != -1), apply_bitmask,
+                                         lambda x, _: x, logits_SV, mask_SW)
             tokens_S = sample(logits_SV, s["temperature"], s["top_k"], s["top_p"], s["seed_S2"],
                               s["position"])
             lp = jax.lax.cond(
@@ -237,5 +262,12 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
                      "presence": np.zeros(B, np.float32), "frequency": np.zeros(B, np.float32),
                      "repetition": np.ones(B, np.float32),
                      "bias_ids": np.full((B, BIAS_SLOTS), -1, np.int32),
-                     "bias": np.zeros((B, BIAS_SLOTS), np.float32)},
+                     "bias": np.zeros((B, BIAS_SLOTS), np.float32),
+                     **({"bitmask_SW": all_ones_mask(spec, B)} if spec.vocab_size else {})},
     }
+
+
+def all_ones_mask(spec: StepSpec, B: int) -> np.ndarray:
+    """A [B, mask_words] bitmask that allows every token: a read-only view of one value,
+    so a call without a constrained row builds no [B, ceil(V/32)] array on the host."""
+    return np.broadcast_to(np.int32(-1), (B, spec.mask_words))

@@ -1,0 +1,111 @@
+"""What a request constrains its output to: vLLM's `StructuredOutputsParams` shape.
+
+Exactly one of `json` (a JSON schema, as a dict or its text), `json_object` (any JSON
+object), `regex`, `choice` (one of a list of strings) or `grammar` (Lark or GBNF). A
+frozen value object, checked here for shape only; whether the schema or grammar compiles
+is the compiler's to say (compiler.py), where the tokenizer is known. The schema is kept
+as compact JSON text in its own key order (properties are generated in that order), so
+equal schemas share one compiled grammar and the value stays hashable like the rest of
+SamplingParams.
+
+JSON is generated compact (no whitespace between tokens, llguidance's
+`whitespace_flexible: false`) unless the schema's own `x-guidance` options say otherwise:
+with free whitespace, a model (a random one above all) may emit spaces forever.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 4096
+MAX_SPEC_CHARS = 1 << 20  # a schema or grammar of 1 MiB of text; more is not a format
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one bitmask row: bit v % 32 of word v // 32 allows token v."""
+    return -(-vocab_size // 32)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(KINDS)}; got {given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _canonical_schema(self.json))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or len(v) > MAX_SPEC_CHARS):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string of "
+                                 f"at most {MAX_SPEC_CHARS} characters, got {_short(v)}")
+        if self.choice is not None:
+            c = self.choice
+            if (isinstance(c, str | bytes) or not hasattr(c, "__iter__")):
+                raise ValueError(f"structured_outputs.choice must be a list of strings, got "
+                                 f"{_short(c)}")
+            c = tuple(c)
+            if not c or len(c) > MAX_CHOICES or not all(isinstance(x, str) and x for x in c):
+                raise ValueError(f"structured_outputs.choice must be 1 to {MAX_CHOICES} "
+                                 f"non-empty strings, got {_short(list(c))}")
+            object.__setattr__(self, "choice", c)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal specs compile to the same grammar."""
+        k = self.kind
+        v = getattr(self, k)
+        return k, "" if k == "json_object" else _json.dumps(v) if k == "choice" else v
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        """From a request's `structured_outputs` object (unknown keys refused by name)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be an object, got {_short(d)}")
+        unknown = sorted(set(d) - set(KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes "
+                             f"{', '.join(KINDS)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+
+def _canonical_schema(schema) -> str:
+    """A JSON schema (a dict or its text) as compact JSON text, keys in their order."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.json is longer than {MAX_SPEC_CHARS} "
+                             "characters")
+        try:
+            schema = _json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
+                         f"{_short(schema)}")
+    try:
+        text = _json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs.json is not JSON-serializable: {exc}") from None
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"structured_outputs.json is longer than {MAX_SPEC_CHARS} characters")
+    return text
+
+
+def _short(v) -> str:
+    return repr(v)[:80]
