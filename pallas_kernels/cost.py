@@ -78,17 +78,20 @@ def expected_experts(tokens: int, top_k: int, experts: int) -> float:
 
 def moe_matmul(*, tokens: int, top_k: int, experts: int, k: int, n: int, glu: bool,
                lhs_itemsize: int, w_itemsize: int, out_itemsize: int,
-               bias_itemsize: int = 0, tm: int = 1, refetch_per_tile: bool = False
-               ) -> KernelCost:
+               bias_itemsize: int = 0, tm: int = 1, refetch_per_tile: bool = False,
+               scale_bytes: int = 0) -> KernelCost:
     """One grouped matmul of the MoE over the routed rows: [R, k] @ W[e] ([k, n], or
     [k, 2n] gate | up with glu: act(gate, up) is stored, [R, n]). Uniform routing (the
     module docstring). refetch_per_tile: the weights are read once per tm-row tile, the
-    expected tiles being each active expert's share of the rows in whole tiles."""
+    expected tiles being each active expert's share of the rows in whole tiles.
+    Quantized weights: w_itemsize is the stored one (1 for int8 / fp8) and scale_bytes
+    those of one expert's scales, read with its weights."""
     rows = tokens * top_k
     cols = 2 * n if glu else n
     active = expected_experts(tokens, top_k, experts)
     reads = active * math.ceil(rows / active / tm) if refetch_per_tile else active
-    weight_bytes = reads * k * cols * w_itemsize + active * cols * bias_itemsize
+    weight_bytes = (reads * (k * cols * w_itemsize + scale_bytes)
+                    + active * cols * bias_itemsize)
     return KernelCost(
         flops=2 * rows * k * cols,
         transcendentals=rows * n if glu else 0,

@@ -35,6 +35,16 @@ All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and st
 (`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
 (`layout.py`) and never read the weights of an expert with no rows.
 
+Quantized experts (issue 31): `scales=(s_gate_up, s_down)` and `scheme=` a
+`pallas_kernels.quant.QuantScheme` (int8 or fp8 per channel, HF fine-grained fp8
+128 x 128 blocks), stacked like the weights and like `biases=`; None is the 16-bit
+path. W8A16 on every backend: tiles of the 8-bit weights are converted on chip, the
+dots accumulate in float32 and the scales multiply the float32 sums (per channel in
+the epilogue, per 128-row K block in the K loop). The tpu kernels take them; the gpu
+backend does NOT yet (its WGMMA needs 16-bit N-major weight tiles, so the Hopper kernel
+would dequantise into shared memory, which is not built): quantized weights on gpu
+run `xla_tiles` with the scales, which dequantises one expert per tile in XLA.
+
 Interpret mode (run the Pallas kernels on CPU, for tests): pass `interpret=True`, or
 set the environment variable LP_JAX_PALLAS_INTERPRET=1 (read at trace time) to make
 `interpret=None` (the default) mean True. TPU kernels then run under
@@ -50,6 +60,7 @@ import jax
 from pallas_kernels.moe.ref import SILU, MoEActivation, ref_moe_ffn
 from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
 from pallas_kernels.platform import target_platform
+from pallas_kernels.quant import QuantScheme
 
 BACKENDS = ("auto", "xla", "xla_tiles", "tpu", "gpu")
 INTERPRET_ENV = "LP_JAX_PALLAS_INTERPRET"
@@ -100,6 +111,8 @@ def moe_ffn(
     interpret=None,
     biases=None,
     activation: MoEActivation = SILU,
+    scales=None,
+    scheme: QuantScheme | None = None,
 ):
     """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
 
@@ -113,13 +126,18 @@ def moe_ffn(
     biases: None, or GPT-OSS's (b_gate_up, b_down), stacked like the weights.
     activation: a `MoEActivation` (default SILU; GPT-OSS's clamped SwiGLU). Both (ref.py)
       on every backend.
+    scales, scheme: None (16-bit weights), or int8 / fp8 weights' (s_gate_up, s_down)
+      and their `quant.QuantScheme`; the gpu backend sends them to xla_tiles (above).
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
     if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
+    if backend == "gpu" and scales:
+        backend = "xla_tiles"  # no quantized Hopper kernel yet (module docstring)
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
-                  token_mask_T=token_mask_T, biases=biases, activation=activation)
+                  token_mask_T=token_mask_T, biases=biases, activation=activation,
+                  scales=scales, scheme=scheme)
     args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)

@@ -286,6 +286,8 @@ def moe_ffn_gpu(
     token_mask_T: jax.Array | None = None,
     biases=None,
     activation: MoEActivation = SILU,
+    scales=None,
+    scheme=None,
     tiling: GpuTiling = GpuTiling(),
     num_sms: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -300,7 +302,14 @@ def moe_ffn_gpu(
     Hardware needs bfloat16/float16 weights (WGMMA takes the N-major [K, N] weight tiles
     only for 16-bit types); float32 runs in interpret mode only (for tests), and
     `moe_ffn(backend="auto")` sends float32 to xla.
+
+    Quantized weights (`scales`, `scheme`) are not implemented here: `moe_ffn` sends
+    them to xla_tiles; this raises NotImplementedError if given any.
     """
+    if scales or scheme is not None:
+        raise NotImplementedError(
+            "the Hopper MoE kernel takes 16-bit weights only (no shared-memory dequantise "
+            "yet); moe_ffn(backend='gpu') runs quantized experts on xla_tiles")
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)

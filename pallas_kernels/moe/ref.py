@@ -24,6 +24,14 @@ b_down)` with b_gate_up [E, 2F] and b_down [E, D] (stacked [L, E, 2F] / [L, E, D
 frozen options object, so every backend takes it as one static argument; the biases
 are operands. The router bias is the model's: it is in the router logits before they
 get here.
+
+Quantized experts (issue 31, off by default): `scales=(s_gate_up, s_down)` and `scheme=`
+a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn and the
+scales float32, stacked like the weights ([L, E, k, n] with `layer`), shaped by
+quant.py's contract. W8A16: the kernels dequantise tiles on chip and multiply the
+activation dtype, accumulating in float32. This reference dequantises the layer's slice
+to float32 (`quant.ref_dequantize`) and runs both matmuls in float32, storing h in the
+activation dtype in between as the kernels do.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quant import QuantScheme, check_scale, ref_dequantize
 
 ACTIVATIONS = ("silu", "gpt_oss_clamped")
 
@@ -89,6 +99,26 @@ def check_bias(biases, w_gate_up, w_down) -> tuple:
     return b_gate_up, b_down
 
 
+def check_scales(scales, scheme: QuantScheme | None, w_gate_up, w_down) -> tuple:
+    """(s_gate_up, s_down), or (None, None) for 16-bit weights (scales None or ()).
+    Quantized weights need both the scales and their scheme (quant.py's contract)."""
+    if not scales:
+        if scheme is not None:
+            raise ValueError(f"scheme={scheme.name} given without scales")
+        if jnp.dtype(w_gate_up.dtype).itemsize == 1 or jnp.dtype(w_down.dtype).itemsize == 1:
+            raise ValueError(f"8-bit expert weights ({w_gate_up.dtype} / {w_down.dtype}) "
+                             "need scales= and scheme=")
+        return None, None
+    if scheme is None:
+        raise ValueError("scales given without a scheme (a pallas_kernels.quant.QuantScheme)")
+    if len(scales) != 2:
+        raise ValueError(f"expert scales come in pairs (s_gate_up, s_down), got {len(scales)}")
+    s_gate_up, s_down = scales
+    check_scale(w_gate_up, s_gate_up, scheme)
+    check_scale(w_down, s_down, scheme)
+    return s_gate_up, s_down
+
+
 def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool):
     """Returns (weights_TA float32, expert_ids_TA int32)."""
     probs_TE = jax.nn.softmax(router_logits_TE.astype(jnp.float32), axis=-1)
@@ -140,17 +170,19 @@ def stacked_experts(w_gate_up, w_down, layer):
 
 
 def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-              *biases: jax.Array | None):
+              *biases: jax.Array | None, scales=()):
     """Expert traffic of one call: experts with at least one row are read once, whole.
 
-    The weights (and biases, if given) are one layer's [E, ...] or the stacked
+    The weights (and biases, scales if given) are one layer's [E, ...] or the stacked
     [L, E, ...]: bytes per expert are those of one expert of one layer, in the dtype the
-    arrays have.
+    arrays have (stored bytes: 1 per weight for int8 / fp8, plus its scales).
     """
     experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
     bytes_per_expert = (math.prod(w_gate_up.shape[-2:]) * w_gate_up.dtype.itemsize
                         + math.prod(w_down.shape[-2:]) * w_down.dtype.itemsize
-                        + sum(b.shape[-1] * b.dtype.itemsize for b in biases if b is not None))
+                        + sum(b.shape[-1] * b.dtype.itemsize for b in biases if b is not None)
+                        + sum(math.prod(s.shape[-2:]) * s.dtype.itemsize
+                              for s in scales if s is not None))
     return {
         "tokens_per_expert": group_sizes_E,
         "experts_activated": experts_activated,
@@ -180,22 +212,35 @@ def ref_moe_ffn(
     token_mask_T: jax.Array | None = None,
     biases=None,
     activation: MoEActivation = SILU,
+    scales=None,
+    scheme: QuantScheme | None = None,
 ):
     """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats).
 
     With `layer`, slices w[layer] out of the stacked weights: a copy of one layer's
     experts, acceptable for the reference only (the kernels address the layer in place).
-    `biases` and `activation`: see the module docstring.
+    `biases` and `activation`; `scales` and `scheme` (quantized weights, dequantised
+    here to float32): see the module docstring.
     """
     stacked_experts(w_gate_up_LEDF2, w_down_LEFD, layer)  # checks the shapes
     b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
+    s_gate_up, s_down = check_scales(scales, scheme, w_gate_up_LEDF2, w_down_LEFD)
     if layer is None:
         w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2, w_down_LEFD
         b_gate_up_EF2, b_down_ED = b_gate_up, b_down
+        s_gate_up_Ekn, s_down_Ekn = s_gate_up, s_down
     else:
         w_gate_up_EDF2, w_down_EFD = w_gate_up_LEDF2[layer], w_down_LEFD[layer]
         b_gate_up_EF2, b_down_ED = (None, None) if b_gate_up is None else (b_gate_up[layer],
                                                                           b_down[layer])
+        s_gate_up_Ekn, s_down_Ekn = (None, None) if s_gate_up is None else (s_gate_up[layer],
+                                                                           s_down[layer])
+    moe_stats_args = (w_gate_up_EDF2, w_down_EFD, b_gate_up_EF2, b_down_ED)
+    h_dtype = w_down_EFD.dtype
+    if s_gate_up is not None:  # the oracle: float32 weights, h stored as the kernels do
+        w_gate_up_EDF2 = ref_dequantize(w_gate_up_EDF2, s_gate_up_Ekn, scheme)
+        w_down_EFD = ref_dequantize(w_down_EFD, s_down_Ekn, scheme)
+        h_dtype = x_TD.dtype
     T = x_TD.shape[0]
     E = w_gate_up_EDF2.shape[0]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
@@ -203,24 +248,32 @@ def ref_moe_ffn(
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     sort_order_R, token_ids_R, group_sizes_E = dispatch(expert_ids_TA, E, token_mask_T)
     x_RD = x_TD[token_ids_R]
+    if s_gate_up is not None:
+        x_RD = x_RD.astype(jnp.float32)
     gate_up_RF2 = jax.lax.ragged_dot(x_RD, w_gate_up_EDF2, group_sizes_E)
     if b_gate_up_EF2 is not None:  # rows of masked tokens get some bias; their weight is 0
         expert_R = expert_ids_TA.reshape(-1)[sort_order_R]
         gate_up_RF2 = gate_up_RF2 + b_gate_up_EF2[expert_R].astype(gate_up_RF2.dtype)
-    h_RF = glu(gate_up_RF2, activation)
+    h_RF = glu(gate_up_RF2, activation).astype(h_dtype)
     y_RD = jax.lax.ragged_dot(h_RF.astype(w_down_EFD.dtype), w_down_EFD, group_sizes_E)
     if b_down_ED is not None:
         y_RD = y_RD + b_down_ED[expert_R].astype(y_RD.dtype)
     y_TD = combine(y_RD, sort_order_R, weights_TA, T).astype(x_TD.dtype)
-    return y_TD, moe_stats(group_sizes_E, w_gate_up_EDF2, w_down_EFD, b_gate_up_EF2, b_down_ED)
+    return y_TD, moe_stats(group_sizes_E, *moe_stats_args, scales=(s_gate_up, s_down))
 
 
 def ref_moe_ffn_dense(
     x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k, norm_topk_prob,
-    token_mask_T=None, biases=None, activation: MoEActivation = SILU,
+    token_mask_T=None, biases=None, activation: MoEActivation = SILU, scales=None,
+    scheme: QuantScheme | None = None,
 ):
-    """Every expert on every token, weighted by the routing: the oracle for tests only."""
+    """Every expert on every token, weighted by the routing: the oracle for tests only
+    (quantized weights dequantised to float32)."""
     b_gate_up, b_down = check_bias(biases, w_gate_up_EDF2, w_down_EFD)
+    s_gate_up, s_down = check_scales(scales, scheme, w_gate_up_EDF2, w_down_EFD)
+    if s_gate_up is not None:
+        w_gate_up_EDF2 = ref_dequantize(w_gate_up_EDF2, s_gate_up, scheme)
+        w_down_EFD = ref_dequantize(w_down_EFD, s_down, scheme)
     E = w_gate_up_EDF2.shape[0]
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:

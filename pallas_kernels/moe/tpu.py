@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,7 @@ from pallas_kernels.moe.ref import (
     SILU,
     MoEActivation,
     check_bias,
+    check_scales,
     moe_stats,
     route,
     stacked_experts,
@@ -173,12 +175,16 @@ def _bias_row(bias_ref, expert):
     return jnp.sum(jnp.where(rows_Et == expert, bias_Et, 0.0), axis=0, keepdims=True)
 
 
-def _epilogue(act, bias_refs=(), group_ref=None, tile=None, split=None):
-    """f(float32 sums) -> the stored block: bias rows of the tile's expert added
-    (expert = group % E: groups are layer*E + expert), then act(gate, up), or the sum
-    itself with act None. split: one [gate | up] sum, cut at column `split`."""
+def _epilogue(act, bias_refs=(), group_ref=None, tile=None, split=None, channel_scales=()):
+    """f(float32 sums) -> the stored block: per-channel weight scales multiplied (a
+    [1, width] row per sum: the scale of output column j commutes with the K-sum), bias
+    rows of the tile's expert added (expert = group % E: groups are layer*E + expert),
+    then act(gate, up), or the sum itself with act None. split: one [gate | up] sum, cut
+    at column `split`."""
 
     def apply(vals):
+        if channel_scales:
+            vals = [v * s[...] for v, s in zip(vals, channel_scales, strict=True)]
         if bias_refs:
             expert = group_ref[tile] % bias_refs[0].shape[0]
             vals = [v + _bias_row(b, expert) for v, b in zip(vals, bias_refs, strict=True)]
@@ -187,6 +193,107 @@ def _epilogue(act, bias_refs=(), group_ref=None, tile=None, split=None):
         return vals[0] if act is None else act(*vals)
 
     return apply
+
+
+# ------------------------------------------------------------ quantized weights (W8A16)
+@dataclasses.dataclass(frozen=True)
+class _Quant:
+    """How a kernel applies its weights' scales (static). "channel": one scale per
+    output column (block_k = K, block_n = 1), multiplied in the epilogue. "block":
+    block_k x block_n blocks (HF fine-grained FP8: 128 x 128); each K chunk of block_k
+    rows gets its own float32 partial dot, scaled by its row of block scales before the
+    K-sum. cdt: the dtype the weight tiles are converted to on chip (the activations')."""
+
+    mode: str
+    block_k: int
+    block_n: int
+    cdt: object
+
+
+def _quant_of(scheme, scale, cdt) -> _Quant | None:
+    if scale is None:
+        return None
+    if scheme.block_k is None and scheme.block_n == 1:
+        return _Quant("channel", 0, 1, jnp.dtype(cdt))
+    if scheme.block_k is not None and scheme.block_n > 1:
+        return _Quant("block", scheme.block_k, scheme.block_n, jnp.dtype(cdt))
+    raise NotImplementedError(f"no TPU kernel for scheme {scheme}")
+
+
+def _scale_operands(scale_Gkn, quant: _Quant | None, width: int, offsets):
+    """BlockSpecs and operands for the weight scales [G, k, n] (none if unquantized).
+    channel: a [1, width] row per weight block (gate, up), at the block's columns.
+    block: the tile's expert's whole [k, n] scales (a few hundred bytes), once."""
+    if quant is None:
+        return [], []
+    if quant.mode == "channel":
+        def spec(offset):
+            return pl.BlockSpec((None, 1, width), lambda i, n, k, g, *_: (g[i], 0, n + offset))
+
+        return [spec(o) for o in offsets], [scale_Gkn] * len(offsets)
+    kq, nq = scale_Gkn.shape[1:]
+    return [pl.BlockSpec((None, kq, nq), lambda i, n, k, g, *_: (g[i], 0, 0))], [scale_Gkn]
+
+
+def _scale_vmem_bytes(scale_args, quant: _Quant | None, width: int, num_w: int) -> int:
+    """VMEM of the scale blocks (double-buffered) and, in block mode, of the expanded
+    [k, width] float32 scales of each weight block."""
+    if quant is None:
+        return 0
+    if quant.mode == "channel":
+        return 2 * len(scale_args) * width * 4
+    kq, nq = scale_args[0].shape[1:]
+    return 2 * kq * nq * 4 + num_w * kq * width * 4
+
+
+def _check_block_chunks(quant: _Quant | None, rows: int, tiles_k: int, tk_rows: int,
+                        what: str):
+    """Block mode: K chunks of block_k rows must not straddle a K block: the rows of
+    one weight part (`rows`) and, with several k blocks, the k block itself must be
+    whole multiples of block_k."""
+    if quant is None or quant.mode != "block":
+        return
+    bk = quant.block_k
+    if rows % bk or (tiles_k > 1 and tk_rows % bk):
+        raise ValueError(f"{what}: block-quantized weights need K tiles that are whole "
+                         f"{bk}-row blocks: {rows} rows per part, k tile {tk_rows}")
+
+
+def _block_scales(scale_ref, quant: _Quant, col0, width: int):
+    """The block scales of columns [col0, col0 + width) of the tile's expert, as
+    float32 [k, width]: each column gets its block's scale (a select per column block:
+    no dynamic lane offsets)."""
+    s_kn = scale_ref[...].astype(jnp.float32)
+    kq, nq = s_kn.shape
+    col_block = (col0 + jax.lax.broadcasted_iota(jnp.int32, (kq, width), 1)) // quant.block_n
+    out = jnp.zeros((kq, width), jnp.float32)
+    for j in range(nq):
+        out = jnp.where(col_block == j, s_kn[:, j:j + 1], out)
+    return out
+
+
+def _scale_row(s_kw, kb):
+    """Row kb (traced) of s_kw [k, width], as [1, width] (a one-hot sum)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, s_kw.shape, 0)
+    return jnp.sum(jnp.where(rows == kb, s_kw, 0.0), axis=0, keepdims=True)
+
+
+def _qdot(x, w, quant: _Quant | None, row0=0, s_kw=None):
+    """x @ w in float32. Quantized w: converted on chip to the activations' dtype
+    (int8 and e4m3 values are exact in bfloat16); in block mode one partial dot per
+    block_k rows, scaled by that K block's row of s_kw. row0: the global K row of w's
+    first row (a multiple of block_k; may be traced)."""
+    if quant is None:
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    w = w.astype(quant.cdt)
+    if quant.mode == "channel":
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    bk, rows = quant.block_k, w.shape[0]
+    out = 0.0
+    for c in range(0, rows, bk):
+        part = jnp.dot(x[:, c:c + bk], w[c:c + bk], preferred_element_type=jnp.float32)
+        out = out + part * _scale_row(s_kw, (row0 + c) // bk)
+    return out
 
 
 def _gate_up_blocks(F: int, tn: int, tiles_n: int):
@@ -233,9 +340,11 @@ def _gate_up_gather_kernel(
     ids_hbm, x_hbm, *refs,  # inputs: weights (gate, up or one joint), biases; then
     # output h, then scratch: xbuf, ids_smem, row_sem, ids_sem, accumulators
     tm: int, tk: int, tiles_k: int, pack: int, act, num_w: int, num_bias: int, split,
+    quant: _Quant | None = None, num_scale: int = 0, width: int = 0, offsets=(0,),
 ):
     w_refs, bias_refs = refs[:num_w], refs[num_w:num_w + num_bias]
-    h_ref, xbuf, ids_smem, row_sem, ids_sem, *acc_refs = refs[num_w + num_bias:]
+    scale_refs = refs[num_w + num_bias:num_w + num_bias + num_scale]
+    h_ref, xbuf, ids_smem, row_sem, ids_sem, *acc_refs = refs[num_w + num_bias + num_scale:]
     i, n, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tiles = pl.num_programs(0)
     slot = i % 2
@@ -293,13 +402,19 @@ def _gate_up_gather_kernel(
     else:
         words = xbuf[slot, :, :, pl.ds(pl.multiple_of(k * kw, kw), kw)]
     words = words.reshape(tm, kw)
+    cdt = w_refs[0].dtype if quant is None else quant.cdt
+    s_kws = [None] * num_w
+    if quant is not None and quant.mode == "block":
+        s_kws = [_block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
+    part_rows = xbuf.shape[-1]  # D / pack: part p holds rows [p * D/pack, (p+1) * D/pack)
     dots = [0.0] * num_w  # gate, up; or the joint [gate | up]
     for part in range(pack):
-        x = _unpack_words(words, pack, part).astype(w_refs[0].dtype)
+        x = _unpack_words(words, pack, part).astype(cdt)
         for j, w_ref in enumerate(w_refs):
-            dots[j] += jnp.dot(x, w_ref[part], preferred_element_type=jnp.float32)
+            dots[j] += _qdot(x, w_ref[part], quant, part * part_rows + k * kw, s_kws[j])
+    channel = scale_refs if quant is not None and quant.mode == "channel" else ()
     _accumulate_and_store(k, tiles_k, dots, acc_refs, h_ref,
-                          _epilogue(act, bias_refs, tile_group_ref, i, split))
+                          _epilogue(act, bias_refs, tile_group_ref, i, split, channel))
 
 
 def gate_up_gather(
@@ -315,6 +430,8 @@ def gate_up_gather(
     tn: int | None = None,
     b_gate_up=None,
     act=SILU,
+    s_gate_up=None,
+    scheme=None,
     routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
@@ -326,6 +443,8 @@ def gate_up_gather(
     L*E): each grid step reads the block of the tile's layer, all E experts (a few
     hundred KB), and picks the tile's expert in the epilogue (float32).
     Rows of unused tiles and pad rows are left unwritten / garbage.
+    s_gate_up, scheme: None, or the weights' scales [G, k, n] and their
+    `quant.QuantScheme` (int8 / fp8 weights, dequantised per tile on chip, W8A16).
 
     routing: the (tokens, top_k, experts) behind the layout, for the cost estimate
     (`cost.moe_matmul`: uniform routing); None: P rows routed over the G groups.
@@ -341,6 +460,9 @@ def gate_up_gather(
         raise ValueError(f"tiles must divide: D={D} tk={tk} F={F} tn={tn} P={P} tm={tm}")
     tiles_k, tiles_n = D // tk, F // tn
     width, offsets, split = _gate_up_blocks(F, tn, tiles_n)
+    quant = _quant_of(scheme, s_gate_up, x_TD.dtype)
+    _check_block_chunks(quant, D // pack if pack > 1 else 0, tiles_k, tk // pack,
+                        "gate_up_gather")
 
     def w_map(up_offset):
         def index_map(i, n, k, tile_group_ref, tile_rows_ref):
@@ -366,10 +488,15 @@ def gate_up_gather(
     if tiles_k > 1:
         scratch += [pltpu.VMEM((tm, width), jnp.float32)] * len(offsets)
     bias_specs, bias_args = _bias_operands(b_gate_up, width, offsets)
+    scale_specs, scale_args = _scale_operands(s_gate_up, quant, width, offsets)
     vmem_bytes += _bias_vmem_bytes(bias_args, width)
+    vmem_bytes += _scale_vmem_bytes(scale_args, quant, width, len(offsets))
+    if quant is not None:  # the weight blocks converted to the activation dtype
+        vmem_bytes += len(offsets) * tk * width * itemsize
     kernel = functools.partial(_gate_up_gather_kernel, tm=tm, tk=tk, tiles_k=tiles_k,
                                pack=pack, act=act, num_w=len(offsets),
-                               num_bias=len(bias_args), split=split)
+                               num_bias=len(bias_args), split=split, quant=quant,
+                               num_scale=len(scale_args), width=width, offsets=offsets)
     w_spec = functools.partial(pl.BlockSpec, (None, pack, tk // pack, width))
     w_GPKF2 = w_gate_up_GDF2.reshape(G, pack, D // pack, F2)  # a bitcast
     return pl.pallas_call(
@@ -383,6 +510,7 @@ def gate_up_gather(
                 pl.BlockSpec(memory_space=pl.ANY),
                 *(w_spec(w_map(o)) for o in offsets),
                 *bias_specs,
+                *scale_specs,
             ],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, *_: (i, n)),
             scratch_shapes=scratch,
@@ -391,11 +519,12 @@ def gate_up_gather(
         compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
         cost_estimate=_moe_cost(routing, P, G, k=D, n=F, glu=True, lhs_dtype=x_TD.dtype,
                                 w_dtype=w_gate_up_GDF2.dtype, out_dtype=x_TD.dtype,
-                                bias=b_gate_up, tm=tm, blocks=tiles_n * tiles_k),
+                                bias=b_gate_up, tm=tm, blocks=tiles_n * tiles_k,
+                                scale=s_gate_up),
         interpret=_interpret_arg(interpret),
         name=cost.TPU_MOE_GATE_UP_GATHER,
     )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None],
-      *([w_GPKF2] * len(offsets)), *bias_args)
+      *([w_GPKF2] * len(offsets)), *bias_args, *scale_args)
 
 
 def _bias_operands(bias, tn: int, offsets):
@@ -419,27 +548,37 @@ def _bias_vmem_bytes(bias_args, width: int) -> int:
 
 
 def _moe_cost(routing, P: int, G: int, *, k: int, n: int, glu: bool, lhs_dtype, w_dtype,
-              out_dtype, bias, tm: int, blocks: int):
+              out_dtype, bias, tm: int, blocks: int, scale=None):
     """`cost.moe_matmul` of a kernel call as a pl.CostEstimate. A grid of more than one
-    weight block per tile (blocks > 1) walks them again for every tile."""
+    weight block per tile (blocks > 1) walks them again for every tile. Quantized
+    weights count their stored bytes: 1 per weight plus one expert's scales [k, n]."""
     routing = routing or cost.Routing(tokens=P, top_k=1, experts=G)
+    scale_bytes = 0 if scale is None else math.prod(scale.shape[-2:]) * scale.dtype.itemsize
     return cost.moe_matmul(
         **routing._asdict(), k=k, n=n, glu=glu, lhs_itemsize=jnp.dtype(lhs_dtype).itemsize,
         w_itemsize=jnp.dtype(w_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
         bias_itemsize=0 if bias is None else bias.dtype.itemsize, tm=tm,
-        refetch_per_tile=blocks > 1).pallas()
+        refetch_per_tile=blocks > 1, scale_bytes=scale_bytes).pallas()
 
 
 # ------------------------------------------------------------- grouped matmul by tiles
 def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, act, n_rhs: int,
-                     num_bias: int, split):
-    k = pl.program_id(2)
+                     num_bias: int, split, quant: _Quant | None = None, num_scale: int = 0,
+                     width: int = 0, offsets=(0,)):
+    n, k = pl.program_id(1), pl.program_id(2)
     rhs_refs, bias_refs = refs[:n_rhs], refs[n_rhs:n_rhs + num_bias]
-    out_ref, *acc_refs = refs[n_rhs + num_bias:]
+    scale_refs = refs[n_rhs + num_bias:n_rhs + num_bias + num_scale]
+    out_ref, *acc_refs = refs[n_rhs + num_bias + num_scale:]
     lhs = lhs_ref[...]
-    dots = [jnp.dot(lhs, r[...], preferred_element_type=jnp.float32) for r in rhs_refs]
+    s_kws = [None] * n_rhs
+    if quant is not None and quant.mode == "block":
+        s_kws = [_block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
+    tk = lhs.shape[1]
+    dots = [_qdot(lhs, r[...], quant, k * tk, s) for r, s in zip(rhs_refs, s_kws, strict=True)]
+    channel = scale_refs if quant is not None and quant.mode == "channel" else ()
     _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref,
-                          _epilogue(act, bias_refs, tile_group_ref, pl.program_id(0), split))
+                          _epilogue(act, bias_refs, tile_group_ref, pl.program_id(0), split,
+                                    channel))
 
 
 def tile_gmm(
@@ -455,6 +594,8 @@ def tile_gmm(
     out_dtype=None,
     bias=None,
     act=SILU,
+    scale=None,
+    scheme=None,
     routing: cost.Routing | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
@@ -465,7 +606,8 @@ def tile_gmm(
     f(z) = act(z[:, :F], z[:, F:]) (a `ref.MoEActivation`: SiLU(gate) * up unless given), out is
     [P, F]. bias: None, or [E, N or 2F] / stacked [L, E, ...] like rhs (G = L*E), added
     in float32 (see `gate_up_gather`). Rows of unused tiles are left unwritten.
-    routing: for the cost estimate, as in `gate_up_gather`.
+    scale, scheme: quantized rhs (int8 / fp8) and its scales [G, k, n], as in
+    `gate_up_gather`. routing: for the cost estimate, as in `gate_up_gather`.
     """
     P, K = lhs_PK.shape
     G, K2, N2 = rhs_GKN2.shape
@@ -476,28 +618,34 @@ def tile_gmm(
                          f"tn={tn}")
     tiles_k, tiles_n = K // tk, N // tn
     width, offsets, split = _gate_up_blocks(N, tn, tiles_n) if swiglu else (tn, (0,), None)
+    quant = _quant_of(scheme, scale, lhs_PK.dtype)
+    _check_block_chunks(quant, 0, tiles_k, tk, "tile_gmm")
 
     def rhs_spec(offset):
         return pl.BlockSpec((None, tk, width), lambda i, n, k, g: (g[i], k, n + offset))
 
     rhs_specs = [rhs_spec(o) for o in offsets]
     bias_specs, bias_args = _bias_operands(bias, width, offsets)
+    scale_specs, scale_args = _scale_operands(scale, quant, width, offsets)
     n_rhs = len(rhs_specs)
     in_item, out_item = jnp.dtype(lhs_PK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
     vmem_bytes = (2 * tm * tk * in_item + 2 * n_rhs * tk * width * w_item
                   + 2 * tm * tn * out_item + (n_rhs + 1) * tm * width * 4
-                  + _bias_vmem_bytes(bias_args, width))
+                  + _bias_vmem_bytes(bias_args, width)
+                  + _scale_vmem_bytes(scale_args, quant, width, n_rhs)
+                  + (0 if quant is None else n_rhs * tk * width * in_item))
     scratch = [pltpu.VMEM((tm, width), jnp.float32)] * n_rhs if tiles_k > 1 else []
     return pl.pallas_call(
         functools.partial(_tile_gmm_kernel, tiles_k=tiles_k, act=act if swiglu else None,
-                          n_rhs=n_rhs, num_bias=len(bias_args), split=split),
+                          n_rhs=n_rhs, num_bias=len(bias_args), split=split, quant=quant,
+                          num_scale=len(scale_args), width=width, offsets=offsets),
         out_shape=jax.ShapeDtypeStruct((P, N), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(num_tiles, tiles_n, tiles_k),
             in_specs=[pl.BlockSpec((tm, tk), lambda i, n, k, g: (i, k)), *rhs_specs,
-                      *bias_specs],
+                      *bias_specs, *scale_specs],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, g: (i, n)),
             scratch_shapes=scratch,
         ),
@@ -506,10 +654,10 @@ def tile_gmm(
         compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
         cost_estimate=_moe_cost(routing, P, G, k=K, n=N, glu=swiglu, lhs_dtype=lhs_PK.dtype,
                                 w_dtype=rhs_GKN2.dtype, out_dtype=out_dtype, bias=bias, tm=tm,
-                                blocks=tiles_n * tiles_k),
+                                blocks=tiles_n * tiles_k, scale=scale),
         interpret=_interpret_arg(interpret),
         name=cost.TPU_MOE_GATE_UP if swiglu else cost.TPU_MOE_DOWN,
-    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs), *bias_args)
+    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs), *bias_args, *scale_args)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -525,6 +673,8 @@ def moe_ffn_tpu(
     token_mask_T: jax.Array | None = None,
     biases=None,
     activation: MoEActivation = SILU,
+    scales=None,
+    scheme=None,
     tiling: TpuTiling = TpuTiling(),
     fused_gather: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
@@ -536,11 +686,17 @@ def moe_ffn_tpu(
     routed row in the down epilogue (before the weighted combine), both in float32; the
     stacked [L, E, ...] biases are passed whole, like the weights. fused_gather needs
     bfloat16 or float32 x; other dtypes take the fallback.
+    `scales` (s_gate_up, s_down) and `scheme`: int8 / fp8 weights (quant.py), stacked
+    like the weights and passed whole; W8A16, h stored in the activation dtype.
     """
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
     b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
+    s_gate_up, s_down = check_scales(scales, scheme, w_gate_up_LEDF2, w_down_LEFD)
+    if s_gate_up is not None:  # [L*E, k, n] like the weights: free reshapes
+        s_gate_up = s_gate_up.reshape(-1, *s_gate_up.shape[-2:])
+        s_down = s_down.reshape(-1, *s_down.shape[-2:])
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
@@ -556,20 +712,22 @@ def moe_ffn_tpu(
             x_TD, w_gate_up_GDF2, layout.token_ids_P, tile_group_M,
             layout.tile_rows_M, layout.num_tiles,
             tm=tm, tk=tiling.tk, tn=tiling.tn, b_gate_up=b_gate_up, act=activation,
-            routing=routing, interpret=interpret,
+            s_gate_up=s_gate_up, scheme=scheme, routing=routing, interpret=interpret,
         )
     else:
         h_PF = tile_gmm(
             x_TD[layout.token_ids_P], w_gate_up_GDF2, tile_group_M, layout.num_tiles,
             swiglu=True, tm=tm, tk=tiling.tk or D, tn=tiling.tn or _pick_block(F, 1024),
-            bias=b_gate_up, act=activation, routing=routing, interpret=interpret,
+            bias=b_gate_up, act=activation, scale=s_gate_up, scheme=scheme,
+            routing=routing, interpret=interpret,
         )
+    h_dtype = w_down_GFD.dtype if s_down is None else x_TD.dtype
     y_PD = tile_gmm(
-        h_PF.astype(w_down_GFD.dtype), w_down_GFD, tile_group_M, layout.num_tiles,
+        h_PF.astype(h_dtype), w_down_GFD, tile_group_M, layout.num_tiles,
         swiglu=False, tm=tm, tk=tiling.down_tk or _pick_block(F, 2048),
         tn=tiling.down_tn or _pick_block(D, 2048), out_dtype=x_TD.dtype, bias=b_down,
-        routing=routing, interpret=interpret,
+        scale=s_down, scheme=scheme, routing=routing, interpret=interpret,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
     return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
-                           b_gate_up, b_down)
+                           b_gate_up, b_down, scales=scales or ())
