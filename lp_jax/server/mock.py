@@ -106,6 +106,8 @@ class MockEngine:
                for t in prompt):
             raise ValueError("token id out of range")
         params = sampling_params or SamplingParams()
+        if params.structured_outputs is not None:  # its tokens follow no grammar
+            raise ValueError("structured_outputs is not supported by the mock engine")
         seq = _Seq(self._next_id, prompt, params, priority,
                    time.perf_counter() if arrival_time is None else arrival_time, slo=slo)
         self._next_id += 1

@@ -4,8 +4,13 @@ Every field is checked here with its type and range, so a bad request becomes a 
 OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
 well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
 servers do; fields the engine cannot honour (best_of, suffix, tools, a tool_choice that
-needs tools, non-text response formats) are rejected with a message that says so, as is a
-completions batch that mixes text and token ids.
+needs tools) are rejected with a message that says so, as is a completions batch that
+mixes text and token ids.
+
+Structured outputs (`parse_structured`) come as OpenAI's `response_format` (json_object,
+json_schema), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object), or
+the `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields vLLM 0.12
+removed, read as aliases; its other guided_* fields are refused. One source per request.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from lp_jax.core.sampling_params import (
     SamplingParams,
 )
 from lp_jax.core.slo import SLO
+from lp_jax.structured.params import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 512
@@ -186,6 +192,8 @@ class GenerationRequest:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt starts each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's log-probabilities
+    structured: StructuredOutputsParams | None = None  # the output's format, if constrained
+    structured_param: str | None = None  # the field it came from (a 400 names it)
 
     def scored_prompt(self) -> int | None:
         """The engine's prompt_logprobs: as asked, or the completion's `logprobs` when it
@@ -215,10 +223,14 @@ class GenerationRequest:
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or (),
                 n=self.n, prompt_logprobs=self.scored_prompt(),
+                structured_outputs=self.structured,
             )
         except ValueError as exc:  # its message starts with the field's name
             name = str(exc).split(" ")[0]
-            raise bad(str(exc), name if name in SamplingParams.__slots__ else None) from None
+            if name == "min_tokens" and self.structured is not None:
+                name = self.structured_param
+            raise bad(str(exc), name if name in (*SamplingParams.__slots__,
+                                                 self.structured_param) else None) from None
 
 
 def prompt_logprob_entries(req: GenerationRequest, prompt_lens: list[int]) -> int:
@@ -302,9 +314,64 @@ def _common(body: dict, req: GenerationRequest) -> None:
     req.model = model or ""
     if "user" in body and body["user"] is not None and not isinstance(body["user"], str):
         raise bad("'user' must be a string", "user")
+    req.structured, req.structured_param = parse_structured(body)
+
+
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def parse_structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output format and the field that gave it; (None, None) if free."""
+    found = []
     rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise unsupported("response_format", "only {'type': 'text'}")
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            found.append(("response_format", spec))
+    so = body.get("structured_outputs")
+    if so is not None:
+        try:
+            found.append(("structured_outputs", StructuredOutputsParams.from_dict(so)))
+        except (TypeError, ValueError) as exc:
+            raise bad(str(exc), "structured_outputs") from None
+    for name in sorted(k for k in body if k.startswith("guided_") and body[k] is not None):
+        if name not in GUIDED_ALIASES:
+            raise unsupported(name, "vLLM 0.12 removed the guided_* fields; this server "
+                              f"reads {', '.join(GUIDED_ALIASES)} as aliases of "
+                              "'structured_outputs' and has no other")
+        try:
+            spec = StructuredOutputsParams(**{GUIDED_ALIASES[name]: body[name]})
+        except (TypeError, ValueError) as exc:
+            raise bad(str(exc).replace(f"structured_outputs.{GUIDED_ALIASES[name]}", name),
+                      name) from None
+        found.append((name, spec))
+    if len(found) > 1:
+        names = [n for n, _ in found]
+        raise bad(f"give one output format, not {len(names)}: {', '.join(names)}", names[1])
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+def _response_format(rf) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise bad("'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+                  "{'type': 'json_schema', 'json_schema': {...}}, got "
+                  f"{json.dumps(rf)[:80]}", "response_format")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or js.get("schema") is None:
+        raise bad("'response_format' of type json_schema needs 'json_schema': {'name': ..., "
+                  "'schema': {...}}", "response_format")
+    try:
+        return StructuredOutputsParams(json=js["schema"])
+    except ValueError as exc:
+        raise bad(str(exc).replace("structured_outputs.json", "response_format.json_schema"
+                                   ".schema"), "response_format") from None
 
 
 def parse_logit_bias(body: dict) -> dict[int, float] | None:

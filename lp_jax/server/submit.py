@@ -134,9 +134,11 @@ async def submit(server, req) -> list[Choice]:
     except APIError:
         server.metrics.rejected.inc(reason="invalid")
         raise
-    except ValueError as exc:  # the engine's own validation
-        server.metrics.rejected.inc(reason="invalid")
-        raise protocol.bad(str(exc)) from None
+    except ValueError as exc:  # the engine's own validation (a grammar that does not
+        server.metrics.rejected.inc(reason="invalid")  # compile names its field)
+        msg = str(exc)
+        param = req.structured_param if msg.startswith("structured_outputs") else None
+        raise protocol.bad(msg, param) from None
     except OverloadedError as exc:
         server.metrics.rejected.inc(reason="overloaded")
         raise APIError(503, f"server overloaded: {exc}; retry later",

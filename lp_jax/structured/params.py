@@ -75,14 +75,15 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> StructuredOutputsParams:
-        """From a request's `structured_outputs` object (unknown keys refused by name)."""
+        """From a request's `structured_outputs` object. vLLM's other options (and any
+        unknown key) are refused by name when set, and pass when null or false."""
         if not isinstance(d, dict):
             raise ValueError(f"structured_outputs must be an object, got {_short(d)}")
-        unknown = sorted(set(d) - set(KINDS))
+        unknown = sorted(k for k, v in d.items() if k not in KINDS and v not in (None, False))
         if unknown:
-            raise ValueError(f"structured_outputs has unknown fields {unknown}; it takes "
-                             f"{', '.join(KINDS)}")
-        return cls(**{k: v for k, v in d.items() if v is not None})
+            raise ValueError(f"structured_outputs fields {unknown} are not supported; it "
+                             f"takes {', '.join(KINDS)}")
+        return cls(**{k: v for k, v in d.items() if k in KINDS and v is not None})
 
 
 def _canonical_schema(schema) -> str:

@@ -1,0 +1,287 @@
+"""Structured outputs (issue #32): with random weights every constrained output is valid.
+
+The tiny model's weights are random, so only the grammar's bitmask keeps its samples in
+the language: many samples at temperature 1, each ending with `stop` (eos after the
+grammar completes) and parsing, is a test that fails the moment the mask is wrong, late
+by a token, or applied to the wrong row. Schemas are bounded (string lengths, number
+ranges, no free whitespace) and max_tokens is above the longest valid output. The engine
+is the run's shared chunked one (conftest.py), so this file compiles no program of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from lp_jax import SamplingParams
+from lp_jax.executor import compile_guard
+from lp_jax.executor.plan_channel import StepCodec
+from lp_jax.executor.sampler import apply_bitmask
+from lp_jax.executor.step import StepSpec, empty_inputs
+from lp_jax.structured.params import StructuredOutputsParams as SO
+from lp_jax.structured.params import mask_words
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+REGEX = r"[a-c]{2,5}-[0-9]{1,3}"
+CHOICES = ["red", "green", "blue"]
+LARK = 'start: "(" num ("," num){0,3} ")"\nnum: /[0-9]{1,2}/'
+PROMPT = [1, 2, 3, 4, 5, 6]
+
+
+def valid_person(obj) -> bool:
+    """SCHEMA, checked by hand (no jsonschema dependency)."""
+    return (isinstance(obj, dict) and list(obj) == ["name", "age", "ok"]
+            and isinstance(obj["name"], str) and 1 <= len(obj["name"]) <= 6
+            and type(obj["age"]) is int and 0 <= obj["age"] <= 99
+            and isinstance(obj["ok"], bool))
+
+
+@pytest.fixture(scope="module")
+def llm(engines):
+    llm = engines("chunked")
+    assert llm.engine.structured is not None
+    yield llm
+    assert not llm.engine.has_unfinished()
+
+
+def samples(llm, spec, n=24, max_tokens=120, **kw):
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=max_tokens,
+                             structured_outputs=spec, **kw) for i in range(n)]
+    return [o.outputs[0] for o in llm.generate(prompt_token_ids=[PROMPT] * n,
+                                               sampling_params=params)]
+
+
+def assert_clean(llm):
+    stats = llm.engine.stats()
+    assert not llm.engine.has_unfinished()
+    assert stats["free_pages"] == stats["total_pages"]
+    assert stats["structured_outputs"]["live"] == 0  # every matcher released
+
+
+# ------------------------------------------------------------------ host side only
+def test_params_validation():
+    assert SO(json=SCHEMA).json == json.dumps(SCHEMA, separators=(",", ":"))  # key order kept
+    assert SO(json=json.dumps(SCHEMA)) == SO(json=SCHEMA)
+    assert SO(choice=["a", "b"]).choice == ("a", "b")
+    hash(SamplingParams(structured_outputs={"regex": "a+"}))  # stays a hashable value
+    for bad, match in [({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+                       ({"json": "{not json"}, "not valid JSON"), ({"json": [1]}, "schema"),
+                       ({"choice": []}, "choice"), ({"choice": "ab"}, "list of strings"),
+                       ({"regex": ""}, "regex"), ({"whitespace_pattern": " "}, "not supported")]:
+        with pytest.raises(ValueError, match=match):
+            SO.from_dict(bad)
+    SO.from_dict({"regex": "a", "grammar": None, "disable_fallback": False})  # vLLM's defaults
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=SO(regex="a+"))
+    with pytest.raises(ValueError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs="json")
+
+
+def test_compiler_caches_and_names_the_problem(tiny_dir):
+    from lp_jax.structured.compiler import GrammarCompiler
+
+    c = GrammarCompiler(tiny_dir / "tokenizer.json", 512, [511, 509])
+    first = c.compile(SO(json=SCHEMA))
+    assert c.compile(SO(json=json.dumps(SCHEMA))) is first  # compiled once per schema
+    assert c.stats == {"compiled": 1, "cache_hits": 1}
+    for spec, match in [(SO(json={"type": "objekt"}), "(?s)json does not compile: .*objekt"),
+                        (SO(regex="a(b"), "(?s)regex does not compile: .*unclosed group"),
+                        (SO(grammar="start: foo\nfoo: bar"), "unknown name"),
+                        (SO(json={"type": "string", "pattern": "(("}), "json")]:
+        with pytest.raises(ValueError, match=match):
+            c.compile(spec)
+    assert c.stats["compiled"] == 1  # failures are not cached
+
+
+def test_apply_bitmask_matches_the_bit_layout():
+    """Bit v % 32 of word v // 32 (llguidance's layout); all-ones rows pass through, and
+    logit columns past the mask's words are never allowed."""
+    rng = np.random.default_rng(0)
+    S, V = 3, 70
+    logits = rng.normal(size=(S, V + 5)).astype(np.float32)
+    mask = rng.integers(-2**31, 2**31, size=(S, mask_words(V)), dtype=np.int64).astype(np.int32)
+    mask[1] = -1
+    out = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(mask)))
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")
+    for s in range(S):
+        for v in range(V + 5):
+            allowed = v < 32 * mask.shape[1] and bits[s, v]
+            assert out[s, v] == (logits[s, v] if allowed else -np.inf), (s, v)
+
+
+def test_plan_channel_sends_constrained_rows_only():
+    spec = StepSpec(num_layers=2, hidden_size=8, page_size=4, pages_per_seq=4, max_num_seqs=4,
+                    hidden_rows=8, buckets=(4, 16), vocab_size=100)
+    codec = StepCodec(spec)
+    free, masked = empty_inputs(spec, 16), empty_inputs(spec, 16)
+    free["sampling"]["bitmask_SW"] = None
+    mask = np.full((4, 4), -1, np.int32)
+    mask[2] = [5, 0, 7, 1]
+    masked["sampling"]["bitmask_SW"] = mask
+    a = codec.encode(1, 0, [(16, free)])
+    b = codec.encode(2, 1, [(16, masked)])
+    assert len(b) - len(a) == 4 + 4 * 4  # one row index and its four words
+    assert codec.decode(a)[2][0][1]["sampling"]["bitmask_SW"] is None
+    np.testing.assert_array_equal(codec.decode(b)[2][0][1]["sampling"]["bitmask_SW"], mask)
+    assert len(b) <= codec.max_message_bytes()
+
+
+def test_the_scheduler_holds_a_constrained_decode_while_its_token_is_on_device():
+    """The plan made ahead (overlapped scheduling) skips the constrained sequence, whose
+    next mask needs the pending token, and keeps the free one."""
+    from lp_jax.core.plan import StepResult
+    from lp_jax.core.scheduler import Scheduler
+    from lp_jax.core.sequence import Sequence
+    from tests.conftest import make_sched_cfg
+
+    sched = Scheduler(make_sched_cfg("orca"))
+    free = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8))
+    bound = Sequence(1, [1, 2, 3], SamplingParams(max_tokens=8,
+                                                   structured_outputs=SO(regex="a+")))
+    sched.add(free)
+    sched.add(bound)
+    p0 = sched.schedule(0.0)
+    assert {c.seq.seq_id for c in p0.prefill} == {0, 1}
+    p1 = sched.schedule(0.0)  # planned while p0 runs
+    assert [s.seq_id for s in p1.decode] == [0]
+    sched.commit(p0, StepResult(tokens={0: 7, 1: 8}), 0.0)
+    sched.commit(p1, StepResult(tokens={0: 9}), 0.0)
+    p2 = sched.schedule(0.0)  # its token committed: it decodes again
+    assert sorted(s.seq_id for s in p2.decode) == [0, 1]
+
+
+# ------------------------------------------------------------------- the engine
+def test_json_schema_samples_are_valid(llm):
+    compiles = compile_guard.compilations()
+    programs = set(llm.engine.runner.programs)
+    outs = samples(llm, SO(json=SCHEMA))
+    texts = [o.text for o in outs]
+    assert all(o.finish_reason == "stop" for o in outs), texts
+    assert all(valid_person(json.loads(t)) for t in texts), texts
+    assert len(set(texts)) > len(texts) // 2  # temperature 1: the samples differ
+    assert compile_guard.compilations() == compiles  # nothing compiled while serving
+    assert set(llm.engine.runner.programs) == programs == set(llm.engine.runner.spec.buckets)
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("spec, check", [
+    (SO(regex=REGEX), lambda t: re.fullmatch(REGEX, t)),
+    (SO(choice=CHOICES), lambda t: t in CHOICES),
+    (SO(grammar=LARK), lambda t: re.fullmatch(r"\(\d{1,2}(,\d{1,2}){0,3}\)", t)),
+], ids=["regex", "choice", "lark"])
+def test_regex_choice_and_grammar_samples_are_valid(llm, spec, check):
+    outs = samples(llm, spec, n=16, max_tokens=40)
+    assert all(o.finish_reason == "stop" and check(o.text) for o in outs), \
+        [(o.finish_reason, o.text) for o in outs]
+    assert_clean(llm)
+
+
+def test_free_rows_beside_constrained_ones_are_unchanged(llm):
+    """A free request's seeded tokens are the same alone and beside constrained ones (the
+    mask touches only its own rows; the free row keeps decoding every step)."""
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[[9, 8, 7]], sampling_params=free)[0]
+    bound = SamplingParams(temperature=1.0, seed=1, max_tokens=120,
+                           structured_outputs=SO(json=SCHEMA))
+    mixed = llm.generate(prompt_token_ids=[[9, 8, 7], PROMPT, PROMPT],
+                         sampling_params=[free, bound, bound])
+    assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert all(valid_person(json.loads(o.outputs[0].text)) for o in mixed[1:])
+    assert_clean(llm)
+
+
+def test_bad_schema_is_refused_and_the_engine_keeps_serving(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="structured_outputs.json does not compile"):
+        engine.add_request(PROMPT, SamplingParams(structured_outputs=SO(json={"type": 5})))
+    assert_clean(llm)
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=50,
+                                                    structured_outputs=SO(json=SCHEMA)))
+    engine.step()
+    engine.step()
+    assert engine.abort(rid)  # aborted mid-way: matcher and pages released
+    while engine.has_unfinished():
+        engine.step()
+    assert_clean(llm)
+    out = samples(llm, SO(choice=CHOICES), n=2, max_tokens=10)
+    assert all(o.text in CHOICES for o in out)
+
+
+# ------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def client(llm):
+    from lp_jax.server import OpenAIServer, ServerThread
+
+    assert llm.engine.reset_prefix_cache()
+    st = ServerThread(OpenAIServer(llm.engine, served_model_names=["tiny"])).start()
+    yield openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    st.stop()
+
+
+class Person(BaseModel):
+    name: str = Field(min_length=1, max_length=6)
+    age: int = Field(ge=0, le=99)
+    ok: bool
+
+
+MSGS = [{"role": "user", "content": "Who?"}]
+
+
+def test_server_chat_parse_and_json_schema_streamed_and_not(client):
+    for seed in range(4):
+        done = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=Person,
+                                             max_tokens=120, temperature=1.0, seed=seed)
+        assert done.choices[0].finish_reason == "stop"
+        assert isinstance(done.choices[0].message.parsed, Person)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    kw = dict(model="tiny", messages=MSGS, response_format=rf, max_tokens=120,
+              temperature=1.0, seed=11)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full and valid_person(json.loads(full))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_server_completions_regex_choice_and_aliases(client):
+    is_regex, is_choice = (lambda t: re.fullmatch(REGEX, t)), (lambda t: t in CHOICES)
+    for extra, check in [({"structured_outputs": {"regex": REGEX}}, is_regex),
+                         ({"structured_outputs": {"choice": CHOICES}}, is_choice),
+                         ({"guided_choice": CHOICES}, is_choice),
+                         ({"guided_regex": REGEX}, is_regex)]:
+        resp = client.completions.create(model="tiny", prompt="x", max_tokens=40, n=3,
+                                         temperature=1.0, seed=5, extra_body=extra)
+        assert all(c.finish_reason == "stop" and check(c.text) for c in resp.choices), extra
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    resp = client.completions.create(model="tiny", prompt="x", max_tokens=120, temperature=1.0,
+                                     seed=2, extra_body={"response_format": rf})
+    assert valid_person(json.loads(resp.choices[0].text))
+
+
+@pytest.mark.parametrize("extra, param, match", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                                                                 "schema": {"type": 7}}}},
+     "response_format", "does not compile"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "removed"),
+    ({"guided_json": "{oops"}, "guided_json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice", "one"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format", "schema"),
+], ids=["bad-schema", "bad-regex", "two-kinds", "backend", "guided-bad-json", "two-sources",
+        "no-schema"])
+def test_server_bad_formats_are_400_naming_the_field(client, extra, param, match):
+    with pytest.raises(openai.BadRequestError, match=match) as e:
+        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8,
+                                       extra_body=extra)
+    assert e.value.param == param
