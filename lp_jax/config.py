@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
+
+from lp_jax.quant.config import QuantConfig
+from lp_jax.quant.config import from_hf as quant_from_hf
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -84,6 +88,9 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v/o projections
     swiglu_limit: float | None = None  # None: SiLU(gate) * up; else the clamped SwiGLU
     swiglu_alpha: float = 1.702
+    # Weight format (lp_jax/quant): from config.json's quantization_config, or set by the
+    # loader for quantization="int8" | "fp8"; None: the checkpoint's 16/32-bit weights.
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -124,6 +131,9 @@ class ModelConfig:
                 raise ValueError(f"unknown layer_types {unknown}; expected {LAYER_TYPES}")
             if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
                 raise ValueError("sliding_attention layers need sliding_window > 0")
+        if self.quantization is not None and self.model_type == "gpt_oss":
+            raise ValueError("quantized serving of gpt_oss is not supported yet (its MXFP4 "
+                             "experts are dequantised at load; issue #31)")
 
     def is_moe_layer(self, layer: int) -> bool:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
@@ -170,12 +180,16 @@ class ModelConfig:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights (gate, up, down, and biases if any) in the model
-        dtype."""
+        """Bytes of one expert's weights (gate, up, down, and biases if any) as stored: in
+        the model dtype, or quantized (1 byte a weight) with their float32 scales."""
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
         D, F = self.hidden_size, self.moe_intermediate_size
         bias = 2 * F + D if self.has_moe_bias else 0
-        return (3 * D * F + bias) * itemsize
+        if self.quantization is None:
+            return (3 * D * F + bias) * itemsize
+        scheme = self.quantization.scheme
+        scales = (math.prod(scheme.scale_shape(D, 2 * F)) + math.prod(scheme.scale_shape(F, D)))
+        return 3 * D * F + 4 * scales + bias * itemsize
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
@@ -202,6 +216,7 @@ class ModelConfig:
         if isinstance(eos, list):
             eos, extra_eos = (eos[0], tuple(eos[1:])) if eos else (None, ())
         max_pos = hf.get("max_position_embeddings", 131072 if gpt_oss else 40960)
+        quantization = quant_from_hf(hf.get("quantization_config"), source=source)
         try:
             moe = dict(
                 moe_intermediate_size=hf.get("moe_intermediate_size", 0),
@@ -244,6 +259,7 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=eos,
                 extra_eos_token_ids=extra_eos,
+                quantization=quantization,
                 **moe,
                 **extra,
             )

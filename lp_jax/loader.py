@@ -15,6 +15,13 @@ up columns interleaved (bf16, as transformers saves them), or in MXFP4 (`*_block
 uint8 [E, out, G, 16]: two FP4 values a byte, low nibble first; `*_scales` uint8
 [E, out, G]: a power-of-two exponent + 127 per 32 values; `dequantize_mxfp4`). Either
 way one expert is read (and dequantised) at a time, for the shards that hold it.
+
+Quantized serving (lp_jax/quant): a checkpoint's `quantization_config` (HF
+fine-grained FP8) is read as is, and `quantization="int8" | "fp8"` quantises a 16-bit
+checkpoint, or dummy weights, per output channel while loading; `quant.resolve`
+refuses a request that disagrees with the checkpoint. The tensors behind each
+quantized parameter and its scale are in quant/load.py, checked with the rest
+before anything is read.
 """
 
 from __future__ import annotations
@@ -34,6 +41,14 @@ from jax.sharding import Mesh
 from lp_jax.config import ModelConfig
 from lp_jax.models import StackedCausalLM, model_class
 from lp_jax.models.stacked import embed_width
+from lp_jax.quant import resolve as resolve_quantization
+from lp_jax.quant.load import (
+    check_fp8_checkpoint,
+    dummy_quantized,
+    param_schemes,
+    quantized_sources,
+    scale_path,
+)
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -293,6 +308,14 @@ def param_shardings(abstract_state, mesh: Mesh):
     )
 
 
+def _dummy_std(path, var) -> float:
+    shape = var.shape
+    fan_in = shape[-1] if path[-1] == "embed_tokens" else shape[-2]
+    if path[-1] == "o_proj" and var.get_metadata().get("logical_axes", ())[-1] == "q_heads":
+        fan_in = shape[-1]  # GPT-OSS keeps o_proj [out, in]
+    return 1.0 / math.sqrt(fan_in)
+
+
 def _dummy_param(path, var, sharding, key):
     """Random weights of the model's init scale, made on device in the target sharding.
 
@@ -305,10 +328,7 @@ def _dummy_param(path, var, sharding, key):
         return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
     if path[-1].endswith("_bias") or path[-1] == "sinks":
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-    fan_in = shape[-1] if path[-1] == "embed_tokens" else shape[-2]
-    if path[-1] == "o_proj" and var.get_metadata().get("logical_axes", ())[-1] == "q_heads":
-        fan_in = shape[-1]  # GPT-OSS keeps o_proj [out, in]
-    std = 1.0 / math.sqrt(fan_in)
+    std = _dummy_std(path, var)
 
     def draw(k, shp):
         return (jax.random.normal(k, shp, jnp.float32) * std).astype(dtype)
@@ -337,12 +357,15 @@ def load_model(
     mesh: Mesh | None = None,
     dtype=None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> StackedCausalLM:
     """Builds the model sharded over `mesh` (default: one device).
 
     load_format: "safetensors" (a Hugging Face directory), "dummy" (random weights
     of the real shapes; needs only a config), "orbax" (parameters saved by
     `save_params`), or "auto" (orbax if `model_dir/orbax` exists, else safetensors).
+    quantization: None (the checkpoint's format), "int8" or "fp8" (per channel, at
+    load, for a 16-bit checkpoint); see lp_jax/quant.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -350,6 +373,8 @@ def load_model(
         if model_dir is None:
             raise ValueError("load_model needs a model_dir or a config")
         config = ModelConfig.from_pretrained(model_dir)
+    config = config.replace(quantization=resolve_quantization(config.quantization,
+                                                              quantization))
     mesh = mesh or make_mesh()
     if load_format == "auto":
         has_orbax = model_dir is not None and (Path(model_dir) / "orbax").is_dir()
@@ -360,16 +385,14 @@ def load_model(
     graphdef, abstract = abstract_model(config, dtype)
     shardings = param_shardings(abstract, mesh)
     if load_format == "dummy":
-        flat_shardings = dict(nnx.to_flat_state(shardings))
-        keys = iter(jax.random.split(jax.random.key(seed), len(flat_shardings)))
-        return nnx.merge(graphdef, _with_values(
-            abstract, lambda p, v: _dummy_param(p, v, flat_shardings[p], next(keys))))
+        return nnx.merge(graphdef, _dummy_state(config, abstract, shardings, seed))
 
     ckpt = HFCheckpoint(model_dir)
-    sources = hf_sources(config, mxfp4=ckpt.has_mxfp4_experts())
+    sources = quantized_sources(config, hf_sources(config, mxfp4=ckpt.has_mxfp4_experts()))
     missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
     if missing:  # a model parameter without a checkpoint mapping is a bug here
         raise AssertionError(f"no checkpoint mapping for parameters {sorted(missing)}")
+    check_fp8_checkpoint(ckpt, config, sources)
     ckpt.check(sources)
     flat_shardings = dict(nnx.to_flat_state(shardings))
 
@@ -380,6 +403,29 @@ def load_model(
         )
 
     return nnx.merge(graphdef, _with_values(abstract, make_value))
+
+
+def _dummy_state(config: ModelConfig, abstract, shardings, seed: int):
+    """Random weights for every parameter; a quantized weight and its scale from one
+    draw (quant.load.dummy_quantized)."""
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    keys = iter(jax.random.split(jax.random.key(seed), len(flat_shardings)))
+    schemes = param_schemes(config)
+    scales = {scale_path(p): p for p in schemes}
+    made, abstract_flat = {}, dict(nnx.to_flat_state(abstract))
+
+    def value(path, var):
+        weight = scales.get(path, path)
+        if weight not in schemes:
+            return _dummy_param(path, var, flat_shardings[path], next(keys))
+        if weight not in made:
+            wvar = abstract_flat[weight]
+            made[weight] = dummy_quantized(
+                wvar.shape, schemes[weight], _dummy_std(weight, wvar),
+                (flat_shardings[weight], flat_shardings[scale_path(weight)]), next(keys))
+        return made[weight][1 if path in scales else 0]
+
+    return _with_values(abstract, value)
 
 
 # ------------------------------------------------------------------ orbax

@@ -28,6 +28,13 @@ DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    # Hugging Face fine-grained FP8 checkpoints (quantization_config quant_method "fp8")
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+}
+# Dtypes the format names but lp_jax does not read, each with the reason.
+UNSUPPORTED_DTYPES = {
+    "F8_E5M2": "e5m2 FP8 weights are not supported (only e4m3, HF fine-grained FP8)",
+    "F8_E8M0": "e8m0 tensors are not supported (MXFP4 scales ship as U8)",
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -64,6 +71,12 @@ class SafetensorsFile:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
+            dtype_name = info.get("dtype") if isinstance(info, dict) else None
+            if isinstance(dtype_name, str) and dtype_name not in DTYPES:
+                why = UNSUPPORTED_DTYPES.get(dtype_name, "not a dtype lp_jax reads; "
+                                             f"supported: {', '.join(DTYPES)}")
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has dtype {dtype_name}: {why}")
             try:
                 dtype = np.dtype(DTYPES[info["dtype"]])
                 shape = tuple(int(s) for s in info["shape"])

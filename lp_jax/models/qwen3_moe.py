@@ -16,9 +16,17 @@ Linear weights are stored [in, out] (the transpose of torch's [out, in]). Expert
 weights use the kernel layout: `gate_up_proj` [E, D, 2F] (gate in [..., :F], up
 in [..., F:]) and `down_proj` [E, F, D]. Every parameter declares its logical
 axes (`logical_axes` metadata) for lp_jax.sharding.
+
+Quantized (cfg.quantization, lp_jax/quant): the projections and experts that the
+format converts are int8 / e4m3 with a float32 `<name>_scale` beside them
+(pallas_kernels.quant's layout); the router `gate`, norms, embedding and head stay
+16-bit. `quantized_params` says which, from the HF modules behind each parameter
+and `modules_to_not_convert`; a stack whose layers disagree is refused.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +34,51 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.layers import apply_rope, dot, param, rms_norm, rope_frequencies
+from lp_jax.models.layers import apply_rope, param, rms_norm, rope_frequencies
 from lp_jax.models.sharded_kernels import model_moe_ffn
 from lp_jax.models.stacked import StackedCausalLM
+from lp_jax.quant.linear import linear, scale_of, set_weight
+from pallas_kernels.quant import QuantScheme
+
+# Parameters that a weight format may convert, with the HF modules behind them
+# ({layer}: a decoder layer of the stack; {expert}: each expert).
+QUANTIZABLE = {
+    "self_attn.q_proj": ("self_attn.q_proj",),
+    "self_attn.k_proj": ("self_attn.k_proj",),
+    "self_attn.v_proj": ("self_attn.v_proj",),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.experts_gate_up_proj": ("mlp.experts.{expert}.gate_proj", "mlp.experts.{expert}.up_proj"),
+    "mlp.experts_down_proj": ("mlp.experts.{expert}.down_proj",),
+    "dense_mlp.gate_proj": ("mlp.gate_proj",),
+    "dense_mlp.up_proj": ("mlp.up_proj",),
+    "dense_mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@functools.cache
+def quantized_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
+    """The scheme of every QUANTIZABLE parameter (None: kept 16-bit) under
+    cfg.quantization. Raises ValueError when modules_to_not_convert keeps some layers'
+    (or experts') modules of one stacked parameter and not others."""
+    q = cfg.quantization
+    out = {}
+    for name, modules in QUANTIZABLE.items():
+        if q is None:
+            out[name] = None
+            continue
+        layers = {"self_attn": range(cfg.num_hidden_layers), "mlp": cfg.moe_layers,
+                  "dense_mlp": cfg.dense_layers}[name.split(".")[0]]
+        experts = range(cfg.num_experts) if "{expert}" in modules[0] else [0]
+        names = [f"model.layers.{i}." + m.format(expert=e)
+                 for i in layers for e in experts for m in modules]
+        converted = {n: q.converts(n) for n in names}
+        if len(set(converted.values())) > 1:
+            kept = [n for n, c in converted.items() if not c]
+            raise ValueError(f"quantization_config.modules_to_not_convert keeps {kept[:3]} "
+                             f"in 16 bits but converts other modules of the stacked "
+                             f"parameter {name}; lp_jax needs all of its layers alike")
+        out[name] = q.scheme if names and all(converted.values()) else None
+    return out
 
 
 class Qwen3MoeAttention(nnx.Module):
@@ -36,10 +86,12 @@ class Qwen3MoeAttention(nnx.Module):
         L, D = num_layers, cfg.hidden_size
         NH = cfg.num_attention_heads * cfg.head_dim
         KH = cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = param(rngs, (L, D, NH), ("layers", "embed", "q_heads"), dtype)
-        self.k_proj = param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
-        self.v_proj = param(rngs, (L, D, KH), ("layers", "embed", "kv_heads"), dtype)
-        self.o_proj = param(rngs, (L, NH, D), ("layers", "q_heads", "embed"), dtype)
+        quant = quantized_params(cfg)
+        for name, shape, axes in (("q_proj", (L, D, NH), ("layers", "embed", "q_heads")),
+                                  ("k_proj", (L, D, KH), ("layers", "embed", "kv_heads")),
+                                  ("v_proj", (L, D, KH), ("layers", "embed", "kv_heads")),
+                                  ("o_proj", (L, NH, D), ("layers", "q_heads", "embed"))):
+            set_weight(self, name, rngs, shape, axes, dtype, quant[f"self_attn.{name}"])
         self.q_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype, ones=True)
         self.k_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype, ones=True)
 
@@ -49,13 +101,17 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
         L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        quant = quantized_params(cfg)
         self.gate = param(rngs, (L, D, E), ("layers", "embed", None), dtype)
-        self.experts_gate_up_proj = param(
-            rngs, (L, E, D, 2 * F), ("layers", "experts", "embed", "expert_mlp"), dtype
-        )
-        self.experts_down_proj = param(
-            rngs, (L, E, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype
-        )
+        set_weight(self, "experts_gate_up_proj", rngs, (L, E, D, 2 * F),
+                   ("layers", "experts", "embed", "expert_mlp"), dtype,
+                   quant["mlp.experts_gate_up_proj"])
+        set_weight(self, "experts_down_proj", rngs, (L, E, F, D),
+                   ("layers", "experts", "expert_mlp", "embed"), dtype,
+                   quant["mlp.experts_down_proj"])
+        if quant["mlp.experts_gate_up_proj"] != quant["mlp.experts_down_proj"]:
+            raise ValueError("the experts' gate/up and down projections must share one "
+                             "format (modules_to_not_convert keeps one of them 16-bit)")
 
 
 class Qwen3MLP(nnx.Module):
@@ -63,9 +119,11 @@ class Qwen3MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
         L, D, F = num_layers, cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = param(rngs, (L, D, F), ("layers", "embed", "mlp"), dtype)
-        self.up_proj = param(rngs, (L, D, F), ("layers", "embed", "mlp"), dtype)
-        self.down_proj = param(rngs, (L, F, D), ("layers", "mlp", "embed"), dtype)
+        quant = quantized_params(cfg)
+        for name, shape, axes in (("gate_proj", (L, D, F), ("layers", "embed", "mlp")),
+                                  ("up_proj", (L, D, F), ("layers", "embed", "mlp")),
+                                  ("down_proj", (L, F, D), ("layers", "mlp", "embed"))):
+            set_weight(self, name, rngs, shape, axes, dtype, quant[f"dense_mlp.{name}"])
 
 
 class Qwen3MoeDecoderLayers(nnx.Module):
@@ -90,14 +148,20 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
             moe.index(i) if i in moe else dense.index(i) for i in range(cfg.num_hidden_layers)
         )
 
+    def _proj(self, module, kind: str, name: str, i, x_TK):
+        """x @ module.name[i], quantized (lp_jax.quant.linear) if the format converts it."""
+        scale = scale_of(module, name)
+        return linear(x_TK, getattr(module, name)[i], None if scale is None else scale[i],
+                      quantized_params(self.config)[f"{kind}.{name}"])
+
     def _qkv(self, i, h_TD, positions_T):
         """Projections, per-head q/k RMSNorm, RoPE."""
         cfg, attn = self.config, self.model.layers.self_attn
         T = h_TD.shape[0]
         N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_TNH = dot(h_TD, attn.q_proj[i]).reshape(T, N, H)
-        k_TKH = dot(h_TD, attn.k_proj[i]).reshape(T, K, H)
-        v_TKH = dot(h_TD, attn.v_proj[i]).reshape(T, K, H)
+        q_TNH = self._proj(attn, "self_attn", "q_proj", i, h_TD).reshape(T, N, H)
+        k_TKH = self._proj(attn, "self_attn", "k_proj", i, h_TD).reshape(T, K, H)
+        v_TKH = self._proj(attn, "self_attn", "v_proj", i, h_TD).reshape(T, K, H)
         q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
         k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)
         inv_freq_H2, scale = rope_frequencies(cfg)
@@ -106,7 +170,7 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
         return q_TNH, k_TKH, v_TKH
 
     def _o_proj(self, i, o_TX):
-        return dot(o_TX, self.model.layers.self_attn.o_proj[i])
+        return self._proj(self.model.layers.self_attn, "self_attn", "o_proj", i, o_TX)
 
     def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
         """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
@@ -114,18 +178,22 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
         mesh and dispatch as `sharded_kernels.model_moe_ffn` picks them."""
         cfg, mlp = self.config, self.model.layers.mlp
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
+        quant, scheme = {}, quantized_params(cfg)["mlp.experts_gate_up_proj"]
+        if scheme is not None:
+            quant = dict(scales=(mlp.experts_gate_up_proj_scale[...],
+                                 mlp.experts_down_proj_scale[...]), scheme=scheme)
         y_TD, stats = model_moe_ffn(
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=j, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
             backend=backends.moe, moe_dispatch=backends.moe_dispatch,
-            token_mask_T=token_mask_T)
+            token_mask_T=token_mask_T, **quant)
         return y_TD, stats["experts_activated"]
 
     def _dense_mlp(self, j, h_TD):
         mlp = self.model.layers.dense_mlp
-        g_TF = dot(h_TD, mlp.gate_proj[j])
-        u_TF = dot(h_TD, mlp.up_proj[j])
-        return dot(jax.nn.silu(g_TF) * u_TF, mlp.down_proj[j]), jnp.int32(0)
+        g_TF = self._proj(mlp, "dense_mlp", "gate_proj", j, h_TD)
+        u_TF = self._proj(mlp, "dense_mlp", "up_proj", j, h_TD)
+        return self._proj(mlp, "dense_mlp", "down_proj", j, jax.nn.silu(g_TF) * u_TF), jnp.int32(0)
 
     def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
         """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns

@@ -42,6 +42,7 @@ plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,7 @@ from lp_jax.models.expert_dispatch import (
 from lp_jax.sharding import LOGICAL_RULES
 from pallas_kernels import attention, moe
 from pallas_kernels.moe.ref import SILU, MoEActivation, check_bias, combine, moe_stats, route
+from pallas_kernels.quant import ref_dequantize
 
 PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
@@ -159,12 +161,30 @@ def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_
 # ------------------------------------------------------------------------ MoE
 def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
                   norm_topk_prob, backend, moe_dispatch, token_mask_T, biases=None,
-                  activation: MoEActivation = SILU):
+                  activation: MoEActivation = SILU, scales=None, scheme=None):
     """A model layer's MoE (Qwen3, GPT-OSS): the whole stacked expert weights (and
     GPT-OSS's biases, with its activation: as in moe_ffn) and the layer index go to the
     kernels, which address the layer themselves. On a multi-device mesh, read off the weights, a
     Pallas kernel runs per expert shard, and so does any backend under the all_to_all
-    dispatch; the xla backends under allreduce stay under GSPMD."""
+    dispatch; the xla backends under allreduce stay under GSPMD.
+
+    Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant),
+    see `_dequantized_fallback` while moe_ffn does not take them."""
+    if scales is not None:
+        if not _moe_takes_scales():
+            w_gate_up, w_down, layer = _dequantized_fallback(
+                w_gate_up, w_down, scales, scheme, layer, backend, x_TD.dtype)
+            if biases is not None:
+                biases = tuple(b[layer] for b in biases)
+            scales = None
+        elif kernel_mesh(w_gate_up) is not None:
+            raise NotImplementedError("quantized experts on a multi-device mesh: the scales "
+                                      "do not travel through sharded_moe_ffn yet")
+        else:
+            return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
+                               top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
+                               token_mask_T=token_mask_T, biases=biases,
+                               activation=activation, scales=scales, scheme=scheme)
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
     if dispatch == "allreduce" and not is_pallas_moe(backend):
@@ -173,6 +193,24 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
         norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
         dispatch=dispatch, biases=biases, activation=activation)
+
+
+def _moe_takes_scales() -> bool:
+    return "scales" in inspect.signature(moe.moe_ffn).parameters
+
+
+def _dequantized_fallback(w_gate_up, w_down, scales, scheme, layer, backend, dtype):
+    """REFERENCE FALLBACK, to go when `moe.moe_ffn(..., scales=, scheme=)` lands: layer
+    `layer`'s experts dequantised to `dtype` (a 16-bit copy of one layer's experts, which
+    the kernels must never make), returned as one layer's weights (layer None). Only
+    for the plain-XLA backends; a Pallas backend refuses."""
+    if is_pallas_moe(backend):
+        raise NotImplementedError(
+            f"quantized experts need moe_ffn(scales=, scheme=) for the {backend!r} MoE "
+            "backend, which this checkout's kernels do not take yet; use moe_backend='xla'")
+    w_gate_up_EDF2 = ref_dequantize(w_gate_up[layer], scales[0][layer], scheme, dtype)
+    w_down_EFD = ref_dequantize(w_down[layer], scales[1][layer], scheme, dtype)
+    return w_gate_up_EDF2, w_down_EFD, None
 
 
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,

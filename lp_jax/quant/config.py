@@ -1,0 +1,124 @@
+"""Which weight format a model is served in: `QuantConfig`, read from a checkpoint's
+`quantization_config` or asked for with `quantization=`, validated before anything loads.
+
+Two ways in, one config out:
+
+* A quantized checkpoint says so in config.json. Hugging Face's fine-grained FP8
+  (`quant_method: "fp8"`, `weight_block_size: [128, 128]`, `activation_scheme:
+  "dynamic"`, `modules_to_not_convert`) becomes method "fp8_block", from_checkpoint.
+  GPT-OSS's `quant_method: "mxfp4"` is recognised and, for now, returns None: the
+  loader dequantises those experts to 16 bits (loader.dequantize_mxfp4).
+* `quantization="int8" | "fp8"` on a 16-bit checkpoint (or dummy weights) quantises
+  per output channel at load (pallas_kernels.quant.ref_quantize).
+
+`resolve` joins the two: asking for a format the checkpoint does not have is an
+error, asking for the one it has is a no-op (as vLLM's `--quantization fp8` on an FP8
+checkpoint). Every refusal names the field or value at fault.
+
+`modules_to_not_convert` follows transformers' `should_convert_module`: an entry keeps
+a module in 16 bits when it equals the module's name, is a dotted prefix or suffix of
+it, or matches it whole as a regular expression ("model.layers.*.self_attn").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from pallas_kernels.quant import FP8, FP8_BLOCK, INT8, QuantScheme
+
+AT_LOAD = {"int8": INT8, "fp8": FP8}  # what `quantization=` may ask of a 16-bit checkpoint
+METHODS = {**AT_LOAD, "fp8_block": FP8_BLOCK}
+HF_METHODS = ("fp8", "mxfp4")  # quant_method values a checkpoint may carry
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """method: "int8", "fp8" (per channel, at load) or "fp8_block" (HF fine-grained FP8,
+    from the checkpoint). modules_to_not_convert: HF module names or patterns that stay
+    in 16 bits."""
+
+    method: str
+    from_checkpoint: bool = False
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization {self.method!r}; expected one of "
+                             f"{sorted(AT_LOAD)} (or an FP8 checkpoint)")
+        if self.method == "fp8_block" and not self.from_checkpoint:
+            raise ValueError("fp8_block comes from a checkpoint's quantization_config; "
+                             "ask for quantization='fp8' to quantise per channel at load")
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return METHODS[self.method]
+
+    def converts(self, module: str) -> bool:
+        """Whether HF module `module` (e.g. "model.layers.3.mlp.gate") is quantized."""
+        return not any(_matches(p, module) for p in self.modules_to_not_convert)
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if module == pattern or module.startswith(pattern + ".") or module.endswith("." + pattern):
+        return True
+    try:
+        return re.fullmatch(pattern, module) is not None
+    except re.error:
+        return False
+
+
+def from_hf(qc: dict | None, *, source: str = "config.json") -> QuantConfig | None:
+    """The QuantConfig of a checkpoint's `quantization_config` (None: unquantized, or
+    GPT-OSS MXFP4, which the loader dequantises). Raises ValueError naming the field."""
+    if not qc:
+        return None
+    where = f"{source}: quantization_config"
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where} must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method not in HF_METHODS:
+        raise ValueError(f"{where}.quant_method {method!r} is not supported; lp_jax reads "
+                         f"{HF_METHODS} checkpoints (or quantises a 16-bit one at load: "
+                         f"quantization={sorted(AT_LOAD)})")
+    if method == "mxfp4":
+        return None
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"{where}.activation_scheme {scheme!r} is not supported: lp_jax "
+                         "serves FP8 weights with 16-bit activations (only 'dynamic' "
+                         "checkpoints carry no activation scales it would need)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{where}.fmt {fmt!r} is not supported; only 'e4m3'")
+    block = qc.get("weight_block_size")
+    want = [FP8_BLOCK.block_k, FP8_BLOCK.block_n]
+    if block is None:
+        raise ValueError(f"{where}.weight_block_size is missing: per-tensor FP8 checkpoints "
+                         f"are not supported, only {want} blocks")
+    if list(block) != want:
+        raise ValueError(f"{where}.weight_block_size {list(block)} is not supported; only "
+                         f"{want}")
+    skip = qc.get("modules_to_not_convert") or ()
+    if isinstance(skip, str) or not all(isinstance(m, str) for m in skip):
+        raise ValueError(f"{where}.modules_to_not_convert must be a list of names, got "
+                         f"{skip!r}")
+    return QuantConfig("fp8_block", from_checkpoint=True, modules_to_not_convert=tuple(skip))
+
+
+def resolve(checkpoint: QuantConfig | None, requested: str | None) -> QuantConfig | None:
+    """The format to serve: the checkpoint's, or `requested` applied at load. A request
+    that disagrees with a quantized checkpoint is an error."""
+    if requested is None:
+        return checkpoint
+    if checkpoint is not None:
+        if requested in ("fp8", checkpoint.method):
+            return checkpoint
+        raise ValueError(f"quantization={requested!r} disagrees with the checkpoint, which "
+                         f"is already quantized ({checkpoint.method}); --quantization is "
+                         "for 16-bit checkpoints: drop it, or pass 'fp8'")
+    if requested not in AT_LOAD:
+        raise ValueError(f"unknown quantization {requested!r}; expected one of "
+                         f"{sorted(AT_LOAD)} (a quantized checkpoint is detected from its "
+                         "config.json)")
+    return QuantConfig(requested)

@@ -1,0 +1,148 @@
+"""The loader's side of quantized weights: which checkpoint tensors feed a quantized
+parameter and its scale, the checks made before anything is read, and quantisation
+at load.
+
+HF fine-grained FP8 ("fp8_block"). A converted linear layer is two tensors:
+`<module>.weight` e4m3 [out, in] and `<module>.weight_scale_inv` (float32 or bf16)
+[ceil(out/128), ceil(in/128)], per expert. The parameter's 16-bit source already
+knows how to turn its tensors into the [in, out] layout (transpose; gate and up
+transposed and concatenated along out), and the same build applied to the scales
+gives the [k, n] scale of pallas_kernels.quant's layout: a block's scale moves with
+its block. Fusing gate and up keeps whole blocks only when the expert width is a
+multiple of 128 (Qwen3-30B-A3B: 768), which is checked.
+
+At load ("int8", "fp8" per channel). Each stacked entry (one layer's, or one
+expert's, matrix) is built whole in float32 from the 16-bit checkpoint and quantized
+by pallas_kernels.quant.ref_quantize on the host CPU, then sliced to the device
+shard being assembled: the per-channel amax spans all of K, which a shard split
+along K would not see. The weight and its scale are two parameters, so an entry is
+quantized once for each; dummy weights are drawn and quantized on device, one
+leading slice at a time, weight and scale from the same draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lp_jax.config import ModelConfig
+from lp_jax.models.qwen3_moe import quantized_params
+from lp_jax.safetensors_io import CheckpointError
+from pallas_kernels.quant import FP8_BLOCK, QuantScheme, ref_quantize
+
+FP8_DTYPE = np.dtype(jnp.float8_e4m3fn)
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
+def param_schemes(cfg: ModelConfig) -> dict[tuple[str, ...], QuantScheme]:
+    """Parameter path -> scheme, for the quantized parameters of cfg's model."""
+    return {("model", "layers", *key.split(".")): s
+            for key, s in quantized_params(cfg).items() if s is not None}
+
+
+def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
+    return (*path[:-1], path[-1] + "_scale")
+
+
+def _scale_name(name):
+    """`<module>.weight` -> `<module>.weight_scale_inv` (also for (name, row))."""
+    if isinstance(name, tuple):
+        return (_scale_name(name[0]), name[1])
+    if not name.endswith(".weight"):
+        raise AssertionError(f"FP8 weight tensor {name!r} does not end in .weight")
+    return name + "_scale_inv"
+
+
+def _block_shape(shape):
+    return tuple(math.ceil(s / 128) for s in shape)
+
+
+def quantized_sources(cfg: ModelConfig, sources: dict) -> dict:
+    """`sources` (loader.hf_sources) with every quantized parameter's source and its
+    scale's: read from the FP8 checkpoint's tensors, or quantized at load."""
+    schemes = param_schemes(cfg)
+    if not schemes:
+        return sources
+    out = dict(sources)
+    for path, scheme in schemes.items():
+        src = sources[path]
+        if cfg.quantization.from_checkpoint:
+            out[scale_path(path)] = dataclasses.replace(
+                src, names=lambda *i, src=src: [_scale_name(n) for n in src.names(*i)],
+                shapes=lambda *i, src=src: [_block_shape(s) for s in src.shapes(*i)])
+        else:
+            out[path] = dataclasses.replace(
+                src, build=lambda a, src=src, s=scheme: _quantize_host(src.build(a), s)[0])
+            out[scale_path(path)] = dataclasses.replace(
+                src, build=lambda a, src=src, s=scheme: _quantize_host(src.build(a), s)[1])
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(w, scheme):
+    return ref_quantize(w, scheme)
+
+
+def _quantize_host(w: np.ndarray, scheme: QuantScheme):
+    """ref_quantize of one entry on the host CPU, as numpy (w_q, scale)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        w_q, scale = _quantize(np.asarray(w, np.float32), scheme)
+    return np.asarray(w_q), np.asarray(scale)
+
+
+def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
+    """Before anything is read: every FP8 tensor feeds a parameter the config converts,
+    every converted one is e4m3 with a float32 / bf16 scale, and fused gate/up keeps
+    whole blocks. Raises CheckpointError naming the tensor (presence and shapes:
+    HFCheckpoint.check, run after this so that a wrong format is named as such)."""
+    schemes = param_schemes(cfg)
+    from_ckpt = cfg.quantization is not None and cfg.quantization.from_checkpoint
+    quantized = {scale_path(p) for p in schemes} | set(schemes) if from_ckpt else set()
+    F = cfg.moe_intermediate_size
+    if from_ckpt and ("model", "layers", "mlp", "experts_gate_up_proj") in schemes and F % 128:
+        raise CheckpointError(
+            f"{ckpt.dir}: moe_intermediate_size {F} is not a multiple of the FP8 block "
+            f"({FP8_BLOCK.block_n}): gate and up cannot be fused into one [D, 2F] "
+            "weight with whole blocks")
+    for path, src in sources.items():
+        for idx in np.ndindex(*src.stack_sizes):
+            for name in src.names(*idx):
+                name = name[0] if isinstance(name, tuple) else name
+                if name not in ckpt.where:
+                    continue  # HFCheckpoint.check names it
+                dtype = ckpt.where[name].tensors[name][0]
+                if path in schemes and from_ckpt:
+                    if dtype != FP8_DTYPE:
+                        raise CheckpointError(
+                            f"{ckpt.where[name].path}: tensor {name!r} is {dtype}, but "
+                            "quantization_config (fp8) converts it: expected float8_e4m3fn "
+                            "(is it missing from modules_to_not_convert?)")
+                elif path in quantized:
+                    if dtype not in SCALE_DTYPES:
+                        raise CheckpointError(f"{ckpt.where[name].path}: scale {name!r} is "
+                                              f"{dtype}, expected float32 or bfloat16")
+                elif dtype == FP8_DTYPE:
+                    why = ("modules_to_not_convert keeps it 16-bit" if from_ckpt else
+                           "config.json has no fp8 quantization_config")
+                    raise CheckpointError(f"{ckpt.where[name].path}: tensor {name!r} is FP8 "
+                                          f"(F8_E4M3) but {why}")
+
+
+def dummy_quantized(shape, scheme: QuantScheme, std: float, shardings, key):
+    """(w_q, scale) of a N(0, std^2) draw, made on device in `shardings` (weight's,
+    scale's), drawn and quantized one leading slice at a time."""
+
+    def one(k, shp):
+        return ref_quantize(jax.random.normal(k, shp, jnp.float32) * std, scheme)
+
+    def init(k):
+        if len(shape) < 3:
+            return one(k, shape)
+        return jax.lax.map(lambda ki: one(ki, shape[1:]), jax.random.split(k, shape[0]))
+
+    return jax.jit(init, out_shardings=shardings)(key)

@@ -1,0 +1,256 @@
+"""Quantized loading (issue #31): HF fine-grained FP8 checkpoints read as they are,
+int8 / fp8 per channel applied at load, and the errors, against the independent numpy
+quantiser of checkpoints/make_tiny_quant.py.
+
+Tolerances (float32 activations, so only the weight format differs):
+* loaded FP8 weights dequantise exactly (bit for bit) to the numpy quantiser's;
+* logits of the FP8 model against its float32 dequantised twin: |diff| <= LOGIT_ATOL
+  (summation order only: the kernels' arithmetic is q * scale in float32);
+* int8 / fp8 at load (of the float32 "tiny-fp8-base"): the quantized weights equal
+  numpy's per-channel quantiser's (scales to one float32 ulp; values exactly, but
+  for rounding ties, which that ulp may break either way), and the model's
+  logits match the float32 model holding those dequantised weights within LOGIT_ATOL.
+"""
+
+import json
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from checkpoints import make_tiny_quant as mtq
+from lp_jax.config import ModelConfig
+from lp_jax.executor import compile_guard
+from lp_jax.loader import load_model
+from lp_jax.models import sharded_kernels
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.simple import greedy_generate
+from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
+from pallas_kernels.quant import FP8_BLOCK, scheme_named
+
+LOGIT_ATOL = 1e-4
+PROMPT = [5, 17, 42, 99, 7, 250, 3, 64]
+XLA = KernelBackends(moe="xla", attention="xla")
+QUANTIZED = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+             ("mlp", "experts_gate_up_proj"), ("mlp", "experts_down_proj"),
+             ("dense_mlp", "gate_proj"), ("dense_mlp", "up_proj"), ("dense_mlp", "down_proj")]
+
+
+@pytest.fixture(scope="module")
+def fp8_dir():
+    return mtq.ensure_tiny_quant("tiny-fp8")
+
+
+@pytest.fixture(scope="module")
+def dequant_dir():
+    return mtq.ensure_tiny_quant("tiny-fp8-dequant")
+
+
+@pytest.fixture(scope="module")
+def base_dir():
+    return mtq.ensure_tiny_quant("tiny-fp8-base")
+
+
+@pytest.fixture(scope="module")
+def fp8_model(fp8_dir):
+    return load_model(fp8_dir)
+
+
+@pytest.fixture(scope="module")
+def dequant_model(dequant_dir):
+    return load_model(dequant_dir)
+
+
+def _params(model):
+    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _dequantized(model, scheme=None):
+    """{path: float32 dequantised weight} of every quantized parameter of `model`."""
+    flat = _params(model)
+    out = {}
+    for kind, name in QUANTIZED:
+        path = ("model", "layers", kind, name)
+        w_q, s = np.asarray(flat[path]).astype(np.float32), np.asarray(flat[(*path[:-1],
+                                                                               name + "_scale")])
+        sch = scheme or FP8_BLOCK
+        full = np.repeat(np.repeat(s, sch.block_k_for(w_q.shape[-2]), -2), sch.block_n, -1)
+        out[path] = w_q * full[..., :w_q.shape[-2], :w_q.shape[-1]]
+    return out
+
+
+def test_f8_e4m3_tensors_read(tmp_path):
+    w = np.linspace(-448, 448, 24, dtype=np.float32).reshape(4, 6).astype(mtq.FP8)
+    mtq.save_safetensors({"w.weight": w, "w.weight_scale_inv": np.ones((1, 1), mtq.BF16)},
+                         tmp_path / "a.safetensors")
+    f = SafetensorsFile(tmp_path / "a.safetensors")
+    got = f.get("w.weight")
+    assert got.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8))
+    # A dtype lp_jax does not read is named as such, with the tensor, not a KeyError.
+    raw = (tmp_path / "a.safetensors").read_bytes().replace(b'"F8_E4M3"', b'"F8_E5M2"')
+    (tmp_path / "b.safetensors").write_bytes(raw)
+    with pytest.raises(CheckpointError, match=r"'w.weight' has dtype F8_E5M2: e5m2"):
+        SafetensorsFile(tmp_path / "b.safetensors")
+
+
+def test_fp8_checkpoint_detected_and_kept_quantized(fp8_model):
+    cfg = fp8_model.config
+    assert cfg.quantization.method == "fp8_block" and cfg.quantization.from_checkpoint
+    layers = fp8_model.model.layers
+    for kind, name in QUANTIZED:
+        w = getattr(getattr(layers, kind), name)
+        assert w.dtype == np.dtype(ml_dtypes.float8_e4m3fn), name
+        s = getattr(getattr(layers, kind), name + "_scale")
+        assert s.dtype == np.float32
+        assert s.shape[-2:] == FP8_BLOCK.scale_shape(*w.shape[-2:]), name
+    # modules_to_not_convert: the router and o_proj stay in the checkpoint's float32.
+    assert layers.mlp.gate.dtype == np.float32 and layers.self_attn.o_proj.dtype == np.float32
+    assert not hasattr(layers.self_attn, "o_proj_scale")
+
+
+def test_fp8_weights_dequantise_to_numpy_quantiser(fp8_model, dequant_model, fp8_dir):
+    want = _params(dequant_model)
+    for path, got in _dequantized(fp8_model).items():
+        np.testing.assert_array_equal(got, np.asarray(want[path]), err_msg=str(path))
+    # and the layout against the raw checkpoint: expert 3 of MoE layer 2 (stack index 1)
+    f = SafetensorsFile(fp8_dir / "model.safetensors")
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    q, s = f.get(name), f.get(name + "_scale_inv")
+    assert s.dtype == mtq.BF16 and s.shape == (1, 2)  # [D/128, F/128] of [D, F]
+    mlp = fp8_model.model.layers.mlp
+    np.testing.assert_array_equal(np.asarray(mlp.experts_down_proj[...])[1, 3].view(np.uint8),
+                                  q.T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mlp.experts_down_proj_scale[...])[1, 3],
+                                  s.T.astype(np.float32))
+
+
+def _logits(model):
+    """Float32 logits of every prompt position (one prefill program per model)."""
+    return greedy_generate(model, PROMPT, 1, backends=XLA, return_prompt_logits=True)[1]
+
+
+@pytest.fixture(scope="module")
+def dequant_logits(dequant_model):
+    return _logits(dequant_model)
+
+
+def test_fp8_logits_match_dequantised_float32(fp8_model, dequant_logits):
+    diff = np.abs(_logits(fp8_model) - dequant_logits).max()
+    assert diff <= LOGIT_ATOL, diff
+
+
+def test_reference_fallback_matches_dequantised(fp8_model, dequant_logits, monkeypatch):
+    """The model's fallback (one layer dequantised, while moe_ffn lacks scales=) gives the
+    dequantised model's logits too, and refuses the Pallas backends."""
+    monkeypatch.setattr(sharded_kernels, "_moe_takes_scales", lambda: False)
+    jax.clear_caches()
+    diff = np.abs(_logits(fp8_model) - dequant_logits).max()
+    assert diff <= LOGIT_ATOL, diff
+    with pytest.raises(NotImplementedError, match="moe_backend='xla'"):
+        greedy_generate(fp8_model, PROMPT, 1, backends=KernelBackends(moe="tpu", attention="xla"))
+    jax.clear_caches()
+
+
+def _assert_quantized_equal(got_q, want_q, ratio, err_msg):
+    """got_q == want_q, except where the quantiser's input w / scale lies (within float32
+    rounding of the division) on the midpoint between the two: a tie either way is right."""
+    got, want = got_q.astype(np.float64), want_q.astype(np.float64)
+    off = got != want
+    mid = (got[off] + want[off]) / 2
+    ties = np.abs(ratio[off] - mid) <= 1e-6 * np.maximum(np.abs(mid), 1)
+    assert ties.all(), f"{err_msg}: {np.count_nonzero(~ties)} of {got.size} values differ"
+    assert off.mean() < 1e-3, f"{err_msg}: {off.sum()} ties"
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantization_at_load(method, base_dir):
+    model = load_model(base_dir, quantization=method)
+    assert model.config.quantization.method == method and model.config.expert_bytes < (
+        3 * 64 * 256 * 4)
+    twin = load_model(base_dir)
+    f32, got = _params(twin), _params(model)
+    assert model.model.layers.mlp.gate.dtype == np.float32  # the router is never converted
+    for kind, name in [*QUANTIZED, ("self_attn", "o_proj")]:  # no modules_to_not_convert
+        path = ("model", "layers", kind, name)
+        w = np.asarray(f32[path])
+        mats = w.reshape(-1, *w.shape[-2:])
+        q_np, s_np = zip(*(mtq.quantize_per_channel(m, method) for m in mats), strict=True)
+        q_np, s_np = np.stack(q_np).reshape(w.shape), np.stack(s_np)
+        s_got = np.asarray(got[(*path[:-1], name + "_scale")])
+        # amax / qmax: XLA divides by the constant as a multiply by its reciprocal, so
+        # the scales agree to one float32 ulp, not bit for bit
+        np.testing.assert_allclose(s_got, s_np.reshape(s_got.shape), rtol=2.4e-7, atol=0,
+                                   err_msg=str(path))
+        ratio = w.astype(np.float64) / s_np.reshape(s_got.shape)
+        _assert_quantized_equal(np.asarray(got[path]), q_np, ratio, str(path))
+        # the twin holds the dequantised weights of the model's own quantized values
+        getattr(getattr(twin.model.layers, kind), name).set_value(jax.numpy.asarray(
+            np.asarray(got[path]).astype(np.float32) * s_got))
+    diff = np.abs(_logits(model) - _logits(twin)).max()
+    assert diff <= LOGIT_ATOL, diff
+
+
+def test_dummy_weights_quantized(base_dir):
+    cfg = ModelConfig.from_pretrained(base_dir)
+    model = load_model(config=cfg, load_format="dummy", quantization="int8")
+    mlp = model.model.layers.mlp
+    assert mlp.experts_gate_up_proj.dtype == np.int8
+    s = np.asarray(mlp.experts_gate_up_proj_scale[...])
+    assert s.shape == (3, 8, 1, 512) and np.all(s > 0) and np.all(np.isfinite(s))
+    q = np.asarray(mlp.experts_gate_up_proj[...])
+    assert np.abs(q).max() == 127  # absmax quantisation reaches the grid's end per channel
+    assert model.model.layers.self_attn.o_proj_scale.shape == (4, 1, 64)
+
+
+def _edit_config(src, dst, edit):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("weight_block_size", [64, 64], r"weight_block_size \[64, 64\] is not supported"),
+    ("quant_method", "awq", r"quant_method 'awq' is not supported"),
+    ("activation_scheme", "static", r"activation_scheme 'static' is not supported"),
+])
+def test_unsupported_quantization_config(tmp_path, fp8_dir, field, value, match):
+    d = _edit_config(fp8_dir, tmp_path / "m",
+                     lambda c: c["quantization_config"].__setitem__(field, value))
+    compile_guard.install()
+    before = compile_guard.compilations()
+    with pytest.raises(ValueError, match=match):
+        load_model(d)
+    assert compile_guard.compilations() == before
+
+
+def test_quantization_errors_before_compile(tmp_path, fp8_dir, dequant_dir):
+    compile_guard.install()
+    before = compile_guard.compilations()
+    with pytest.raises(ValueError, match=r"quantization='int8' disagrees with the checkpoint"):
+        load_model(fp8_dir, quantization="int8")
+    with pytest.raises(ValueError, match=r"unknown quantization 'int4'"):
+        load_model(dequant_dir, quantization="int4")
+    # FP8 tensors with no quantization_config
+    d = _edit_config(fp8_dir, tmp_path / "noqc", lambda c: c.pop("quantization_config"))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.q_proj.weight' is "
+                                              r"FP8 \(F8_E4M3\) but config.json has no fp8"):
+        load_model(d)
+    # modules_to_not_convert says o_proj is converted, the checkpoint has it in float32
+    d = _edit_config(fp8_dir, tmp_path / "conv", lambda c: c["quantization_config"].__setitem__(
+        "modules_to_not_convert", ["lm_head", "model.embed_tokens", "mlp.gate"]))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.o_proj.weight' is "
+                                              r"float32, but quantization_config \(fp8\)"):
+        load_model(d)
+    # some layers' o_proj kept, others converted: one stacked parameter cannot mix
+    d = _edit_config(fp8_dir, tmp_path / "mixed", lambda c: c["quantization_config"].__setitem__(
+        "modules_to_not_convert", ["lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"]))
+    with pytest.raises(ValueError, match=r"stacked parameter self_attn.o_proj"):
+        load_model(d)
+    assert compile_guard.compilations() == before
+    assert scheme_named("int8").block_k is None
