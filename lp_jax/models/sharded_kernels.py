@@ -42,7 +42,6 @@ plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +58,6 @@ from lp_jax.models.expert_dispatch import (
 from lp_jax.sharding import LOGICAL_RULES
 from pallas_kernels import attention, moe
 from pallas_kernels.moe.ref import SILU, MoEActivation, check_bias, combine, moe_stats, route
-from pallas_kernels.quant import ref_dequantize
 
 PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
@@ -168,54 +166,26 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     Pallas kernel runs per expert shard, and so does any backend under the all_to_all
     dispatch; the xla backends under allreduce stay under GSPMD.
 
-    Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant),
-    see `_dequantized_fallback` while moe_ffn does not take them."""
-    if scales is not None:
-        if not _moe_takes_scales():
-            w_gate_up, w_down, layer = _dequantized_fallback(
-                w_gate_up, w_down, scales, scheme, layer, backend, x_TD.dtype)
-            if biases is not None:
-                biases = tuple(b[layer] for b in biases)
-            scales = None
-        elif kernel_mesh(w_gate_up) is not None:
-            raise NotImplementedError("quantized experts on a multi-device mesh: the scales "
-                                      "do not travel through sharded_moe_ffn yet")
-        else:
-            return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
-                               top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
-                               token_mask_T=token_mask_T, biases=biases,
-                               activation=activation, scales=scales, scheme=scheme)
+    Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant), as
+    in moe_ffn; on a mesh they split over "expert" with the weights. The all_to_all
+    dispatch does not carry them yet, so "auto" serves quantized experts by allreduce."""
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
+    if scales is not None and dispatch == "all_to_all" and moe_dispatch == "auto":
+        dispatch = "allreduce"
     if dispatch == "allreduce" and not is_pallas_moe(backend):
         mesh = None
     return sharded_moe_ffn(
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
         norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
-        dispatch=dispatch, biases=biases, activation=activation)
-
-
-def _moe_takes_scales() -> bool:
-    return "scales" in inspect.signature(moe.moe_ffn).parameters
-
-
-def _dequantized_fallback(w_gate_up, w_down, scales, scheme, layer, backend, dtype):
-    """REFERENCE FALLBACK, to go when `moe.moe_ffn(..., scales=, scheme=)` lands: layer
-    `layer`'s experts dequantised to `dtype` (a 16-bit copy of one layer's experts, which
-    the kernels must never make), returned as one layer's weights (layer None). Only
-    for the plain-XLA backends; a Pallas backend refuses."""
-    if is_pallas_moe(backend):
-        raise NotImplementedError(
-            f"quantized experts need moe_ffn(scales=, scheme=) for the {backend!r} MoE "
-            "backend, which this checkout's kernels do not take yet; use moe_backend='xla'")
-    w_gate_up_EDF2 = ref_dequantize(w_gate_up[layer], scales[0][layer], scheme, dtype)
-    w_down_EFD = ref_dequantize(w_down[layer], scales[1][layer], scheme, dtype)
-    return w_gate_up_EDF2, w_down_EFD, None
+        dispatch=dispatch, biases=biases, activation=activation, scales=scales,
+        scheme=scheme)
 
 
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
                        top_k, norm_topk_prob, token_mask_T, backend, interpret,
-                       biases=(), activation: MoEActivation = SILU):
+                       biases=(), activation: MoEActivation = SILU, scales=None,
+                       scheme=None):
     """The part of `moe.moe_ffn` computed by one shard's experts.
 
     The weights (and biases) hold the shard's E_local experts ([E_local, ...], or the
@@ -243,7 +213,7 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
         jnp.repeat(x_TD, top_k, axis=0), local_logits_RE, w_gate_up, w_down, layer=layer,
         top_k=1, norm_topk_prob=False, backend=backend,
         token_mask_T=mine_TA.reshape(T * top_k), interpret=interpret, biases=biases,
-        activation=activation,
+        activation=activation, scales=scales, scheme=scheme,
     )
     weights_TA = jnp.where(mine_TA, weights_TA, 0.0)
     y_TD = combine(y_RD, jnp.arange(T * top_k, dtype=jnp.int32), weights_TA, T)
@@ -253,7 +223,7 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
 def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
                     dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
-                    biases=None, activation: MoEActivation = SILU):
+                    biases=None, activation: MoEActivation = SILU, scales=None, scheme=None):
     """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
     directly when `mesh` is None).
 
@@ -261,7 +231,9 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     [L, E, D, 2F] / [L, E, F, D] with `layer`, split on their E axis (dim 1 when
     stacked): each shard addresses the layer inside its own shard, no weight copy.
     `biases` (None or (b_gate_up, b_down)) and `activation`: GPT-OSS's, as in moe_ffn;
-    the biases are split like the weights, as operands beside them.
+    the biases are split like the weights, as operands beside them. `scales` and `scheme`
+    (quantized experts, as in moe_ffn): the scales split like the weights too; the
+    "all_to_all" dispatch does not take them yet.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
     schemes: tokens_per_expert over all E experts, and the rest derived from it by
@@ -282,11 +254,12 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     """
     biases = tuple(biases or ())  # operands that travel through shard_map
     check_bias(biases, w_gate_up, w_down)
+    scales = tuple(scales or ())
     if mesh is None:
         return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
                            top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
                            token_mask_T=token_mask_T, interpret=interpret, biases=biases,
-                           activation=activation)
+                           activation=activation, scales=scales or None, scheme=scheme)
     T = x_TD.shape[0]
     experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
     transport = _transport or default_transport(mesh)
@@ -297,10 +270,15 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     layer_args = () if layer is None else (jnp.asarray(layer, jnp.int32),)
     w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
     b_spec = P(experts, None) if layer is None else P(None, experts, None)
-    # The shard-split operands after the tokens: weights, biases; then the layer.
-    split_args = (w_gate_up, w_down, *biases)
-    split_specs = (w_spec, w_spec, *(b_spec for _ in biases))
+    # The shard-split operands after the tokens: weights, biases, scales; then the layer.
+    split_args = (w_gate_up, w_down, *biases, *scales)
+    split_specs = (w_spec, w_spec, *(b_spec for _ in biases), *(w_spec for _ in scales))
+    nb = len(biases)
     if dispatch == "all_to_all":
+        if scales:
+            raise NotImplementedError("quantized experts under moe_dispatch='all_to_all': "
+                                      "its transport does not carry the scales yet; use "
+                                      "'allreduce' or 'auto'")
         return _all_to_all_moe_ffn(
             mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args, split_specs,
             layer_args, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
@@ -308,14 +286,16 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             activation=activation)
 
     def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
-        biases, layer_arg = rest[:len(split_args) - 2], rest[len(split_args) - 2:]
+        biases, scales_ = rest[:nb], rest[nb:len(split_args) - 2]
+        layer_arg = rest[len(split_args) - 2:]
         E_local = w_gate_up.shape[-3]
         offset = 0 if experts is None else jax.lax.axis_index(experts) * E_local
         y_TD, tokens_per_expert_E = _local_experts_moe(
             x_TD, router_logits_TE, w_gate_up, w_down, offset,
             layer_arg[0] if layer_arg else None,
             top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T,
-            backend=backend, interpret=interpret, biases=biases, activation=activation)
+            backend=backend, interpret=interpret, biases=biases, activation=activation,
+            scales=scales_ or None, scheme=scheme)
         if experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
@@ -325,7 +305,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
         in_specs=(P(), P(), P(), *split_specs, *(P() for _ in layer_args)),
         out_specs=(P(), P(experts)), check_vma=False,
     )(x_TD, router_logits_TE, token_mask_T, *split_args, *layer_args)
-    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down, *biases)
+    return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down, *biases, scales=scales)
 
 
 def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args,
