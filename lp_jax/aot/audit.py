@@ -10,6 +10,12 @@ Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
    Expert biases (GPT-OSS: [E, 2F], [E, D], 0.5 MB a layer) are neither checked nor
    listed: a copy costs nothing, and with E = 32 their shape is also a 32-row tile of
    activations.
+   Quantized experts (int8 / fp8 stacked [L, E, ...] plus scales, issue 31): no 16- or
+   32-bit float value has the shape of the whole stacked experts or of one layer of them
+   (`dequantised_copies`), in the StableHLO or the optimized HLO. The kernels convert
+   weight tiles on chip; such a value is a dequantised copy in HBM (for one layer of
+   Qwen3-30B-A3B 1.2 GB in bfloat16, twice the int8 bytes it replaces). The scales
+   ([L, E, k, n] float32, named "*scale*") are not expert weights.
 2. The KV pool argument is donated and aliased to an output.
 3. TPU, decode-sized programs (at most max_num_seqs rows): temporary bytes stay below
    one layer's expert bytes per device, so a step cannot be hiding a copy of a layer.
@@ -50,10 +56,11 @@ _HLO_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]")
 _PALLAS_CALLS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton")
 
 
-def _slice_shapes(build) -> tuple[set, dict]:
+def _slice_shapes(build) -> tuple[set, dict, set]:
     """(expert slice shapes, {shape: parameter} of other stacked parameters' slices), each
-    as both the global and the per-device one-layer shape."""
-    experts, others = set(), {}
+    as both the global and the per-device one-layer shape; and the shapes, stacked and
+    one layer, global and per device, of quantized (8-bit) expert weights."""
+    experts, others, quantized = set(), {}, set()
     leaves = jax.tree_util.tree_flatten_with_path(build.args[0])[0]
     L = build.model_config.num_hidden_layers
     for path, x in leaves:
@@ -64,13 +71,31 @@ def _slice_shapes(build) -> tuple[set, dict]:
         # one layer, squeezed or as the [1, ...] a dynamic_slice produces
         shapes = {s for one in (x.shape[1:], local[1:]) for s in (tuple(one), (1, *one))}
         if "experts_" in name:
-            if x.ndim >= 4:  # [L, E, a, b]; not the [L, E, a] biases
+            if x.ndim >= 4 and "scale" not in name:  # [L, E, a, b]; not biases or scales
                 experts |= shapes
+                if x.dtype.itemsize == 1:
+                    quantized |= shapes | {tuple(x.shape), tuple(local)}
         elif x.shape[0] <= L and x.ndim >= 3:  # [L, a, b]: one layer is a matrix
             short = name.split("/")[-2] if "/" in name else name
             for s in shapes:
                 others[s] = "|".join(sorted({*others.get(s, "").split("|"), short} - {""}))
-    return experts, others
+    return experts, others, quantized
+
+
+_FLOAT_TYPES = ("bf16", "f16", "f32")  # StableHLO and HLO spell these alike
+
+
+def dequantised_copies(text: str, shapes) -> list[str]:
+    """The lines of a StableHLO or HLO text that hold a bf16 / f16 / f32 value of one of
+    `shapes` (those of quantized expert weights: a dequantised copy of them)."""
+    shapes = {tuple(s) for s in shapes}
+    found = []
+    for line in text.splitlines():
+        vals = [(m.group(2), _dims(m.group(1))) for m in _TENSOR.finditer(line)]
+        vals += [(m.group(1), _dims(m.group(2))) for m in _HLO_SHAPE.finditer(line)]
+        if any(t in _FLOAT_TYPES and d in shapes for t, d in vals):
+            found.append(line.strip()[:160])
+    return found
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -81,7 +106,7 @@ def audit_program(rec: dict, build, cfg=None) -> dict:
     """Checks one lowered program (a record from `lp_jax.aot.lower_program`; cfg, the
     AotConfig, gives the cuda target and memory fraction). Returns {"violations": [...],
     "listed": {...}}."""
-    experts, others = _slice_shapes(build)
+    experts, others, quantized = _slice_shapes(build)
     violations, slices, pallas = [], Counter(), Counter()
     for line in rec["stablehlo"].splitlines():
         shapes = {_dims(m.group(1)) for m in _TENSOR.finditer(line)}
@@ -110,6 +135,10 @@ def audit_program(rec: dict, build, cfg=None) -> dict:
             # A buffer outside any fusion shaped like one layer of a projection: a copy.
             if result and not in_fusion and _dims(result.group(2)) in others:
                 copies[others[_dims(result.group(2))]] += 1
+    if quantized:
+        for text in (rec["stablehlo"], hlo or ""):
+            violations += [f"a dequantised copy of the quantized experts: {op}"
+                           for op in dequantised_copies(text, quantized)]
     violations += _check_donation(rec, build)
     if hlo:
         violations += _check_pool_copies(hlo, build)

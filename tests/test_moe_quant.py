@@ -1,0 +1,265 @@
+"""Quantized experts in the MoE kernels (issue 31): W8A16 against the float32 oracle.
+
+Weights are made by `quant.ref_quantize` from random float32 ones, stacked [L=2, E, ...]
+with their scales, and run at layer 1. Every path is compared, norm-relative, with
+`ref_moe_ffn` on the same quantized weights (which dequantises the layer to float32,
+`quant.ref_dequantize`) and with the dense oracle:
+
+* float32 activations: 1e-5 (measured ~3e-7: only the summation order differs, since
+  int8 and e4m3 values are exact in the activation dtype and the scales multiply the
+  float32 sums);
+* bfloat16 activations: 1e-2 (measured ~2.7e-3: h and y are stored in bfloat16, one
+  rounding of 2^-9 each; the bfloat16 path of tests/test_moe_kernels.py allows 2e-2).
+
+Paths, at the smallest shapes that reach them (D=64, F=32, E=8, tm=8, 13 tokens, top-2,
+an expert no token picks, two masked tokens, so groups are 0, 1 and not multiples of
+the tile): the TPU fused-gather gate/up kernel with split gate and up blocks and two K
+steps, with one joint [gate | up] block, the unfused tile_gmm fallback, and xla_tiles
+(the CPU path, and the gpu backend's path for quantized weights: moe_ffn on "gpu"
+routes there, since the Hopper kernel takes 16-bit weights only). Schemes: int8 and
+fp8 per channel, and fp8 blocks, at a 16 x 16 block (so the tiny shapes have several
+K and N blocks per tile and K steps that start mid-expert) and at Hugging Face's real
+128 x 128 with F=96 (partial last blocks, a gate/up block straddling gate and up).
+
+Also: the stats and the kernels' cost estimates count stored bytes (1 per weight plus
+the scales); bad scales are refused. With libtpu: int8 at Qwen3-30B-A3B shapes compiles
+for a v6e, the kernels take the int8 stacked weights whole, and the audit's
+dequantised-copy check passes it; the control, which dequantises the stack to bfloat16
+and runs the 16-bit kernels, fails that check.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compile_targets, cost, moe, quant
+from pallas_kernels.moe import tpu
+from pallas_kernels.moe.ref import ref_moe_ffn, ref_moe_ffn_dense
+from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
+
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
+L, E, T, TOP_K, TM = 2, 8, 13, 2, 8
+BLOCK16 = quant.QuantScheme("fp8_block16", jnp.float8_e4m3fn, 16, 16)
+SCHEMES = {s.name: s for s in (quant.INT8, quant.FP8, BLOCK16, quant.FP8_BLOCK)}
+TILINGS = {  # name: (tiling, fused_gather)
+    "split": (tpu.TpuTiling(tm=TM, tk=32, tn=16, down_tk=16, down_tn=16), True),
+    "joint": (tpu.TpuTiling(tm=TM, tk=None, tn=None, down_tk=None, down_tn=None), True),
+    "gmm": (tpu.TpuTiling(tm=TM, tk=32, tn=16, down_tk=16, down_tn=16), False),
+}
+
+
+def rel_err(x, y):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.isfinite(x).all()
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+@functools.cache
+def case(scheme_name: str, dtype, D: int = 64, F: int = 32):
+    """(x, logits, mask, quantized weights, scales, float32 weights), stacked [L, E, ...]."""
+    k = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(k[0], (T, D), jnp.float32).astype(dtype)
+    logits = np.asarray(jax.random.normal(k[1], (T, E))) * 2.0
+    logits[:, 3] = -30.0  # expert 3 gets no row
+    mask = np.ones(T, bool)
+    mask[[4, 9]] = False
+    w_gu = jax.random.normal(k[2], (L, E, D, 2 * F)) / np.sqrt(D)
+    w_d = jax.random.normal(k[3], (L, E, F, D)) / np.sqrt(F)
+    quantize = jax.jit(quant.ref_quantize, static_argnums=1)
+    scheme = SCHEMES[scheme_name]
+    (q_gu, s_gu), (q_d, s_d) = quantize(w_gu, scheme), quantize(w_d, scheme)
+    return x, jnp.asarray(logits), jnp.asarray(mask), (q_gu, q_d), (s_gu, s_d), (w_gu, w_d)
+
+
+def _kw(scheme_name, mask, scales):
+    return dict(layer=1, top_k=TOP_K, norm_topk_prob=True, token_mask_T=mask, scales=scales,
+                scheme=SCHEMES[scheme_name])
+
+
+@functools.cache
+def _reference(scheme_name, dtype, D=64, F=32):
+    x, logits, mask, (q_gu, q_d), scales, _ = case(scheme_name, dtype, D, F)
+    y, stats = jax.jit(lambda *a: ref_moe_ffn(*a, **_kw(scheme_name, mask, scales)))(
+        x, logits, q_gu, q_d)
+    dense = ref_moe_ffn_dense(x, logits, q_gu[1], q_d[1], top_k=TOP_K, norm_topk_prob=True,
+                              token_mask_T=mask, scales=(scales[0][1], scales[1][1]),
+                              scheme=SCHEMES[scheme_name])
+    return y, dense, stats
+
+
+def _run_tpu(scheme_name, dtype, tiling_name, D=64, F=32):
+    x, logits, mask, (q_gu, q_d), scales, _ = case(scheme_name, dtype, D, F)
+    tiling, fused = TILINGS[tiling_name]
+    fn = lambda *a: tpu.moe_ffn_tpu(*a, **_kw(scheme_name, mask, scales), tiling=tiling,
+                                    fused_gather=fused, interpret=True)
+    return jax.jit(fn)(x, logits, q_gu, q_d)
+
+
+def _check(y, scheme_name, dtype, D=64, F=32):
+    want, dense, _ = _reference(scheme_name, dtype, D, F)
+    tol = TOL[jnp.dtype(dtype)]
+    assert rel_err(y, want) < tol, (rel_err(y, want), tol)
+    assert rel_err(y, dense) < tol, (rel_err(y, dense), tol)
+
+
+@pytest.mark.parametrize("scheme_name,dtype,tiling_name", [
+    ("int8", jnp.bfloat16, "split"),
+    ("fp8", jnp.float32, "joint"),
+    ("fp8_block16", jnp.float32, "split"),
+    ("fp8_block16", jnp.bfloat16, "gmm"),
+])
+def test_tpu_kernels_match_the_dequantised_reference(scheme_name, dtype, tiling_name):
+    y, stats = _run_tpu(scheme_name, dtype, tiling_name)
+    _check(y, scheme_name, dtype)
+    _, _, want_stats = _reference(scheme_name, dtype)
+    assert int(stats["experts_activated"]) == int(want_stats["experts_activated"])
+
+
+def test_tpu_kernel_with_real_128_blocks_and_partial_blocks():
+    """HF's 128 x 128 blocks at D=256, F=96: 2F=192 is one whole and one partial N block
+    (the second gate/up block holds up columns 32..95 of expert block 0 and the rest),
+    and the down projection's K=96 is one partial K block."""
+    y, _ = _run_tpu("fp8_block", jnp.float32, "joint", D=256, F=96)
+    _check(y, "fp8_block", jnp.float32, D=256, F=96)
+
+
+@pytest.mark.parametrize("scheme_name,dtype", [("int8", jnp.bfloat16), ("fp8", jnp.float32),
+                                               ("fp8_block16", jnp.bfloat16)])
+def test_xla_tiles_and_the_gpu_route_match(scheme_name, dtype):
+    x, logits, mask, (q_gu, q_d), scales, _ = case(scheme_name, dtype)
+    kw = _kw(scheme_name, mask, scales)
+    tiles = jax.jit(lambda *a: moe_ffn_xla_tiles(*a, **kw, tm=TM)[0])
+    _check(tiles(x, logits, q_gu, q_d), scheme_name, dtype)
+    # moe_ffn on gpu takes quantized weights to xla_tiles (the Hopper kernel has none)
+    gpu_route = jax.jit(lambda *a: moe.moe_ffn(*a, **kw, backend="gpu")[0])
+    want = jax.jit(lambda *a: moe_ffn_xla_tiles(*a, **kw)[0])
+    np.testing.assert_array_equal(np.asarray(gpu_route(x, logits, q_gu, q_d), np.float32),
+                                  np.asarray(want(x, logits, q_gu, q_d), np.float32))
+
+
+def test_quantization_error_against_the_16_bit_weights():
+    """What W8A16 costs against the unquantized float32 weights (for the record; the
+    bounds are loose: random Gaussian weights, absmax scaling)."""
+    got = {}
+    for name in ("int8", "fp8", "fp8_block"):
+        x, logits, mask, (q_gu, q_d), scales, (w_gu, w_d) = case(name, jnp.float32)
+        y_q, _ = ref_moe_ffn(x, logits, q_gu, q_d, **_kw(name, mask, scales))
+        y, _ = ref_moe_ffn(x, logits, w_gu, w_d, layer=1, top_k=TOP_K, norm_topk_prob=True,
+                           token_mask_T=mask)
+        got[name] = rel_err(y_q, y)
+    assert got["int8"] < 2e-2 and got["fp8"] < 6e-2 and got["fp8_block"] < 6e-2, got
+
+
+def test_stats_and_cost_count_stored_bytes():
+    D, F = 64, 32
+    x, logits, mask, (q_gu, q_d), (s_gu, s_d), _ = case("fp8_block16", jnp.bfloat16)
+    _, _, stats = _reference("fp8_block16", jnp.bfloat16)
+    scale_bytes = 4 * (s_gu[0, 0].size + s_d[0, 0].size)
+    per_expert = D * 2 * F + F * D + scale_bytes  # 1 byte per weight
+    assert float(stats["expert_bytes_loaded"]) == int(stats["experts_activated"]) * per_expert
+    _, tpu_stats = _run_tpu("fp8_block16", jnp.bfloat16, "joint")
+    assert float(tpu_stats["expert_bytes_loaded"]) == float(stats["expert_bytes_loaded"])
+
+    tiling, _ = TILINGS["joint"]
+    fn = lambda *a: tpu.moe_ffn_tpu(*a, **_kw("fp8_block16", mask, (s_gu, s_d)), tiling=tiling)
+    declared = {}
+    for eqn in jax.make_jaxpr(fn)(x, logits, q_gu, q_d).jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            declared[eqn.params["name"]] = eqn.params["cost_estimate"].bytes_accessed
+    routing = dict(tokens=T, top_k=TOP_K, experts=E, tm=TM)
+    gate_up = cost.moe_matmul(**routing, k=D, n=F, glu=True, lhs_itemsize=2, w_itemsize=1,
+                              out_itemsize=2, scale_bytes=4 * s_gu[0, 0].size)
+    down = cost.moe_matmul(**routing, k=F, n=D, glu=False, lhs_itemsize=2, w_itemsize=1,
+                           out_itemsize=2, scale_bytes=4 * s_d[0, 0].size)
+    assert declared == {cost.TPU_MOE_GATE_UP_GATHER: gate_up.bytes_accessed,
+                        cost.TPU_MOE_DOWN: down.bytes_accessed}
+    bf16 = cost.moe_matmul(**routing, k=D, n=F, glu=True, lhs_itemsize=2, w_itemsize=2,
+                           out_itemsize=2)
+    assert gate_up.bytes_accessed < bf16.bytes_accessed
+
+
+def test_bad_scales_are_refused():
+    x, logits, mask, (q_gu, q_d), (s_gu, s_d), _ = case("int8", jnp.bfloat16)
+    kw = dict(layer=1, top_k=TOP_K, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="need scales= and scheme="):
+        moe.moe_ffn(x, logits, q_gu, q_d, **kw, backend="xla")
+    with pytest.raises(ValueError, match="without a scheme"):
+        moe.moe_ffn(x, logits, q_gu, q_d, **kw, scales=(s_gu, s_d), backend="xla_tiles")
+    with pytest.raises(ValueError, match="must have shape"):
+        moe.moe_ffn(x, logits, q_gu, q_d, **kw, scales=(s_gu[..., :-1], s_d), scheme=quant.INT8,
+                    backend="tpu", interpret=True)
+    with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+        moe.moe_ffn(x, logits, q_gu, q_d, **kw, scales=(s_gu, s_d), scheme=quant.FP8,
+                    backend="tpu", interpret=True)
+    with pytest.raises(NotImplementedError, match="16-bit weights only"):
+        from pallas_kernels.moe.gpu import moe_ffn_gpu
+
+        moe_ffn_gpu(x, logits, q_gu, q_d, **kw, scales=(s_gu, s_d), scheme=quant.INT8)
+    # A K step of 8 rows would split the down projection's 16-row scale blocks.
+    x3, logits3, mask3, (q3, qd3), scales3, _ = case("fp8_block16", jnp.bfloat16)
+    with pytest.raises(ValueError, match="whole 16-row blocks"):
+        jax.eval_shape(lambda *a: tpu.moe_ffn_tpu(
+            *a, **_kw("fp8_block16", mask3, scales3), fused_gather=False, interpret=True,
+            tiling=tpu.TpuTiling(tm=TM, tk=16, tn=16, down_tk=8, down_tn=16)),
+            x3, logits3, q3, qd3)
+
+
+# ---------------------------------------------------------------- TPU compile and audit
+needs_libtpu = pytest.mark.skipif(
+    not compile_targets.libtpu_available(),
+    reason=f"libtpu is not importable: {compile_targets.LIBTPU_HINT}")
+QWEN = dict(T=64, D=2048, E=128, A=8, F=768)
+
+
+def _qwen_args(scheme):
+    sd = jax.ShapeDtypeStruct
+    T, D, E_, F = QWEN["T"], QWEN["D"], QWEN["E"], QWEN["F"]
+    return (sd((T, D), jnp.bfloat16), sd((T, E_), jnp.float32),
+            sd((L, E_, D, 2 * F), scheme.weight_dtype), sd((L, E_, F, D), scheme.weight_dtype),
+            sd((L, E_, *scheme.scale_shape(D, 2 * F)), jnp.float32),
+            sd((L, E_, *scheme.scale_shape(F, D)), jnp.float32), sd((), jnp.int32))
+
+
+def _quantized_shapes():
+    D, E_, F = QWEN["D"], QWEN["E"], QWEN["F"]
+    stacked = [(L, E_, D, 2 * F), (L, E_, F, D)]
+    return {s for w in stacked for s in (w, w[1:], (1, *w[1:]))}
+
+
+@needs_libtpu
+def test_int8_kernels_compile_for_v6e_at_qwen3_shapes_and_pass_the_audit():
+    """int8 weights [2, 128, 2048, 1536] / [2, 128, 768, 2048], traced layer, default
+    tiling (768-wide gate/up blocks, whole-D gather rows; down 768 x 2048 blocks)."""
+    from lp_jax.aot.audit import dequantised_copies
+    from tests.test_tpu_compile import _kernel_weight_roots
+
+    def fn(x, logits, w_gu, w_d, s_gu, s_d, layer):
+        return tpu.moe_ffn_tpu(x, logits, w_gu, w_d, layer=layer, top_k=QWEN["A"],
+                               norm_topk_prob=True, scales=(s_gu, s_d), scheme=quant.INT8)
+
+    compiled = compile_targets.compile_tpu(fn, _qwen_args(quant.INT8), topology="v6e:2x2",
+                                           mesh_shape=(1,))
+    hlo = compiled.as_text()
+    D, E_, F = QWEN["D"], QWEN["E"], QWEN["F"]
+    roots = _kernel_weight_roots(hlo, min_elements=E_ * F * D)
+    gate_up, down = (("parameter", f"s8[{L},{E_},{D},{2 * F}]"),
+                     ("parameter", f"s8[{L},{E_},{F},{D}]"))
+    assert sorted(roots) == sorted([gate_up, gate_up, down]), roots
+    assert compiled.memory_analysis().temp_size_in_bytes < E_ * F * D  # << one layer
+    assert dequantised_copies(hlo, _quantized_shapes()) == []
+
+    def dequantise_then_kernel(x, logits, w_gu, w_d, s_gu, s_d, layer):
+        deq = [quant.ref_dequantize(w, s, quant.INT8, jnp.bfloat16)
+               for w, s in ((w_gu, s_gu), (w_d, s_d))]
+        return tpu.moe_ffn_tpu(x, logits, *deq, layer=layer, top_k=QWEN["A"],
+                               norm_topk_prob=True)
+
+    control = compile_targets.compile_tpu(dequantise_then_kernel, _qwen_args(quant.INT8),
+                                          topology="v6e:2x2", mesh_shape=(1,))
+    found = dequantised_copies(control.as_text(), _quantized_shapes())
+    assert found and any(f"bf16[{L},{E_},{D},{2 * F}]" in op for op in found), found
