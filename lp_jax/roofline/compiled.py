@@ -23,7 +23,8 @@ prompt log-probabilities), which costs its skip branch. A Pallas call's cost is
 and a full page table (every sequence at max_model_len, the new rows spread evenly
 over min(rows, max_num_seqs) sequences). Bytes: an op moves its operands and result,
 except that an in-place update moves its update, and an operand that a fusion only
-slices or gathers from (stacked layer weights, the embedding) moves the slice.
+slices or gathers from (stacked layer weights, the embedding), directly or in a fusion
+nested in it, moves the slice.
 """
 
 from __future__ import annotations
@@ -275,6 +276,10 @@ class Walker:
             for inner in fused.instrs.values():
                 f, d = self._flops(fused, inner)
                 total, dot = total + f, dot or d
+            # a matrix-vector product (one row) XLA writes as multiply + reduce
+            dot = dot or any(i.opcode == "reduce" and fused.instrs.get(i.operands[0]) is not None
+                             and fused.instrs[i.operands[0]].opcode == "multiply"
+                             for i in fused.instrs.values())
             return total, dot
         if ins.opcode == "dot":
             lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
@@ -314,14 +319,39 @@ class Walker:
         for name, index in params.items():
             if name in in_place:
                 continue
-            uses = users[name]
             outer = self._bytes_of(comp, ins.operands[index]) if index < len(ins.operands) else 0
-            if outer and uses and all(u.opcode in _SLICING and u.operands[0] == name
-                                      for u in uses):
-                read += sum(u.bytes for u in uses)
-            else:
-                read += outer
+            sliced = self._sliced_read(fused, name, users[name]) if outer else None
+            read += outer if sliced is None else min(sliced, outer)
         return read + written
+
+    def _sliced_read(self, fused: hlo.Computation, name: str, uses) -> float | None:
+        """Bytes read of a fusion parameter that is only sliced or gathered from (directly,
+        through bitcasts, or inside a nested fusion, as XLA:TPU nests the dynamic-slice
+        of a stacked weight in the fusion of its dot); None if some use reads it whole."""
+        if not uses:
+            return None
+        total = 0.0
+        for u in uses:
+            if u.opcode in _SLICING and u.operands[0] == name:
+                total += u.bytes
+                continue
+            if u.opcode == "bitcast":
+                inner_uses = [i for i in fused.instrs.values() if u.name in i.operands]
+                inner = self._sliced_read(fused, u.name, inner_uses)
+            elif u.opcode == "fusion" and u.operands.count(name) == 1:
+                nested = self.m.computations[u.called[0]]
+                index = u.operands.index(name)
+                param = next((i for i in nested.instrs.values()
+                              if i.opcode == "parameter" and int(i.args) == index), None)
+                inner = None if param is None else self._sliced_read(
+                    nested, param.name,
+                    [i for i in nested.instrs.values() if param.name in i.operands])
+            else:
+                inner = None
+            if inner is None:
+                return None
+            total += inner
+        return total
 
 
 @dataclasses.dataclass

@@ -1,0 +1,95 @@
+"""The compiled-program roofline's byte and class rules on small hand-written HLO.
+
+XLA:TPU nests the dynamic-slice of a stacked [L, ...] layer weight in a fusion of its
+own inside the fusion of the dot that uses it. The Qwen3-30B-A3B programs showed it:
+charging the whole operand made every dense matmul in the layer loop read all 48 layers
+(a step predicted at 9-16x the formula). The rules here run without libtpu.
+"""
+
+import types
+
+from lp_jax.roofline import hlo
+from lp_jax.roofline.compiled import Walker
+from lp_jax.roofline.hardware import get_hardware
+
+L, D, N, T = 48, 64, 32, 8
+
+NESTED = f"""HloModule nested
+
+%slice_layer (p0: bf16[{L},{D},{N}], p1: s32[]) -> bf16[{D},{N}] {{
+  %p0 = bf16[{L},{D},{N}]{{2,1,0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,{D},{N}]{{2,1,0}} dynamic-slice(%p0, %p1, %c, %c), dynamic_slice_sizes={{1,{D},{N}}}
+  ROOT %b = bf16[{D},{N}]{{1,0}} bitcast(%ds)
+}}
+
+%dot_fusion (q0: bf16[{T},{D}], q1: bf16[{L},{D},{N}], q2: s32[]) -> f32[{T},{N}] {{
+  %q0 = bf16[{T},{D}]{{1,0}} parameter(0)
+  %q1 = bf16[{L},{D},{N}]{{2,1,0}} parameter(1)
+  %q2 = s32[] parameter(2)
+  %w = bf16[{D},{N}]{{1,0}} fusion(%q1, %q2), kind=kLoop, calls=%slice_layer
+  ROOT %d = f32[{T},{N}]{{1,0}} dot(%q0, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%whole_fusion (r0: bf16[{L},{D},{N}]) -> bf16[{L},{D},{N}] {{
+  %r0 = bf16[{L},{D},{N}]{{2,1,0}} parameter(0)
+  ROOT %n = bf16[{L},{D},{N}]{{2,1,0}} negate(%r0)
+}}
+
+%matvec (s0: f32[{D}], s1: f32[{D},{N}]) -> f32[{N}] {{
+  %s0 = f32[{D}]{{0}} parameter(0)
+  %s1 = f32[{D},{N}]{{1,0}} parameter(1)
+  %bc = f32[{D},{N}]{{1,0}} broadcast(%s0), dimensions={{0}}
+  %m = f32[{D},{N}]{{1,0}} multiply(%bc, %s1)
+  %z = f32[] constant(0)
+  ROOT %r = f32[{N}]{{0}} reduce(%m, %z), dimensions={{0}}, to_apply=%sum
+}}
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (x: bf16[{T},{D}], w: bf16[{L},{D},{N}]) -> f32[{T},{N}] {{
+  %x = bf16[{T},{D}]{{1,0}} parameter(0)
+  %w = bf16[{L},{D},{N}]{{2,1,0}} parameter(1)
+  %l = s32[] parameter(2)
+  %v = f32[{D}]{{0}} parameter(3)
+  %m = f32[{D},{N}]{{1,0}} parameter(4)
+  %whole = bf16[{L},{D},{N}]{{2,1,0}} fusion(%w), kind=kLoop, calls=%whole_fusion
+  %mv = f32[{N}]{{0}} fusion(%v, %m), kind=kLoop, calls=%matvec
+  ROOT %f = f32[{T},{N}]{{1,0}} fusion(%x, %w, %l), kind=kOutput, calls=%dot_fusion
+}}
+"""
+
+
+def _walker():
+    module = hlo.parse(NESTED)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    return module, Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
+
+
+def test_a_stacked_weight_sliced_in_a_nested_fusion_moves_one_layer():
+    module, walker = _walker()
+    entry = module.computations[module.entry]
+    moved = walker._fusion_bytes(entry, entry.instrs["f"])
+    one_layer = D * N * 2
+    want = T * D * 2 + one_layer + 4 + T * N * 4  # x, the slice, the index, the output
+    assert moved == want, (moved, want, L * one_layer)
+
+
+def test_a_fusion_that_reads_the_whole_stack_is_charged_the_whole_stack():
+    module, walker = _walker()
+    entry = module.computations[module.entry]
+    assert walker._fusion_bytes(entry, entry.instrs["whole"]) == 2 * L * D * N * 2
+
+
+def test_a_multiply_reduce_matvec_counts_as_a_matmul():
+    module, walker = _walker()
+    entry = module.computations[module.entry]
+    flops, has_dot = walker._flops(entry, entry.instrs["mv"])
+    assert has_dot and flops >= D * N
+    flops, has_dot = walker._flops(entry, entry.instrs["whole"])
+    assert not has_dot
