@@ -197,7 +197,11 @@ class ModelRunner:
         # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows
         # of constrained samples; None: no request may carry a grammar.
         self.structured = None
-        self._all_ones: dict[int, jax.Array] = {}  # per sampled-row count B, on device
+        # The all-ones bitmask of each call size's B sampled rows, on device before serving
+        # (a transfer while serving would count as a compile on a multi-process mesh).
+        self._all_ones = {B: jax.device_put(np.full((B, self.spec.mask_words), -1, np.int32),
+                                            self._replicated)
+                          for B in {self.spec.seqs_for(N) for N in self.spec.buckets}}
         self.channel = channel
         self.codec = StepCodec(self.spec)
         self._step_ids = itertools.count()
@@ -422,13 +426,6 @@ class ModelRunner:
         self.structured.fill([(seq.seq_id, i) for seq, i in constrained], mask_BW)
         return mask_BW
 
-    def _ones(self, B: int) -> jax.Array:
-        """The all-ones bitmask of B sampled rows, kept on device: a call without a
-        constrained row sends no [B, ceil(V/32)] array."""
-        if B not in self._all_ones:
-            self._all_ones[B] = jax.device_put(
-                np.full((B, self.spec.mask_words), -1, np.int32), self._replicated)
-        return self._all_ones[B]
 
     # ------------------------------------------------------------ execute
     def dispatch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
@@ -482,7 +479,7 @@ class ModelRunner:
             inputs["prev_tokens_R"] = prev
             s = inputs["sampling"]
             if "bitmask_SW" in s and s["bitmask_SW"] is None:
-                s["bitmask_SW"] = self._ones(len(s["position"]))
+                s["bitmask_SW"] = self._all_ones[len(s["position"])]
             self.kv_pages, self.hidden_RD, out = self._program(N)(
                 self.state, self.kv_pages, self.hidden_RD, inputs, self.counts)
             self.counts = out["counts"]
