@@ -7,6 +7,7 @@ import os
 
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
+from lp_jax.quant import AT_LOAD
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
@@ -64,6 +65,9 @@ class EngineConfig:
     load_format: str = "auto"  # "auto", "safetensors", "dummy", "orbax"
     mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
     dtype: str | None = None  # None: the checkpoint's dtype
+    # Weight format (lp_jax/quant): None serves the checkpoint's (16-bit, or the FP8 its
+    # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load.
+    quantization: str | None = None
     moe_backend: str = "auto"
     # Expert-parallel MoE (mesh "expert" axis > 1): "allreduce" (every expert shard routes
     # every token, partial outputs summed), "all_to_all" (rows sent to their expert's
@@ -115,6 +119,10 @@ class EngineConfig:
         if self.moe_dispatch not in ("allreduce", "all_to_all", "auto"):
             raise ValueError("moe_dispatch must be allreduce, all_to_all or auto, got "
                              f"{self.moe_dispatch!r}")
+        if self.quantization is not None and self.quantization not in AT_LOAD:
+            raise ValueError(f"quantization must be None or one of {sorted(AT_LOAD)}, got "
+                             f"{self.quantization!r} (a quantized checkpoint is detected "
+                             "from its config.json)")
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:

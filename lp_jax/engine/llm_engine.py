@@ -51,6 +51,7 @@ from lp_jax.executor.plan_channel import (
     warm_broadcasts,
 )
 from lp_jax.models.backends import KernelBackends
+from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 from lp_jax.trace.writer import TraceWriter
 
@@ -84,6 +85,10 @@ class LLMEngine:
         model_dir = config.model or _default_model_dir()
         self.model_dir = model_dir
         model_cfg = ModelConfig.from_pretrained(model_dir)
+        # The weight format: the checkpoint's, or config.quantization applied at load
+        # (lp_jax/quant); a disagreement raises here, before anything loads.
+        model_cfg = model_cfg.replace(quantization=resolve_quantization(
+            model_cfg.quantization, config.quantization))
         max_model_len = (config.max_model_len
                          or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
@@ -163,7 +168,8 @@ class LLMEngine:
             model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
                                       moe_dispatch=config.moe_dispatch),
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
-            experts=model_experts(model))
+            # quantized experts: the check runs on a random 16-bit stack (it passes no scales)
+            experts=None if model_cfg.quantization else model_experts(model))
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
