@@ -2,7 +2,8 @@
 
 Engine flags are named as vLLM names them where the meaning is the same
 (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--load-format`,
-`--dtype`, `--seed`); the rest are lp_jax's own (`--scheduling`, `--layer-groups`, ...).
+`--dtype`, `--quantization`, `--seed`); the rest are lp_jax's own (`--scheduling`,
+`--layer-groups`, ...).
 
     LP_API_KEY=... lp-serve --model /path/to/Qwen3-30B-A3B --scheduling layered --port 8000
 
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mesh-shape", type=_int_tuple, default=None,
                    help="'expert,tensor' or 'data,expert,tensor'")
     e.add_argument("--dtype", default=None)
+    e.add_argument("--quantization", "-q", choices=("int8", "fp8"), default=None,
+                   help="quantise a 16-bit checkpoint's weights per channel at load; a "
+                        "quantized (HF FP8) checkpoint is detected from its config.json")
     e.add_argument("--moe-backend", default="auto")
     e.add_argument("--moe-dispatch", choices=("auto", "allreduce", "all_to_all"),
                    default="auto", help="expert-parallel MoE communication [default: auto]")
@@ -233,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "enable_prefix_caching", "kv_pages", "kv_memory_fraction", "load_format",
-                "mesh_shape", "dtype", "moe_backend", "attention_backend", "backends", "seed",
+                "mesh_shape", "dtype", "quantization", "moe_backend", "attention_backend",
+                "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
                 "flowprefill_rules", "max_paused_prefills", "slo_classes", "latency_model",

@@ -29,6 +29,7 @@ from lp_jax.models.backends import KernelBackends
 from lp_jax.models.simple import greedy_generate
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh
+from pallas_kernels.compile_targets import libtpu_available
 from pallas_kernels.quant import FP8_BLOCK, scheme_named
 
 LOGIT_ATOL = 1e-4
@@ -288,3 +289,35 @@ def test_int8_greedy_tokens_equal_across_policies(base_dir):
         assert llm.stats()["compilations_after_warmup"] == 0
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         LLM(str(base_dir), quantization="int4")
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
+def test_aot_int8_qwen3_30b_fits_a_v5e_2x2():
+    """The AOT plan (no compile): Qwen3-30B-A3B's bf16 weights alone overflow a v5e chip
+    of a 2x2 slice with the experts split 4 ways; int8 halves them and fits."""
+    from lp_jax.aot import AotConfig, build, load_config
+
+    cfg = load_config("qwen3-30b-a3b")
+    aot = dict(platform="tpu", topology="v5e:2x2", mesh_shape=(1, 4, 1), max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"does not fit: .* \(weights 17.6 GB"):
+        build(cfg, AotConfig(**aot))
+    b = build(cfg, AotConfig(**aot, quantization="int8"))
+    assert b.model_config.quantization.method == "int8"
+    assert b.weight_bytes_per_device + b.kv_bytes_per_device < 16e9
+    assert b.layer_expert_bytes_per_device == 32 * 3 * 2048 * 768  # 1 byte a weight
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        build(cfg, AotConfig(**aot, quantization="int4"))
+
+
+def test_lp_serve_and_aot_take_quantization():
+    from lp_jax.aot.__main__ import main as aot_main
+    from lp_jax.serve import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--quantization", "fp8"])).quantization \
+        == "fp8"
+    assert engine_config(build_parser().parse_args([])).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "int4"])
+    with pytest.raises(SystemExit):
+        aot_main(["--platform", "tpu", "--preset", "qwen3-8b", "--quantization", "awq",
+                  "--out", "/tmp/unused"])

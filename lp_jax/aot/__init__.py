@@ -53,6 +53,7 @@ from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, packs_kv
+from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
@@ -83,6 +84,7 @@ class AotConfig:
     token_buckets: tuple[int, ...] | None = None
     max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
     moe_dispatch: str = "auto"  # expert-parallel MoE: allreduce, all_to_all or auto
+    quantization: str | None = None  # None: the checkpoint's format; "int8" / "fp8" at load
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
@@ -162,7 +164,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     """The abstract engine: program spec, step function and sharded argument shapes.
     Raises ValueError if the weights and KV pool cannot fit the chip's HBM."""
     dtype = jnp.dtype(cfg.dtype or model_cfg.dtype)
-    model_cfg = model_cfg.replace(dtype=dtype.name)
+    model_cfg = model_cfg.replace(dtype=dtype.name, quantization=resolve_quantization(
+        model_cfg.quantization, cfg.quantization))
     data, expert, tensor = cfg.mesh_shape
     mesh = make_mesh(data, expert, tensor, devices=_devices(cfg))
     L, S = model_cfg.num_hidden_layers, cfg.page_size

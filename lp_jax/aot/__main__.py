@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None,
                     help="programs compiled at once (default: the host's cores)")
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    ap.add_argument("--quantization", default=None, choices=("int8", "fp8"),
+                    help="weights quantized per channel (default: the checkpoint's format)")
     ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
                     help="expert-parallel MoE communication (default: auto)")
     ap.add_argument("--token-buckets", default=None,
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
             kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
             gpu=args.gpu, memory_fraction=args.memory_fraction,
             dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
-            moe_dispatch=args.moe_dispatch,
+            moe_dispatch=args.moe_dispatch, quantization=args.quantization,
             token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
                            if args.token_buckets else None))
         summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,
