@@ -24,7 +24,7 @@ from flax import nnx
 from checkpoints import make_tiny_quant as mtq
 from lp_jax.config import ModelConfig
 from lp_jax.executor import compile_guard
-from lp_jax.loader import load_model
+from lp_jax.loader import load_model, save_params
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.simple import greedy_generate
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
@@ -127,6 +127,18 @@ def test_fp8_weights_dequantise_to_numpy_quantiser(fp8_model, dequant_model, fp8
                                   q.T.view(np.uint8))
     np.testing.assert_array_equal(np.asarray(mlp.experts_down_proj_scale[...])[1, 3],
                                   s.T.astype(np.float32))
+
+
+def test_orbax_keeps_fp8(tmp_path, fp8_dir, fp8_model):
+    d = tmp_path / "m"
+    shutil.copytree(fp8_dir, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_params(fp8_model, d / "orbax")
+    got, want = _params(load_model(d)), _params(fp8_model)
+    assert got.keys() == want.keys()
+    for p, w in want.items():
+        assert got[p].dtype == w.dtype, p
+        np.testing.assert_array_equal(np.asarray(got[p]).view(np.uint8),
+                                      np.asarray(w).view(np.uint8), err_msg=str(p))
 
 
 def _logits(model):
