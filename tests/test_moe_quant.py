@@ -92,6 +92,7 @@ def _reference(scheme_name, dtype, D=64, F=32):
     return y, dense, stats
 
 
+@functools.cache
 def _run_tpu(scheme_name, dtype, tiling_name, D=64, F=32):
     x, logits, mask, (q_gu, q_d), scales, _ = case(scheme_name, dtype, D, F)
     tiling, fused = TILINGS[tiling_name]
@@ -155,6 +156,46 @@ def test_quantization_error_against_the_16_bit_weights():
     assert got["int8"] < 2e-2 and got["fp8"] < 6e-2 and got["fp8_block"] < 6e-2, got
 
 
+def _fp8_dynamic(x, group: int = 128):
+    """HF fine-grained FP8's dynamic activation quantisation (activation_scheme
+    "dynamic"), round-tripped: per token and 128-column group, amax / 448, e4m3."""
+    T_, K = x.shape
+    g = x.astype(jnp.float32).reshape(T_, K // group, group)
+    scale = jnp.maximum(jnp.max(jnp.abs(g), axis=-1, keepdims=True), 1e-12) / 448.0
+    q = (g / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * scale).reshape(T_, K)
+
+
+def test_w8a16_against_the_w8a8_reference():
+    """transformers serves HF FP8 checkpoints (activation_scheme "dynamic") as W8A8:
+    activations quantised per token per 128 columns before each expert matmul. Our
+    kernels keep the activations in 16 bits (W8A16). The two differ by the activation
+    rounding alone; measured 4.0e-2 norm-relative here (bound 8e-2): e4m3 keeps 3
+    mantissa bits (a relative rounding error up to 2^-4), applied twice (x and h). So
+    W8A16 is the more accurate of the two, and parity with a W8A8 server holds to ~4e-2,
+    not to the 1e-2 of W8A16 against its own oracle."""
+    D, F = 256, 128
+    x, logits, mask, (q_gu, q_d), scales, _ = case("fp8_block", jnp.float32, D, F)
+    w_gu = quant.ref_dequantize(q_gu[1], scales[0][1], quant.FP8_BLOCK)
+    w_d = quant.ref_dequantize(q_d[1], scales[1][1], quant.FP8_BLOCK)
+    w16, _ = ref_moe_ffn(x, logits, q_gu, q_d, **_kw("fp8_block", mask, scales))
+
+    @jax.jit
+    def w8a8(x, logits, mask, w_gu, w_d):
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), TOP_K)
+        weights = weights / weights.sum(-1, keepdims=True) * mask[:, None]
+        y8 = jnp.zeros_like(x)
+        for a in range(TOP_K):  # dense over tokens: each token's a-th expert
+            gate_up = jnp.einsum("td,tdf->tf", _fp8_dynamic(x), w_gu[ids[:, a]])
+            h = jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]
+            y8 += weights[:, a:a + 1] * jnp.einsum("tf,tfd->td", _fp8_dynamic(h),
+                                                   w_d[ids[:, a]])
+        return y8
+
+    err = rel_err(w16, w8a8(x, logits, mask, w_gu, w_d))
+    assert 1e-2 < err < 8e-2, err  # nonzero: the W8A8 emulation does round
+
+
 def test_stats_and_cost_count_stored_bytes():
     D, F = 64, 32
     x, logits, mask, (q_gu, q_d), (s_gu, s_d), _ = case("fp8_block16", jnp.bfloat16)
@@ -162,7 +203,7 @@ def test_stats_and_cost_count_stored_bytes():
     scale_bytes = 4 * (s_gu[0, 0].size + s_d[0, 0].size)
     per_expert = D * 2 * F + F * D + scale_bytes  # 1 byte per weight
     assert float(stats["expert_bytes_loaded"]) == int(stats["experts_activated"]) * per_expert
-    _, tpu_stats = _run_tpu("fp8_block16", jnp.bfloat16, "joint")
+    _, tpu_stats = _run_tpu("fp8_block16", jnp.bfloat16, "gmm")  # cached from above
     assert float(tpu_stats["expert_bytes_loaded"]) == float(stats["expert_bytes_loaded"])
 
     tiling, _ = TILINGS["joint"]

@@ -71,10 +71,19 @@ it: the used tiles are a run-time value, and P is about tm times the routed rows
 they are fewer than the experts (decode), so declaring P rows overstated decode's flops
 about tm-fold (tests/test_kernel_cost.py).
 
+Quantized weights (issue 31, `tpu_quant.py`): int8 / fp8 weights with their scales
+([G, k, n], stacked [L, E, k, n] passed whole like the weights, indexed by the tile's
+group); every weight block is converted on chip and multiplied in the activation
+dtype, the scales applied to the float32 sums (per channel in the epilogue, fp8 blocks
+per 128-row K chunk). h is stored in the activation dtype. The cost estimate counts
+the stored bytes (1 per weight plus the scales).
+
 Status: both gate/up paths and the down kernel pass the TPU interpreter tests, and
 compile with the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e
 devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py),
-and for v6e at GPT-OSS-20B shapes with biases (tests/test_moe_kernels.py).
+and for v6e at GPT-OSS-20B shapes with biases (tests/test_moe_kernels.py). Quantized:
+int8, fp8 and fp8 blocks pass the interpreter (tests/test_moe_quant.py) and compile
+for v5e and v6e at Qwen3-30B-A3B shapes (int8 on v6e in that test file).
 None has run on a TPU.
 """
 
@@ -90,6 +99,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import cost
+from pallas_kernels.moe import tpu_quant as tq
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
     SILU,
@@ -195,107 +205,6 @@ def _epilogue(act, bias_refs=(), group_ref=None, tile=None, split=None, channel_
     return apply
 
 
-# ------------------------------------------------------------ quantized weights (W8A16)
-@dataclasses.dataclass(frozen=True)
-class _Quant:
-    """How a kernel applies its weights' scales (static). "channel": one scale per
-    output column (block_k = K, block_n = 1), multiplied in the epilogue. "block":
-    block_k x block_n blocks (HF fine-grained FP8: 128 x 128); each K chunk of block_k
-    rows gets its own float32 partial dot, scaled by its row of block scales before the
-    K-sum. cdt: the dtype the weight tiles are converted to on chip (the activations')."""
-
-    mode: str
-    block_k: int
-    block_n: int
-    cdt: object
-
-
-def _quant_of(scheme, scale, cdt) -> _Quant | None:
-    if scale is None:
-        return None
-    if scheme.block_k is None and scheme.block_n == 1:
-        return _Quant("channel", 0, 1, jnp.dtype(cdt))
-    if scheme.block_k is not None and scheme.block_n > 1:
-        return _Quant("block", scheme.block_k, scheme.block_n, jnp.dtype(cdt))
-    raise NotImplementedError(f"no TPU kernel for scheme {scheme}")
-
-
-def _scale_operands(scale_Gkn, quant: _Quant | None, width: int, offsets):
-    """BlockSpecs and operands for the weight scales [G, k, n] (none if unquantized).
-    channel: a [1, width] row per weight block (gate, up), at the block's columns.
-    block: the tile's expert's whole [k, n] scales (a few hundred bytes), once."""
-    if quant is None:
-        return [], []
-    if quant.mode == "channel":
-        def spec(offset):
-            return pl.BlockSpec((None, 1, width), lambda i, n, k, g, *_: (g[i], 0, n + offset))
-
-        return [spec(o) for o in offsets], [scale_Gkn] * len(offsets)
-    kq, nq = scale_Gkn.shape[1:]
-    return [pl.BlockSpec((None, kq, nq), lambda i, n, k, g, *_: (g[i], 0, 0))], [scale_Gkn]
-
-
-def _scale_vmem_bytes(scale_args, quant: _Quant | None, width: int, num_w: int) -> int:
-    """VMEM of the scale blocks (double-buffered) and, in block mode, of the expanded
-    [k, width] float32 scales of each weight block."""
-    if quant is None:
-        return 0
-    if quant.mode == "channel":
-        return 2 * len(scale_args) * width * 4
-    kq, nq = scale_args[0].shape[1:]
-    return 2 * kq * nq * 4 + num_w * kq * width * 4
-
-
-def _check_block_chunks(quant: _Quant | None, rows: int, tiles_k: int, tk_rows: int,
-                        what: str):
-    """Block mode: K chunks of block_k rows must not straddle a K block: the rows of
-    one weight part (`rows`) and, with several k blocks, the k block itself must be
-    whole multiples of block_k."""
-    if quant is None or quant.mode != "block":
-        return
-    bk = quant.block_k
-    if rows % bk or (tiles_k > 1 and tk_rows % bk):
-        raise ValueError(f"{what}: block-quantized weights need K tiles that are whole "
-                         f"{bk}-row blocks: {rows} rows per part, k tile {tk_rows}")
-
-
-def _block_scales(scale_ref, quant: _Quant, col0, width: int):
-    """The block scales of columns [col0, col0 + width) of the tile's expert, as
-    float32 [k, width]: each column gets its block's scale (a select per column block:
-    no dynamic lane offsets)."""
-    s_kn = scale_ref[...].astype(jnp.float32)
-    kq, nq = s_kn.shape
-    col_block = (col0 + jax.lax.broadcasted_iota(jnp.int32, (kq, width), 1)) // quant.block_n
-    out = jnp.zeros((kq, width), jnp.float32)
-    for j in range(nq):
-        out = jnp.where(col_block == j, s_kn[:, j:j + 1], out)
-    return out
-
-
-def _scale_row(s_kw, kb):
-    """Row kb (traced) of s_kw [k, width], as [1, width] (a one-hot sum)."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, s_kw.shape, 0)
-    return jnp.sum(jnp.where(rows == kb, s_kw, 0.0), axis=0, keepdims=True)
-
-
-def _qdot(x, w, quant: _Quant | None, row0=0, s_kw=None):
-    """x @ w in float32. Quantized w: converted on chip to the activations' dtype
-    (int8 and e4m3 values are exact in bfloat16); in block mode one partial dot per
-    block_k rows, scaled by that K block's row of s_kw. row0: the global K row of w's
-    first row (a multiple of block_k; may be traced)."""
-    if quant is None:
-        return jnp.dot(x, w, preferred_element_type=jnp.float32)
-    w = w.astype(quant.cdt)
-    if quant.mode == "channel":
-        return jnp.dot(x, w, preferred_element_type=jnp.float32)
-    bk, rows = quant.block_k, w.shape[0]
-    out = 0.0
-    for c in range(0, rows, bk):
-        part = jnp.dot(x[:, c:c + bk], w[c:c + bk], preferred_element_type=jnp.float32)
-        out = out + part * _scale_row(s_kw, (row0 + c) // bk)
-    return out
-
-
 def _gate_up_blocks(F: int, tn: int, tiles_n: int):
     """(block width, block offsets, split) of the gate/up weight columns: a gate and an
     up block, n and n + F/tn, of tn columns; or, when F is no multiple of 128 lanes
@@ -340,7 +249,7 @@ def _gate_up_gather_kernel(
     ids_hbm, x_hbm, *refs,  # inputs: weights (gate, up or one joint), biases; then
     # output h, then scratch: xbuf, ids_smem, row_sem, ids_sem, accumulators
     tm: int, tk: int, tiles_k: int, pack: int, act, num_w: int, num_bias: int, split,
-    quant: _Quant | None = None, num_scale: int = 0, width: int = 0, offsets=(0,),
+    quant: tq.Quant | None = None, num_scale: int = 0, width: int = 0, offsets=(0,),
 ):
     w_refs, bias_refs = refs[:num_w], refs[num_w:num_w + num_bias]
     scale_refs = refs[num_w + num_bias:num_w + num_bias + num_scale]
@@ -405,13 +314,13 @@ def _gate_up_gather_kernel(
     cdt = w_refs[0].dtype if quant is None else quant.cdt
     s_kws = [None] * num_w
     if quant is not None and quant.mode == "block":
-        s_kws = [_block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
+        s_kws = [tq.block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
     part_rows = xbuf.shape[-1]  # D / pack: part p holds rows [p * D/pack, (p+1) * D/pack)
     dots = [0.0] * num_w  # gate, up; or the joint [gate | up]
     for part in range(pack):
         x = _unpack_words(words, pack, part).astype(cdt)
         for j, w_ref in enumerate(w_refs):
-            dots[j] += _qdot(x, w_ref[part], quant, part * part_rows + k * kw, s_kws[j])
+            dots[j] += tq.qdot(x, w_ref[part], quant, part * part_rows + k * kw, s_kws[j])
     channel = scale_refs if quant is not None and quant.mode == "channel" else ()
     _accumulate_and_store(k, tiles_k, dots, acc_refs, h_ref,
                           _epilogue(act, bias_refs, tile_group_ref, i, split, channel))
@@ -460,8 +369,8 @@ def gate_up_gather(
         raise ValueError(f"tiles must divide: D={D} tk={tk} F={F} tn={tn} P={P} tm={tm}")
     tiles_k, tiles_n = D // tk, F // tn
     width, offsets, split = _gate_up_blocks(F, tn, tiles_n)
-    quant = _quant_of(scheme, s_gate_up, x_TD.dtype)
-    _check_block_chunks(quant, D // pack if pack > 1 else 0, tiles_k, tk // pack,
+    quant = tq.quant_of(scheme, s_gate_up, x_TD.dtype)
+    tq.check_block_chunks(quant, D // pack if pack > 1 else 0, tiles_k, tk // pack,
                         "gate_up_gather")
 
     def w_map(up_offset):
@@ -488,9 +397,9 @@ def gate_up_gather(
     if tiles_k > 1:
         scratch += [pltpu.VMEM((tm, width), jnp.float32)] * len(offsets)
     bias_specs, bias_args = _bias_operands(b_gate_up, width, offsets)
-    scale_specs, scale_args = _scale_operands(s_gate_up, quant, width, offsets)
+    scale_specs, scale_args = tq.scale_operands(s_gate_up, quant, width, offsets)
     vmem_bytes += _bias_vmem_bytes(bias_args, width)
-    vmem_bytes += _scale_vmem_bytes(scale_args, quant, width, len(offsets))
+    vmem_bytes += tq.scale_vmem_bytes(scale_args, quant, width, len(offsets))
     if quant is not None:  # the weight blocks converted to the activation dtype
         vmem_bytes += len(offsets) * tk * width * itemsize
     kernel = functools.partial(_gate_up_gather_kernel, tm=tm, tk=tk, tiles_k=tiles_k,
@@ -563,7 +472,7 @@ def _moe_cost(routing, P: int, G: int, *, k: int, n: int, glu: bool, lhs_dtype, 
 
 # ------------------------------------------------------------- grouped matmul by tiles
 def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, act, n_rhs: int,
-                     num_bias: int, split, quant: _Quant | None = None, num_scale: int = 0,
+                     num_bias: int, split, quant: tq.Quant | None = None, num_scale: int = 0,
                      width: int = 0, offsets=(0,)):
     n, k = pl.program_id(1), pl.program_id(2)
     rhs_refs, bias_refs = refs[:n_rhs], refs[n_rhs:n_rhs + num_bias]
@@ -572,9 +481,9 @@ def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, act, n_rhs: i
     lhs = lhs_ref[...]
     s_kws = [None] * n_rhs
     if quant is not None and quant.mode == "block":
-        s_kws = [_block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
+        s_kws = [tq.block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
     tk = lhs.shape[1]
-    dots = [_qdot(lhs, r[...], quant, k * tk, s) for r, s in zip(rhs_refs, s_kws, strict=True)]
+    dots = [tq.qdot(lhs, r[...], quant, k * tk, s) for r, s in zip(rhs_refs, s_kws, strict=True)]
     channel = scale_refs if quant is not None and quant.mode == "channel" else ()
     _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref,
                           _epilogue(act, bias_refs, tile_group_ref, pl.program_id(0), split,
@@ -618,22 +527,22 @@ def tile_gmm(
                          f"tn={tn}")
     tiles_k, tiles_n = K // tk, N // tn
     width, offsets, split = _gate_up_blocks(N, tn, tiles_n) if swiglu else (tn, (0,), None)
-    quant = _quant_of(scheme, scale, lhs_PK.dtype)
-    _check_block_chunks(quant, 0, tiles_k, tk, "tile_gmm")
+    quant = tq.quant_of(scheme, scale, lhs_PK.dtype)
+    tq.check_block_chunks(quant, 0, tiles_k, tk, "tile_gmm")
 
     def rhs_spec(offset):
         return pl.BlockSpec((None, tk, width), lambda i, n, k, g: (g[i], k, n + offset))
 
     rhs_specs = [rhs_spec(o) for o in offsets]
     bias_specs, bias_args = _bias_operands(bias, width, offsets)
-    scale_specs, scale_args = _scale_operands(scale, quant, width, offsets)
+    scale_specs, scale_args = tq.scale_operands(scale, quant, width, offsets)
     n_rhs = len(rhs_specs)
     in_item, out_item = jnp.dtype(lhs_PK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
     vmem_bytes = (2 * tm * tk * in_item + 2 * n_rhs * tk * width * w_item
                   + 2 * tm * tn * out_item + (n_rhs + 1) * tm * width * 4
                   + _bias_vmem_bytes(bias_args, width)
-                  + _scale_vmem_bytes(scale_args, quant, width, n_rhs)
+                  + tq.scale_vmem_bytes(scale_args, quant, width, n_rhs)
                   + (0 if quant is None else n_rhs * tk * width * in_item))
     scratch = [pltpu.VMEM((tm, width), jnp.float32)] * n_rhs if tiles_k > 1 else []
     return pl.pallas_call(
