@@ -20,6 +20,7 @@ FLOORS = {
     "pallas_kernels": 0,  # kernels and their references know nothing of the engine
     "lp_jax.config": 0, "lp_jax.sharding": 0, "lp_jax.safetensors_io": 0,
     "lp_jax.progress": 0, "lp_jax.backend_select": 0, "lp_jax.version": 0,
+    "lp_jax.structured": 0,  # grammar specs (core's SamplingParams holds one), llguidance
     "lp_jax.core": 1,  # the pure-Python scheduling core
     "lp_jax.trace": 2,  # the decision trace: written by the engine and the simulator
     "lp_jax.models": 2,

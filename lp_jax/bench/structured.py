@@ -1,6 +1,6 @@
 """What structured outputs cost on the host, per token, and what the engine pays per step.
 
-    python -m lp_jax.structured.bench [--tokenizer PATH | --train-bpe DIR] [--engine]
+    python -m lp_jax.bench.structured [--tokenizer PATH | --train-bpe DIR] [--engine]
 
 Part 1 (grammar): for each tokenizer (the tiny model's 512 tokens, and a realistic one)
 and each spec, walks `--tokens` random allowed tokens through a matcher and times the
@@ -130,7 +130,8 @@ def engine_costs(seqs: int, max_tokens: int, reps: int = 3):
     """Per device step: host and exposed host ms; per token: each kind of row's mean
     inter-token latency. Cases: all rows free, all constrained, half and half."""
     from checkpoints.make_tiny import ensure_tiny
-    from lp_jax import LLM, SamplingParams
+    from lp_jax.core.sampling_params import SamplingParams
+    from lp_jax.llm import LLM
     from lp_jax.structured.params import StructuredOutputsParams
 
     llm = LLM(model=str(ensure_tiny(preset="tiny")), max_num_seqs=4, max_model_len=256,
