@@ -20,24 +20,45 @@ NEW_TOKENS = 4  # interpret mode runs seconds per decode step on these models
 INTERPRET_SMS = 8
 
 
-@pytest.mark.parametrize("preset,moe,attention", [
-    ("tiny-h128", "tpu", "tpu"),
-    ("tiny", "gpu", "gpu"),
-    ("tiny", "xla", "xla"),
+# (preset, moe, attention, golden prompt, page size)
+CASES = [
+    ("tiny-h128", "tpu", "tpu", 1, 16),
+    # 40 tokens: five full pages of 8, so the first decode token opens a sixth page
+    ("tiny", "gpu", "gpu", 2, 8),
+    ("tiny", "xla", "xla", 1, 16),
     # GPT-OSS (sinks, 8-key windows over a 17-token prompt, expert biases, clamped
     # SwiGLU): TPU MoE kernel, GPU attention kernels (the TPU attention kernel's head_dim
     # 64 case is tested in test_attention_kernels.py; this tiny model's is 16)
-    ("tiny-gpt-oss", "tpu", "gpu"),
-])
-def test_pallas_backends_match_golden(monkeypatch, preset, moe, attention):
+    ("tiny-gpt-oss", "tpu", "gpu", 1, 16),
+]
+
+
+def _rel_err(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("preset,moe,attention,prompt_index,page_size", CASES)
+def test_pallas_backends_match_golden_and_xla(monkeypatch, preset, moe, attention,
+                                              prompt_index, page_size):
+    """The model's own calls (jit, the layer loop, layer page offsets, a prefill then
+    decode-only steps) through the kernels in interpret mode: the golden greedy tokens,
+    and the prompt's float32 logits within 1e-5 of the xla backends' (this merges the
+    former tiny-model tests of test_moe_kernels.py and test_attention_kernels.py)."""
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
     monkeypatch.setattr(moe_gpu, "_num_sms", lambda: INTERPRET_SMS)
     golden = np.load(f"tests/golden/{preset}.npz")
-    prompt, want = golden["prompt_1"].tolist(), golden["greedy_1"].tolist()
+    prompt = golden[f"prompt_{prompt_index}"].tolist()
+    want = golden[f"greedy_{prompt_index}"].tolist()
     model = load_model(ensure_tiny(preset=preset))
-    tokens = greedy_generate(model, prompt, NEW_TOKENS,
-                             backends=KernelBackends(moe=moe, attention=attention))
+    tokens, logits = greedy_generate(model, prompt, NEW_TOKENS, page_size=page_size,
+                                     backends=KernelBackends(moe=moe, attention=attention),
+                                     return_prompt_logits=True)
     assert tokens == want[:NEW_TOKENS]
+    if moe != "xla" or attention != "xla":
+        _, ref_logits = greedy_generate(model, prompt, 1, page_size=page_size,
+                                        return_prompt_logits=True)
+        err = _rel_err(logits, ref_logits)
+        assert err < 1e-5, err
 
 
 def test_engine_with_tpu_kernels_matches_xla(monkeypatch):
