@@ -11,7 +11,7 @@ s, the kill ~5 s.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -35,12 +35,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gv():
-    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    return importlib.import_module("launch.gpu_validate")
 
 
 def test_cpu_smoke_runs_every_section(tmp_path, cache_dir):
