@@ -157,15 +157,17 @@ def test_fp8_logits_match_dequantised_float32(fp8_model, dequant_logits):
     assert diff <= LOGIT_ATOL, diff
 
 
-def test_fp8_experts_on_an_expert_mesh(fp8_dir, dequant_logits, monkeypatch):
-    """The scales travel with their experts through shard_map: the TPU MoE kernel
-    (interpret mode) on a 2-way expert mesh gives the dequantised model's logits."""
+@pytest.mark.parametrize("moe, dispatch", [("tpu", "allreduce"), ("xla", "all_to_all")])
+def test_fp8_experts_on_an_expert_mesh(fp8_dir, dequant_logits, monkeypatch, moe, dispatch):
+    """The scales travel with their experts through shard_map: on a 2-way expert mesh,
+    the TPU MoE kernel (interpret mode) under allreduce, and the reference under
+    all_to_all (rows sent to their expert's shard), give the dequantised model's logits."""
     monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
     model = load_model(fp8_dir, mesh=make_mesh(expert=2))
     mlp = model.model.layers.mlp
     assert mlp.experts_down_proj_scale[...].sharding.spec[1] == "expert"
-    logits = greedy_generate(model, PROMPT, 1, return_prompt_logits=True,
-                             backends=KernelBackends(moe="tpu", attention="xla"))[1]
+    backends = KernelBackends(moe=moe, attention="xla", moe_dispatch=dispatch)
+    logits = greedy_generate(model, PROMPT, 1, return_prompt_logits=True, backends=backends)[1]
     diff = np.abs(logits - dequant_logits).max()
     assert diff <= LOGIT_ATOL, diff
 

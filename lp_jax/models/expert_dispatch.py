@@ -223,9 +223,10 @@ def _transport(name: str):
 
 # -------------------------------------------------------- dispatch and combine
 def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(),
-                   activation: MoEActivation = SILU):
+                   activation: MoEActivation = SILU, scales=(), scheme=None):
     """experts_fn for the transports: moe_ffn on received rows, one row per (token, slot).
-    biases: () or this shard's (b_gate_up, b_down); activation: as in moe_ffn. A row's
+    biases: () or this shard's (b_gate_up, b_down); activation: as in moe_ffn; scales:
+    () or this shard's (s_gate_up, s_down) of quantized weights, with their scheme. A row's
     output includes its expert's down bias; the source weights it by the routing when
     it combines."""
     E_local = w_gate_up.shape[-3]
@@ -238,7 +239,8 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(),
         logits_QE = jnp.where(ids_Q[:, None] == jnp.arange(E_local), 0.0, -jnp.inf)
         y_QD, _ = moe.moe_ffn(rows_QD, logits_QE, w_gate_up, w_down, layer=layer, top_k=1,
                               norm_topk_prob=False, backend=backend, token_mask_T=valid_Q,
-                              interpret=interpret, biases=biases, activation=activation)
+                              interpret=interpret, biases=biases, activation=activation,
+                              scales=tuple(scales) or None, scheme=scheme)
         return y_QD
 
     return experts_fn
@@ -247,7 +249,7 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(),
 def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, layer, *, axis,
                    top_k, norm_topk_prob, backend, interpret, transport,
                    capacity_factor=CAPACITY_FACTOR, biases=(),
-                   activation: MoEActivation = SILU):
+                   activation: MoEActivation = SILU, scales=(), scheme=None):
     """One shard's part of the all_to_all scheme, inside shard_map over `axis`.
 
     x_tD, router_logits_tE, token_mask_t: this shard's t tokens (logits over all E
@@ -275,7 +277,7 @@ def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, laye
     y_RD = round_trip(
         x_tD[order_R // A], plan,
         _owner_experts(w_gate_up, w_down, layer, backend=backend, interpret=interpret,
-                       biases=biases, activation=activation),
+                       biases=biases, activation=activation, scales=scales, scheme=scheme),
         axis=axis, ep=ep, max_rows_per_owner=t * min(A, E_local),
         capacity_factor=capacity_factor, a2a=a2a)
     weights_tA = jnp.where(token_mask_t[:, None], weights_tA, 0.0)

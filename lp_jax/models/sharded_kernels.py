@@ -167,12 +167,10 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     dispatch; the xla backends under allreduce stay under GSPMD.
 
     Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant), as
-    in moe_ffn; on a mesh they split over "expert" with the weights. The all_to_all
-    dispatch does not carry them yet, so "auto" serves quantized experts by allreduce."""
+    in moe_ffn; on a mesh they split over "expert" with the weights, under either
+    dispatch."""
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
-    if scales is not None and dispatch == "all_to_all" and moe_dispatch == "auto":
-        dispatch = "allreduce"
     if dispatch == "allreduce" and not is_pallas_moe(backend):
         mesh = None
     return sharded_moe_ffn(
@@ -232,8 +230,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     stacked): each shard addresses the layer inside its own shard, no weight copy.
     `biases` (None or (b_gate_up, b_down)) and `activation`: GPT-OSS's, as in moe_ffn;
     the biases are split like the weights, as operands beside them. `scales` and `scheme`
-    (quantized experts, as in moe_ffn): the scales split like the weights too; the
-    "all_to_all" dispatch does not take them yet.
+    (quantized experts, as in moe_ffn): the scales split like the weights too.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
     schemes: tokens_per_expert over all E experts, and the rest derived from it by
@@ -275,15 +272,11 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     split_specs = (w_spec, w_spec, *(b_spec for _ in biases), *(w_spec for _ in scales))
     nb = len(biases)
     if dispatch == "all_to_all":
-        if scales:
-            raise NotImplementedError("quantized experts under moe_dispatch='all_to_all': "
-                                      "its transport does not carry the scales yet; use "
-                                      "'allreduce' or 'auto'")
         return _all_to_all_moe_ffn(
             mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args, split_specs,
-            layer_args, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
+            layer_args, nb, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
             interpret=interpret, transport=transport, capacity_factor=capacity_factor,
-            activation=activation)
+            activation=activation, scheme=scheme)
 
     def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
         biases, scales_ = rest[:nb], rest[nb:len(split_args) - 2]
@@ -309,10 +302,11 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
 
 
 def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args,
-                        split_specs, layer_args, **kw):
+                        split_specs, layer_args, nb, **kw):
     """The "all_to_all" scheme: T padded to a multiple of ep and split over `experts`
     (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D].
-    split_args: the weights, then the biases, if any, split over `experts`."""
+    split_args: the weights, then the `nb` biases and the scales, if any, split over
+    `experts` (scales and biases stay with their experts; only rows travel)."""
     T = x_TD.shape[0]
     pad = -T % mesh.shape[experts]
     x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
@@ -320,10 +314,12 @@ def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, spl
     mask_T_pad = jnp.pad(token_mask_T.astype(bool), (0, pad))  # the pad sends nothing
 
     def per_shard(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, *rest):
-        biases, layer_arg = rest[:len(split_args) - 2], rest[len(split_args) - 2:]
+        biases, scales = rest[:nb], rest[nb:len(split_args) - 2]
+        layer_arg = rest[len(split_args) - 2:]
         y_tD, tokens_per_expert_E = all_to_all_moe(
             x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down,
-            layer_arg[0] if layer_arg else None, axis=experts, biases=biases, **kw)
+            layer_arg[0] if layer_arg else None, axis=experts, biases=biases,
+            scales=scales, **kw)
         y_TD = jax.lax.all_gather(y_tD.astype(x_tD.dtype), experts, axis=0, tiled=True)
         return y_TD, tokens_per_expert_E
 
@@ -333,4 +329,5 @@ def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, spl
         in_specs=(tokens, tokens, tokens, *split_specs, *(P() for _ in layer_args)),
         out_specs=(P(), P()), check_vma=False,
     )(x_TD_pad, logits_TE_pad, mask_T_pad, *split_args, *layer_args)
-    return y_TD[:T], moe_stats(tokens_per_expert_E, *split_args)
+    return y_TD[:T], moe_stats(tokens_per_expert_E, *split_args[:2 + nb],
+                               scales=split_args[2 + nb:])
