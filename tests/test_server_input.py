@@ -184,6 +184,8 @@ def test_big_response_is_built_off_the_event_loop(tiny_dir):
                                                           "json_schema": {"name": "x"}},
                                 "text", 1])
 def test_non_text_response_format_is_400_on_both_routes(mock_server, path, rf):
+    """Malformed formats are refused by the parser; json_object parses and the mock engine,
+    which cannot constrain its tokens, refuses it (test_structured_outputs serves them)."""
     status, data = post(mock_server, path, body_for(path, response_format=rf))
     assert error_param(status, data) == "response_format"
 

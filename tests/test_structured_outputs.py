@@ -102,6 +102,15 @@ def test_compiler_caches_and_names_the_problem(tiny_dir):
     assert c.stats["compiled"] == 1  # failures are not cached
 
 
+def test_an_unreadable_tokenizer_refuses_grammars_and_nothing_else(tmp_path):
+    from lp_jax.structured.compiler import GrammarCompiler
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    c = GrammarCompiler(tmp_path / "tokenizer.json", 512, [511])  # does not raise
+    with pytest.raises(ValueError, match="structured outputs are unavailable"):
+        c.compile(SO(regex="a+"))
+
+
 def test_apply_bitmask_matches_the_bit_layout():
     """Bit v % 32 of word v // 32 (llguidance's layout); all-ones rows pass through, and
     logit columns past the mask's words are never allowed."""

@@ -70,6 +70,7 @@ def grammar_costs(path: Path, vocab: int, eos: list[int], tokens: int, rows: int
 
     t0 = time.perf_counter()
     compiler = GrammarCompiler(path, vocab, eos)
+    compiler.tokenizer  # noqa: B018 - waits for the background build
     print(f"  tokenizer {path} ({vocab} ids): {1e3 * (time.perf_counter() - t0):.0f} ms")
     rng = np.random.default_rng(seed)
     out = {}

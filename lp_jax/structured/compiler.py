@@ -1,9 +1,12 @@
 """Grammars from StructuredOutputsParams, compiled once per spec against the model's tokens.
 
 `GrammarCompiler` builds llguidance's tokenizer (its token trie) once from the model's
-tokenizer.json, over the model's vocabulary (`n_vocab` = config vocab_size, so ids past
-the tokenizer's, the padding rows of the embedding, are never allowed) with the model's
-eos ids as the tokens that end a finished grammar. `compile(spec)` turns a spec into an
+tokenizer.json, on a background thread started at construction: 1.4-3.5 s at a 152k
+vocabulary, which start-up does not wait for (the first grammar does), and a tokenizer
+llguidance cannot read makes every grammar a ValueError, never a failed start. It covers
+the model's vocabulary (`n_vocab` = config vocab_size, so ids past the tokenizer's, the
+padding rows of the embedding, are never allowed), with the model's eos ids as the
+tokens that end a finished grammar. `compile(spec)` turns a spec into an
 llguidance grammar and a matcher in its start state, kept in an LRU cache keyed by the
 spec's canonical text; `matcher(spec)` hands each sequence a copy of it (microseconds,
 where compiling a schema takes a millisecond or more). A spec that does not compile
@@ -47,13 +50,31 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids,
                  cache_size: int = CACHE_SIZE):
-        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size,
-                                                eos_token=sorted(eos_token_ids))
+        self._tokenizer = self._tokenizer_error = None
+        args = (str(tokenizer_json), vocab_size, sorted(eos_token_ids))
+        self._loading = threading.Thread(target=self._load_tokenizer, args=args, daemon=True,
+                                         name="llguidance-tokenizer")
+        self._loading.start()
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles on its worker threads
         self.stats = {"compiled": 0, "cache_hits": 0}
+
+    def _load_tokenizer(self, path: str, vocab_size: int, eos: list[int]):
+        try:
+            self._tokenizer = llguidance.LLTokenizer(path, n_vocab=vocab_size, eos_token=eos)
+        except Exception as exc:  # noqa: BLE001 - reported to every grammar request
+            self._tokenizer_error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, once built; ValueError if it could not be."""
+        self._loading.join()
+        if self._tokenizer is None:
+            raise ValueError("structured outputs are unavailable: llguidance cannot read this "
+                             f"model's tokenizer.json ({self._tokenizer_error})")
+        return self._tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The start-state matcher of spec's grammar; ValueError if it does not compile."""
