@@ -131,9 +131,12 @@ class ModelConfig:
                 raise ValueError(f"unknown layer_types {unknown}; expected {LAYER_TYPES}")
             if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
                 raise ValueError("sliding_attention layers need sliding_window > 0")
-        if self.quantization is not None and self.model_type == "gpt_oss":
-            raise ValueError("quantized serving of gpt_oss is not supported yet (its MXFP4 "
-                             "experts are dequantised at load; issue #31)")
+        q = self.quantization
+        if q is not None and (q.method == "mxfp4") != (self.model_type == "gpt_oss"):
+            raise ValueError(f"quantization {q.method!r} is not supported for "
+                             f"{self.model_type}: gpt_oss serves its MXFP4 experts "
+                             "(quantization='mxfp4') or 16-bit weights, the Qwen3 models "
+                             "int8 / fp8 / HF FP8")
 
     def is_moe_layer(self, layer: int) -> bool:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
@@ -189,7 +192,8 @@ class ModelConfig:
             return (3 * D * F + bias) * itemsize
         scheme = self.quantization.scheme
         scales = (math.prod(scheme.scale_shape(D, 2 * F)) + math.prod(scheme.scale_shape(F, D)))
-        return 3 * D * F + 4 * scales + bias * itemsize
+        weight_bytes = 3 * D * F // (2 if scheme.name == "mxfp4" else 1)
+        return weight_bytes + 4 * scales + bias * itemsize
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:

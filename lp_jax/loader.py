@@ -49,6 +49,8 @@ from lp_jax.quant.load import (
     quantized_sources,
     scale_path,
 )
+from lp_jax.quant.mxfp4 import e8m0_scales
+from lp_jax.quant.mxfp4 import unpack_blocks as mxfp4_unpack_blocks
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -167,7 +169,16 @@ def _gpt_oss_sources(cfg: ModelConfig, mxfp4: bool) -> dict[tuple[str, ...], _So
         return _Source((L, E), lambda j, e: [(experts.format(j) + t, e) for t in tensors],
                        build, lambda j, e: shapes)
 
-    if mxfp4:
+    if mxfp4 and cfg.quantization is not None:  # kept in 4 bits (quant/mxfp4.py)
+        G = D // 32
+        for name, n_out, g in (("gate_up_proj", 2 * F, G), ("down_proj", D, F // 32)):
+            fix = _deinterleave if name == "gate_up_proj" else (lambda a: a)
+            src[(*mlp, f"experts_{name}")] = per_expert(
+                [f"{name}_blocks"], [(E, n_out, g, 16)],
+                lambda a, fix=fix: fix(mxfp4_unpack_blocks(a[0]).T))
+            src[(*mlp, f"experts_{name}_scale")] = per_expert(
+                [f"{name}_scales"], [(E, n_out, g)], lambda a, fix=fix: fix(e8m0_scales(a[0]).T))
+    elif mxfp4:
         G = D // 32  # gate_up's input is D; down's is F
         src[(*mlp, "experts_gate_up_proj")] = per_expert(
             ["gate_up_proj_blocks", "gate_up_proj_scales"],
@@ -388,6 +399,10 @@ def load_model(
         return nnx.merge(graphdef, _dummy_state(config, abstract, shardings, seed))
 
     ckpt = HFCheckpoint(model_dir)
+    if config.quantization is not None and config.quantization.method == "mxfp4" and (
+            not ckpt.has_mxfp4_experts()):
+        raise CheckpointError(f"{ckpt.dir}: quantization='mxfp4' keeps MXFP4 experts as "
+                              "stored, but this checkpoint has no *_blocks / *_scales experts")
     sources = quantized_sources(config, hf_sources(config, mxfp4=ckpt.has_mxfp4_experts()))
     missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
     if missing:  # a model parameter without a checkpoint mapping is a bug here

@@ -175,9 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mesh-shape", type=_int_tuple, default=None,
                    help="'expert,tensor' or 'data,expert,tensor'")
     e.add_argument("--dtype", default=None)
-    e.add_argument("--quantization", "-q", choices=("int8", "fp8"), default=None,
-                   help="quantise a 16-bit checkpoint's weights per channel at load; a "
-                        "quantized (HF FP8) checkpoint is detected from its config.json")
+    e.add_argument("--quantization", "-q", choices=("int8", "fp8", "mxfp4"), default=None,
+                   help="int8 / fp8: quantise a 16-bit checkpoint per channel at load (an HF "
+                        "FP8 checkpoint is detected from its config.json); mxfp4: keep "
+                        "GPT-OSS's MXFP4 experts in 4 bits")
     e.add_argument("--moe-backend", default="auto")
     e.add_argument("--moe-dispatch", choices=("auto", "allreduce", "all_to_all"),
                    default="auto", help="expert-parallel MoE communication [default: auto]")

@@ -22,15 +22,17 @@ import pytest
 from flax import nnx
 
 from checkpoints import make_tiny_quant as mtq
+from checkpoints.make_tiny import ensure_tiny
 from lp_jax.config import ModelConfig
 from lp_jax.executor import compile_guard
 from lp_jax.loader import load_model, save_params
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.simple import greedy_generate
+from lp_jax.quant.mxfp4 import MXFP4
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh
 from pallas_kernels.compile_targets import libtpu_available
-from pallas_kernels.quant import FP8_BLOCK, scheme_named
+from pallas_kernels.quant import FP8_BLOCK, ref_dequantize, scheme_named
 
 LOGIT_ATOL = 1e-4
 PROMPT = [5, 17, 42, 99, 7, 250, 3, 64]
@@ -335,3 +337,33 @@ def test_lp_serve_and_aot_take_quantization():
     with pytest.raises(SystemExit):
         aot_main(["--platform", "tpu", "--preset", "qwen3-8b", "--quantization", "awq",
                   "--out", "/tmp/unused"])
+
+
+def test_mxfp4_kept_in_4_bits(tmp_path):
+    """quantization="mxfp4": GPT-OSS's experts stay e2m1 with their power-of-two scales,
+    dequantise exactly to what the default (16-bit) load makes of them, and give
+    transformers' logits and greedy tokens (tests/golden, made on the dequantised
+    weights)."""
+    d = ensure_tiny(preset="tiny-gpt-oss-mxfp4")
+    model = load_model(d, quantization="mxfp4")
+    dense = load_model(d)
+    mlp, want = model.model.layers.mlp, dense.model.layers.mlp
+    for name in ("experts_gate_up_proj", "experts_down_proj"):
+        w_q = getattr(mlp, name)[...]
+        assert w_q.dtype == jax.numpy.float4_e2m1fn
+        got = ref_dequantize(w_q, getattr(mlp, name + "_scale")[...], MXFP4)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(getattr(want, name)[...]))
+    assert model.model.layers.self_attn.q_proj.dtype == np.float32  # attention unconverted
+    assert model.config.expert_bytes < dense.config.expert_bytes / 5
+    golden = np.load("tests/golden/tiny-gpt-oss-mxfp4.npz")
+    prompt, greedy = golden["prompt_1"].tolist(), golden["greedy_1"].tolist()
+    tokens, logits = greedy_generate(model, prompt, 3, backends=XLA,
+                                     return_prompt_logits=True)
+    np.testing.assert_allclose(logits, golden["logits_1"], rtol=0, atol=1e-4)
+    assert tokens == greedy[:3]
+    with pytest.raises(CheckpointError, match="has no \\*_blocks / \\*_scales experts"):
+        load_model(ensure_tiny(preset="tiny-gpt-oss"), quantization="mxfp4")
+    with pytest.raises(ValueError, match="'mxfp4' is not supported for qwen3_moe"):
+        load_model(mtq.ensure_tiny_quant("tiny-fp8-base"), quantization="mxfp4")
+    with pytest.raises(ValueError, match="'int8' is not supported for gpt_oss"):
+        load_model(d, quantization="int8")

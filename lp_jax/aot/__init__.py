@@ -84,7 +84,7 @@ class AotConfig:
     token_buckets: tuple[int, ...] | None = None
     max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
     moe_dispatch: str = "auto"  # expert-parallel MoE: allreduce, all_to_all or auto
-    quantization: str | None = None  # None: the checkpoint's format; "int8" / "fp8" at load
+    quantization: str | None = None  # None: the checkpoint's; "int8" / "fp8" / "mxfp4"
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):

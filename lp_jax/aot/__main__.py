@@ -56,8 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None,
                     help="programs compiled at once (default: the host's cores)")
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
-    ap.add_argument("--quantization", default=None, choices=("int8", "fp8"),
-                    help="weights quantized per channel (default: the checkpoint's format)")
+    ap.add_argument("--quantization", default=None, choices=("int8", "fp8", "mxfp4"),
+                    help="int8 / fp8 per channel, or mxfp4 (GPT-OSS's experts in 4 bits); "
+                         "default: the checkpoint's format")
     ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
                     help="expert-parallel MoE communication (default: auto)")
     ap.add_argument("--token-buckets", default=None,

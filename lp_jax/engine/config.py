@@ -7,7 +7,7 @@ import os
 
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
-from lp_jax.quant import AT_LOAD
+from lp_jax.quant import REQUESTABLE
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
@@ -66,7 +66,8 @@ class EngineConfig:
     mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
     dtype: str | None = None  # None: the checkpoint's dtype
     # Weight format (lp_jax/quant): None serves the checkpoint's (16-bit, or the FP8 its
-    # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load.
+    # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load;
+    # "mxfp4" keeps GPT-OSS's MXFP4 experts in 4 bits (else dequantised to 16 at load).
     quantization: str | None = None
     moe_backend: str = "auto"
     # Expert-parallel MoE (mesh "expert" axis > 1): "allreduce" (every expert shard routes
@@ -119,8 +120,8 @@ class EngineConfig:
         if self.moe_dispatch not in ("allreduce", "all_to_all", "auto"):
             raise ValueError("moe_dispatch must be allreduce, all_to_all or auto, got "
                              f"{self.moe_dispatch!r}")
-        if self.quantization is not None and self.quantization not in AT_LOAD:
-            raise ValueError(f"quantization must be None or one of {sorted(AT_LOAD)}, got "
+        if self.quantization is not None and self.quantization not in REQUESTABLE:
+            raise ValueError(f"quantization must be None or one of {list(REQUESTABLE)}, got "
                              f"{self.quantization!r} (a quantized checkpoint is detected "
                              "from its config.json)")
         if self.plan_channel not in ("host", "device"):

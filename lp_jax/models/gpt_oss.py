@@ -50,6 +50,7 @@ from lp_jax.models.layers import (
 )
 from lp_jax.models.sharded_kernels import model_moe_ffn
 from lp_jax.models.stacked import StackedCausalLM
+from lp_jax.quant.linear import set_weight
 from pallas_kernels import attention
 
 _WARNED: set[str] = set()
@@ -69,6 +70,13 @@ def serving_backends(backends: KernelBackends) -> KernelBackends:
         _WARNED.add(message)
         warnings.warn(message, stacklevel=2)
     return dataclasses.replace(backends, attention="tpu")
+
+
+def quantized_params(cfg: ModelConfig) -> dict:
+    """The scheme of each expert projection: MXFP4 under quantization="mxfp4", else None
+    (attention and router stay 16-bit, as the checkpoint's modules_to_not_convert)."""
+    scheme = None if cfg.quantization is None else cfg.quantization.scheme
+    return {"mlp.experts_gate_up_proj": scheme, "mlp.experts_down_proj": scheme}
 
 
 class GptOssAttention(nnx.Module):
@@ -99,12 +107,13 @@ class GptOssMLP(nnx.Module):
                       cfg.moe_intermediate_size)
         self.router = param(rngs, (L, D, E), ("layers", "embed", None), dtype)
         self.router_bias = _zeros((L, E), ("layers", None), dtype)
-        self.experts_gate_up_proj = param(
-            rngs, (L, E, D, 2 * F), ("layers", "experts", "embed", "expert_mlp"), dtype)
+        scheme = quantized_params(cfg)["mlp.experts_gate_up_proj"]
+        set_weight(self, "experts_gate_up_proj", rngs, (L, E, D, 2 * F),
+                   ("layers", "experts", "embed", "expert_mlp"), dtype, scheme)
         self.experts_gate_up_proj_bias = _zeros((L, E, 2 * F),
                                                 ("layers", "experts", "expert_mlp"), dtype)
-        self.experts_down_proj = param(
-            rngs, (L, E, F, D), ("layers", "experts", "expert_mlp", "embed"), dtype)
+        set_weight(self, "experts_down_proj", rngs, (L, E, F, D),
+                   ("layers", "experts", "expert_mlp", "embed"), dtype, scheme)
         self.experts_down_proj_bias = _zeros((L, E, D), ("layers", "experts", "embed"), dtype)
 
 
@@ -174,13 +183,17 @@ class GptOssForCausalLM(StackedCausalLM):
         h_TD = self._norm(x_TD, self.model.layers.post_attention_layernorm[i])
         logits_TE = (jnp.dot(h_TD.astype(jnp.float32), mlp.router[i].astype(jnp.float32))
                      + mlp.router_bias[i].astype(jnp.float32))
+        quant, scheme = {}, quantized_params(cfg)["mlp.experts_gate_up_proj"]
+        if scheme is not None:  # MXFP4 experts (lp_jax/quant/mxfp4.py)
+            quant = dict(scales=(mlp.experts_gate_up_proj_scale[...],
+                                 mlp.experts_down_proj_scale[...]), scheme=scheme)
         y_TD, stats = model_moe_ffn(
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=i, top_k=cfg.num_experts_per_tok, norm_topk_prob=True,
             backend=backends.moe, moe_dispatch=backends.moe_dispatch,
             token_mask_T=token_mask_T,
             biases=(mlp.experts_gate_up_proj_bias[...], mlp.experts_down_proj_bias[...]),
-            activation=expert_activation(cfg))
+            activation=expert_activation(cfg), **quant)
         return x_TD + y_TD, stats["experts_activated"]
 
     def serving_backends(self, backends: KernelBackends) -> KernelBackends:

@@ -10,6 +10,9 @@ Two ways in, one config out:
   loader dequantises those experts to 16 bits (loader.dequantize_mxfp4).
 * `quantization="int8" | "fp8"` on a 16-bit checkpoint (or dummy weights) quantises
   per output channel at load (pallas_kernels.quant.ref_quantize).
+* `quantization="mxfp4"` on GPT-OSS's MXFP4 checkpoint keeps its experts in 4 bits
+  (mxfp4.py), opt-in while the Pallas MoE kernels do not take fp4; the loader checks
+  that the checkpoint has MXFP4 experts.
 
 `resolve` joins the two: asking for a format the checkpoint does not have is an
 error, asking for the one it has is a no-op (as vLLM's `--quantization fp8` on an FP8
@@ -25,18 +28,20 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from lp_jax.quant.mxfp4 import MXFP4
 from pallas_kernels.quant import FP8, FP8_BLOCK, INT8, QuantScheme
 
 AT_LOAD = {"int8": INT8, "fp8": FP8}  # what `quantization=` may ask of a 16-bit checkpoint
-METHODS = {**AT_LOAD, "fp8_block": FP8_BLOCK}
+REQUESTABLE = (*AT_LOAD, "mxfp4")  # the values of `quantization=`
+METHODS = {**AT_LOAD, "fp8_block": FP8_BLOCK, "mxfp4": MXFP4}
 HF_METHODS = ("fp8", "mxfp4")  # quant_method values a checkpoint may carry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QuantConfig:
-    """method: "int8", "fp8" (per channel, at load) or "fp8_block" (HF fine-grained FP8,
-    from the checkpoint). modules_to_not_convert: HF module names or patterns that stay
-    in 16 bits."""
+    """method: "int8", "fp8" (per channel, at load), "fp8_block" (HF fine-grained FP8,
+    from the checkpoint) or "mxfp4" (GPT-OSS's experts as stored). modules_to_not_convert:
+    HF module names or patterns that stay in 16 bits."""
 
     method: str
     from_checkpoint: bool = False
@@ -49,6 +54,9 @@ class QuantConfig:
         if self.method == "fp8_block" and not self.from_checkpoint:
             raise ValueError("fp8_block comes from a checkpoint's quantization_config; "
                              "ask for quantization='fp8' to quantise per channel at load")
+        if self.method == "mxfp4" and not self.from_checkpoint:
+            raise ValueError("mxfp4 keeps an MXFP4 checkpoint's experts as stored; lp_jax "
+                             "does not quantise to it")
 
     @property
     def scheme(self) -> QuantScheme:
@@ -117,8 +125,10 @@ def resolve(checkpoint: QuantConfig | None, requested: str | None) -> QuantConfi
         raise ValueError(f"quantization={requested!r} disagrees with the checkpoint, which "
                          f"is already quantized ({checkpoint.method}); --quantization is "
                          "for 16-bit checkpoints: drop it, or pass 'fp8'")
+    if requested == "mxfp4":  # the loader checks the checkpoint's experts are MXFP4
+        return QuantConfig("mxfp4", from_checkpoint=True)
     if requested not in AT_LOAD:
         raise ValueError(f"unknown quantization {requested!r}; expected one of "
-                         f"{sorted(AT_LOAD)} (a quantized checkpoint is detected from its "
+                         f"{list(REQUESTABLE)} (a quantized checkpoint is detected from its "
                          "config.json)")
     return QuantConfig(requested)

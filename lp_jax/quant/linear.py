@@ -35,7 +35,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lp_jax.quant.mxfp4 import quantize_mxfp4
 from pallas_kernels.quant import QuantScheme, ref_dequantize, ref_quantize
+
+
+def quantize(w: jax.Array, scheme: QuantScheme) -> tuple[jax.Array, jax.Array]:
+    """(w_q, scale) of w in `scheme`: ref_quantize, or the MX rule for mxfp4."""
+    return quantize_mxfp4(w) if scheme.name == "mxfp4" else ref_quantize(w, scheme)
 
 
 def scale_axes(axes: tuple, scheme: QuantScheme) -> tuple:
@@ -47,12 +53,12 @@ def scale_axes(axes: tuple, scheme: QuantScheme) -> tuple:
 def weight_params(rngs: nnx.Rngs, shape, axes, dtype, scheme: QuantScheme | None, *,
                   fan_in: int | None = None) -> dict[str, nnx.Param]:
     """{"": weight} for a 16-bit weight N(0, 1/fan_in); with `scheme`, {"": w_q,
-    "_scale": scale}: the same draw quantized (ref_quantize). Keys are name suffixes."""
+    "_scale": scale}: the same draw quantized (`quantize`). Keys are name suffixes."""
     std = 1.0 / math.sqrt(fan_in or shape[-2])
     w = jax.random.normal(rngs.params(), shape, jnp.float32) * std
     if scheme is None:
         return {"": nnx.Param(w.astype(dtype), logical_axes=axes)}
-    w_q, scale = ref_quantize(w, scheme)
+    w_q, scale = quantize(w, scheme)
     return {"": nnx.Param(w_q, logical_axes=axes),
             "_scale": nnx.Param(scale, logical_axes=scale_axes(axes, scheme))}
 

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.models.qwen3_moe import quantized_params
+from lp_jax.models import gpt_oss, qwen3_moe
+from lp_jax.quant.linear import quantize
 from lp_jax.safetensors_io import CheckpointError
 from pallas_kernels.quant import FP8_BLOCK, QuantScheme, ref_quantize
 
@@ -41,8 +42,9 @@ SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 def param_schemes(cfg: ModelConfig) -> dict[tuple[str, ...], QuantScheme]:
     """Parameter path -> scheme, for the quantized parameters of cfg's model."""
+    model = gpt_oss if cfg.model_type == "gpt_oss" else qwen3_moe
     return {("model", "layers", *key.split(".")): s
-            for key, s in quantized_params(cfg).items() if s is not None}
+            for key, s in model.quantized_params(cfg).items() if s is not None}
 
 
 def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
@@ -66,7 +68,7 @@ def quantized_sources(cfg: ModelConfig, sources: dict) -> dict:
     """`sources` (loader.hf_sources) with every quantized parameter's source and its
     scale's: read from the FP8 checkpoint's tensors, or quantized at load."""
     schemes = param_schemes(cfg)
-    if not schemes:
+    if not schemes or cfg.quantization.method == "mxfp4":  # hf_sources reads those
         return sources
     out = dict(sources)
     for path, scheme in schemes.items():
@@ -101,7 +103,7 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
     whole blocks. Raises CheckpointError naming the tensor (presence and shapes:
     HFCheckpoint.check, run after this so that a wrong format is named as such)."""
     schemes = param_schemes(cfg)
-    from_ckpt = cfg.quantization is not None and cfg.quantization.from_checkpoint
+    from_ckpt = cfg.quantization is not None and cfg.quantization.method == "fp8_block"
     quantized = {scale_path(p) for p in schemes} | set(schemes) if from_ckpt else set()
     F = cfg.moe_intermediate_size
     if from_ckpt and ("model", "layers", "mlp", "experts_gate_up_proj") in schemes and F % 128:
@@ -138,7 +140,7 @@ def dummy_quantized(shape, scheme: QuantScheme, std: float, shardings, key):
     scale's), drawn and quantized one leading slice at a time."""
 
     def one(k, shp):
-        return ref_quantize(jax.random.normal(k, shp, jnp.float32) * std, scheme)
+        return quantize(jax.random.normal(k, shp, jnp.float32) * std, scheme)
 
     def init(k):
         if len(shape) < 3:
