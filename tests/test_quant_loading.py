@@ -256,6 +256,8 @@ def test_quantization_errors_before_compile(tmp_path, fp8_dir, dequant_dir):
         load_model(fp8_dir, quantization="int8")
     with pytest.raises(ValueError, match=r"unknown quantization 'int4'"):
         load_model(dequant_dir, quantization="int4")
+    # asking for the format the checkpoint has is no error (as vLLM's --quantization fp8)
+    assert load_model(fp8_dir, quantization="fp8").config.quantization.method == "fp8_block"
     # FP8 tensors with no quantization_config
     d = _edit_config(fp8_dir, tmp_path / "noqc", lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.q_proj.weight' is "
@@ -271,6 +273,17 @@ def test_quantization_errors_before_compile(tmp_path, fp8_dir, dequant_dir):
     d = _edit_config(fp8_dir, tmp_path / "mixed", lambda c: c["quantization_config"].__setitem__(
         "modules_to_not_convert", ["lm_head", "mlp.gate", "model.layers.0.self_attn.o_proj"]))
     with pytest.raises(ValueError, match=r"stacked parameter self_attn.o_proj"):
+        load_model(d)
+    # a router stored in FP8: lp_jax never converts it
+    d = tmp_path / "router"
+    shutil.copytree(fp8_dir, d)
+    f = SafetensorsFile(fp8_dir / "model.safetensors")
+    tensors = {n: np.array(f.get(n)) for n in f.tensors}
+    tensors["model.layers.2.mlp.gate.weight"] = tensors["model.layers.2.mlp.gate.weight"].astype(
+        mtq.FP8)
+    mtq.save_safetensors(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model.layers.2.mlp.gate.weight' is FP8 \("
+                                              r"F8_E4M3\) but lp_jax reads model.layers.mlp.gate"):
         load_model(d)
     assert compile_guard.compilations() == before
     assert scheme_named("int8").block_k is None

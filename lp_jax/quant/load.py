@@ -129,8 +129,10 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
                         raise CheckpointError(f"{ckpt.where[name].path}: scale {name!r} is "
                                               f"{dtype}, expected float32 or bfloat16")
                 elif dtype == FP8_DTYPE:
-                    why = ("modules_to_not_convert keeps it 16-bit" if from_ckpt else
-                           "config.json has no fp8 quantization_config")
+                    why = ("config.json has no fp8 quantization_config" if not from_ckpt
+                           else "modules_to_not_convert keeps it 16-bit"
+                           if ".".join(path[2:]) in qwen3_moe.QUANTIZABLE
+                           else f"lp_jax reads {'.'.join(path)} in 16 bits only")
                     raise CheckpointError(f"{ckpt.where[name].path}: tensor {name!r} is FP8 "
                                           f"(F8_E4M3) but {why}")
 
