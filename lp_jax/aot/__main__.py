@@ -23,7 +23,19 @@ from lp_jax.core.policies import POLICIES
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 
+def _host_backend_cpu() -> None:
+    """The programs compile for compile-only devices (a TPU topology, a GPU target
+    config); the host runs nothing but CPU. Naming it before any backend starts keeps a
+    CUDA plugin on a host without a GPU (no cuDNN) from failing its version check, which
+    unregisters the plugin and with it the GPU topology ("topology not implemented")."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv=None) -> int:
+    _host_backend_cpu()
     ap = argparse.ArgumentParser(prog="python -m lp_jax.aot", description=__doc__.split("\n")[0])
     ap.add_argument("--platform", choices=("tpu", "cuda"), required=True)
     src = ap.add_mutually_exclusive_group(required=True)
