@@ -294,3 +294,33 @@ def test_server_bad_formats_are_400_naming_the_field(client, extra, param, match
         client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8,
                                        extra_body=extra)
     assert e.value.param == param
+
+
+# ------------------------------------------------- chat_template_kwargs (issue #32)
+def test_chat_template_kwargs_reach_the_template(tiny_dir):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) become template
+    variables through /tokenize and chat; the server's own variables cannot be replaced."""
+    from lp_jax.server import OpenAIServer, ServerThread
+    from lp_jax.server.mock import MockEngine
+    from tests.test_server_input import post
+
+    tmpl = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}")
+    st = ServerThread(OpenAIServer(MockEngine(model_dir=tiny_dir, max_model_len=64),
+                                   served_model_names=["mock"], chat_template=tmpl)).start()
+    try:
+        body = {"model": "mock", "messages": [{"role": "user", "content": "hi"}]}
+        off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+        plain = json.loads(post(st, "/tokenize", body)[1])["tokens"]
+        status, data = post(st, "/tokenize", off)
+        assert status == 200 and len(json.loads(data)["tokens"]) > len(plain)
+        n = len(json.loads(data)["tokens"])
+        status, data = post(st, "/v1/chat/completions", {**off, "max_tokens": 2})
+        assert status == 200 and json.loads(data)["usage"]["prompt_tokens"] == n
+        for bad in ({"messages": []}, "x"):
+            status, data = post(st, "/v1/chat/completions",
+                                {**body, "chat_template_kwargs": bad})
+            assert status == 400
+            assert json.loads(data)["error"]["param"] == "chat_template_kwargs"
+    finally:
+        st.stop()

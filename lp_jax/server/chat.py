@@ -6,11 +6,13 @@ directory's: `chat_template.jinja` if present, else the `chat_template` field of
 `tokenizer_config.json` (a string, or a list of named templates, of which "default" is
 used). It is rendered in a sandboxed Jinja environment with the
 variables Hugging Face templates expect: `messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `tools` (None), plus the `raise_exception` and `strftime_now` helpers, a
-`tojson` filter that keeps non-ASCII text (with transformers' `indent`, `separators` and
-`sort_keys` arguments) and the loop-control extension (`{% break %}`, `{% continue %}`), as
-transformers renders them. GPT-OSS's harmony template (macros, `namespace()`, `loop.last`,
-string methods) needs nothing more; the tiny GPT-OSS checkpoints carry one of our own.
+`eos_token`, `tools` (None), a request's `chat_template_kwargs` (for example Qwen3's
+`enable_thinking`; they cannot replace those names), plus the `raise_exception` and
+`strftime_now` helpers, a `tojson` filter that keeps non-ASCII text (with transformers'
+`indent`, `separators` and `sort_keys` arguments) and the loop-control extension
+(`{% break %}`, `{% continue %}`), as transformers renders them. GPT-OSS's harmony
+template (macros, `namespace()`, `loop.last`, string methods) needs nothing more; the
+tiny GPT-OSS checkpoints carry one of our own.
 
 Fallback, when the model has no template:
 - if the tokenizer knows `<|im_start|>` and `<|im_end|>` (Qwen and other ChatML models),
@@ -28,6 +30,8 @@ import json
 from pathlib import Path
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# Template variables the server sets, which chat_template_kwargs cannot replace.
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 class ChatTemplateError(ValueError):
@@ -93,12 +97,16 @@ class ChatFormatter:
         own, config = load_template(model_dir)
         return cls(template if template is not None else own, config, tokenizer)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               kwargs: dict | None = None) -> str:
+        """`kwargs`: more template variables (a request's chat_template_kwargs); the
+        fallback formats take none."""
         if self._template is not None:
             try:
                 return self._template.render(
-                    messages=messages, add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
+                    **(kwargs or {}), messages=messages,
+                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                    eos_token=self.eos_token, tools=None,
                 )
             except ChatTemplateError:
                 raise

@@ -26,6 +26,7 @@ from lp_jax.core.sampling_params import (
     SamplingParams,
 )
 from lp_jax.core.slo import SLO
+from lp_jax.server.chat import RESERVED
 from lp_jax.structured.params import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
@@ -193,6 +194,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt starts each choice's text (and logprobs)
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's log-probabilities
     structured: StructuredOutputsParams | None = None  # the output's format, if constrained
+    chat_template_kwargs: dict | None = None  # chat: more variables for the template
     structured_param: str | None = None  # the field it came from (a 400 names it)
 
     def scored_prompt(self) -> int | None:
@@ -470,6 +472,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     _common(body, req)
     req.messages, req.prompt_bytes = parse_messages(body.get("messages"))
     req.add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    req.chat_template_kwargs = parse_template_kwargs(body)
     req.echo = get_bool(body, "echo", False)  # vLLM's: the last message, if the assistant's
     mct = get_int(body, "max_completion_tokens", None, lo=1)
     mt = get_int(body, "max_tokens", None, lo=1)
@@ -486,6 +489,21 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad(f"'tool_choice' {json.dumps(body['tool_choice'])[:80]} needs 'tools', and "
                   "this server has no tool calling; use 'none' or 'auto'", "tool_choice")
     return req
+
+
+def parse_template_kwargs(body: dict) -> dict | None:
+    """vLLM's `chat_template_kwargs`: an object of extra template variables (Qwen3's
+    `enable_thinking`, say), none of them one the server sets itself."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None or kw == {}:
+        return None
+    if not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    taken = sorted(set(kw) & set(RESERVED))
+    if taken:
+        raise bad(f"'chat_template_kwargs' cannot set {taken}: the server sets them",
+                  "chat_template_kwargs")
+    return kw
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

@@ -56,7 +56,8 @@ def _tokenize(server, req, prompt) -> list[int]:
     `encode_batch` releases the GIL while it works; `encode` holds it throughout."""
     if req.kind == "chat":
         try:
-            text = server.chat.render(req.messages, req.add_generation_prompt)
+            text = server.chat.render(req.messages, req.add_generation_prompt,
+                                      req.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise protocol.bad(str(exc), "messages") from None
         if server.tokenizer is None:

@@ -82,16 +82,18 @@ async def tokenize(server, request) -> web.Response:
         protocol.utf8_len(text, "prompt")
         special = protocol.get_bool(body, "add_special_tokens", True)
         tok = _tokenizer(server, "prompt")
-        messages = None
+        messages = template_kwargs = None
     else:
         messages, _ = protocol.parse_messages(body["messages"])
         gen_prompt = protocol.get_bool(body, "add_generation_prompt", True)
+        template_kwargs = protocol.parse_template_kwargs(body)
         special = protocol.get_bool(body, "add_special_tokens", False)  # the template's
         tok = _tokenizer(server, "messages")
 
     def run() -> dict:
         try:
-            text_ = text if messages is None else server.chat.render(messages, gen_prompt)
+            text_ = text if messages is None else server.chat.render(messages, gen_prompt,
+                                                                     template_kwargs)
         except ChatTemplateError as exc:
             raise protocol.bad(str(exc), "messages") from None
         ids = tok.encode_batch([text_], add_special_tokens=special)[0].ids
