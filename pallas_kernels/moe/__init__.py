@@ -40,10 +40,11 @@ Quantized experts (issue 31): `scales=(s_gate_up, s_down)` and `scheme=` a
 128 x 128 blocks), stacked like the weights and like `biases=`; None is the 16-bit
 path. W8A16 on every backend: tiles of the 8-bit weights are converted on chip, the
 dots accumulate in float32 and the scales multiply the float32 sums (per channel in
-the epilogue, per 128-row K block in the K loop). The tpu kernels take them; the gpu
-backend does NOT yet (its WGMMA needs 16-bit N-major weight tiles, so the Hopper kernel
-would dequantise into shared memory, which is not built): quantized weights on gpu
-run `xla_tiles` with the scales, which dequantises one expert per tile in XLA.
+the epilogue, per 128-row K block in the K loop on TPU). Both kernels take them: the
+TPU kernels convert weight blocks in VMEM (`tpu_quant.py`); the Hopper kernel, whose
+WGMMA takes N-major B tiles only in 16 bits, converts each K step's 8-bit tiles into
+16-bit shared memory (`gpu.py`). "auto" on Hopper takes 8-bit weights with scales to the
+kernel (16-bit x); 8-bit weights without scales are refused everywhere (`ref.py`).
 
 Interpret mode (run the Pallas kernels on CPU, for tests): pass `interpret=True`, or
 set the environment variable LP_JAX_PALLAS_INTERPRET=1 (read at trace time) to make
@@ -127,14 +128,13 @@ def moe_ffn(
     activation: a `MoEActivation` (default SILU; GPT-OSS's clamped SwiGLU). Both (ref.py)
       on every backend.
     scales, scheme: None (16-bit weights), or int8 / fp8 weights' (s_gate_up, s_down)
-      and their `quant.QuantScheme`; the gpu backend sends them to xla_tiles (above).
+      and their `quant.QuantScheme` (above).
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
-    if auto and backend == "gpu" and w_gate_up_LEDF2.dtype.itemsize != 2:
-        backend = "xla_tiles"  # the Hopper kernel takes 16-bit weights only
-    if backend == "gpu" and scales:
-        backend = "xla_tiles"  # no quantized Hopper kernel yet (module docstring)
+    mma_itemsize = (x_TD.dtype if scales else w_gate_up_LEDF2.dtype).itemsize
+    if auto and backend == "gpu" and mma_itemsize != 2:
+        backend = "xla_tiles"  # the Hopper kernel multiplies in 16 bits only
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T, biases=biases, activation=activation,
                   scales=scales, scheme=scheme)

@@ -32,6 +32,24 @@ weighted combine). Without biases the kernel takes exactly Qwen3's operands.
 Widths that no 128-wide block divides (GPT-OSS: 2880) take 64-wide N blocks
 (`_fit_block`), still whole 128-byte swizzle rows.
 
+Quantized weights (issue 31; int8 / e4m3 with `quant.py` scales): WGMMA takes an
+N-major B operand from shared memory only in 16 bits, so each K step's 8-bit weight
+tiles (TMA'd as stored: half the bytes and half the pipeline's shared memory) are
+loaded into registers, converted to the activations' 16-bit dtype (exact for int8;
+e4m3 goes through float16, the one conversion sm_90's ptxas has, also exact) and
+stored into one 16-bit shared-memory tile per accumulator, which the WGMMAs read
+after `commit_smem` (a proxy fence and a warpgroup barrier). The step then waits for
+all its WGMMAs (wgmma_wait(0)) before the next step rewrites those tiles, which gives
+up the overlap of one step's MMAs with the next step's conversion. Per-channel scales
+multiply the float32 accumulators in the epilogue (a bn-wide slice by TMA, like the
+biases); fp8 128 x 128 block scales multiply each converted tile by its block's scale
+(one block per tile: bn <= 128, bk = 64 divides 128), so those weights are rounded to
+bfloat16 once after scaling (2^-9 relative), unlike the TPU kernels' exact float32
+scaling. ptxas at Qwen3-30B-A3B shapes for an H200 (`test_compile_matrix` in
+tests/test_moe_quant.py): gate/up 206 registers (int8, fp8) and 255 (fp8 blocks: at
+the cap, no spill), down 227 / 231 / 168, no spills, no stack, 128 KiB of shared
+memory (fp8-block down: 80 KiB).
+
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
 whole, reshaped (for free) to [L*E, ...], with layer*E added to the tile groups, so no
@@ -65,6 +83,9 @@ Status: passes the GPU interpreter tests and goes through
 Mosaic GPU lowering (layout inference, shared-memory budget) for an H200 at
 Qwen3-30B-A3B shapes with stacked weights, and at GPT-OSS-20B shapes with biases, in
 tests/test_moe_kernels.py; the PTX compile, a run and the timings need the H200.
+Quantized: int8 and fp8 blocks pass the GPU interpreter (tests/test_moe_quant.py) and
+all three schemes compile through ptxas (above); none has run on a GPU, and the
+interpreter runs WGMMAs synchronously, so it cannot check the wgmma_wait(0) ordering.
 """
 
 from __future__ import annotations
@@ -82,6 +103,7 @@ from pallas_kernels.moe.ref import (
     SILU,
     MoEActivation,
     check_bias,
+    check_scales,
     moe_stats,
     route,
     stacked_experts,
@@ -145,10 +167,17 @@ def tile_gmm(
     num_sms: int | None = None,
     bias=None,
     act=SILU,
+    scale=None,
+    scheme=None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
     """out[m*tm:(m+1)*tm] = f(lhs[row_start[m] : row_start[m]+tm] @ rhs[g] + bias[g]),
     g = tile_group[m].
+
+    scale, scheme: 8-bit rhs (int8 / e4m3) and its scales [G, k, n] (`quant.py`): each K
+    step converts its rhs tiles in registers to lhs's 16-bit dtype into shared memory
+    for the WGMMA (see the module docstring); per-channel scales multiply the float32
+    accumulators before f, block scales the converted tile.
 
     For m < num_tiles only. rhs is [G, K, N] (G = E, or L*E for stacked layers with
     the layer's offset already in tile_group). swiglu=False: f is the identity and out
@@ -176,21 +205,36 @@ def tile_gmm(
         )
     if tm % row_align:
         raise ValueError(f"tm={tm} must be a multiple of row_align={row_align}")
-    if lhs_SK.dtype != rhs_GKN2.dtype:
+    quantized = scale is not None
+    if not quantized and lhs_SK.dtype != rhs_GKN2.dtype:
         raise ValueError(f"lhs {lhs_SK.dtype} and rhs {rhs_GKN2.dtype} dtypes differ")
     grid_n, grid_k = N // bn, K // bk
     n_accs = 2 if swiglu else 1
     col_offsets = (0, grid_n) if swiglu else (0,)  # gate (and up) blocks in rhs's N
+    per_channel = quantized and scheme.block_k is None
+    if quantized and not per_channel and (scheme.block_k % bk or scheme.block_n % bn
+                                          or (swiglu and N % scheme.block_n)):
+        raise ValueError(f"block scales {scheme.block_k} x {scheme.block_n} need K / N "
+                         f"steps that divide them: bk={bk} bn={bn} N={N}")
     in_item, out_item = jnp.dtype(lhs_SK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-    stage_bytes = (tm * bk + n_accs * bk * bn) * in_item
+    w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
+    stage_bytes = tm * bk * in_item + n_accs * bk * bn * w_item
     bias_bytes = 0 if bias is None else n_accs * bn * bias.dtype.itemsize
+    if quantized:  # the converted tiles (one per accumulator) and per-channel scales
+        bias_bytes += n_accs * bk * bn * in_item + n_accs * bn * 4
     while (stages > 2
            and stages * stage_bytes + tm * bn * out_item + bias_bytes > _SMEM_BUDGET):
         stages -= 1
     bias_args = () if bias is None else (bias.reshape(-1, bias.shape[-1]),)  # [G, N2]
+    # per channel: [G, 1, N2] viewed as [G, N2] (free); blocks: [G, k, n] as they are
+    scale_args = () if not quantized else (
+        scale.reshape(scale.shape[0], -1) if per_channel else scale,)
 
     def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, *refs):
-        bias_gmem, out_gmem = refs if bias_args else (None, *refs)
+        refs = list(refs)
+        bias_gmem = refs.pop(0) if bias_args else None
+        scale_gmem = refs.pop(0) if scale_args else None
+        (out_gmem,) = refs
 
         @plgpu.nd_loop((num_tiles_gmem[0], grid_n), collective_axes="sm")
         def _work(info: plgpu.NDLoopInfo):
@@ -204,13 +248,26 @@ def tile_gmm(
             ]
 
             def mma_scope(*accs):
-                def step(_, lhs_smem, *rhs_smems):
+                if not quantized:
+                    return pipeline(accs, ())
+                bufs = [plgpu.SMEM((bk, bn), lhs_SK.dtype)] * n_accs  # converted tiles
+                return pl.run_scoped(lambda *wbufs: pipeline(accs, wbufs), *bufs)
+
+            def pipeline(accs, wbufs):
+                def step(idx, lhs_smem, *rhs_smems):
+                    if quantized:
+                        rhs_smems = _dequantize_step(rhs_smems, wbufs, lhs_smem.dtype,
+                                                     scale_gmem, g, idx[0], n, bk, bn,
+                                                     col_offsets, None if per_channel
+                                                     else scheme)
                     for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
                         plgpu.wgmma(acc, lhs_smem, rhs_smem)
                     # delay_release=1: after this step the pipeline refills the slots
                     # the previous step's WGMMAs read. At most this step's groups (one
                     # per accumulator) may stay in flight: the previous ones are done.
-                    plgpu.wgmma_wait(n_accs)
+                    # Quantized: none may, since the next step rewrites the converted
+                    # tiles they read.
+                    plgpu.wgmma_wait(0 if quantized else n_accs)
 
                 plgpu.emit_pipeline(
                     step,
@@ -224,6 +281,8 @@ def tile_gmm(
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(mma_scope, *([plgpu.ACC((tm, bn))] * n_accs))
+            if per_channel:
+                accs = _add_bias(accs, scale_gmem.at[g], n, bn, col_offsets, jnp.multiply)
             if bias_gmem is not None:
                 accs = _add_bias(accs, bias_gmem.at[g], n, bn, col_offsets)
             out = act(*accs) if swiglu else accs[0]
@@ -254,12 +313,34 @@ def tile_gmm(
         lhs_SK,
         rhs_GKN2,
         *bias_args,
+        *scale_args,
     )
 
 
-def _add_bias(accs, bias_N2, n, bn: int, col_offsets):
-    """accs[c] + bias_N2[(n + col_offsets[c]) * bn :][:bn] over the rows, in float32.
-    The bias slices (one expert's, in global memory) come by TMA into shared memory."""
+def _dequantize_step(rhs_smems, wbufs, dtype, scale_gmem, g, k, n, bk: int, bn: int,
+                     col_offsets, block_scheme):
+    """The 8-bit rhs tiles of one K step, converted in registers to `dtype` (exact for
+    int8 and e4m3) and stored into the 16-bit shared-memory tiles `wbufs` that the WGMMAs
+    read; with block scales (block_scheme), each tile times its block's scale (one
+    block per tile: bk and bn divide the block) before the conversion."""
+    for c, (rhs_smem, wbuf) in enumerate(zip(rhs_smems, wbufs, strict=True)):
+        w = rhs_smem[...]
+        if w.dtype == jnp.float8_e4m3fn:  # sm_90's ptxas converts e4m3 to f16 only
+            w = w.astype(jnp.float16)  # exact
+        if block_scheme is None:
+            wbuf[...] = w.astype(dtype)
+        else:
+            s = scale_gmem[g, k * bk // block_scheme.block_k,
+                           (n + col_offsets[c]) * bn // block_scheme.block_n]
+            wbuf[...] = (w.astype(jnp.float32) * s).astype(dtype)
+    plgpu.commit_smem()
+    return wbufs
+
+
+def _add_bias(accs, bias_N2, n, bn: int, col_offsets, op=jnp.add):
+    """op(accs[c], bias_N2[(n + col_offsets[c]) * bn :][:bn]) over the rows, in float32
+    (op: add for biases, multiply for per-channel weight scales). The slices (one
+    expert's, in global memory) come by TMA into shared memory."""
 
     def scope(b_smem, barrier):
         for c, off in enumerate(col_offsets):
@@ -267,7 +348,7 @@ def _add_bias(accs, bias_N2, n, bn: int, col_offsets):
                                     barrier)
             plgpu.barrier_wait(barrier)
         return tuple(
-            acc + jax.lax.broadcast_in_dim(b_smem[c].astype(jnp.float32), acc.shape, [1])
+            op(acc, jax.lax.broadcast_in_dim(b_smem[c].astype(jnp.float32), acc.shape, [1]))
             for c, acc in enumerate(accs))
 
     return pl.run_scoped(scope, plgpu.SMEM((len(col_offsets), bn), bias_N2.dtype),
@@ -303,21 +384,23 @@ def moe_ffn_gpu(
     only for 16-bit types); float32 runs in interpret mode only (for tests), and
     `moe_ffn(backend="auto")` sends float32 to xla.
 
-    Quantized weights (`scales`, `scheme`) are not implemented here: `moe_ffn` sends
-    them to xla_tiles; this raises NotImplementedError if given any.
+    Quantized weights (`scales`, `scheme`; quant.py): the tiles are converted to x's
+    16-bit dtype in shared memory (module docstring); h is stored in x's dtype. Block
+    scales cap the N blocks at the scale block (128).
     """
-    if scales or scheme is not None:
-        raise NotImplementedError(
-            "the Hopper MoE kernel takes 16-bit weights only (no shared-memory dequantise "
-            "yet); moe_ffn(backend='gpu') runs quantized experts on xla_tiles")
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
     b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
+    s_gate_up, s_down = check_scales(scales, scheme, w_gate_up_LEDF2, w_down_LEFD)
+    if s_gate_up is not None:  # [L*E, k, n] like the weights
+        s_gate_up = s_gate_up.reshape(-1, *s_gate_up.shape[-2:])
+        s_down = s_down.reshape(-1, *s_down.shape[-2:])
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1]
     tm = tiling.tm
-    bk = tiling.bk or 128 // jnp.dtype(w_gate_up_GDF2.dtype).itemsize
+    cdt = w_gate_up_GDF2.dtype if s_gate_up is None else x_TD.dtype  # the MMA dtype
+    bk = tiling.bk or 128 // jnp.dtype(cdt).itemsize
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
@@ -325,21 +408,25 @@ def moe_ffn_gpu(
     M = layout.tile_group_M.shape[0]
 
     # Expert-sorted copy of x, experts 8-row aligned (see the module docstring).
-    x_SD = x_TD.astype(w_gate_up_GDF2.dtype)[layout.token_ids_S]
+    x_SD = x_TD.astype(cdt)[layout.token_ids_S]
+    h_dtype = w_down_GFD.dtype if s_down is None else cdt
     common = dict(
         tile_group_M=layout.tile_group_M + group_offset, num_tiles=layout.num_tiles, tm=tm,
         stages=tiling.stages, num_sms=num_sms, interpret=interpret,
     )
+    # block scales: one scale block per tile (bn at most block_n)
+    bn_cap = scheme.block_n if s_gate_up is not None and scheme.block_k else 1 << 30
     h_PF = tile_gmm(
         x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
-        bk=_fit_block(D, bk), bn=_fit_block(F, tiling.gate_up_bn),
-        out_dtype=w_down_GFD.dtype, bias=b_gate_up, act=activation, **common,
+        bk=_fit_block(D, bk), bn=_fit_block(F, min(tiling.gate_up_bn, bn_cap)),
+        out_dtype=h_dtype, bias=b_gate_up, act=activation, scale=s_gate_up, scheme=scheme,
+        **common,
     )
     y_PD = tile_gmm(
         h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
-        bk=_fit_block(F, bk), bn=_fit_block(D, tiling.down_bn),
-        out_dtype=x_TD.dtype, bias=b_down, **common,
+        bk=_fit_block(F, bk), bn=_fit_block(D, min(tiling.down_bn, bn_cap)),
+        out_dtype=x_TD.dtype, bias=b_down, scale=s_down, scheme=scheme, **common,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
     return y_TD, moe_stats(layout.group_sizes_E, w_gate_up_LEDF2, w_down_LEFD,
-                           b_gate_up, b_down)
+                           b_gate_up, b_down, scales=scales or ())

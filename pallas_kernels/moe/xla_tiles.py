@@ -15,7 +15,6 @@ are as in `ref.ref_moe_ffn`; the biases are addressed the same way.
 Quantized experts (`scales`, `scheme`: quant.py's contract): each tile dequantises its
 own expert's weights to float32 (one expert, [D, 2F] / [F, D], never a layer) and
 multiplies in float32; h is stored in the activation dtype, as the kernels store it.
-This is also the gpu backend's path for quantized weights (`moe_ffn`).
 """
 
 from __future__ import annotations
