@@ -61,7 +61,8 @@ def _scale_name(name):
 
 
 def _block_shape(shape):
-    return tuple(math.ceil(s / 128) for s in shape)
+    """The weight_scale_inv shape of an [out, in] FP8 weight."""
+    return tuple(math.ceil(s / FP8_BLOCK.block_k) for s in shape)
 
 
 def quantized_sources(cfg: ModelConfig, sources: dict) -> dict:
