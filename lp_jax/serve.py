@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE",
                    help="a Jinja chat template file, used instead of the model's (for "
                         "checkpoints without one) [default: the model's, or a fallback]")
+    s.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                   help="chat answers' reasoning (Qwen3's <think> block) goes to "
+                        "reasoning_content / reasoning, apart from content [default: none]")
     s.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the vllm: names of the metrics that mean the "
                         "same (lp_jax/server/metrics.py), for dashboards built for vLLM")
@@ -296,6 +299,7 @@ def main(argv=None) -> None:
                           max_prompt_logprob_entries=args.max_prompt_logprob_entries,
                           chat_template=args.chat_template,
                           vllm_metric_names=args.vllm_metric_names,
+                          reasoning_parser=args.reasoning_parser,
                           log_stats_s=None if args.disable_log_stats else args.log_stats_interval)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,

@@ -231,7 +231,9 @@ def client(llm):
     from lp_jax.server import OpenAIServer, ServerThread
 
     assert llm.engine.reset_prefix_cache()
-    st = ServerThread(OpenAIServer(llm.engine, served_model_names=["tiny"])).start()
+    # With Qwen3's reasoning parser on: outputs that open no <think> block stay content.
+    st = ServerThread(OpenAIServer(llm.engine, served_model_names=["tiny"],
+                                   reasoning_parser="qwen3")).start()
     yield openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0, timeout=60)
     st.stop()
 
@@ -276,6 +278,22 @@ def test_server_completions_regex_choice_and_aliases(client):
     assert valid_person(json.loads(resp.choices[0].text))
 
 
+def test_server_reasoning_split_streamed_and_not(client):
+    """A forced `<think>...</think>answer` shape (a regex) splits into reasoning_content /
+    reasoning and content, the same streamed and not."""
+    kw = dict(model="tiny", messages=MSGS, max_tokens=60, temperature=1.0,
+              extra_body={"structured_outputs": {"regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"}})
+    for seed in range(3):
+        msg = client.chat.completions.create(seed=seed, **kw).choices[0].message
+        assert re.fullmatch("[a-z]{2,8}", msg.reasoning_content), msg
+        assert msg.reasoning == msg.reasoning_content and re.fullmatch("[a-z]{2,8}", msg.content)
+        chunks = list(client.chat.completions.create(seed=seed, stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) \
+            == msg.reasoning_content
+        assert "".join(d.content or "" for d in deltas) == msg.content
+
+
 @pytest.mark.parametrize("extra, param, match", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
                                                                  "schema": {"type": 7}}}},
@@ -304,7 +322,8 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir):
     from lp_jax.server.mock import MockEngine
     from tests.test_server_input import post
 
-    tmpl = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tmpl = ("{% for m in messages %}{{ m.get('reasoning_content', '') }}{{ m['content'] }}"
+            "{% endfor %}"
             "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}")
     st = ServerThread(OpenAIServer(MockEngine(model_dir=tiny_dir, max_model_len=64),
                                    served_model_names=["mock"], chat_template=tmpl)).start()
@@ -317,6 +336,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir):
         n = len(json.loads(data)["tokens"])
         status, data = post(st, "/v1/chat/completions", {**off, "max_tokens": 2})
         assert status == 200 and json.loads(data)["usage"]["prompt_tokens"] == n
+        thought = {"model": "mock", "messages": [
+            {"role": "assistant", "content": "hi", "reasoning": "because"}]}
+        status, data = post(st, "/tokenize", thought)  # an earlier answer's reasoning
+        assert len(json.loads(data)["tokens"]) > len(plain)
         for bad in ({"messages": []}, "x"):
             status, data = post(st, "/v1/chat/completions",
                                 {**body, "chat_template_kwargs": bad})
@@ -324,3 +347,38 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir):
             assert json.loads(data)["error"]["param"] == "chat_template_kwargs"
     finally:
         st.stop()
+
+
+# ------------------------------------------------------- reasoning split (issue #32)
+@pytest.mark.parametrize("text, opened, want", [
+    ("<think>abc</think>\n\nanswer", False, ("abc", "answer")),
+    ("  <think>a</thinkish</think>b", False, ("a</thinkish", "b")),
+    ("plain answer", False, (None, "plain answer")),
+    ("<think>never closed", False, ("never closed", "")),
+    ("inside</think>out", True, ("inside", "out")),
+    ("<thin", False, (None, "<thin")),
+])
+def test_think_splitter_any_chunking(text, opened, want):
+    from lp_jax.server.reasoning import ThinkSplitter, split
+
+    assert split(text, opened) == want
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # streamed in random pieces: the same split
+        cuts = sorted(rng.integers(0, len(text) + 1, size=rng.integers(0, 6)))
+        s, r, c = ThinkSplitter(opened), "", ""
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            dr, dc = s.push(text[a:b])
+            r, c = r + dr, c + dc
+        dr, dc = s.finish()
+        assert (r + dr, c + dc) == (want[0] or "", want[1])
+
+
+def test_lp_serve_takes_a_reasoning_parser():
+    from lp_jax.serve import build_parser
+    from lp_jax.server import OpenAIServer
+    from lp_jax.server.mock import MockEngine
+
+    assert build_parser().parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert build_parser().parse_args([]).reasoning_parser is None
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        OpenAIServer(MockEngine(), reasoning_parser="deepseek")

@@ -33,6 +33,7 @@ from lp_jax.server.engine_loop import EngineDeadError, EngineLoop
 from lp_jax.server.metrics import ServerMetrics
 from lp_jax.server.prometheus import CONTENT_TYPE
 from lp_jax.server.protocol import APIError
+from lp_jax.server.reasoning import PARSERS
 
 log = logging.getLogger("lp_jax.server")
 
@@ -76,7 +77,8 @@ class OpenAIServer:
     entries (see `protocol.prompt_logprob_entries`); `chat_template` (Jinja source) replaces
     the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
     metrics.VLLM_NAMES; `log_stats_s` logs vLLM's stats line that often while requests run
-    (lp-serve: every 10 s; None: never).
+    (lp-serve: every 10 s; None: never); `reasoning_parser` ("qwen3", or None) splits chat
+    answers into reasoning and content (reasoning.py).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
@@ -84,7 +86,11 @@ class OpenAIServer:
                  read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N,
                  max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
                  chat_template: str | None = None, vllm_metric_names: bool = False,
-                 log_stats_s: float | None = None):
+                 log_stats_s: float | None = None, reasoning_parser: str | None = None):
+        if reasoning_parser not in (None, *PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {PARSERS} or None, got "
+                             f"{reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
         self.max_prompt_logprob_entries = max_prompt_logprob_entries

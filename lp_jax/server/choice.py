@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lp_jax.server import protocol
 from lp_jax.server.detok import TextAssembler
+from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
 
 
 def usage(choices: list[Choice]) -> dict:
@@ -25,7 +26,10 @@ class Choice:
     """One choice of a response (a prompt's sample): its engine request, its text (with
     the echo, if asked), its log-probabilities."""
 
-    def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req):
+    def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req, *,
+                 reasoning: bool = False):
+        """`reasoning`: a chat answer's reasoning goes apart from its content
+        (reasoning.py; the server's reasoning_parser)."""
         self.index, self.handle, self.ids, self.req = index, handle, ids, req
         self.sample_index = index % req.n
         self.tokenizer = tokenizer
@@ -37,6 +41,11 @@ class Choice:
         self.prompt_lps = None  # the engine's prompt log-probabilities, from the first delta
         self.prompt_lps_pending = True  # streaming: not yet sent
         self.echo = self._echo_text(prompt)
+        self.in_reasoning = self.think = None
+        if reasoning and req.kind == "chat":
+            tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
+            self.in_reasoning = opens_reasoning(tail)
+            self.think = ThinkSplitter(self.in_reasoning)
         self.echo_pending = bool(self.echo) or (req.echo and self.lps is not None)
 
     def _echo_text(self, prompt) -> str:
@@ -84,6 +93,17 @@ class Choice:
         if self.reason is not None:
             self.handle.finished = True
         return text, lp_delta
+
+    def chat_delta(self, text: str) -> dict:
+        """A streamed chat delta's text fields: content, and with a reasoning parser the
+        reasoning it holds (a marker's possible start waits for the next text)."""
+        if self.think is None:
+            return {"content": text}
+        r, c = self.think.push(text)
+        if self.reason is not None:  # the last delta: what was held comes out
+            r2, c2 = self.think.finish()
+            r, c = r + r2, c + c2
+        return {"content": c, **({"reasoning_content": r, "reasoning": r} if r else {})}
 
     def prompt_logprob_entries(self) -> int:
         """Entries its `prompt_logprobs` body holds: the token and its alternatives a row."""
@@ -134,9 +154,13 @@ class Choice:
     def choice_body(self) -> dict:
         lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
         if self.req.kind == "chat":
-            return {"index": self.index, "message": {"role": "assistant",
-                                                     "content": self.echo + self.asm.text},
-                    "logprobs": lp, "finish_reason": self.reason}
+            message = {"role": "assistant", "content": self.echo + self.asm.text}
+            if self.think is not None:
+                reasoning, content = split(self.asm.text, self.in_reasoning)
+                message.update(content=self.echo + content, reasoning_content=reasoning,
+                               reasoning=reasoning)
+            return {"index": self.index, "message": message, "logprobs": lp,
+                    "finish_reason": self.reason}
         body = {"index": self.index, "text": self.echo + self.asm.text, "logprobs": lp,
                 "finish_reason": self.reason}
         if self.req.prompt_logprobs is not None:

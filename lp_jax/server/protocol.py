@@ -462,6 +462,12 @@ def parse_messages(msgs) -> tuple[list[dict], int]:
         name = m.get("name")
         if isinstance(name, str):
             msg["name"] = name
+        # an earlier answer's reasoning, under either name: templates read reasoning_content
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if thought is not None:
+            if not isinstance(thought, str):
+                raise bad(f"messages[{i}].reasoning_content must be a string", "messages")
+            msg["reasoning_content"] = thought
         size += sum(utf8_len(v, "messages") for v in msg.values())
         out.append(msg)
     return out, size

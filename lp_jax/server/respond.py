@@ -118,7 +118,7 @@ def _chunk(req, rid, created, model, choice, text, *, logprobs=None) -> dict:
         logprobs = choice.lps.format(*logprobs)
     if req.kind == "chat":
         first, choice.started = not choice.started, True
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = ({"role": "assistant"} if first else {}) | choice.chat_delta(text)
         body = {"index": choice.index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": reason}
     else:

@@ -130,7 +130,8 @@ async def submit(server, req) -> list[Choice]:
         choices = []
         for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
             for handle in handles:
-                choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req))
+                choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req,
+                                      reasoning=server.reasoning_parser is not None))
         return choices
     except APIError:
         server.metrics.rejected.inc(reason="invalid")

@@ -1,0 +1,87 @@
+"""The model's reasoning kept apart from its answer: Qwen3's `<think>...</think>`.
+
+With `OpenAIServer(reasoning_parser="qwen3")` (vLLM's `--reasoning-parser qwen3`), a chat
+choice's text is split where the reasoning ends: what comes before `</think>` goes to the
+message's (or the streamed delta's) `reasoning_content`, and to `reasoning` (vLLM's field
+since late 2025); what follows goes to `content`. A choice is in its reasoning from the
+start when its text opens with `<think>` or when the prompt ends with one (templates that
+open the block for the model). Otherwise it has no reasoning: an answer that never opens
+a block is all content. Text that never closes its block is all reasoning.
+
+Qwen3's markers are added tokens but not special ones, so they survive detokenization and
+the split reads the text. Harmony's (GPT-OSS) are special, and the detokenizer drops
+them: that family needs a split on token ids, which is not done here. While streaming, a
+tail that may be the start of a marker ("</thi") is held back until the next text
+decides it.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("qwen3",)
+START, END = "<think>", "</think>"
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered prompt leaves the model inside a reasoning block."""
+    return prompt_text.rstrip().endswith(START)
+
+
+class ThinkSplitter:
+    """Streams text in, (reasoning, content) pieces out."""
+
+    def __init__(self, in_reasoning: bool = False):
+        self.state = "reasoning" if in_reasoning else "start"  # start -> reasoning -> content
+        self._held = ""
+        self._after_end = False  # the newlines that follow </think> are not content
+
+    def push(self, text: str) -> tuple[str, str]:
+        """The reasoning and content this text (after what was held) adds."""
+        buf, self._held = self._held + text, ""
+        if self.state == "start":
+            stripped = buf.lstrip()
+            if START.startswith(stripped) and len(stripped) < len(START):
+                self._held = buf  # could still open a block
+                return "", ""
+            if stripped.startswith(START):
+                self.state, buf = "reasoning", stripped[len(START):]
+            else:
+                self.state = "content"
+        if self.state == "content":
+            return "", self._content(buf)
+        i = buf.find(END)
+        if i >= 0:
+            self.state, self._after_end = "content", True
+            return buf[:i], self._content(buf[i + len(END):])
+        keep = _marker_prefix(buf, END)
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], ""
+
+    def _content(self, text: str) -> str:
+        if self._after_end:
+            text = text.lstrip("\n")
+            self._after_end = not text
+        return text
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the end of the text."""
+        held, self._held = self._held, ""
+        if self.state == "reasoning":
+            return held, ""
+        return "", held
+
+
+def split(text: str, in_reasoning: bool = False) -> tuple[str | None, str]:
+    """A whole text as (reasoning or None, content)."""
+    s = ThinkSplitter(in_reasoning)
+    r, c = s.push(text)
+    r2, c2 = s.finish()
+    has = in_reasoning or text.lstrip().startswith(START)
+    return (r + r2 if has else None), c + c2
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest tail of text that starts marker (0 if none)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
