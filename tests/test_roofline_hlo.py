@@ -93,3 +93,21 @@ def test_a_multiply_reduce_matvec_counts_as_a_matmul():
     assert has_dot and flops >= D * N
     flops, has_dot = walker._flops(entry, entry.instrs["whole"])
     assert not has_dot
+
+
+def test_mosaic_gpu_calls_in_optimized_hlo_are_costed_as_the_moe_kernels():
+    """XLA:GPU's optimized HLO names Mosaic GPU calls "mosaic_gpu_v2" (StableHLO says
+    "mosaic_gpu"); unrecognised, the H200 programs charged each call the whole expert
+    stack as an ordinary op (58 GB per layer)."""
+    from lp_jax.roofline.compiled import PALLAS_TARGETS, kernel_name
+    from pallas_kernels import cost
+
+    line = ('  %mpmd_map.2 = bf16[512,768]{1,0} custom-call(%a, %b, %c, %x, %w), '
+            'custom_call_target="mosaic_gpu_v2", operand_layout_constraints={s32[64]{0}, '
+            's32[64]{0}, s32[1]{0}, bf16[576,2048]{1,0}, bf16[6144,2048,1536]{2,1,0}}')
+    ins = hlo._parse_instr(line)
+    assert ins.attr("custom_call_target") in PALLAS_TARGETS
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(expert_width=768), tp=1)
+    assert kernel_name(ins, p) == cost.GPU_MOE_GATE_UP
+    down = line.replace("bf16[6144,2048,1536]", "bf16[6144,768,2048]")
+    assert kernel_name(hlo._parse_instr(down), p) == cost.GPU_MOE_DOWN

@@ -43,7 +43,8 @@ from pallas_kernels import cost
 EFF_COMPUTE = 0.6  # ASSUMED until fitted on the H200
 EFF_MEM = 0.8  # ASSUMED until fitted on the H200
 FLAG_ABOVE = 0.10  # differences to the analytic model above this are explained
-PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton")
+# Pallas custom-call targets in optimized HLO (Mosaic GPU's is "mosaic_gpu_v2" there)
+PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")
 # Query rows (block_q x query heads per KV head) per work item of the attention
 # kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py's block_rows default.
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
@@ -139,7 +140,7 @@ def kernel_name(instr: hlo.Instr, p: Program) -> str:
         found = [n for n in cost.ESTIMATES if n in text]
         if found:
             return max(found, key=len)
-    if instr.attr("custom_call_target") == "mosaic_gpu":
+    if (instr.attr("custom_call_target") or "").startswith("mosaic_gpu"):
         return cost.GPU_MOE_GATE_UP if _last_dim_is_2f(instr, p) else cost.GPU_MOE_DOWN
     raise KeyError(f"Pallas call {instr.name} names no kernel of pallas_kernels/cost.py")
 
