@@ -225,6 +225,29 @@ def test_bad_schema_is_refused_and_the_engine_keeps_serving(llm):
     assert all(o.text in CHOICES for o in out)
 
 
+def test_a_grammar_can_start_after_a_token_sequence(llm, tiny_dir):
+    """start_after (the end of a reasoning block): the output is free until those ids,
+    then follows the grammar. A logit bias forces the trigger token first; the digits
+    after it are the grammar's."""
+    t = 100  # not a digit, not eos
+    sp = SamplingParams(temperature=1.0, max_tokens=20, logit_bias={t: 100.0},
+                        structured_outputs=SO(regex="[0-9]{3}", start_after=(t,)))
+    for o in llm.generate(prompt_token_ids=[PROMPT] * 4, sampling_params=sp):
+        ids = o.outputs[0].token_ids
+        assert ids[0] == t and o.outputs[0].finish_reason == "stop", ids
+        assert re.fullmatch("[0-9]{3}", llm.engine.tokenizer.decode(ids[1:])), ids
+    assert_clean(llm)
+    from tokenizers import Tokenizer
+
+    from lp_jax.server.reasoning import grammar_after
+
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    spec = SO(regex="a")
+    assert grammar_after(spec, tok, "<|im_start|>assistant\n") is spec  # no block opened
+    opened = grammar_after(spec, tok, "<|im_start|>assistant\n<think>\n")
+    assert tok.decode(list(opened.start_after)) == "</think>"
+
+
 # ------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def client(llm):
@@ -382,3 +405,4 @@ def test_lp_serve_takes_a_reasoning_parser():
     assert build_parser().parse_args([]).reasoning_parser is None
     with pytest.raises(ValueError, match="reasoning_parser"):
         OpenAIServer(MockEngine(), reasoning_parser="deepseek")
+

@@ -12,7 +12,9 @@ Qwen3's markers are added tokens but not special ones, so they survive detokeniz
 the split reads the text. Harmony's (GPT-OSS) are special, and the detokenizer drops
 them: that family needs a split on token ids, which is not done here. While streaming, a
 tail that may be the start of a marker ("</thi") is held back until the next text
-decides it.
+decides it. With a reasoning parser, the grammar of a chat request whose prompt opens the
+block (structured outputs) starts after its `</think>` (`grammar_after`): the reasoning
+is free text.
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ START, END = "<think>", "</think>"
 def opens_reasoning(prompt_text: str) -> bool:
     """Whether a rendered prompt leaves the model inside a reasoning block."""
     return prompt_text.rstrip().endswith(START)
+
+
+def grammar_after(spec, tokenizer, prompt_tail: str):
+    """A chat request's output format with the reasoning left free: when the prompt opens
+    a reasoning block, its grammar starts after `</think>`. Otherwise it starts at once: a
+    model that would open a block itself answers in the format without reasoning, rather
+    than one that never thinks running free. `spec`: StructuredOutputsParams or None."""
+    if spec is None or tokenizer is None or not opens_reasoning(prompt_tail):
+        return spec
+    import dataclasses
+
+    ids = tokenizer.encode(END, add_special_tokens=False).ids
+    return dataclasses.replace(spec, start_after=tuple(ids))
 
 
 class ThinkSplitter:

@@ -10,9 +10,10 @@ as their first argument.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
-from lp_jax.server import protocol
+from lp_jax.server import protocol, reasoning
 from lp_jax.server.chat import ChatTemplateError
 from lp_jax.server.choice import Choice
 from lp_jax.server.engine_loop import EngineDeadError, OverloadedError
@@ -113,6 +114,10 @@ async def submit(server, req) -> list[Choice]:
         _check_prompt_logprobs(server, req, ids_list)
         params = [req.sampling_params(_budget(server, req, len(ids)), server.vocab_size)
                   for ids in ids_list]
+        if req.kind == "chat" and req.structured is not None and server.reasoning_parser:
+            tail = server.tokenizer.decode(ids_list[0][-8:], skip_special_tokens=False)
+            params = [dataclasses.replace(p, structured_outputs=reasoning.grammar_after(
+                p.structured_outputs, server.tokenizer, tail)) for p in params]
         # Queued together (one engine iteration takes them all); all or none. Every
         # choice's deltas go to one queue, in the order the engine made them.
         queue = asyncio.Queue()

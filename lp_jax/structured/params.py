@@ -21,6 +21,7 @@ from dataclasses import dataclass
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_CHOICES = 4096
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar of 1 MiB of text; more is not a format
+MAX_TRIGGER = 16  # token ids of a start_after sequence
 
 
 def mask_words(vocab_size: int) -> int:
@@ -35,6 +36,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # Token ids after which the grammar starts (the end of a reasoning block: the server
+    # sets Qwen3's `</think>` here, reasoning.py); the output is free until they appear.
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -46,6 +50,12 @@ class StructuredOutputsParams:
                              f"{self.json_object!r}")
         if self.json is not None:
             object.__setattr__(self, "json", _canonical_schema(self.json))
+        trigger = tuple(self.start_after)
+        if len(trigger) > MAX_TRIGGER or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in trigger):
+            raise ValueError(f"structured_outputs.start_after must be at most {MAX_TRIGGER} "
+                             f"token ids, got {_short(self.start_after)}")
+        object.__setattr__(self, "start_after", trigger)
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v or len(v) > MAX_SPEC_CHARS):
