@@ -22,6 +22,10 @@ Length models (prompt tokens, output tokens; lp_jax/sim/workload.py has their de
   max_tokens or completion_tokens) and optionally a time column in seconds (timestamp,
   arrived_at, arrival_time, arrival or time). When every row has a time the trace's own
   arrivals are replayed in time order (times --time-scale), else --request-rate applies.
+  Optional columns slo_class (or class / task / task_type), ttft_slo_ms / tbt_slo_ms (or
+  _s) ride on each request as `slo_class` / `ttft_slo_ms` / `tbt_slo_ms`: the objectives
+  are sent in the request body, the class with --send-slo-class. docs/trace_format.md
+  documents the format.
 
 `--max-prompt-len` / `--max-output-len` fit a model to a small model's context: with
 `--length-mode scale` (the default) every length is multiplied by max_len / (the model's
@@ -198,7 +202,7 @@ def _from_trace(rows: list[TraceRow], num_requests: int | None, rate: float, see
     else:  # the arrival stream of lp_jax.sim.workload.trace_requests
         times = arrival_times(n, rate, np.random.default_rng([seed, 0]), process=process,
                               burstiness=burstiness)
-    return p[:n], o[:n], times, int(p.max()), int(o.max())
+    return p[:n], o[:n], times, int(p.max()), int(o.max()), rows[:n]
 
 
 def build_workload(*, num_requests: int | None, rate: float, seed: int = 0,
@@ -218,8 +222,8 @@ def build_workload(*, num_requests: int | None, rate: float, seed: int = 0,
     _check_rate(rate)
     if trace is not None:
         rows = load_trace(trace) if isinstance(trace, str | Path) else list(trace)
-        p, o, times, pmax, omax = _from_trace(rows, num_requests, rate, seed, process,
-                                              burstiness, time_scale)
+        p, o, times, pmax, omax, rows = _from_trace(rows, num_requests, rate, seed, process,
+                                                    burstiness, time_scale)
     else:
         model = (resolve_length_model(length_model, prompt_len=prompt_len,
                                       output_len=output_len)
@@ -232,13 +236,18 @@ def build_workload(*, num_requests: int | None, rate: float, seed: int = 0,
         o = np.array([r.output_len for r in reqs], np.int64)
         times = np.array([r.arrival for r in reqs]) if finite else np.zeros(n)
         pmax, omax = model.max_lengths
+        rows = None
     p = fit_lengths(p, pmax, max_prompt_len, length_mode)
     o = fit_lengths(o, omax, max_output_len, length_mode)
     prompt_rng = np.random.default_rng([seed, 2])  # [seed, 0] and [seed, 1]: arrivals, lengths
-    return [RequestSpec(i, float(times[i]), int(p[i]), int(o[i]),
-                        make_prompt(int(p[i]), prompt_rng, kind=prompt_kind,
-                                    vocab_size=vocab_size, tokenizer=tokenizer))
-            for i in range(len(p))]
+    specs = [RequestSpec(i, float(times[i]), int(p[i]), int(o[i]),
+                         make_prompt(int(p[i]), prompt_rng, kind=prompt_kind,
+                                     vocab_size=vocab_size, tokenizer=tokenizer))
+             for i in range(len(p))]
+    for spec, row in zip(specs, rows or (), strict=False):  # a trace's class and objectives
+        spec.slo_class, spec.ttft_slo_ms, spec.tbt_slo_ms = (row.slo_class, row.ttft_slo_ms,
+                                                             row.tbt_slo_ms)
+    return specs
 
 
 # ------------------------------------------------------------------------ multi-turn chat

@@ -51,6 +51,7 @@ from lp_jax.sim.task_classes import (
     parse_assignments,
     parse_task_class,
 )
+from lp_jax.sim.trace_file import TraceError, parse_record
 from lp_jax.sim.workload import (
     ARXIV_PAPER,
     SHAREGPT_8K,
@@ -90,6 +91,7 @@ __all__ = [
     "StepCost",
     "StepFeatures",
     "TaskClass",
+    "TraceError",
     "TraceRow",
     "REFERENCE_SLOS",
     "SLO_SCALES",
@@ -107,6 +109,7 @@ __all__ = [
     "multi_slo_requests",
     "muxwise_policy",
     "parse_assignments",
+    "parse_record",
     "parse_task_class",
     "prior_calibration",
     "simulate",

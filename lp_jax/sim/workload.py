@@ -24,8 +24,9 @@ Length models:
 A request may carry an `lp_jax.core.slo.SLO` and a class name; task_classes.py builds
 the multi-SLO workloads (FlowPrefill's QwenTrace-like classes).
 
-`load_trace` reads any CSV or JSONL trace through grain (`grain.MapDataset.source` over the
-file's lines, then `.map` to parse), so users can replay their own traces.
+`load_trace` (trace_file.py; the format is docs/trace_format.md) reads any CSV or JSONL
+trace, with optional class and TTFT / TBT SLO columns; `trace_requests` replays it, each
+request carrying its row's SLO (resolved against the configured classes, if any).
 
 `lp_jax.bench.workload` (the lp-bench load generator) is a thin layer over this module: the
 same length models, arrival process and trace loader, plus prompts and length fitting.
@@ -33,8 +34,6 @@ same length models, arrival process and trace loader, plus prompts and length fi
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,21 +42,11 @@ from typing import Protocol
 import numpy as np
 
 from lp_jax.core.slo import SLO
+from lp_jax.sim.trace_file import TraceRow, load_trace
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 ARXIV_4K_CSV = DATA_DIR / "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
 AZURE_CONV_CSV = DATA_DIR / "splitwise_conv.csv"
-
-_TIME_COLUMNS = ("timestamp", "arrived_at", "arrival_time", "arrival", "time")
-_PROMPT_COLUMNS = ("prompt_len", "num_prefill_tokens", "input_len", "prompt_tokens")
-_OUTPUT_COLUMNS = (
-    "output_len",
-    "num_decode_tokens",
-    "output_tokens",
-    "max_tokens",
-    "completion_tokens",
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -81,19 +70,6 @@ class Request:
         if self.slo_class is not None:
             return self.slo_class
         return self.slo.name if self.slo is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    timestamp: float | None  # None when the trace has no time column
-    prompt_len: int
-    output_len: int
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError(
-                f"trace lengths must be >= 1, got {self.prompt_len}, {self.output_len}"
-            )
 
 
 class LengthModel(Protocol):
@@ -248,85 +224,34 @@ def synthesize(
 
 
 # ----- trace files -----------------------------------------------------------------------
-class _LineSource:
-    """A grain random-access data source over the data lines of a text file."""
-
-    def __init__(self, lines: list[str], origin: str) -> None:
-        self._lines, self._origin = lines, origin
-
-    def __len__(self) -> int:
-        return len(self._lines)
-
-    def __getitem__(self, index: int) -> str:
-        return self._lines[index]
-
-    def __repr__(self) -> str:
-        return f"_LineSource({self._origin!r}, {len(self._lines)} lines)"
-
-
-def _pick(record: dict, names: tuple[str, ...], what: str, required: bool = True):
-    for name in names:
-        if name in record and record[name] not in ("", None):
-            return record[name]
-    if required:
-        raise ValueError(f"trace row has no {what} column (one of {names}): {record}")
-    return None
-
-
-def _to_row(record: dict) -> TraceRow:
-    ts = _pick(record, _TIME_COLUMNS, "timestamp", required=False)
-    prompt = int(float(_pick(record, _PROMPT_COLUMNS, "prompt length")))
-    output = int(float(_pick(record, _OUTPUT_COLUMNS, "output length")))
-    return TraceRow(None if ts is None else float(ts), prompt, output)
-
-
-def load_trace(path: str | Path) -> list[TraceRow]:
-    """Rows of a CSV (header line) or JSONL trace, read through a grain MapDataset.
-
-    Columns (first match wins): time from timestamp / arrived_at / arrival_time / arrival /
-    time (optional, seconds); prompt length from prompt_len / num_prefill_tokens / input_len
-    / prompt_tokens; output length from output_len / num_decode_tokens / output_tokens /
-    max_tokens / completion_tokens. Lengths must be >= 1.
-    """
-    import grain
-
-    path = Path(path)
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if path.suffix in (".jsonl", ".ndjson", ".json"):
-        parse = json.loads
-    else:
-        if not lines:
-            raise ValueError(f"{path} is empty")
-        header = next(csv.reader([lines[0]]))
-        header = [h.strip() for h in header]
-        lines = lines[1:]
-
-        def parse(line: str, header=header) -> dict:
-            return dict(zip(header, next(csv.reader([line])), strict=True))
-
-    ds = grain.MapDataset.source(_LineSource(lines, str(path))).map(parse).map(_to_row)
-    return [ds[i] for i in range(len(ds))]
-
-
 def trace_requests(
-    path: str | Path,
+    path: str | Path | list[TraceRow],
     *,
     n: int | None = None,
     start: int = 0,
     rate: float | None = None,
     cv: float = 1.0,
     seed: int = 0,
+    classes: dict[str, SLO] | None = None,
+    slo_scale: float = 1.0,
 ) -> list[Request]:
-    """Requests from rows [start, start + n) of a trace.
+    """Requests from rows [start, start + n) of a trace (a path or `load_trace`'s rows).
 
-    With timestamps: arrivals relative to the first row, time-scaled so the mean rate is
-    `rate` when given. Without: gamma(cv) arrivals at `rate` (required then).
+    With timestamps: arrivals relative to the earliest row, in time order (ties keep file
+    order), time-scaled so the mean rate is `rate` when given. Without: gamma(cv) arrivals
+    at `rate` (required then), in file order. Each request carries its row's class and
+    SLO (`TraceRow.slo(classes)`: the class's objectives from `classes`, overridden by the
+    row's own columns), both objectives times `slo_scale`.
     """
-    rows = load_trace(path)[start:]
+    if not (math.isfinite(slo_scale) and slo_scale > 0):
+        raise ValueError(f"slo_scale must be > 0, got {slo_scale}")
+    rows = load_trace(path) if isinstance(path, str | Path) else list(path)
+    rows = rows[start:]
     rows = rows[:n] if n is not None else rows
     if not rows:
         raise ValueError(f"no rows in {path} from {start}")
     if all(r.timestamp is not None for r in rows):
+        rows = sorted(rows, key=lambda r: r.timestamp)
         t_N = np.array([r.timestamp for r in rows], dtype=np.float64)
         t_N -= t_N[0]
         if rate is not None and len(rows) > 1 and t_N[-1] > 0:
@@ -335,4 +260,10 @@ def trace_requests(
         raise ValueError(f"{path} has no timestamps; pass a rate")
     else:
         t_N = arrival_times(len(rows), rate, np.random.default_rng([seed, 0]), cv)
-    return [Request(float(t), r.prompt_len, r.output_len) for t, r in zip(t_N, rows, strict=True)]
+    out = []
+    for t, r in zip(t_N, rows, strict=True):
+        slo = r.slo(classes)
+        if slo is not None and slo_scale != 1.0:
+            slo = slo.scaled(slo_scale)
+        out.append(Request(float(t), r.prompt_len, r.output_len, slo, r.slo_class))
+    return out
