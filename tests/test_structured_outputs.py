@@ -317,6 +317,57 @@ def test_server_reasoning_split_streamed_and_not(client):
         assert "".join(d.content or "" for d in deltas) == msg.content
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "today's weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 5}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
+
+
+def test_server_tool_round_trip_streamed_and_not(client):
+    """A named or required tool_choice forces a well-formed call (the grammar); the call
+    comes back as OpenAI's tool_calls with finish_reason tool_calls, the streamed deltas
+    reassemble to it, and the call and the tool's answer go back through the template."""
+    kw = dict(model="tiny", messages=MSGS, max_tokens=100, temperature=1.0,
+              tools=[WEATHER, TIME], parallel_tool_calls=False)
+    for seed, choice in [(0, {"type": "function", "function": {"name": "get_weather"}}),
+                         (1, "required"), (2, "required")]:
+        done = client.chat.completions.create(seed=seed, tool_choice=choice, **kw).choices[0]
+        assert done.finish_reason == "tool_calls", done
+        (call,) = done.message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+        assert (1 <= len(args["city"]) <= 5 if call.function.name == "get_weather"
+                else -12 <= args["zone"] <= 12)
+        if seed == 0:
+            assert call.function.name == "get_weather"
+        chunks = list(client.chat.completions.create(seed=seed, tool_choice=choice,
+                                                     stream=True, **kw))
+        streamed = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls
+                                                              or [])]
+        assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+            [(0, call.function.name, call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    back = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    answer = client.chat.completions.create(model="tiny", messages=back, max_tokens=4,
+                                            tools=[WEATHER, TIME], tool_choice="none")
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("choice", ["always", {"type": "function", "function": {"name": "nope"}},
+                                    {"type": "function"}, 3])
+def test_server_bad_tool_choice_is_400(client, choice):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4,
+                                       tools=[WEATHER], tool_choice=choice)
+    assert e.value.param == "tool_choice"
+
+
 @pytest.mark.parametrize("extra, param, match", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
                                                                  "schema": {"type": 7}}}},
@@ -406,3 +457,37 @@ def test_lp_serve_takes_a_reasoning_parser():
     with pytest.raises(ValueError, match="reasoning_parser"):
         OpenAIServer(MockEngine(), reasoning_parser="deepseek")
 
+
+
+@pytest.mark.parametrize("text, want_content, names", [
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', None, ["f"]),
+    ('ok <tool_call>{"name": "f"}</tool_call> and <tool_call>{"name": "g", "arguments": {}}'
+     '</tool_call>', "ok  and ", ["f", "g"]),
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # unterminated: content
+    ("<tool_ca", "<tool_ca", []),
+])
+def test_tool_call_parser_any_chunking(text, want_content, names):
+    from lp_jax.server.tools import ToolCallParser, split_calls
+
+    content, calls = split_calls(text)
+    assert content == want_content and [c["function"]["name"] for c in calls] == names
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        cuts = sorted(rng.integers(0, len(text) + 1, size=rng.integers(0, 6)))
+        p, c, got = ToolCallParser(), "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            dc, done = p.push(text[a:b])
+            c, got = c + dc, got + done
+        c += p.finish()
+        assert c == (want_content or "") and [x["function"]["name"] for x in got] == names
+
+
+def test_parallel_tool_grammar_compiles(tiny_dir):
+    from lp_jax.server.tools import tool_grammar
+    from lp_jax.structured.compiler import GrammarCompiler
+
+    c = GrammarCompiler(tiny_dir / "tokenizer.json", 512, [511, 509])
+    for parallel in (True, False):
+        c.compile(tool_grammar([WEATHER, TIME], "required", parallel))
+    assert tool_grammar([WEATHER], "auto", True) is None

@@ -6,8 +6,9 @@ directory's: `chat_template.jinja` if present, else the `chat_template` field of
 `tokenizer_config.json` (a string, or a list of named templates, of which "default" is
 used). It is rendered in a sandboxed Jinja environment with the
 variables Hugging Face templates expect: `messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `tools` (None), a request's `chat_template_kwargs` (for example Qwen3's
-`enable_thinking`; they cannot replace those names), plus the `raise_exception` and
+`eos_token`, `tools` (the request's, or None), a request's `chat_template_kwargs` (for
+example Qwen3's `enable_thinking`; they cannot replace those names), plus the
+`raise_exception` and
 `strftime_now` helpers, a `tojson` filter that keeps non-ASCII text (with transformers'
 `indent`, `separators` and `sort_keys` arguments) and the loop-control extension
 (`{% break %}`, `{% continue %}`), as transformers renders them. GPT-OSS's harmony
@@ -98,15 +99,15 @@ class ChatFormatter:
         return cls(template if template is not None else own, config, tokenizer)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               kwargs: dict | None = None) -> str:
-        """`kwargs`: more template variables (a request's chat_template_kwargs); the
-        fallback formats take none."""
+               kwargs: dict | None = None, tools: list | None = None) -> str:
+        """`kwargs`: more template variables (a request's chat_template_kwargs); `tools`:
+        the request's function tools (OpenAI's shape). The fallback formats take neither."""
         if self._template is not None:
             try:
                 return self._template.render(
                     **(kwargs or {}), messages=messages,
                     add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
-                    eos_token=self.eos_token, tools=None,
+                    eos_token=self.eos_token, tools=tools,
                 )
             except ChatTemplateError:
                 raise

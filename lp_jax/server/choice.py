@@ -10,6 +10,7 @@ from __future__ import annotations
 from lp_jax.server import protocol
 from lp_jax.server.detok import TextAssembler
 from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
+from lp_jax.server.tools import ToolCallParser, split_calls
 
 
 def usage(choices: list[Choice]) -> dict:
@@ -41,6 +42,8 @@ class Choice:
         self.prompt_lps = None  # the engine's prompt log-probabilities, from the first delta
         self.prompt_lps_pending = True  # streaming: not yet sent
         self.echo = self._echo_text(prompt)
+        self.tool_parser = (ToolCallParser() if req.kind == "chat" and req.tools
+                            and req.tool_choice != "none" else None)
         self.in_reasoning = self.think = None
         if reasoning and req.kind == "chat":
             tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
@@ -97,13 +100,26 @@ class Choice:
     def chat_delta(self, text: str) -> dict:
         """A streamed chat delta's text fields: content, and with a reasoning parser the
         reasoning it holds (a marker's possible start waits for the next text)."""
-        if self.think is None:
-            return {"content": text}
-        r, c = self.think.push(text)
-        if self.reason is not None:  # the last delta: what was held comes out
-            r2, c2 = self.think.finish()
-            r, c = r + r2, c + c2
-        return {"content": c, **({"reasoning_content": r, "reasoning": r} if r else {})}
+        r, c, last = "", text, self.reason is not None
+        if self.think is not None:
+            r, c = self.think.push(text)
+            if last:  # the last delta: what was held comes out
+                r2, c2 = self.think.finish()
+                r, c = r + r2, c + c2
+        calls = []
+        if self.tool_parser is not None:  # a call goes out once its block closes
+            c, calls = self.tool_parser.push(c)
+            if last:
+                c += self.tool_parser.finish()
+        return {"content": c, **({"reasoning_content": r, "reasoning": r} if r else {}),
+                **({"tool_calls": calls} if calls else {})}
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's: "tool_calls" for an answer that stopped after making calls."""
+        if self.reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+            return "tool_calls"
+        return self.reason
 
     def prompt_logprob_entries(self) -> int:
         """Entries its `prompt_logprobs` body holds: the token and its alternatives a row."""
@@ -155,12 +171,21 @@ class Choice:
         lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
         if self.req.kind == "chat":
             message = {"role": "assistant", "content": self.echo + self.asm.text}
+            content = self.asm.text
             if self.think is not None:
                 reasoning, content = split(self.asm.text, self.in_reasoning)
                 message.update(content=self.echo + content, reasoning_content=reasoning,
                                reasoning=reasoning)
+            reason = self.reason
+            if self.tool_parser is not None:
+                rest, calls = split_calls(content)
+                if calls:
+                    message["content"] = None if rest is None else self.echo + rest
+                    message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
+                                             for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
             return {"index": self.index, "message": message, "logprobs": lp,
-                    "finish_reason": self.reason}
+                    "finish_reason": reason}
         body = {"index": self.index, "text": self.echo + self.asm.text, "logprobs": lp,
                 "finish_reason": self.reason}
         if self.req.prompt_logprobs is not None:

@@ -3,8 +3,8 @@
 Every field is checked here with its type and range, so a bad request becomes a 4xx with an
 OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`, and only
 well-formed `SamplingParams` reach the engine. Unknown fields are ignored, as OpenAI-compatible
-servers do; fields the engine cannot honour (best_of, suffix, tools, a tool_choice that
-needs tools) are rejected with a message that says so, as is a completions batch that
+servers do; fields the engine cannot honour (best_of, suffix, a tool_choice without tools) are
+rejected with a message that says so, as is a completions batch that
 mixes text and token ids.
 
 Structured outputs (`parse_structured`) come as OpenAI's `response_format` (json_object,
@@ -26,6 +26,7 @@ from lp_jax.core.sampling_params import (
     SamplingParams,
 )
 from lp_jax.core.slo import SLO
+from lp_jax.server import tools
 from lp_jax.server.chat import RESERVED
 from lp_jax.structured.params import StructuredOutputsParams
 
@@ -195,6 +196,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's log-probabilities
     structured: StructuredOutputsParams | None = None  # the output's format, if constrained
     chat_template_kwargs: dict | None = None  # chat: more variables for the template
+    tools: list | None = None  # chat: function tools, for the template (tools.py)
+    tool_choice: str | dict = "none"
+    parallel_tool_calls: bool = True
     structured_param: str | None = None  # the field it came from (a 400 names it)
 
     def scored_prompt(self) -> int | None:
@@ -462,15 +466,39 @@ def parse_messages(msgs) -> tuple[list[dict], int]:
         name = m.get("name")
         if isinstance(name, str):
             msg["name"] = name
+        calls = m.get("tool_calls")
+        if calls is not None:  # an earlier answer's calls, as the template reads them
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise bad(f"messages[{i}].tool_calls must be a list of function calls",
+                          "messages")
+            msg["tool_calls"] = [{**c, "function": _call_function(c["function"])}
+                                 for c in calls]
+        if isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         # an earlier answer's reasoning, under either name: templates read reasoning_content
         thought = m.get("reasoning_content", m.get("reasoning"))
         if thought is not None:
             if not isinstance(thought, str):
                 raise bad(f"messages[{i}].reasoning_content must be a string", "messages")
             msg["reasoning_content"] = thought
-        size += sum(utf8_len(v, "messages") for v in msg.values())
+        size += sum(utf8_len(v, "messages") if isinstance(v, str) else len(json.dumps(v))
+                    for v in msg.values())
         out.append(msg)
     return out, size
+
+
+def _call_function(f: dict) -> dict:
+    """A message's call as templates read it: `arguments` as an object (Qwen3's template
+    writes it with tojson); a string that is not JSON stays a string."""
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"name": f["name"], "arguments": args}
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -488,12 +516,18 @@ def parse_chat(body: dict) -> GenerationRequest:
         req.logprobs = top or 0
     elif top is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    if body.get("tools") not in (None, []):
-        raise unsupported("tools", "tool calling is not implemented")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        # "required" or a named function: a tool call the server could never make
-        raise bad(f"'tool_choice' {json.dumps(body['tool_choice'])[:80]} needs 'tools', and "
-                  "this server has no tool calling; use 'none' or 'auto'", "tool_choice")
+    try:
+        req.tools, req.tool_choice, req.parallel_tool_calls = tools.parse_tools(body)
+    except tools.ToolsError as exc:
+        raise bad(str(exc), exc.param) from None
+    if req.tools is not None:
+        forced = tools.tool_grammar(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if forced is not None:  # "required" or a named function: the grammar makes the call
+            if req.structured is not None:
+                raise bad(f"'tool_choice' {json.dumps(req.tool_choice)[:60]} and "
+                          f"'{req.structured_param}' both fix the output; give one",
+                          "tool_choice")
+            req.structured, req.structured_param = forced, "tool_choice"
     return req
 
 

@@ -67,7 +67,7 @@ class ThinkSplitter:
         if i >= 0:
             self.state, self._after_end = "content", True
             return buf[:i], self._content(buf[i + len(END):])
-        keep = _marker_prefix(buf, END)
+        keep = marker_prefix(buf, END)
         self._held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], ""
 
@@ -94,7 +94,7 @@ def split(text: str, in_reasoning: bool = False) -> tuple[str | None, str]:
     return (r + r2 if has else None), c + c2
 
 
-def _marker_prefix(text: str, marker: str) -> int:
+def marker_prefix(text: str, marker: str) -> int:
     """The length of the longest tail of text that starts marker (0 if none)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

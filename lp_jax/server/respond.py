@@ -120,7 +120,7 @@ def _chunk(req, rid, created, model, choice, text, *, logprobs=None) -> dict:
         first, choice.started = not choice.started, True
         delta = ({"role": "assistant"} if first else {}) | choice.chat_delta(text)
         body = {"index": choice.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": reason}
+                "finish_reason": choice.finish_reason}
     else:
         body = {"index": choice.index, "text": text, "logprobs": logprobs,
                 "finish_reason": reason}

@@ -58,7 +58,7 @@ def _tokenize(server, req, prompt) -> list[int]:
     if req.kind == "chat":
         try:
             text = server.chat.render(req.messages, req.add_generation_prompt,
-                                      req.chat_template_kwargs)
+                                      req.chat_template_kwargs, req.tools)
         except ChatTemplateError as exc:
             raise protocol.bad(str(exc), "messages") from None
         if server.tokenizer is None:
