@@ -13,7 +13,10 @@ roofline cost model instead of the JAX executor:
 - `muxwise_cost` -- MuxWise's SM-partition cost model of concurrent prefill / decode
                    streams, and its executor;
 - `muxwise`     -- MuxWise's policy (`SimConfig(policy="muxwise", tbt_slo_s=...)`);
-- `slo`         -- attainment and the sustainable-rate search.
+- `slo`         -- attainment and the sustainable-rate search;
+- `disagg`      -- prefill / decode disaggregated serving (`DisaggConfig`,
+                   `run_disaggregated`), KV transfers over `kv_link` (NVLink, ICI, DCN);
+- `trace_file`  -- the CSV / JSONL trace format (docs/trace_format.md).
 
 `launch/reproduce_paper.py` reproduces the layered-prefill paper's comparison with it,
 `launch/bench_flowprefill_sim.py` FlowPrefill's (goodput, SLO scale, blocking time), and
@@ -21,8 +24,10 @@ roofline cost model instead of the JAX executor:
 """
 
 from lp_jax.sim.calibration import GPU_PRIOR, Calibration, StepFeatures, prior_calibration
+from lp_jax.sim.disagg import DisaggConfig, DisaggResult, replicated, run_disaggregated
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor, StepCost
+from lp_jax.sim.kv_link import KVLink, kv_link
 from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
 from lp_jax.sim.muxwise_cost import Launch, MuxWiseExecutor, MuxWiseOptions, PartitionCostModel
 from lp_jax.sim.simulator import (
@@ -74,8 +79,11 @@ __all__ = [
     "SHAREGPT_8K",
     "Calibration",
     "CostModelExecutor",
+    "DisaggConfig",
+    "DisaggResult",
     "EmpiricalLengths",
     "EnergyModel",
+    "KVLink",
     "Launch",
     "LognormalLengths",
     "MuxWiseExecutor",
@@ -104,6 +112,7 @@ __all__ = [
     "derive_num_pages",
     "energy_model_for",
     "kv_bytes_per_token",
+    "kv_link",
     "length_model",
     "load_trace",
     "multi_slo_requests",
@@ -112,6 +121,8 @@ __all__ = [
     "parse_record",
     "parse_task_class",
     "prior_calibration",
+    "replicated",
+    "run_disaggregated",
     "simulate",
     "solo_ttft",
     "sustainable_rate",
