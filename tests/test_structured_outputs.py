@@ -250,15 +250,21 @@ def test_a_grammar_can_start_after_a_token_sequence(llm, tiny_dir):
 
 # ------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
-def client(llm):
+def server(llm):
     from lp_jax.server import OpenAIServer, ServerThread
 
     assert llm.engine.reset_prefix_cache()
     # With Qwen3's reasoning parser on: outputs that open no <think> block stay content.
     st = ServerThread(OpenAIServer(llm.engine, served_model_names=["tiny"],
                                    reasoning_parser="qwen3")).start()
-    yield openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield st
     st.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
 
 
 class Person(BaseModel):
@@ -386,6 +392,16 @@ def test_server_bad_formats_are_400_naming_the_field(client, extra, param, match
         client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8,
                                        extra_body=extra)
     assert e.value.param == param
+
+
+def test_server_compiled_nothing_with_every_feature_on(server, llm):
+    """After json schemas, regexes, choices, grammars, reasoning and tool calls were
+    served: no compile while serving, one program per bucket, nothing left behind."""
+    stats = server.engine_call(lambda e: e.stats())
+    assert stats["compilations_after_warmup"] == 0
+    assert stats["programs"] == len(llm.engine.runner.spec.buckets)
+    assert stats["structured_outputs"]["live"] == 0
+    assert stats["structured_outputs"]["filled"] > 0
 
 
 # ------------------------------------------------- chat_template_kwargs (issue #32)
