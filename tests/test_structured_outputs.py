@@ -365,6 +365,31 @@ def test_server_tool_round_trip_streamed_and_not(client):
     assert answer.choices[0].finish_reason in ("stop", "length")
 
 
+def test_server_malformed_tool_calls_degrade_to_content(client):
+    """tool_choice auto: a block that is not a call (forced by a regex here), or an
+    unterminated one, comes back as plain content with finish_reason stop, never an error;
+    a well-formed one the model wrote is a call."""
+    for regex, calls in [("<tool_call>[a-z]{3}</tool_call>", 0), ("<tool_call>[a-z]{3}", 0),
+                         ('<tool_call>\\{"name": "get_time", "arguments": \\{\\}\\}'
+                          "</tool_call>", 1)]:
+        for stream in (False, True):
+            resp = client.chat.completions.create(
+                model="tiny", messages=MSGS, max_tokens=60, tools=[WEATHER, TIME],
+                stream=stream, extra_body={"structured_outputs": {"regex": regex}})
+            if stream:
+                chunks = [c for c in resp if c.choices]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks)
+                got = sum(len(c.choices[0].delta.tool_calls or []) for c in chunks)
+                reason = chunks[-1].choices[0].finish_reason
+            else:
+                msg = resp.choices[0].message
+                text, got, reason = msg.content or "", len(msg.tool_calls or []), \
+                    resp.choices[0].finish_reason
+            assert got == calls and reason == ("tool_calls" if calls else "stop"), (regex, text)
+            if not calls:
+                assert re.fullmatch(regex, text), text
+
+
 @pytest.mark.parametrize("choice", ["always", {"type": "function", "function": {"name": "nope"}},
                                     {"type": "function"}, 3])
 def test_server_bad_tool_choice_is_400(client, choice):
