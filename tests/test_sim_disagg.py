@@ -101,3 +101,17 @@ def test_prefill_slo_leaves_room_for_the_transfer():
     assert seen.output_len == 1
     assert seen.slo.ttft_s == pytest.approx(1.0 - slow.transfer_s(4096))
     assert _prefill_request(req, replace(slow, deduct_transfer=False)).slo.ttft_s == 1.0
+
+
+def test_bench_deployments_use_the_same_chips():
+    """launch/bench_disagg_sim.py: every deployment of a chip count uses that many chips,
+    and a layout that does not is refused."""
+    from launch.bench_disagg_sim import deployment, parse_args, select_workloads
+
+    args = parse_args([])
+    wl = next(w for w in select_workloads("gpt-sharegpt")[0])
+    for chips, layout in ((2, "1x1:1x1"), (4, "1x2:1x2"), (4, "2x1:1x2")):
+        assert deployment(wl, "layered", chips, layout, args)[2] == chips
+        assert deployment(wl, "pd-chunked/nvlink", chips, layout, args)[2] == chips
+    with pytest.raises(ValueError, match="3 chips, not 2"):
+        deployment(wl, "pd-chunked/nvlink", 2, "1x1:1x2", args)

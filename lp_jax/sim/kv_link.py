@@ -10,9 +10,9 @@ per-chip aggregate, so NVLink and ICI get half of it. Their latency is the table
 
 DCN (a deployment whose prefill and decode instances sit on different hosts) is not in the
 hardware table; its figure is documented here: one 400 Gb/s NIC per GPU, one way 50 GB/s
-per chip (NVIDIA DGX H100 / H200: eight single-port ConnectX-7 400 Gb/s InfiniBand / Ethernet
-adapters for the compute fabric, one per GPU; DGX H100 user guide, "Hardware Overview",
-https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html). Its 10 us
+per chip (NVIDIA DGX H100 / H200: eight ConnectX-7 400 Gb/s InfiniBand / Ethernet adapters
+for the compute fabric, each mapped to one GPU; NVIDIA DGX H100 User Guide, section 1.2.3
+"Network Modules", table 6, https://docs.nvidia.com/dgx/dgxh100-user-guide/). Its 10 us
 latency (RDMA verbs message plus a switch hop, plus the transfer engine's setup) is ASSUMED.
 That 400 Gb/s is the line rate; protocol overhead is not modelled, so DCN times are a lower
 bound. The same per-chip figure is used for TPU hosts (ASSUMED: Google does not print a
@@ -28,7 +28,7 @@ from lp_jax.roofline.hardware import Hardware
 
 DCN_BW_PER_CHIP = 400e9 / 8  # B/s one way: one 400 Gb/s NIC per GPU (DGX H100 / H200)
 DCN_LATENCY_S = 10e-6  # ASSUMED
-DCN_SOURCE = ("NVIDIA DGX H100 user guide: 8x ConnectX-7 400 Gb/s, one per GPU, compute "
+DCN_SOURCE = ("NVIDIA DGX H100 User Guide 1.2.3: 8x ConnectX-7 400 Gb/s, one per GPU, compute "
               "fabric; 400 Gb/s line rate one way = 50 GB/s per chip; latency 10 us ASSUMED")
 LINKS = ("nvlink", "ici", "dcn")
 

@@ -59,7 +59,8 @@ class TraceRow:
             raise ValueError(f"trace time must be finite, got {self.timestamp}")
         if self.slo_class is not None and not (0 < len(self.slo_class) <= 64):
             raise ValueError(f"a class name must have 1-64 characters, got {self.slo_class!r}")
-        SLO.from_ms(self.ttft_slo_ms, self.tbt_slo_ms)  # raises naming the bad value
+        if self.ttft_slo_ms is not None or self.tbt_slo_ms is not None:
+            SLO.from_ms(self.ttft_slo_ms, self.tbt_slo_ms)  # raises naming the bad value
 
     def slo(self, classes: dict[str, SLO] | None = None) -> SLO | None:
         """The row's SLO: its class's objectives from `classes`, overridden by the row's
