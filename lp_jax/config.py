@@ -23,6 +23,17 @@ from lp_jax.quant.config import QuantConfig
 from lp_jax.quant.config import from_hf as quant_from_hf
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss")
+# vLLM's kv_cache_dtype values lp_jax serves: "auto" (the model's dtype) and e4m3 pages.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(value) -> str:
+    """"auto" or "fp8" (fp8_e4m3 is its alias, as in vLLM); ValueError for anything else."""
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                         f"{value!r} (fp8 / fp8_e4m3: float8_e4m3fn KV pages with per-layer "
+                         "k_scale / v_scale)")
+    return "auto" if value == "auto" else "fp8"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -91,6 +102,10 @@ class ModelConfig:
     # Weight format (lp_jax/quant): from config.json's quantization_config, or set by the
     # loader for quantization="int8" | "fp8"; None: the checkpoint's 16/32-bit weights.
     quantization: QuantConfig | None = None
+    # The KV pool's format (set by the engine): "auto" (self.dtype) or "fp8" (e4m3 pages),
+    # with per-layer (k_scale, v_scale) read from the checkpoint; () means 1.0 everywhere.
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

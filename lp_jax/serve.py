@@ -2,8 +2,8 @@
 
 Engine flags are named as vLLM names them where the meaning is the same
 (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--load-format`,
-`--dtype`, `--quantization`, `--seed`); the rest are lp_jax's own (`--scheduling`,
-`--layer-groups`, ...).
+`--dtype`, `--quantization`, `--kv-cache-dtype`, `--seed`); the rest are lp_jax's own
+(`--scheduling`, `--layer-groups`, ...).
 
     LP_API_KEY=... lp-serve --model /path/to/Qwen3-30B-A3B --scheduling layered --port 8000
 
@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 / fp8: quantise a 16-bit checkpoint per channel at load (an HF "
                         "FP8 checkpoint is detected from its config.json); mxfp4: keep "
                         "GPT-OSS's MXFP4 experts in 4 bits")
+    from lp_jax.config import KV_CACHE_DTYPES  # light (no jax)
+
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8 / fp8_e4m3: float8_e4m3fn KV pages with the checkpoint's "
+                        "k_scale / v_scale (else 1.0), half the bytes per page [default: auto]")
     e.add_argument("--moe-backend", default="auto")
     e.add_argument("--moe-dispatch", choices=("auto", "allreduce", "all_to_all"),
                    default="auto", help="expert-parallel MoE communication [default: auto]")
@@ -241,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "enable_prefix_caching", "kv_pages", "kv_memory_fraction", "load_format",
-                "mesh_shape", "dtype", "quantization", "moe_backend", "attention_backend",
+                "mesh_shape", "dtype", "quantization", "kv_cache_dtype", "moe_backend",
+                "attention_backend",
                 "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",

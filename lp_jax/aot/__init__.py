@@ -45,14 +45,14 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.aot.chips import chip
-from lp_jax.config import ModelConfig
+from lp_jax.config import ModelConfig, resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import resolve_policy
 from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, packs_kv
+from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, kv_dtype, packs_kv
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import make_mesh, named_sharding, replicated
@@ -85,6 +85,7 @@ class AotConfig:
     max_paused_prefills: int = 8  # flowprefill: row areas of the hidden buffer
     moe_dispatch: str = "auto"  # expert-parallel MoE: allreduce, all_to_all or auto
     quantization: str | None = None  # None: the checkpoint's; "int8" / "fp8" / "mxfp4"
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": e4m3 KV pages (half the KV bytes)
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
@@ -96,6 +97,9 @@ class AotConfig:
             raise ValueError(f"gpu must be one of {GPU_TARGETS}, got {self.gpu!r}")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if resolve_kv_cache_dtype(self.kv_cache_dtype) == "fp8" and self.platform == "cuda":
+            raise ValueError("kv_cache_dtype fp8: the GPU attention kernels do not read an "
+                             "FP8 KV cache yet; compile it for --platform tpu")
 
 
 def load_config(preset_or_path: str) -> ModelConfig:
@@ -165,7 +169,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     Raises ValueError if the weights and KV pool cannot fit the chip's HBM."""
     dtype = jnp.dtype(cfg.dtype or model_cfg.dtype)
     model_cfg = model_cfg.replace(dtype=dtype.name, quantization=resolve_quantization(
-        model_cfg.quantization, cfg.quantization))
+        model_cfg.quantization, cfg.quantization),
+        kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype))
     data, expert, tensor = cfg.mesh_shape
     mesh = make_mesh(data, expert, tensor, devices=_devices(cfg))
     L, S = model_cfg.num_hidden_layers, cfg.page_size
@@ -181,11 +186,12 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     kernel = "tpu" if cfg.platform == "tpu" else "gpu"
     kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel))
     kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
-    kv = jax.ShapeDtypeStruct(kv_shape, dtype, sharding=kv_sharding)
+    kv = jax.ShapeDtypeStruct(kv_shape, kv_dtype(model_cfg, dtype), sharding=kv_sharding)
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
                     pages_per_seq=math.ceil(cfg.max_model_len / S),
                     max_num_seqs=cfg.max_num_seqs,
-                    hidden_rows=hidden_rows(sched_cfg), buckets=buckets)
+                    hidden_rows=hidden_rows(sched_cfg), buckets=buckets,
+                    vocab_size=model_cfg.vocab_size)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,

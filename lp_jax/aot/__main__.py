@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default=None, choices=("int8", "fp8", "mxfp4"),
                     help="int8 / fp8 per channel, or mxfp4 (GPT-OSS's experts in 4 bits); "
                          "default: the checkpoint's format")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
+                    help="fp8 / fp8_e4m3: float8_e4m3fn KV pages, half the KV pool's bytes "
+                         "(tpu; default: auto, the model's dtype)")
     ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
                     help="expert-parallel MoE communication (default: auto)")
     ap.add_argument("--token-buckets", default=None,
@@ -88,6 +91,7 @@ def main(argv=None) -> int:
             gpu=args.gpu, memory_fraction=args.memory_fraction,
             dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
             moe_dispatch=args.moe_dispatch, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
                            if args.token_buckets else None))
         summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,

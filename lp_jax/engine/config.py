@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from lp_jax.config import resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
 from lp_jax.quant import REQUESTABLE
@@ -69,6 +70,10 @@ class EngineConfig:
     # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load;
     # "mxfp4" keeps GPT-OSS's MXFP4 experts in 4 bits (else dequantised to 16 at load).
     quantization: str | None = None
+    # The KV pool's format, vLLM's values: "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
+    # (float8_e4m3fn pages with the checkpoint's per-layer k_scale / v_scale, else 1.0;
+    # half the bytes per page, so twice the default pages; lp_jax/models/kv_cache.py).
+    kv_cache_dtype: str = "auto"
     moe_backend: str = "auto"
     # Expert-parallel MoE (mesh "expert" axis > 1): "allreduce" (every expert shard routes
     # every token, partial outputs summed), "all_to_all" (rows sent to their expert's
@@ -124,6 +129,7 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or one of {list(REQUESTABLE)}, got "
                              f"{self.quantization!r} (a quantized checkpoint is detected "
                              "from its config.json)")
+        resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:

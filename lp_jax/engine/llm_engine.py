@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from lp_jax import backend_select
-from lp_jax.config import ModelConfig
+from lp_jax.config import ModelConfig, resolve_kv_cache_dtype
 from lp_jax.core.clock import VirtualClock, WallClock, nominal_latency
 from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.plan import StepPlan, StepResult
@@ -51,9 +51,11 @@ from lp_jax.executor.plan_channel import (
     warm_broadcasts,
 )
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import kv_page_bytes, read_kv_scales
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.sharding import make_mesh, parse_mesh_shape
 from lp_jax.trace.writer import TraceWriter
+from pallas_kernels import attention
 
 _KEEP_BATCHES = 256
 
@@ -89,6 +91,11 @@ class LLMEngine:
         # (lp_jax/quant); a disagreement raises here, before anything loads.
         model_cfg = model_cfg.replace(quantization=resolve_quantization(
             model_cfg.quantization, config.quantization))
+        # The KV format (kv_cache.py): e4m3 pages take the checkpoint's k/v scales.
+        kv_format = resolve_kv_cache_dtype(config.kv_cache_dtype)
+        if kv_format == "fp8":
+            model_cfg = model_cfg.replace(kv_cache_dtype="fp8", kv_scales=read_kv_scales(
+                None if config.load_format == "dummy" else model_dir, model_cfg))
         max_model_len = (config.max_model_len
                          or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
@@ -170,6 +177,12 @@ class LLMEngine:
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
             # quantized experts: the check runs on a random 16-bit stack (it passes no scales)
             experts=None if model_cfg.quantization else model_experts(model))
+        if model_cfg.kv_cache_dtype == "fp8":  # before any program compiles
+            attn = attention.resolve_backend(backends.attention)
+            if attn in ("gpu", "tpu_jax"):
+                raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: attention "
+                                 f"backend {attn!r} does not read an FP8 KV cache yet; use "
+                                 "attention_backend='xla' (or 'tpu' on a TPU)")
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
@@ -271,8 +284,7 @@ class LLMEngine:
         limit = stats.get("bytes_limit")
         if limit:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
-            page_bytes = (cfg.num_hidden_layers * S * 2 * cfg.num_key_value_heads * cfg.head_dim
-                          * np.dtype(model.dtype).itemsize)
+            page_bytes = kv_page_bytes(cfg, S, model.dtype)  # an FP8 page: half of bf16's
             want = min(want, int(free // page_bytes))
         return max(want, 1)
 

@@ -4,12 +4,25 @@ kv_pages_PSJH is [L * P, S, 2K, H]: layer i owns pages [i P, (i + 1) P), and K a
 KV head k sit at J = 2k, 2k + 1. A model's attention half offsets the logical page ids
 by its layer's first page (`StackedCausalLM._attention`), so the page table is the same
 for every layer. `packs_kv` says when the pool takes the packed [.., S, K, 2H] form.
+
+FP8 KV cache (cfg.kv_cache_dtype "fp8", vLLM's fp8 / fp8_e4m3): the pool is
+float8_e4m3fn, one byte a value, so a page takes half a bf16 page's bytes and the
+engine's default page count (sized from free memory, `kv_page_bytes`) doubles. Each
+layer has a (k_scale, v_scale) pair, the checkpoint's where it has them (`read_kv_scales`:
+the tensor names vLLM reads: `self_attn.k_scale` / `v_scale`, ModelOpt's
+`self_attn.k_proj.k_scale` / `v_proj.v_scale`, the deprecated `self_attn.kv_scale` for
+both), else 1.0 as in vLLM. They are constants of the model config (L pairs), so the
+traced layer index picks them out of a small constant table (`layer_kv_scales`).
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lp_jax.config import ModelConfig
 from pallas_kernels import attention
@@ -25,6 +38,68 @@ def packs_kv(cfg: ModelConfig, attention_backend: str) -> bool:
     return attention.resolve_backend(attention_backend) == "tpu" and cfg.head_dim % 128 != 0
 
 
+def kv_dtype(cfg: ModelConfig, dtype=None):
+    """The pool's dtype: float8_e4m3fn for kv_cache_dtype "fp8", else `dtype` (the
+    model's) or cfg.dtype."""
+    if cfg.kv_cache_dtype == "fp8":
+        return jnp.dtype(attention.ref.FP8_DTYPE)
+    return jnp.dtype(dtype or cfg.dtype)
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None) -> int:
+    """Bytes of one logical page over all layers (K and V of every KV head)."""
+    return (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
+            * kv_dtype(cfg, dtype).itemsize)
+
+
+def layer_kv_scales(cfg: ModelConfig, i) -> dict:
+    """{k_scale, v_scale} of layer i (a traced index) for an FP8 pool; {} otherwise."""
+    if cfg.kv_cache_dtype != "fp8":
+        return {}
+    table_L2 = jnp.asarray(cfg.kv_scales or [(1.0, 1.0)] * cfg.num_hidden_layers, jnp.float32)
+    return {"k_scale": table_L2[i, 0], "v_scale": table_L2[i, 1]}
+
+
+def _scalar(f, name: str) -> float:
+    value = np.asarray(f.get(name), np.float32)
+    if value.size != 1 or not math.isfinite(float(value.reshape(-1)[0])) or value.reshape(
+            -1)[0] <= 0:
+        raise ValueError(f"{f.path}: KV-cache scale {name!r} must be one positive finite "
+                         f"number, got shape {value.shape} {value.reshape(-1)[:4]}")
+    return float(value.reshape(-1)[0])
+
+
+def read_kv_scales(model_dir: str | Path | None, cfg: ModelConfig) -> tuple:
+    """Per-layer (k_scale, v_scale) from a checkpoint's safetensors, the names vLLM
+    reads; () when the checkpoint has none (1.0, vLLM's default). A checkpoint with
+    scales for some layers only gets 1.0 for the rest, as vLLM's parameters default."""
+    from lp_jax.safetensors_io import SafetensorsFile
+
+    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []
+    where = {}
+    for path in files:
+        f = SafetensorsFile(path)
+        for name in f.tensors:
+            if name.endswith("_scale") and ".self_attn." in name:
+                where[name] = f
+    if not where:
+        return ()
+    pairs = []
+    for i in range(cfg.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn."
+        pair = []
+        for kind in ("k", "v"):
+            for name in (f"{attn}{kind}_scale", f"{attn}{kind}_proj.{kind}_scale",
+                         f"{attn}kv_scale"):
+                if name in where:
+                    pair.append(_scalar(where[name], name))
+                    break
+            else:
+                pair.append(1.0)
+        pairs.append(tuple(pair))
+    return tuple(pairs) if any(p != (1.0, 1.0) for p in pairs) else ()
+
+
 def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
                    packed: bool = False) -> tuple[int, int, int, int]:
     """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`)."""
@@ -35,9 +110,10 @@ def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
 
 def init_kv_cache(cfg: ModelConfig, pages_per_layer: int, page_size: int, dtype=None,
                   sharding=None, *, packed: bool = False) -> jax.Array:
-    """The shared KV pool kv_pages_PSJH (`kv_cache_shape`), zeroed."""
+    """The shared KV pool kv_pages_PSJH (`kv_cache_shape`), zeroed; e4m3 for an FP8
+    cache (`kv_dtype`), else `dtype` (default cfg.dtype)."""
     shape = kv_cache_shape(cfg, pages_per_layer, page_size, packed=packed)
-    dtype = jnp.dtype(dtype or cfg.dtype)
+    dtype = kv_dtype(cfg, dtype)
     if sharding is None:
         return jnp.zeros(shape, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()

@@ -110,17 +110,20 @@ def _head_specs(mesh, q_xNH, kv_pages_PSJH: jax.Array) -> tuple[P, P]:
     return P(None, heads, None), P(None, None, heads, None)
 
 
-def _sharded_attention(kernel, mesh, q_xNH, kv_pages_PSJH, rest, sinks_N, sliding_window):
-    """kernel(q, kv, *rest, sinks_N=, sliding_window=) on each head shard of `mesh` (called
-    directly when `mesh` is None): the sinks split with the query heads, the window
-    (a traced scalar) replicated; both passed only when given."""
-    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
+def _sharded_attention(kernel, mesh, q_xNH, kv_pages_PSJH, rest, sinks_N, sliding_window,
+                       k_scale=None, v_scale=None):
+    """kernel(q, kv, *rest, sinks_N=, sliding_window=, k_scale=, v_scale=) on each head
+    shard of `mesh` (called directly when `mesh` is None): the sinks split with the query
+    heads, the window and an FP8 pool's scales (traced scalars) replicated; each passed
+    only when given."""
+    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window),
+                                ("k_scale", k_scale), ("v_scale", v_scale))
               if v is not None}
     if mesh is None:
         return kernel(q_xNH, kv_pages_PSJH, *rest, **extras)
     q_spec, kv_spec = _head_specs(mesh, q_xNH, kv_pages_PSJH)
     names = tuple(extras)
-    specs = {"sinks_N": P(q_spec[1]), "sliding_window": P()}
+    specs = {"sinks_N": P(q_spec[1]), "sliding_window": P(), "k_scale": P(), "v_scale": P()}
 
     def per_shard(q, kv, *args):
         n = len(args) - len(names)
@@ -131,29 +134,32 @@ def _sharded_attention(kernel, mesh, q_xNH, kv_pages_PSJH, rest, sinks_N, slidin
         in_specs=(q_spec, kv_spec, *(P() for _ in rest), *(specs[k] for k in names)),
         out_specs=q_spec, check_vma=False)(
         q_xNH, kv_pages_PSJH, *rest,
-        *(jnp.asarray(extras[k], jnp.int32) if k == "sliding_window" else extras[k]
-          for k in names))
+        *(jnp.asarray(extras[k], jnp.int32) if k == "sliding_window"
+          else jnp.asarray(extras[k], jnp.float32) if k in ("k_scale", "v_scale")
+          else extras[k] for k in names))
 
 
 def sharded_ragged_paged_attention(mesh, q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B,
                                    page_table_BC, num_seqs, *, sm_scale, backend,
-                                   sinks_N=None, sliding_window=None):
+                                   sinks_N=None, sliding_window=None, k_scale=None,
+                                   v_scale=None):
     """`attention.ragged_paged_attention` run on each head shard of `mesh` (called
     directly when `mesh` is None)."""
     kernel = functools.partial(attention.ragged_paged_attention, sm_scale=sm_scale,
                                backend=backend)
     rest = (query_start_B1, seq_lens_B, page_table_BC, jnp.asarray(num_seqs, jnp.int32))
     return _sharded_attention(kernel, mesh, q_TNH, kv_pages_PSJH, rest, sinks_N,
-                              sliding_window)
+                              sliding_window, k_scale, v_scale)
 
 
 def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *,
-                             sm_scale, backend, sinks_N=None, sliding_window=None):
+                             sm_scale, backend, sinks_N=None, sliding_window=None,
+                             k_scale=None, v_scale=None):
     """`attention.decode_attention` run on each head shard of `mesh` (called directly
     when `mesh` is None)."""
     kernel = functools.partial(attention.decode_attention, sm_scale=sm_scale, backend=backend)
     return _sharded_attention(kernel, mesh, q_BNH, kv_pages_PSJH, (seq_lens_B, page_table_BC),
-                              sinks_N, sliding_window)
+                              sinks_N, sliding_window, k_scale, v_scale)
 
 
 # ------------------------------------------------------------------------ MoE

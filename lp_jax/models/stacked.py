@@ -24,6 +24,7 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import layer_kv_scales
 from lp_jax.models.layers import param, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.sharded_kernels import (
@@ -33,7 +34,7 @@ from lp_jax.models.sharded_kernels import (
     sharded_ragged_paged_attention,
 )
 from pallas_kernels import attention
-from pallas_kernels.attention import write_kv
+from pallas_kernels.attention import is_fp8, write_kv
 
 
 def embed_width(cfg: ModelConfig) -> int:
@@ -131,18 +132,23 @@ class StackedCausalLM(nnx.Module):
         P_total, S = kv_pages_PSJH.shape[:2]
         page_offset = i * (P_total // cfg.num_hidden_layers)
         slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
-        kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T)
+        # An FP8 pool (kv_cache.py): the layer's k_scale / v_scale quantise here and
+        # dequantise in the kernel; {} for a 16-bit pool.
+        scales = layer_kv_scales(cfg, i) if is_fp8(kv_pages_PSJH) else {}
+        kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T, **scales)
         page_table_BC = meta.page_table_BC + page_offset
         o_TNH = self._attend(i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only,
-                             backend)
+                             backend, scales)
         x_TD = x_TD + self._o_proj(i, o_TNH.reshape(T, N * H))
         return x_TD, kv_pages_PSJH
 
-    def _attend(self, i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend):
+    def _attend(self, i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend,
+                scales=None):
         """Paged attention. `decode_only` (a bool, or a traced bool chosen per call) picks a
-        backend's decode kernel where it has one distinct from its ragged kernel."""
+        backend's decode kernel where it has one distinct from its ragged kernel.
+        `scales`: an FP8 pool's {k_scale, v_scale} of layer i."""
         sm_scale = self.config.head_dim**-0.5
-        extras = self._attention_extras(i)
+        extras = self._attention_extras(i) | (scales or {})
         # A Pallas kernel on a multi-device mesh runs per head shard (GSPMD would
         # gather the whole pool onto every device); see sharded_kernels.
         attn = self.model.layers.self_attn

@@ -24,6 +24,12 @@ Every backend takes the pool as [P, S, 2K, H] or packed [P, S, K, 2H] (ref.py; t
 form "tpu" needs for head_dim 64): "tpu" and "xla" read a packed pool as it is, "gpu"
 and "tpu_jax" through its [P, S, 2K, H] view (a free reshape on a GPU).
 
+FP8 pool (kv_cache_dtype "fp8"; ref.py): a float8_e4m3fn pool with per-layer `k_scale` /
+`v_scale` (floats or traced float32 scalars, None: 1.0) that `write_kv` divides by and
+the backends multiply by on load. "xla" and "tpu" read it; "gpu" and "tpu_jax" raise
+ValueError (not done). A 16-bit pool never takes scales (they are dropped here, so its
+kernels keep exactly their plain operands).
+
 A kernel backend raises ValueError, naming the failed constraint, for inputs it
 does not support (e.g. TPU needs head_dim % 128 == 0 or, for 64, a packed pool; GPU
 needs power-of-two head_dim and page size); it never falls back silently. Asking for
@@ -47,6 +53,7 @@ from pallas_kernels.attention import gpu as _gpu
 from pallas_kernels.attention import tpu as _tpu
 from pallas_kernels.attention import tpu_jax as _tpu_jax
 from pallas_kernels.attention.ref import (
+    is_fp8,
     is_packed,
     ref_decode_attention,
     ref_ragged_paged_attention,
@@ -111,14 +118,22 @@ def _kernel_backend(backend: str) -> tuple[str, bool]:
     return resolved, interpret
 
 
-def _extras(resolved: str, sinks_N, sliding_window) -> dict:
-    """The sink / window keyword arguments that were given (None ones are left out, so
-    the kernels see exactly their plain call); raises for "tpu_jax", which has neither."""
+def _extras(resolved: str, sinks_N, sliding_window, kv_pages, k_scale, v_scale) -> dict:
+    """The sink / window / FP8-scale keyword arguments that were given (None ones are
+    left out, so the kernels see exactly their plain call; the scales only with an FP8
+    pool); raises for a backend without the feature."""
     extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
               if v is not None}
     if extras and resolved == "tpu_jax":
         raise ValueError(f"attention backend 'tpu_jax' has no {' / '.join(extras)} "
                          "support (GPT-OSS layers); use backend='tpu', 'gpu' or 'xla'")
+    if is_fp8(kv_pages):
+        if resolved in ("gpu", "tpu_jax"):
+            raise ValueError(f"attention backend {resolved!r} does not read an FP8 "
+                             "(float8_e4m3fn) KV cache yet; use backend='tpu' or 'xla', "
+                             "or kv_cache_dtype='auto'")
+        extras |= {k: v for k, v in (("k_scale", k_scale), ("v_scale", v_scale))
+                   if v is not None}
     return extras
 
 
@@ -131,10 +146,10 @@ def _pool_for(resolved: str, q_xNH, kv_pages):
 
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
                            num_seqs, *, sm_scale, backend="auto", sinks_N=None,
-                           sliding_window=None):
+                           sliding_window=None, k_scale=None, v_scale=None):
     """Causal attention of a ragged batch's tokens to their paged context (ref.py)."""
     resolved, interpret = _kernel_backend(backend)
-    extras = _extras(resolved, sinks_N, sliding_window)
+    extras = _extras(resolved, sinks_N, sliding_window, kv_pages_PSJH, k_scale, v_scale)
     kv_pages_PSJH = _pool_for(resolved, q_TNH, kv_pages_PSJH)
     args = (q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs)
     if resolved == "xla":
@@ -145,10 +160,11 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
 
 
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
-                     backend="auto", sinks_N=None, sliding_window=None):
+                     backend="auto", sinks_N=None, sliding_window=None, k_scale=None,
+                     v_scale=None):
     """One query token per sequence; seq_len 0 sequences return zeros."""
     resolved, interpret = _kernel_backend(backend)
-    extras = _extras(resolved, sinks_N, sliding_window)
+    extras = _extras(resolved, sinks_N, sliding_window, kv_pages_PSJH, k_scale, v_scale)
     kv_pages_PSJH = _pool_for(resolved, q_BNH, kv_pages_PSJH)
     args = (q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC)
     if resolved == "xla":
@@ -160,6 +176,7 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
 __all__ = [
     "BACKENDS",
     "write_kv",
+    "is_fp8",
     "ragged_paged_attention",
     "decode_attention",
     "resolve_backend",

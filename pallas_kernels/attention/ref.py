@@ -40,6 +40,14 @@ Two optional features (GPT-OSS), off by default:
   (an extra key whose value is zero): softmax over [scores, sink], sink column dropped.
   The online softmax starts from it (running max = sink, running sum = 1), so a row
   that sees no key returns zeros, as it does without sinks.
+
+FP8 pool (kv_cache_dtype "fp8", vLLM's e4m3): the pool's dtype is float8_e4m3fn and a
+layer has two float32 scalars, `k_scale` and `v_scale` (the checkpoint's, else 1.0).
+`write_kv` stores x / scale, saturated to +-448 (e4m3 has no infinity: an overflow would
+be NaN); every backend dequantises what it loads, x * scale in float32, before the
+scores and p @ V, so the arithmetic after the load is that of a 16-bit pool. The dtype
+of the pool is the switch: a 16-bit pool ignores the scales. The packed form holds the
+same bytes either way (1-byte values, row-major).
 """
 
 from __future__ import annotations
@@ -48,6 +56,24 @@ import jax
 import jax.numpy as jnp
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+
+
+def is_fp8(kv_pages) -> bool:
+    """Whether the pool holds e4m3 values (and is read through k_scale / v_scale)."""
+    return jnp.dtype(kv_pages.dtype) == jnp.dtype(FP8_DTYPE)
+
+
+def kv_scales(k_scale=None, v_scale=None) -> jax.Array:
+    """[2] float32 (k_scale, v_scale); a missing one is 1.0, vLLM's default."""
+    return jnp.stack([jnp.asarray(1.0 if s is None else s, jnp.float32).reshape(())
+                      for s in (k_scale, v_scale)])
+
+
+def quantize_fp8(x, scale) -> jax.Array:
+    """x / scale in e4m3, saturated to +-448 (the cast alone would give NaN)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def is_packed(q_xNH: jax.Array, kv_pages) -> bool:
@@ -79,11 +105,15 @@ def check_layout(name: str, q_xNH: jax.Array, kv_pages_PSJH: jax.Array) -> int:
 
 
 def write_kv(kv_pages_PSJH: jax.Array, k_TKH: jax.Array, v_TKH: jax.Array,
-             slots_T: jax.Array) -> jax.Array:
+             slots_T: jax.Array, *, k_scale=None, v_scale=None) -> jax.Array:
     """Scatters new K/V rows into physical slots (page * S + offset); slot < 0 is skipped.
-    A packed pool [P, S, K, 2H] takes each head's K and V side by side."""
+    A packed pool [P, S, K, 2H] takes each head's K and V side by side. An FP8 pool
+    stores k / k_scale and v / v_scale (`quantize_fp8`; None: 1.0)."""
     P, S, J, H = kv_pages_PSJH.shape
     T, K, _ = k_TKH.shape
+    if is_fp8(kv_pages_PSJH):
+        scale_2 = kv_scales(k_scale, v_scale)
+        k_TKH, v_TKH = quantize_fp8(k_TKH, scale_2[0]), quantize_fp8(v_TKH, scale_2[1])
     if H == 2 * k_TKH.shape[-1]:  # packed
         kv_TJH = jnp.concatenate([k_TKH, v_TKH], axis=-1).astype(kv_pages_PSJH.dtype)
     else:
@@ -148,13 +178,16 @@ def ref_ragged_paged_attention(
     block_q: int = 64,
     sinks_N: jax.Array | None = None,
     sliding_window=None,
+    k_scale=None,
+    v_scale=None,
 ) -> jax.Array:
     """Causal paged attention for a ragged batch (prefill, decode, or both).
 
     Flash-style: query blocks of `block_q` tokens walk their sequences' pages one
     page at a time with an online softmax, from the first page any token of the block
     can see (0 without a window) to the last. Memory is O(block_q * S), not
-    O(T * context). `sinks_N` and `sliding_window`: see the module docstring.
+    O(T * context). `sinks_N`, `sliding_window` and, for an FP8 pool, `k_scale` /
+    `v_scale`: see the module docstring.
     """
     if is_packed(q_TNH, kv_pages_PSJH):
         kv_pages_PSJH = unpacked(kv_pages_PSJH)
@@ -172,6 +205,7 @@ def ref_ragged_paged_attention(
     seq_Q = jnp.pad(seq_T, (0, pad)).reshape(num_blocks, block_q)
     pos_Q = jnp.pad(pos_T, (0, pad), constant_values=-1).reshape(num_blocks, block_q)
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    scale_2 = kv_scales(k_scale, v_scale) if is_fp8(kv_pages_PSJH) else None
 
     def one_block(args):
         q_bKGH, seq_b, pos_b = args
@@ -188,6 +222,8 @@ def ref_ragged_paged_attention(
             m_bKG, l_bKG, acc_bKGH = carry
             kv_bSJH = kv_pages_PSJH[pages_bC[:, c]].astype(jnp.float32)
             k_bSKH, v_bSKH = kv_bSJH[:, :, 0::2], kv_bSJH[:, :, 1::2]
+            if scale_2 is not None:  # dequantise on load
+                k_bSKH, v_bSKH = k_bSKH * scale_2[0], v_bSKH * scale_2[1]
             s_bKGS = jnp.einsum("bkgh,bskh->bkgs", q_bKGH, k_bSKH)
             key_pos_S = c * S + jnp.arange(S)
             visible_bS = key_pos_S[None, :] <= pos_b[:, None]
@@ -219,7 +255,7 @@ def ref_ragged_paged_attention(
 
 
 def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
-                         sinks_N=None, sliding_window=None):
+                         sinks_N=None, sliding_window=None, k_scale=None, v_scale=None):
     """One query token per sequence; sequences with seq_len 0 are padding (zeros)."""
     B = q_BNH.shape[0]
     query_start_B1 = jnp.arange(B + 1, dtype=jnp.int32)
@@ -228,6 +264,7 @@ def ref_decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_
     return ref_ragged_paged_attention(
         q_BNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC, num_seqs,
         sm_scale=sm_scale, block_q=B, sinks_N=sinks_N, sliding_window=sliding_window,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 

@@ -67,9 +67,22 @@ Cost estimate: `cost.paged_attention` of the static shapes, assuming a full page
 window; flops count the real query heads and head_dim, not the sublane padding of R
 nor, packed, the V lanes the MXU also multiplies.
 
+FP8 pool (float8_e4m3fn, ref.py): the pages are DMA'd as they are stored, one byte a
+value (half of bf16's traffic and VMEM), and each strided K / V load is dequantised in
+registers: x * scale in float32, then q's dtype for the MXU (bf16's rounding of the
+product, 2^-9 relative, is far below e4m3's 2^-4). k_scale and v_scale come as a [2]
+float32 SMEM operand (traced: one program serves every layer), present only for an FP8
+pool; packed, one lane-select applies k_scale to the K lanes and v_scale to the V ones.
+The packed layout and 1-byte values: the real TPU compiler (libtpu, v5e and v6e) takes
+the sublane-strided loads of the 8-bit buffer (4 rows per 32-bit sublane), and an e4m3
+pool of 2K = 8 rows per key (Qwen3-30B-A3B) or packed [P, S, K, 128] (GPT-OSS) reaches
+the kernel as a bitcast of the parameter, as bf16's does: no copy of the pool
+(tests/test_kv_fp8.py). v5e has no fp8 arithmetic; the conversion is the VPU's. Not yet
+run on a TPU, nor timed.
+
 Constraints (ValueError naming the failed one): head_dim a multiple of 128 (lanes), or
-2 * head_dim with a packed pool; page_size a multiple of 8 (sublanes), q and cache in
-{float32, bfloat16}, N divisible by K.
+2 * head_dim with a packed pool; page_size a multiple of 8 (sublanes), q in {float32,
+bfloat16}, the cache q's dtype or float8_e4m3fn, N divisible by K.
 
 Status: passes the TPU interpreter tests (tests/test_attention_kernels.py, with the
 interpreter's NaN-filled fresh buffers, its DMA race detector, and a check that each
@@ -93,9 +106,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import cost
 from pallas_kernels.attention.ref import (
+    FP8_DTYPE,
     MASK_VALUE,
     check_layout,
+    is_fp8,
     is_packed,
+    kv_scales,
     query_blocks,
     token_positions,
 )
@@ -123,9 +139,10 @@ def check_constraints(q_xNH, kv_pages_PSJH) -> None:
         raise ValueError(f"tpu attention: page_size S={S} must be a multiple of 8 "
                          "(Mosaic sublane tiling)")
     ok = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
-    if q_xNH.dtype not in ok or kv_pages_PSJH.dtype not in ok:
+    if q_xNH.dtype not in ok or kv_pages_PSJH.dtype not in ok + [jnp.dtype(FP8_DTYPE)]:
         raise ValueError(f"tpu attention: dtypes q={q_xNH.dtype}, cache={kv_pages_PSJH.dtype} "
-                         "not supported; use float32 or bfloat16")
+                         "not supported; use float32 or bfloat16 (the cache also "
+                         "float8_e4m3fn)")
 
 
 def _interpret_arg(interpret):
@@ -153,18 +170,23 @@ def _block_page(first, blk, pages_per_block):
     return blk * pages_per_block if first is None else first + blk * pages_per_block
 
 
-def _kernel(*refs, has_window, has_sinks, packed, sm_scale, block_q, G, pages_per_block,
-            page_size, pages_per_seq, rows_per_chunk):
-    """refs, in order (the bracketed ones only with a window / with sinks):
+def _kernel(*refs, has_window, has_sinks, has_scales, packed, sm_scale, block_q, G,
+            pages_per_block, page_size, pages_per_seq, rows_per_chunk):
+    """refs, in order (the bracketed ones only with a window / with sinks / FP8 pool):
     scalar prefetch (SMEM): meta [M * 8], page table [B * C_pad], [window [1]];
     inputs: q [K, R, H] block of this item, the pool as [P, S * 2K, H] in HBM (packed:
     q [K, R, 2H] with zero upper lanes, the pool as [P, S * K, 2H]),
-    [sinks [K, R, 128]: each row's sink logit in log2 units, lane-replicated];
+    [sinks [K, R, 128]: each row's sink logit in log2 units, lane-replicated],
+    [scales [2] float32 in SMEM: k_scale, v_scale];
     output: o, q's shape; scratch: see ragged_paged_attention."""
     meta_ref, pages_ref, *refs = refs
     window = refs.pop(0)[0] if has_window else None
     q_ref, kv_hbm, *refs = refs
     sink_ref = refs.pop(0) if has_sinks else None
+    scales = None
+    if has_scales:
+        scale_ref = refs.pop(0)
+        scales = (scale_ref[0], scale_ref[1])
     o_ref, kv_buf, sem, acc_ref, m_ref, l_ref = refs
     i, num_items = pl.program_id(0), pl.num_programs(0)
     seq, pos0, kv_stop, num_blocks, slot0 = _item(meta_ref, i)
@@ -226,7 +248,7 @@ def _kernel(*refs, has_window, has_sinks, packed, sm_scale, block_q, G, pages_pe
               jnp.where(last, 0, j + 1), 1 - slot)
         step = functools.partial(_flash_step, q_ref, kv_buf.at[slot], acc_ref, m_ref, l_ref,
                                  sm_scale=sm_scale, rows_per_chunk=rows_per_chunk,
-                                 packed=packed)
+                                 packed=packed, scales=scales)
         if window is None:
             # Every key of an interior block is live and visible to every query row.
             interior = (j + 1) * X <= pos0 + 1
@@ -247,7 +269,7 @@ def _kernel(*refs, has_window, has_sinks, packed, sm_scale, block_q, G, pages_pe
 
 
 def _flash_step(q_ref, kv_ref, acc_ref, m_ref, l_ref, edge, sm_scale, rows_per_chunk,
-                packed=False):
+                packed=False, scales=None):
     """Online-softmax update of every KV head's rows with one key block.
 
     kv_ref [X * 2K, H]: row x * 2K + j is head-row j of key x, so a sublane-strided load
@@ -257,7 +279,8 @@ def _flash_step(q_ref, kv_ref, acc_ref, m_ref, l_ref, edge, sm_scale, rows_per_c
     wrapper keeps those lanes of the output). edge: None for an
     interior block, else (q_pos [R, 1], first key, kv_stop, window or None) for the
     masks. Rows go in chunks of rows_per_chunk so that one chunk's scores, m, l and alpha
-    fit in vregs.
+    fit in vregs. scales: None, or (k_scale, v_scale) scalars of an FP8 pool, applied as
+    each load is converted to q's dtype.
     """
     K, R, H = q_ref.shape
     J = K if packed else 2 * K
@@ -268,6 +291,14 @@ def _flash_step(q_ref, kv_ref, acc_ref, m_ref, l_ref, edge, sm_scale, rows_per_c
         else:
             k_XH = kv_ref[pl.ds(2 * k, X, stride=J), :]
             v_XH = kv_ref[pl.ds(2 * k + 1, X, stride=J), :]
+        if scales is not None:  # FP8 pool: dequantise in registers
+            if packed:  # here H is 2 * head_dim: K in lanes [0, H // 2), V above
+                lane_1L = jax.lax.broadcasted_iota(jnp.int32, (1, H), 1)
+                scale_1L = jnp.where(lane_1L < H // 2, scales[0], scales[1])
+                k_XH = v_XH = (k_XH.astype(jnp.float32) * scale_1L).astype(q_ref.dtype)
+            else:
+                k_XH = (k_XH.astype(jnp.float32) * scales[0]).astype(q_ref.dtype)
+                v_XH = (v_XH.astype(jnp.float32) * scales[1]).astype(q_ref.dtype)
         if edge is not None:
             _, key0, kv_stop, _ = edge
             live_X1 = key0 + jax.lax.broadcasted_iota(jnp.int32, (X, 1), 0) < kv_stop
@@ -331,7 +362,8 @@ def _sublane_tile(dtype) -> int:
                                              "interpret"))
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
                            num_seqs, *, sm_scale, block_q=None, pages_per_block=None,
-                           interpret=False, sinks_N=None, sliding_window=None):
+                           interpret=False, sinks_N=None, sliding_window=None, k_scale=None,
+                           v_scale=None):
     """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
 
     block_q: tokens per work item (default: DEFAULT_BLOCK_ROWS // G, at least 1).
@@ -340,7 +372,8 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     sinks_N [N] (any float dtype, used in float32) and sliding_window (an int or a traced
     int32 scalar, <= 0: full attention) as in ref.py; the window reaches the kernel by
     scalar prefetch, the sinks as a VMEM block. With both None the kernel is exactly
-    the one without them (no extra operands).
+    the one without them (no extra operands). k_scale / v_scale (floats or traced
+    scalars, None: 1.0) dequantise an FP8 pool, which alone takes them (an SMEM operand).
     """
     check_constraints(q_TNH, kv_pages_PSJH)
     T, N, H = q_TNH.shape
@@ -376,8 +409,9 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     q_MKRH = jnp.pad(q_MKRH, ((0, 0), (0, 0), (0, R - G * bq), (0, L - H)))
 
     rows = math.gcd(R, ROWS_PER_CHUNK)
+    fp8 = is_fp8(kv_pages_PSJH)
     kernel = functools.partial(_kernel, has_window=window_1 is not None,
-                               has_sinks=sinks_N is not None, packed=packed,
+                               has_sinks=sinks_N is not None, has_scales=fp8, packed=packed,
                                sm_scale=sm_scale, block_q=bq,
                                G=G, pages_per_block=ppb, page_size=S, pages_per_seq=C_pad,
                                rows_per_chunk=rows)
@@ -388,6 +422,9 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     if sinks_N is not None:  # one block for every item: fetched once
         in_specs.append(pl.BlockSpec((K, R, 128), lambda i, *_: (0, 0, 0)))
         inputs.append(_sink_rows(sinks_N, K, G, bq, R))
+    if fp8:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        inputs.append(kv_scales(k_scale, v_scale))
     itemsize = jnp.dtype(kv_pages_PSJH.dtype).itemsize
     q_bytes = K * R * L * jnp.dtype(q_TNH.dtype).itemsize
     vmem_bytes = (2 * ppb * S * J * L * itemsize  # page buffers
@@ -446,11 +483,12 @@ def _sink_rows(sinks_N, K: int, G: int, block_q: int, R: int):
 
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
                      interpret=False, pages_per_block=None, sinks_N=None,
-                     sliding_window=None):
+                     sliding_window=None, k_scale=None, v_scale=None):
     """One query token per sequence; seq_len 0 rows (anywhere in the batch) return zeros.
-    sinks_N, sliding_window: as in ragged_paged_attention."""
+    sinks_N, sliding_window, k_scale, v_scale: as in ragged_paged_attention."""
     B = q_BNH.shape[0]
-    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window))
+    extras = {k: v for k, v in (("sinks_N", sinks_N), ("sliding_window", sliding_window),
+                                ("k_scale", k_scale), ("v_scale", v_scale))
               if v is not None}
     return ragged_paged_attention(
         q_BNH, kv_pages_PSJH, jnp.arange(B + 1, dtype=jnp.int32), seq_lens_B, page_table_BC,
