@@ -125,7 +125,7 @@ def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
 
 def test_step_codec_round_trips():
     spec = StepSpec(num_layers=4, hidden_size=8, page_size=4, pages_per_seq=6, max_num_seqs=4,
-                    hidden_rows=12, buckets=(2, 8))
+                    hidden_rows=12, buckets=(2, 8), vocab_size=0)
     codec = StepCodec(spec)
     rng = np.random.default_rng(0)
     calls = []

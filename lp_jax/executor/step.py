@@ -82,7 +82,7 @@ class StepSpec:
     max_num_seqs: int
     hidden_rows: int
     buckets: tuple[int, ...]
-    vocab_size: int = 0
+    vocab_size: int  # required: a program family without the bitmask input would differ
 
     @property
     def mask_words(self) -> int:
