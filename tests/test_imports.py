@@ -18,19 +18,21 @@ PACKAGES = ("lp_jax", "pallas_kernels", "checkpoints")
 # units on lower floors only.
 FLOORS = {
     "pallas_kernels": 0,  # kernels and their references know nothing of the engine
-    "lp_jax.config": 0, "lp_jax.sharding": 0, "lp_jax.safetensors_io": 0,
-    "lp_jax.progress": 0, "lp_jax.backend_select": 0, "lp_jax.version": 0,
-    "lp_jax.structured": 0,  # grammar specs (core's SamplingParams holds one), llguidance
-    "lp_jax.core": 1,  # the pure-Python scheduling core
-    "lp_jax.trace": 2,  # the decision trace: written by the engine and the simulator
-    "lp_jax.models": 2,
-    "lp_jax.loader": 3, "lp_jax.roofline": 3, "checkpoints": 3,
-    "lp_jax.executor": 4, "lp_jax.sim": 4,
-    "lp_jax.engine": 5, "lp_jax.aot": 5,
-    "lp_jax.llm": 6, "lp_jax.server": 6,
-    "lp_jax.serve": 7, "lp_jax.demo": 7,
-    "lp_jax.bench": 8,  # benchmarks and the load generator use everything
-    "lp_jax": 9,  # the package's face: LLM and SamplingParams, lazily
+    "lp_jax.quant": 1,  # weight formats: pallas_kernels' schemes, HF quantization_config
+    "lp_jax.config": 2, "lp_jax.sharding": 2, "lp_jax.safetensors_io": 2,
+    "lp_jax.progress": 2, "lp_jax.backend_select": 2, "lp_jax.version": 2,
+    "lp_jax.structured": 2,  # grammar specs (core's SamplingParams holds one), llguidance
+    "lp_jax.core": 3,  # the pure-Python scheduling core
+    "lp_jax.trace": 4,  # the decision trace: written by the engine and the simulator
+    "lp_jax.models": 4,
+    "lp_jax.quant.load": 5,  # the loader's half of the formats: it builds the models' params
+    "lp_jax.loader": 6, "lp_jax.roofline": 6, "checkpoints": 6,
+    "lp_jax.executor": 7, "lp_jax.sim": 7,
+    "lp_jax.engine": 8, "lp_jax.aot": 8,
+    "lp_jax.llm": 9, "lp_jax.server": 9,
+    "lp_jax.serve": 10, "lp_jax.demo": 10,
+    "lp_jax.bench": 11,  # benchmarks and the load generator use everything
+    "lp_jax": 12,  # the package's face: LLM and SamplingParams, lazily
 }
 
 
