@@ -38,7 +38,7 @@ def bad_cases(max_model_len: int) -> list[tuple[str, str, bytes, int]]:
         ("POST", "/v1/completions", js({"prompt": "x", "best_of": 2}), 400),
         ("POST", "/v1/completions", js({"prompt": "x", "prompt_logprobs": 21}), 400),
         ("POST", "/v1/completions",
-         js({"prompt": "x", "response_format": {"type": "json_object"}}), 400),
+         js({"prompt": "x", "response_format": {"type": "xml"}}), 400),
         ("POST", "/v1/chat/completions", js({"messages": []}), 400),
         ("POST", "/v1/chat/completions", js({"messages": user, "top_logprobs": 2}), 400),
         ("POST", "/v1/chat/completions", js({"messages": user, "tools": [{}]}), 400),
