@@ -108,8 +108,9 @@ def quantize_per_channel(w_KN: np.ndarray, kind: str) -> tuple[np.ndarray, np.nd
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], path: Path) -> None:
-    """The safetensors format written directly (the `safetensors` package's numpy API
-    has no float8 or bfloat16)."""
+    """The safetensors format written directly: the `safetensors` package's numpy API
+    has no float8 or bfloat16, and lp_jax.safetensors_io's own writer shares the reader's
+    dtype table, which these checkpoints exist to check."""
     header, blobs, offset = {}, [], 0
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
