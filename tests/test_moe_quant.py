@@ -23,7 +23,8 @@ a gate/up block straddling gate and up; TPU). The GPU's block path rounds the sc
 weights to bfloat16 once (measured 5e-3 in bfloat16, within 1e-2).
 
 Also: the stats and the kernels' cost estimates count stored bytes (1 per weight plus
-the scales); bad scales are refused. With libtpu: int8 at Qwen3-30B-A3B shapes compiles
+the scales); bad scales are refused; "auto" lowers quantized experts to the kernels for
+an H200 and a v6e. With libtpu: int8 at Qwen3-30B-A3B shapes compiles
 for a v6e (about 8 s), the kernels take the int8 stacked weights whole, and the audit's
 dequantised-copy check passes it; the control, which dequantises the stack to bfloat16
 and runs the 16-bit kernels, fails that check (its StableHLO, exported for TPU).
@@ -241,6 +242,25 @@ def test_stats_and_cost_count_stored_bytes():
     bf16 = cost.moe_matmul(**routing, k=D, n=F, glu=True, lhs_itemsize=2, w_itemsize=2,
                            out_itemsize=2)
     assert gate_up.bytes_accessed < bf16.bytes_accessed
+
+
+def test_auto_takes_quantized_experts_to_the_kernels():
+    """moe_ffn(backend="auto") with int8 experts: two Mosaic GPU kernels in an export for
+    an H200, two Mosaic TPU kernels for a v6e (lowering only, D=256, F=128)."""
+    sd = jax.ShapeDtypeStruct
+    D, F = 256, 128
+    args = (sd((16, D), jnp.bfloat16), sd((16, E), jnp.float32),
+            sd((L, E, D, 2 * F), jnp.int8), sd((L, E, F, D), jnp.int8),
+            sd((L, E, 1, 2 * F), jnp.float32), sd((L, E, 1, D), jnp.float32))
+
+    def fn(x, logits, w_gu, w_d, s_gu, s_d):
+        return moe.moe_ffn(x, logits, w_gu, w_d, layer=1, top_k=TOP_K, norm_topk_prob=True,
+                           scales=(s_gu, s_d), scheme=quant.INT8)[0]
+
+    assert compile_targets.export_cuda(fn, args).mlir_module().count("@mosaic_gpu") == 2
+    with compile_targets.tpu_target("v6e"):
+        mlir = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+    assert mlir.count("@tpu_custom_call") == 2
 
 
 def test_bad_scales_are_refused():
