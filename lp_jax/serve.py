@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend, fail, or skip it")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--token-buckets", type=_int_tuple, default=None,
-                   help="row counts to compile a step program for [default: powers of two "
-                        "to 512, then x1.5 steps to the budget]")
+                   help="row counts to compile a step program for [default: 1, 4, 16, "
+                        "64, powers of two to 512, then x1.5 steps to the budget]")
     e.add_argument("--no-warmup", dest="warmup", action="store_false")
     e.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="commit each step before planning the next")

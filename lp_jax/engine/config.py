@@ -22,7 +22,7 @@ def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
     """The engine's default max_num_batched_tokens: the policy's (orca: max_model_len,
     chunked: 512, layered and FlowPrefill: the paper's 8192), capped at the model's
     context. A model of short context gets programs no longer than one of its prompts
-    instead of 8,192-row ones (the embedded 512-token model: 11 programs, not 19); a real
+    instead of 8,192-row ones (the embedded 512-token model: 8 programs, not 16); a real
     checkpoint's default context (8,192 tokens) keeps the policy's budget."""
     return min(policy_budget, max_model_len)
 
