@@ -246,7 +246,9 @@ def test_stats_and_cost_count_stored_bytes():
 
 def test_auto_takes_quantized_experts_to_the_kernels():
     """moe_ffn(backend="auto") with int8 experts: two Mosaic GPU kernels in an export for
-    an H200, two Mosaic TPU kernels for a v6e (lowering only, D=256, F=128)."""
+    an H200, two Mosaic TPU kernels for a v6e (lowering only, D=256, F=128). The GPU
+    interpreter runs WGMMAs synchronously, so the wait before the converted tiles are
+    rewritten is checked in the lowered Mosaic GPU modules."""
     sd = jax.ShapeDtypeStruct
     D, F = 256, 128
     args = (sd((16, D), jnp.bfloat16), sd((16, E), jnp.float32),
@@ -257,7 +259,17 @@ def test_auto_takes_quantized_experts_to_the_kernels():
         return moe.moe_ffn(x, logits, w_gu, w_d, layer=1, top_k=TOP_K, norm_topk_prob=True,
                            scales=(s_gu, s_d), scheme=quant.INT8)[0]
 
-    assert compile_targets.export_cuda(fn, args).mlir_module().count("@mosaic_gpu") == 2
+    with compile_targets.mosaic_gpu_modules() as modules:
+        assert compile_targets.export_cuda(fn, args).mlir_module().count("@mosaic_gpu") == 2
+    # The converted tiles are rewritten each K step: every WGMMA loop must also end with
+    # none in flight (wait_group 0 after its last WGMMA), besides the refill rule.
+    assert len(modules) == 2
+    for module in modules:
+        assert compile_targets.wgmma_refill_check(module)[1] == 0
+        for body in compile_targets._loop_bodies(module):
+            mma = [i for i, line in enumerate(body) if "wgmma.mma_async" in line]
+            waits = [i for i, line in enumerate(body) if "wgmma.wait_group.sync.aligned 0;" in line]
+            assert not mma or (waits and waits[-1] > mma[-1])
     with compile_targets.tpu_target("v6e"):
         mlir = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
     assert mlir.count("@tpu_custom_call") == 2
