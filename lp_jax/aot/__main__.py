@@ -73,7 +73,7 @@ def main(argv=None) -> int:
                          "default: the checkpoint's format")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
                     help="fp8 / fp8_e4m3: float8_e4m3fn KV pages, half the KV pool's bytes "
-                         "(tpu; default: auto, the model's dtype)")
+                         "(default: auto, the model's dtype)")
     ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
                     help="expert-parallel MoE communication (default: auto)")
     ap.add_argument("--token-buckets", default=None,

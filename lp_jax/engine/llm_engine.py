@@ -179,10 +179,10 @@ class LLMEngine:
             experts=None if model_cfg.quantization else model_experts(model))
         if model_cfg.kv_cache_dtype == "fp8":  # before any program compiles
             attn = attention.resolve_backend(backends.attention)
-            if attn in ("gpu", "tpu_jax"):
+            if attn == "tpu_jax":
                 raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: attention "
-                                 f"backend {attn!r} does not read an FP8 KV cache yet; use "
-                                 "attention_backend='xla' (or 'tpu' on a TPU)")
+                                 "backend 'tpu_jax' (JAX's shipped kernel) does not read an "
+                                 "FP8 KV cache; use attention_backend='tpu' or 'xla'")
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)

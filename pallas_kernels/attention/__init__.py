@@ -26,8 +26,8 @@ and "tpu_jax" through its [P, S, 2K, H] view (a free reshape on a GPU).
 
 FP8 pool (kv_cache_dtype "fp8"; ref.py): a float8_e4m3fn pool with per-layer `k_scale` /
 `v_scale` (floats or traced float32 scalars, None: 1.0) that `write_kv` divides by and
-the backends multiply by on load. "xla" and "tpu" read it; "gpu" and "tpu_jax" raise
-ValueError (not done). A 16-bit pool never takes scales (they are dropped here, so its
+the backends multiply by on load. "xla", "tpu" and "gpu" read it; "tpu_jax" raises
+ValueError. A 16-bit pool never takes scales (they are dropped here, so its
 kernels keep exactly their plain operands).
 
 A kernel backend raises ValueError, naming the failed constraint, for inputs it
@@ -128,9 +128,9 @@ def _extras(resolved: str, sinks_N, sliding_window, kv_pages, k_scale, v_scale) 
         raise ValueError(f"attention backend 'tpu_jax' has no {' / '.join(extras)} "
                          "support (GPT-OSS layers); use backend='tpu', 'gpu' or 'xla'")
     if is_fp8(kv_pages):
-        if resolved in ("gpu", "tpu_jax"):
-            raise ValueError(f"attention backend {resolved!r} does not read an FP8 "
-                             "(float8_e4m3fn) KV cache yet; use backend='tpu' or 'xla', "
+        if resolved == "tpu_jax":
+            raise ValueError("attention backend 'tpu_jax' does not read an FP8 "
+                             "(float8_e4m3fn) KV cache; use backend='tpu', 'gpu' or 'xla', "
                              "or kv_cache_dtype='auto'")
         extras |= {k: v for k, v in (("k_scale", k_scale), ("v_scale", v_scale))
                    if v is not None}

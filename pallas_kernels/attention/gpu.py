@@ -41,10 +41,19 @@ Cost estimates: the Triton lowering drops `cost_estimate`, so each kernel's esti
 page table, tokens spread evenly over the sequences; decode's kernel writes float32
 partials [B, K, splits, Gp, H + 2], its `out_bytes`).
 
+FP8 pool (float8_e4m3fn, ref.py): the K and V blocks are loaded as stored (one byte a
+value) and dequantised in registers, x * scale in float32 and then q's dtype, so tl.dot
+still sees equal operand types; k_scale and v_scale are one more [2] float32 operand,
+present only for an FP8 pool. Checked in the interpreter and compiled for the H200
+(XLA's Triton and ptxas, sm_90a, Qwen3 heads: no spills; decode 168 registers against
+bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill 252 against 219, under the 255 cap; the
+1-byte pages halve the shared memory of the pipelined loads); not yet run on a GPU.
+
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
 tl.dot needs K >= 16); q and the cache of one dtype in {float32, bfloat16,
-float16} (tl.dot needs equal operand types); N divisible by K. float32 matmuls ask
+float16} (tl.dot needs equal operand types), or the cache float8_e4m3fn; N divisible
+by K. float32 matmuls ask
 for IEEE precision (Triton's default would be TF32, too coarse for 1e-5).
 
 Interpret mode: `interpret=True` runs the pallas_calls in Pallas' generic HLO
@@ -80,7 +89,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cost
-from pallas_kernels.attention.ref import MASK_VALUE, check_layout, query_blocks
+from pallas_kernels.attention.ref import (
+    MASK_VALUE,
+    check_layout,
+    is_fp8,
+    kv_scales,
+    query_blocks,
+)
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
@@ -105,7 +120,7 @@ def check_constraints(q_xNH, kv_pages_PSJH, page_table_BC) -> None:
     if not _is_pow2(S):
         raise ValueError(f"gpu attention: page_size S={S} must be a power of two "
                          "(Triton block shapes are powers of two)")
-    if q_xNH.dtype != kv_pages_PSJH.dtype:
+    if q_xNH.dtype != kv_pages_PSJH.dtype and not is_fp8(kv_pages_PSJH):
         raise ValueError(f"gpu attention: q dtype {q_xNH.dtype} != cache dtype "
                          f"{kv_pages_PSJH.dtype} (tl.dot needs equal operand types)")
     if q_xNH.dtype not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
@@ -130,10 +145,15 @@ def _kv_specs(P, S, H):
     return pl.BlockSpec((P, S, None, H), k_map), pl.BlockSpec((P, S, None, H), v_map)
 
 
-def _load_kv_block(k_ref, v_ref, pages_X, block_k):
+def _load_kv_block(k_ref, v_ref, pages_X, block_k, scale_ref=None, dtype=None):
+    """K and V of the pages [X, H]; an FP8 pool's (scale_ref: [k_scale, v_scale])
+    dequantised to `dtype` (q's)."""
     H = k_ref.shape[-1]
     k_XH = k_ref[pages_X].reshape(block_k, H)
     v_XH = v_ref[pages_X].reshape(block_k, H)
+    if scale_ref is not None:
+        k_XH = (k_XH.astype(jnp.float32) * scale_ref[0]).astype(dtype)
+        v_XH = (v_XH.astype(jnp.float32) * scale_ref[1]).astype(dtype)
     return k_XH, v_XH
 
 
@@ -164,11 +184,13 @@ def _window_start(pos, window):
     return jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
 
 
-def _decode_kernel(*refs, has_window, sm_scale, pages_per_block, page_size):
+def _decode_kernel(*refs, has_window, has_scales, sm_scale, pages_per_block, page_size):
     """refs: seq_len [1], page-table row [C_pad], q [Gp, H], K and V views of the pool,
-    [window [1] (only with one)], then the outputs acc [Gp, H], m [Gp], l [Gp]."""
+    [window [1]], [scales [2] of an FP8 pool] (each only with one), then the outputs
+    acc [Gp, H], m [Gp], l [Gp]."""
     seq_len_ref, pages_ref, q_ref, k_ref, v_ref, *refs = refs
     window = refs.pop(0)[0] if has_window else None
+    scale_ref = refs.pop(0) if has_scales else None
     o_ref, m_ref, l_ref = refs
     block_k = pages_per_block * page_size
     split, num_splits = pl.program_id(2), pl.num_programs(2)
@@ -195,7 +217,7 @@ def _decode_kernel(*refs, has_window, sm_scale, pages_per_block, page_size):
         page0 = first_page + i * pages_per_block
         page_ids = pages_ref[pl.ds(page0, pages_per_block)]
         page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
-        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
+        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k, scale_ref, q_GH.dtype)
         key_pos_X = page0 * page_size + jnp.arange(block_k)
         key_ok_X = key_pos_X < seq_len
         visible_X = key_ok_X if window is None else key_ok_X & (key_pos_X >= key_lo)
@@ -214,7 +236,8 @@ def _decode_kernel(*refs, has_window, sm_scale, pages_per_block, page_size):
                                              "num_warps", "num_stages", "interpret"))
 def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scale,
                      pages_per_block=None, num_splits=None, num_warps=4, num_stages=2,
-                     interpret=False, sinks_N=None, sliding_window=None):
+                     interpret=False, sinks_N=None, sliding_window=None, k_scale=None,
+                     v_scale=None):
     """One query token per sequence over paged KV; seq_len 0 rows return zeros.
 
     pages_per_block: pages per flash step (default: 64 tokens' worth). num_splits:
@@ -246,8 +269,10 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
     k_spec, v_spec = _kv_specs(P, S, H)
+    fp8 = is_fp8(kv_pages_PSJH)
     kernel = functools.partial(_decode_kernel, has_window=sliding_window is not None,
-                               sm_scale=sm_scale, pages_per_block=ppb, page_size=S)
+                               has_scales=fp8, sm_scale=sm_scale, pages_per_block=ppb,
+                               page_size=S)
     in_specs = [
         pl.BlockSpec((1,), lambda b, k, s: (b,)),
         pl.BlockSpec((None, C_pad), lambda b, k, s: (b, 0)),
@@ -259,6 +284,9 @@ def decode_attention(q_BNH, kv_pages_PSJH, seq_lens_B, page_table_BC, *, sm_scal
     if sliding_window is not None:
         in_specs.append(pl.BlockSpec((1,), lambda b, k, s: (0,)))
         operands.append(jnp.asarray(sliding_window, jnp.int32).reshape(1))
+    if fp8:
+        in_specs.append(pl.BlockSpec((2,), lambda b, k, s: (0,)))
+        operands.append(kv_scales(k_scale, v_scale))
     o_BKXGH, m_BKXG, l_BKXG = pl.pallas_call(
         kernel,
         grid=(B, K, splits),
@@ -300,13 +328,15 @@ def _sinks_KGp(sinks_N, K: int, G: int, Gp: int):
 # ---------------------------------------------------------------------------- prefill
 
 
-def _prefill_kernel(*refs, has_window, has_sinks, sm_scale, block_q, pages_per_block,
-                    page_size):
+def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
+                    pages_per_block, page_size):
     """refs: meta [8], page table [B, C_pad], q [T_pad, Gp, H], K and V views of the
-    pool, [window [1]], [sinks [Gp] of this KV head] (each only with one), output o."""
+    pool, [window [1]], [sinks [Gp] of this KV head], [scales [2] of an FP8 pool] (each
+    only with one), output o."""
     meta_ref, pages_ref, q_ref, k_ref, v_ref, *refs = refs
     window = refs.pop(0)[0] if has_window else None
     sink_ref = refs.pop(0) if has_sinks else None
+    scale_ref = refs.pop(0) if has_scales else None
     (o_ref,) = refs
     block_k = pages_per_block * page_size
     seq, t0, n_rows, pos0, kv_len = (meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3],
@@ -329,7 +359,7 @@ def _prefill_kernel(*refs, has_window, has_sinks, sm_scale, block_q, pages_per_b
             page0 = seq_page0 + page0
         page_ids = pages_ref[seq, pl.ds(page0, pages_per_block)]
         page_ids = jnp.where(page0 + jnp.arange(pages_per_block) < num_pages, page_ids, 0)
-        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k)
+        k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k, scale_ref, q_RH.dtype)
         key_pos_X = page0 * page_size + jnp.arange(block_k)
         key_ok_X = key_pos_X < kv_len
         visible_RX = (key_pos_X[None, :] <= q_pos_R[:, None]) & key_ok_X[None, :]
@@ -356,7 +386,7 @@ def _prefill_kernel(*refs, has_window, has_sinks, sm_scale, block_q, pages_per_b
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
                            num_seqs, *, sm_scale, block_rows=128, pages_per_block=None,
                            num_warps=8, num_stages=2, interpret=False, sinks_N=None,
-                           sliding_window=None):
+                           sliding_window=None, k_scale=None, v_scale=None):
     """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
 
     block_rows: query rows per program, block_q * G (block_q = block_rows // G tokens,
@@ -396,8 +426,10 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     q_TKGH = jnp.pad(q_TKGH, ((0, T_pad - T), (0, 0), (0, Gp - G), (0, 0)))
 
     k_spec, v_spec = _kv_specs(P, S, H)
+    fp8 = is_fp8(kv_pages_PSJH)
     kernel = functools.partial(_prefill_kernel, has_window=sliding_window is not None,
-                               has_sinks=sinks_N is not None, sm_scale=sm_scale,
+                               has_sinks=sinks_N is not None, has_scales=fp8,
+                               sm_scale=sm_scale,
                                block_q=block_q, pages_per_block=ppb, page_size=S)
     in_specs = [
         pl.BlockSpec((None, 8), lambda i, k: (i, 0)),
@@ -413,6 +445,9 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     if sinks_N is not None:
         in_specs.append(pl.BlockSpec((None, Gp), lambda i, k: (k, 0)))
         operands.append(_sinks_KGp(sinks_N, K, G, Gp))
+    if fp8:
+        in_specs.append(pl.BlockSpec((2,), lambda i, k: (0,)))
+        operands.append(kv_scales(k_scale, v_scale))
     o_TKGH = pl.pallas_call(
         kernel,
         grid=(max_blocks, K),
