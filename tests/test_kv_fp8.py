@@ -4,7 +4,8 @@ x / scale (saturated to +-448) and dequantised on load.
 - the reference attention on an FP8 pool equals the float32 attention over the
   dequantised values (the quantiser here is numpy's, independent of ref.quantize_fp8);
 - the TPU kernel (interpreter) on an FP8 pool, plain and packed, and the GPU kernels
-  (interpreter), ragged and decode, match the reference;
+  (interpreter, through the engine's start-up self-test), ragged and decode, match the
+  reference;
 - the engine (`LLM(..., kv_cache_dtype="fp8")`, the shared chunked engine's shapes)
   equals the model run with a float32 cache holding the same dequantised values, and
   its log-probability drift against the float32 path is bounded (the figure is in
@@ -119,27 +120,14 @@ def test_tpu_kernel_reads_fp8_pool(packed):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
 
 
-def test_gpu_kernels_read_fp8_pool_interpret():
-    """The Triton kernels (HLO interpreter), ragged and decode, match the reference; JAX's
-    shipped TPU kernel ("tpu_jax") has no FP8 path and says so."""
+def test_tpu_jax_refuses_fp8_pool_by_name():
+    """JAX's shipped TPU kernel has no FP8 path (the GPU kernels' FP8 check is the
+    start-up self-test's, test_startup_self_test_checks_the_fp8_pool)."""
     b = _batch(jax.random.key(2))
-    pool = attention.write_kv(jnp.zeros(b["shape"], ref.FP8_DTYPE), b["k"], b["v"],
-                              b["slots"], k_scale=K_SCALE, v_scale=V_SCALE)
-    args, sm, scales = (b["qs"], b["sl"], b["pt"]), 128**-0.5, dict(k_scale=K_SCALE,
-                                                                     v_scale=V_SCALE)
-    want = _attend(b["q"], pool, *args, sm_scale=sm, backend="xla", **scales)
-    q_dec = b["q"][jnp.asarray([6, 11])]  # each sequence's last token
-    want_dec = attention.decode_attention(q_dec, pool, b["sl"], b["pt"], sm_scale=sm,
-                                          backend="xla", **scales)
-    with attention.interpret_mode():
-        got = _attend(b["q"], pool, *args, sm_scale=sm, backend="gpu", **scales)
-        got_dec = attention.decode_attention(q_dec, pool, b["sl"], b["pt"], sm_scale=sm,
-                                             backend="gpu", **scales)
-        with pytest.raises(ValueError, match="FP8"):
-            attention.decode_attention(q_dec, pool, b["sl"], b["pt"], sm_scale=sm,
-                                       backend="tpu_jax")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(got_dec), np.asarray(want_dec), atol=2e-5)
+    pool = jnp.zeros(b["shape"], ref.FP8_DTYPE)
+    with attention.interpret_mode(), pytest.raises(ValueError, match="FP8"):
+        attention.decode_attention(b["q"][:2], pool, b["sl"], b["pt"], sm_scale=1.0,
+                                   backend="tpu_jax")
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +314,22 @@ def test_fp8_gpu_kernels_compile_for_h200_without_spills(tmp_path):
         assert k["arch"] == "sm_90a" and k["spill_stores"] == k["spill_loads"] == 0
         assert k["stack"] == 0 and 0 < k["registers"] <= 255
     assert blocks_per_sm(ks["lp_paged_decode_attention"]) >= 3
+
+
+def test_startup_self_test_checks_the_fp8_pool(tiny_dir, monkeypatch):
+    """The engine's kernel self-test (kernel_check) runs an FP8 model's attention kernels
+    on an e4m3 pool with scales, the path it serves: the GPU kernels (interpreter),
+    ragged and decode, match the reference within its tolerance, and a decode kernel
+    that ignored the scales fails it."""
+    from lp_jax.config import ModelConfig
+    from lp_jax.executor import kernel_check
+    from pallas_kernels.attention import gpu
+
+    cfg = ModelConfig.from_pretrained(tiny_dir).replace(kv_cache_dtype="fp8")
+    with attention.interpret_mode():
+        kernel_check.check_attention(cfg, "gpu", jnp.float32, page_size=8)
+        real = gpu.decode_attention
+        monkeypatch.setattr(gpu, "decode_attention", lambda *a, k_scale=None, v_scale=None,
+                            **kw: real(*a, **kw))
+        with pytest.raises(kernel_check.KernelCheckError, match="differs"):
+            kernel_check.check_attention(cfg, "gpu", jnp.float32, page_size=8)

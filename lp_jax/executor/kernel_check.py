@@ -29,7 +29,7 @@ from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_cache_shape, packs_kv
 from lp_jax.models.layers import expert_activation
 from pallas_kernels import attention, moe
-from pallas_kernels.attention.ref import ref_ragged_paged_attention
+from pallas_kernels.attention.ref import quantize_fp8, ref_ragged_paged_attention
 from pallas_kernels.moe.ref import ref_moe_ffn
 
 MODES = ("fallback", "strict", "off")
@@ -137,6 +137,9 @@ def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> No
     if cfg.model_type == "gpt_oss":  # sinks, and a window that skips whole pages
         extras = dict(sinks_N=jax.random.normal(k[3], (N,)).astype(dtype),
                       sliding_window=jnp.int32(S + 3))
+    if cfg.kv_cache_dtype == "fp8":  # the pool the engine serves: e4m3, scaled
+        kv = quantize_fp8(kv, 0.5)
+        extras |= dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25))
     args = (q, kv, query_start, seq_lens, table, jnp.int32(3))
     got = jax.jit(lambda *a, **e: attention.ragged_paged_attention(
         *a, sm_scale=scale, backend=backend, **e))(*args, **extras)
