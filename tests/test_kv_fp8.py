@@ -333,3 +333,17 @@ def test_startup_self_test_checks_the_fp8_pool(tiny_dir, monkeypatch):
                             **kw: real(*a, **kw))
         with pytest.raises(kernel_check.KernelCheckError, match="differs"):
             kernel_check.check_attention(cfg, "gpu", jnp.float32, page_size=8)
+
+
+def test_lp_serve_and_aot_flags_reach_the_configs():
+    from lp_jax import serve
+    from lp_jax.aot.__main__ import main as aot_main
+
+    args = serve.build_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])
+    assert serve.engine_config(args).kv_cache_dtype == "fp8_e4m3"
+    assert serve.engine_config(serve.build_parser().parse_args([])).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        serve.build_parser().parse_args(["--kv-cache-dtype", "fp16"])
+    with pytest.raises(SystemExit):
+        aot_main(["--platform", "tpu", "--preset", "qwen3-30b-a3b", "--kv-cache-dtype",
+                  "int8", "--out", "/nonexistent"])
