@@ -13,7 +13,8 @@ x / scale (saturated to +-448) and dequantised on load.
 - a bad value is refused before anything compiles; a page holds half a bf16 page's
   bytes and the memory-sized page count doubles; checkpoint scales are read under
   vLLM's names; the TPU decode kernel compiles with libtpu without copying the pool, and
-  the GPU kernels compile for the H200 (ptxas) without spills.
+  the GPU kernels compile for the H200 (ptxas) without spills; on a head-sharded mesh
+  every shard gets the scales.
 """
 
 from __future__ import annotations
@@ -347,3 +348,25 @@ def test_lp_serve_and_aot_flags_reach_the_configs():
     with pytest.raises(SystemExit):
         aot_main(["--platform", "tpu", "--preset", "qwen3-30b-a3b", "--kv-cache-dtype",
                   "int8", "--out", "/nonexistent"])
+
+
+def test_fp8_pool_on_a_head_sharded_mesh():
+    """A Pallas kernel on a mesh runs per KV-head shard (shard_map); an FP8 pool's scales
+    go to every shard (replicated): 2-way tensor mesh, GPU kernel (interpreter), equal to
+    the unsharded reference."""
+    from lp_jax.models.sharded_kernels import sharded_decode_attention
+    from lp_jax.sharding import make_mesh
+
+    b = _batch(jax.random.key(3))
+    pool = attention.write_kv(jnp.zeros(b["shape"], ref.FP8_DTYPE), b["k"], b["v"],
+                              b["slots"], k_scale=K_SCALE, v_scale=V_SCALE)
+    q_dec, sm = b["q"][jnp.asarray([6, 11])], 128**-0.5
+    scales = dict(k_scale=jnp.float32(K_SCALE), v_scale=jnp.float32(V_SCALE))
+    want = attention.decode_attention(q_dec, pool, b["sl"], b["pt"], sm_scale=sm,
+                                      backend="xla", **scales)
+    mesh = make_mesh(1, 1, 2)
+    with attention.interpret_mode():
+        got = jax.jit(lambda q, kv, lens, pt, s: sharded_decode_attention(
+            mesh, q, kv, lens, pt, sm_scale=sm, backend="gpu", **s))(
+            q_dec, pool, b["sl"], b["pt"], scales)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
