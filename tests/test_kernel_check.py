@@ -51,12 +51,13 @@ def test_the_moe_check_reads_the_last_layer_of_the_loaded_experts(cfg, interpret
     """The engine's check runs on its own weights, at the stack's last layer (where a
     stride that overflows at full depth would show): NaN there fails it; NaN in the
     first layer, which it does not read, leaves it passing."""
-    w_gate_up, w_down, biases = model_experts(tiny_model)
+    w_gate_up, w_down, biases, quant = model_experts(tiny_model)
+    assert quant == {}
     L = w_gate_up.shape[0]
     assert L > 1
     backends = KernelBackends(moe="tpu", attention="xla")
     for layer, passes in ((L - 1, False), (0, True)):
-        poisoned = (w_gate_up.at[layer].set(jnp.nan), w_down, biases)
+        poisoned = (w_gate_up.at[layer].set(jnp.nan), w_down, biases, quant)
         chosen, report = check_backends(cfg, backends, jnp.float32, page_size=16,
                                         log=lambda *_: None, experts=poisoned)
         assert (chosen.moe == "tpu") is passes, (layer, report)
@@ -111,3 +112,26 @@ def test_engine_serves_with_the_fallback_and_reports_it(interpret, monkeypatch, 
     metrics.update_from_engine(llm.stats(), running=0, waiting=0)
     assert 'lp:kernel_backend_info{model_name="tiny",op="moe",backend="xla_tiles"} 1' in \
         metrics.render()
+
+
+def test_the_moe_check_runs_quantized_experts_with_their_scales(interpret, monkeypatch):
+    """An int8 model's check runs the kernel on the stored int8 stack and its scales (not
+    a 16-bit stand-in): it passes, and a kernel that drops the scales fails it."""
+    from lp_jax.loader import load_model
+
+    model = load_model(ensure_tiny(preset="tiny-h128"), quantization="int8")
+    experts = model_experts(model)
+    assert experts[0].dtype == jnp.int8 and set(experts[3]) == {"scales", "scheme"}
+    backends = KernelBackends(moe="tpu", attention="xla")
+    chosen, report = check_backends(model.config, backends, jnp.float32, page_size=16,
+                                    log=lambda *_: None, experts=experts)
+    assert chosen.moe == "tpu", report
+    real = moe_tpu.moe_ffn_tpu
+
+    def drops_scales(*args, scales=None, **kwargs):
+        return real(*args, scales=tuple(jnp.ones_like(s) for s in scales), **kwargs)
+
+    monkeypatch.setattr(moe_tpu, "moe_ffn_tpu", drops_scales)
+    chosen, report = check_backends(model.config, backends, jnp.float32, page_size=16,
+                                    log=lambda *_: None, experts=experts)
+    assert chosen.moe == "xla_tiles" and "relative error" in report["moe"][1]

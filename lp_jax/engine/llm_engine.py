@@ -175,8 +175,7 @@ class LLMEngine:
             model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
                                       moe_dispatch=config.moe_dispatch),
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
-            # quantized experts: the check runs on a random 16-bit stack (it passes no scales)
-            experts=None if model_cfg.quantization else model_experts(model))
+            experts=model_experts(model))  # quantized: the stored weights and their scales
         if model_cfg.kv_cache_dtype == "fp8":  # before any program compiles
             attn = attention.resolve_backend(backends.attention)
             if attn == "tpu_jax":

@@ -55,15 +55,22 @@ def _rel_err(got, want) -> float:
 
 
 def model_experts(model) -> tuple | None:
-    """(w_gate_up_LEDF2, w_down_LEFD, biases) of a loaded model's stacked experts, biases
-    () or (b_gate_up_LEF2, b_down_LED); None for a model without MoE layers."""
+    """(w_gate_up_LEDF2, w_down_LEFD, biases, quant) of a loaded model's stacked experts:
+    biases () or (b_gate_up_LEF2, b_down_LED); quant {} or, for quantized experts,
+    {"scales": (s_gate_up, s_down), "scheme": QuantScheme} as moe_ffn takes them. None
+    for a model without MoE layers."""
     mlp = getattr(model.model.layers, "mlp", None)
     if mlp is None:
         return None
     biases = ()
     if hasattr(mlp, "experts_gate_up_proj_bias"):
         biases = (mlp.experts_gate_up_proj_bias[...], mlp.experts_down_proj_bias[...])
-    return mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...], biases
+    quant = {}
+    if hasattr(mlp, "experts_gate_up_proj_scale"):  # declared only for quantized experts
+        quant = {"scales": (mlp.experts_gate_up_proj_scale[...],
+                            mlp.experts_down_proj_scale[...]),
+                 "scheme": model.config.quantization.scheme}
+    return mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...], biases, quant
 
 
 def _local(x: jax.Array) -> jax.Array:
@@ -91,26 +98,36 @@ def check_moe(cfg: ModelConfig, backend: str, dtype, experts: tuple | None = Non
     `model_experts` gives them; default: a small random stack), addressed in place by a
     traced index, for a batch with masked rows; raises on an error or a mismatch with the
     reference."""
-    w_gate_up, w_down, biases = experts or _random_experts(cfg, dtype)
+    w_gate_up, w_down, biases, quant = experts or (*_random_experts(cfg, dtype), {})
     w_gate_up, w_down = _local(w_gate_up), _local(w_down)
     biases = tuple(_local(b) for b in biases)
+    scales = tuple(_local(s) for s in quant.get("scales", ()))
+    scheme = quant.get("scheme")
     device = next(iter(w_gate_up.devices()))
     L, E, D = w_gate_up.shape[:3]
     top_k = min(cfg.num_experts_per_tok, E)
     k = jax.random.split(jax.random.key(0), 2)
+    x_dtype = dtype if scheme is not None else w_gate_up.dtype  # 8-bit weights: W8A16
     x_TD = jax.device_put(jax.random.normal(k[0], (_TOKENS, D), jnp.float32).astype(
-        w_gate_up.dtype), device)
+        x_dtype), device)
     logits_TE = jax.device_put(jax.random.normal(k[1], (_TOKENS, E), jnp.float32), device)
     mask_T = jnp.arange(_TOKENS) < _TOKENS - 3
     kw = dict(top_k=top_k, norm_topk_prob=cfg.norm_topk_prob, token_mask_T=mask_T,
               activation=expert_activation(cfg))
     layer = jnp.int32(L - 1)
-    got, _ = jax.jit(lambda *a, layer, biases: moe.moe_ffn(*a, layer=layer, backend=backend,
-                                                           biases=biases, **kw))(
-        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases)
-    want, _ = jax.jit(lambda x, lg, wg, wd, layer, biases: ref_moe_ffn(
-        x, lg, wg[layer], wd[layer], biases=tuple(b[layer] for b in biases), **kw))(
-        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases)
+    def quant_of(scales, at=None):
+        if scheme is None:
+            return {}
+        return {"scales": scales if at is None else tuple(s[at] for s in scales),
+                "scheme": scheme}
+
+    got, _ = jax.jit(lambda *a, layer, biases, scales: moe.moe_ffn(
+        *a, layer=layer, backend=backend, biases=biases, **quant_of(scales), **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases, scales=scales)
+    want, _ = jax.jit(lambda x, lg, wg, wd, layer, biases, scales: ref_moe_ffn(
+        x, lg, wg[layer], wd[layer], biases=tuple(b[layer] for b in biases),
+        **quant_of(scales, layer), **kw))(
+        x_TD, logits_TE, w_gate_up, w_down, layer=layer, biases=biases, scales=scales)
     err = _rel_err(got, want)
     if not err <= _tolerance(dtype):
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
