@@ -14,7 +14,8 @@ Deployments at `--chips` chips (2: the paper's 2x H100; 4: twice that):
   warmed and frozen): chips / 2 replicas of the paper's TP2 engine, requests round-robin;
 - disaggregated `pd-chunked` (prefill instances chunked, 2048-token budget: FlowPrefill's
   CP2K) and `pd-flowprefill` (FlowPrefill, operator segments, reference rules; latency
-  model warmed on prefill-only requests and frozen): `--layout` prefill and decode
+  model warmed on prefill-only requests and frozen; `pd-flowprefill-lp_jax` under
+  lp_jax's earlier rules, `flowprefill_rules="lp_jax"`): `--layout` prefill and decode
   instances (default for 2 chips: one TP1 prefill + one TP1 decode; for 4: one TP2 + one
   TP2), decode instances decode only (lp_jax/sim/disagg.py). KV moves over `--link`
   (nvlink: half the table's bidirectional NVLink 4, 450 GB/s one way per chip; dcn: 50 GB/s
@@ -62,7 +63,10 @@ from lp_jax.sim import (  # noqa: E402
 COLOCATED = {"layered": {"policy": "layered"},
              "layered-adaptive": {"policy": "layered", "layer_groups": "adaptive"}}
 PD = {"pd-chunked": {"policy": "chunked", "max_num_batched_tokens": 2048},
-      "pd-flowprefill": {"policy": "flowprefill", "preemption_granularity": "operator"}}
+      "pd-flowprefill": {"policy": "flowprefill", "preemption_granularity": "operator"},
+      # lp_jax's earlier FlowPrefill rules (8192 bound, every member checked, EDF for all)
+      "pd-flowprefill-lp_jax": {"policy": "flowprefill", "preemption_granularity": "operator",
+                                "flowprefill_rules": "lp_jax"}}
 DEFAULT_LAYOUT = {2: "1x1:1x1", 4: "1x2:1x2"}  # prefill instances x tp : decode x tp
 
 
@@ -93,7 +97,7 @@ def deployment(wl: Workload, key: str, chips: int, layout: str, args):
     policy, _, link = key.partition("/")
     np_, tp_p, nd, tp_d = parse_layout(layout)
     pre = replace(base, tp=tp_p, tbt_slo_s=None, **PD[policy])
-    if policy == "pd-flowprefill":
+    if policy.startswith("pd-flowprefill"):
         pre = replace(pre, latency=warm_latency(pre, output_len=1), observe_latency=False)
     dec = replace(base, tp=tp_d, tbt_slo_s=None, policy="chunked")
     cfg = DisaggConfig(prefill=pre, decode=dec, link=kv_link(link, HARDWARE),
