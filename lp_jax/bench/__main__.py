@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "request sending its class's ttft_slo_ms / tbt_slo_ms, outputs "
                    "--output-len; multi-turn = chat conversations resending their history "
                    "each turn (see the multi-turn options)")
-    w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp (optional), "
-                   "prompt_len, output_len (aliases: lp_jax.sim.workload.load_trace)")
+    w.add_argument("--trace", default=None, help="CSV/JSONL trace: timestamp, input and "
+                   "output lengths, optional class and TTFT / TBT SLO columns "
+                   "(docs/trace_format.md)")
     w.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply trace timestamps (0.5 replays twice as fast)")
     w.add_argument("--num-requests", type=int, default=None,
@@ -219,7 +220,10 @@ async def run(args) -> dict:
                      None)
         max_prompt_len = max(1, limit - args.output_len) if isinstance(limit, int) else None
     classes = tuple(args.slo_classes or QWEN_TRACE_CLASSES)
-    trace = load_trace(args.trace) if args.trace else None
+    try:
+        trace = load_trace(args.trace) if args.trace else None
+    except ValueError as exc:  # names the file and line
+        raise SystemExit(f"lp-bench: {exc}") from None
     lengths = None if trace is not None or own_lengths else resolve_length_model(  # once
         args.workload, prompt_len=args.prompt_len, output_len=args.output_len)
     tokenizer = _load_tokenizer(args.tokenizer)
