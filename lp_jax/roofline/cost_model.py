@@ -22,6 +22,11 @@ on chip); flash attention reads each visible KV entry once per step; norms, rota
 embeddings, biases and softmax FLOPs are ignored; the router runs in the model dtype.
 Tile padding of the grouped matmul is reported as `pad_flops`, wasted compute that
 still costs time.
+
+Formats (formats.py): weights move their stored bytes, scales included (the shape's weight
+format), the KV cache its own itemsize, activations `dtype_bytes`; a quantized matmul runs
+at the bf16 FLOP rate (W8A16 / W4A16). An explicit `dtype_bytes` argument sets all of them
+to one itemsize, as before formats existed.
 """
 
 from __future__ import annotations
@@ -189,14 +194,38 @@ def _attended_pairs(past: float, chunk: float, window: int) -> float:
     return below + window * above
 
 
+@dataclass(frozen=True, slots=True)
+class _Itemsizes:
+    """Bytes per value moved: activations, expert / attention / dense-MLP weights, KV."""
+
+    act: float
+    expert: float
+    attn: float
+    mlp: float
+    kv: float
+
+
+def _itemsizes(
+    shape: ModelShape, dtype_bytes: float | None, kv_dtype_bytes: float | None = None
+) -> _Itemsizes:
+    if dtype_bytes:  # one itemsize for everything (the pre-format behaviour)
+        return _Itemsizes(dtype_bytes, dtype_bytes, dtype_bytes, dtype_bytes,
+                          kv_dtype_bytes or dtype_bytes)
+    d, f = shape.hidden_size, shape.dense_width
+    mlp = shape.dense_mlp_bytes / (3 * d * f) if f else float(shape.dtype_bytes)
+    return _Itemsizes(shape.dtype_bytes, shape.expert_weight_itemsize or shape.dtype_bytes,
+                      shape.dense_weight_itemsize, mlp, kv_dtype_bytes or shape.kv_itemsize)
+
+
 def _check_parallel(tp: int, ep: int) -> None:
     if tp < 1 or ep < 1 or int(tp) != tp or int(ep) != ep:
         raise ValueError("tp and ep must be positive integers")
 
 
 def _attention_ops(
-    shape: ModelShape, step: StepTokens, layer: int, tp: int, ep: int, b: int, kvb: int
+    shape: ModelShape, step: StepTokens, layer: int, tp: int, ep: int, sizes: _Itemsizes
 ) -> list[OpCost]:
+    b, kvb, wb = sizes.act, sizes.kv, sizes.attn
     d, h = shape.hidden_size, shape.head_dim
     q_dev = shape.num_q_heads / tp
     kv_dev = max(shape.num_kv_heads / tp, 1.0)
@@ -206,7 +235,7 @@ def _attention_ops(
 
     qkv = OpCost(
         flops=2.0 * tokens_dev * d * qkv_width,
-        bytes=b * (d * qkv_width + tokens_dev * d + tokens_dev * qkv_width),
+        bytes=wb * d * qkv_width + b * (tokens_dev * d + tokens_dev * qkv_width),
         name="qkv_proj",
     )
 
@@ -236,7 +265,7 @@ def _attention_ops(
 
     o_proj = OpCost(
         flops=2.0 * tokens_dev * q_dev * h * d,
-        bytes=b * (q_dev * h * d + tokens_dev * q_dev * h + tokens_dev * d),
+        bytes=wb * q_dev * h * d + b * (tokens_dev * q_dev * h + tokens_dev * d),
         name="o_proj",
         comm_bytes=2.0 * (tp - 1) / tp * tokens_dev * d * b,
     )
@@ -254,20 +283,22 @@ def expert_traffic(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(FLOPs, weight bytes, activation bytes) of the expert GEMMs per device, vectorised.
 
-    FLOPs 2 * 3 * D * F * k * T; weight bytes E_act(T) * 3 * D * F * itemsize (only the
-    activated experts are loaded); activation bytes k * T * D * itemsize in and out.
+    FLOPs 2 * 3 * D * F * k * T; weight bytes E_act(T) * 3 * D * F * stored itemsize (only
+    the activated experts are loaded; the weight format's, scales included, split over tp);
+    activation bytes k * T * D * dtype_bytes in and out. `dtype_bytes` overrides both.
     """
     _check_parallel(tp, ep)
     if not shape.is_moe:
         raise ValueError(f"{shape.name} has no routed experts")
-    b = dtype_bytes or shape.dtype_bytes
+    sizes = _itemsizes(shape, dtype_bytes)
+    b, wb = sizes.act, sizes.expert
     t = np.asarray(tokens, dtype=np.float64)
     d, f_dev = shape.hidden_size, shape.expert_width / tp
     e, k = shape.num_experts, shape.top_k
     rows_dev = k * t / ep
     active_dev = np.asarray(active_from_probs(routing.probs_E(e, k), t)) / ep
     flops = 2.0 * 3.0 * d * f_dev * rows_dev
-    weight_bytes = active_dev * 3.0 * d * f_dev * b
+    weight_bytes = active_dev * 3.0 * d * f_dev * wb
     act_bytes = 2.0 * rows_dev * d * b
     return flops, weight_bytes, act_bytes
 
@@ -288,7 +319,7 @@ def expert_cost(
     """
     b = dtype_bytes or shape.dtype_bytes
     flops, weight_bytes, act_bytes = expert_traffic(
-        shape, tokens, tp=tp, ep=ep, routing=routing, dtype_bytes=b
+        shape, tokens, tp=tp, ep=ep, routing=routing, dtype_bytes=dtype_bytes
     )
     rows_dev = shape.top_k * tokens / ep
     pad_flops = 0.0
@@ -311,10 +342,12 @@ def _mlp_ops(
     layer: int,
     tp: int,
     ep: int,
-    b: int,
+    sizes: _Itemsizes,
+    dtype_bytes: int | None,
     routing: Routing,
     tile: int,
 ) -> list[OpCost]:
+    b = sizes.act
     d = shape.hidden_size
     tokens_dev = step.tokens / ep
     if shape.is_moe_layer(layer):
@@ -326,13 +359,14 @@ def _mlp_ops(
             comm_bytes=2.0 * tokens_dev * k * d * b * (ep - 1) / ep,  # all-to-all out and back
         )
         experts = expert_cost(
-            shape, step.tokens, tp=tp, ep=ep, routing=routing, tile=tile, dtype_bytes=b
+            shape, step.tokens, tp=tp, ep=ep, routing=routing, tile=tile,
+            dtype_bytes=dtype_bytes,
         )
         return [router, experts]
     f_dev = shape.dense_width / tp
     mlp = OpCost(
         flops=2.0 * 3.0 * tokens_dev * d * f_dev,
-        bytes=b * (3.0 * d * f_dev + 2.0 * tokens_dev * d),
+        bytes=sizes.mlp * 3.0 * d * f_dev + b * 2.0 * tokens_dev * d,
         name="dense_mlp",
         comm_bytes=2.0 * (tp - 1) / tp * tokens_dev * d * b,
     )
@@ -357,10 +391,9 @@ def layer_cost(
     or dense_mlp (dense layer).
     """
     _check_parallel(tp, ep)
-    b = dtype_bytes or shape.dtype_bytes
-    kvb = kv_dtype_bytes or b
-    ops = _attention_ops(shape, step, layer, tp, ep, b, kvb)
-    ops += _mlp_ops(shape, step, layer, tp, ep, b, routing, tile)
+    sizes = _itemsizes(shape, dtype_bytes, kv_dtype_bytes)
+    ops = _attention_ops(shape, step, layer, tp, ep, sizes)
+    ops += _mlp_ops(shape, step, layer, tp, ep, sizes, dtype_bytes, routing, tile)
     return LayerCost(tuple(ops))
 
 

@@ -22,18 +22,24 @@ dialects (Mixtral, DeepSeek) go through `from_hf_config`. Llama3-8B (dense), wri
 here, serves the FlowPrefill comparison. The cost model reads GPT-OSS's sliding layers
 (`sliding_layers`, `sliding_window`: a sliding layer attends to at most that many keys);
 its attention sinks (one logit per head) and bias vectors are below the model's precision
-and are left out. GPT-OSS-20B keeps MXFP4 expert weights on disk; the shape assumes bf16
-serving, as the engine's loader dequantizes them.
+and are left out. GPT-OSS-20B keeps MXFP4 expert weights on disk; the built-in shape assumes
+bf16 serving, as the engine's loader dequantizes them by default.
+
+Formats. `dtype_bytes` is the activation itemsize. `weight_format` (formats.py: bf16, int8,
+fp8, fp8_block, fp4) sets the stored bytes of the weights it covers, scales included, and
+`kv_format` (bf16, fp8) the KV cache's; None keeps both at `dtype_bytes`, every figure as
+before. `with_formats` gives the same model in other formats.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lp_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from lp_jax.roofline.formats import KV_FORMATS, WEIGHT_FORMATS, WeightFormat
 
 _DTYPE_BYTES = {
     "bfloat16": 2,
@@ -71,7 +77,9 @@ class ModelShape:
     sliding_layers: tuple[int, ...] = ()  # layers using sliding-window attention
     sliding_window: int = 0
     tie_word_embeddings: bool = False
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # activations (and weights / KV when their format is None)
+    weight_format: str | None = None  # formats.WEIGHT_FORMATS; None: dtype_bytes a weight
+    kv_format: str | None = None  # formats.KV_FORMATS; None: dtype_bytes a value
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -100,6 +108,45 @@ class ModelShape:
             raise ValueError("sliding_layers need sliding_window >= 1")
         if self.dtype_bytes not in (1, 2, 4):
             raise ValueError("dtype_bytes must be 1, 2 or 4")
+        if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {sorted(WEIGHT_FORMATS)} or None,"
+                             f" got {self.weight_format!r}")
+        if self.kv_format is not None and self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)} or None,"
+                             f" got {self.kv_format!r}")
+
+    def with_formats(self, weight_format: str | None, kv_format: str | None) -> ModelShape:
+        """The same model with weights and KV cache stored in these formats."""
+        return replace(self, weight_format=weight_format, kv_format=kv_format)
+
+    # ---- stored formats --------------------------------------------------------------
+    @property
+    def weight_format_spec(self) -> WeightFormat | None:
+        return None if self.weight_format is None else WEIGHT_FORMATS[self.weight_format]
+
+    def linear_bytes(self, k: int, n: int, *, expert: bool = False) -> int:
+        """Stored bytes of a [k, n] projection: in the weight format when it covers the
+        matrix (routed experts; attention and dense MLPs too unless the format is
+        experts-only), else dtype_bytes a weight."""
+        fmt = self.weight_format_spec
+        if fmt is None or not (expert or fmt.dense):
+            return k * n * self.dtype_bytes
+        return fmt.matrix_bytes(k, n)
+
+    @property
+    def expert_weight_itemsize(self) -> float:
+        """Stored bytes per routed-expert weight, scales included (dtype_bytes for bf16)."""
+        return self.expert_bytes / self.expert_params if self.expert_params else 0.0
+
+    @property
+    def dense_weight_itemsize(self) -> float:
+        """Stored bytes per attention-projection weight, scales included."""
+        return self.attention_weight_bytes / self.attention_params
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one cached K or V value."""
+        return self.dtype_bytes if self.kv_format is None else KV_FORMATS[self.kv_format]
 
     # ---- layer structure -------------------------------------------------------------
     @property
@@ -130,12 +177,17 @@ class ModelShape:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights."""
-        return self.expert_params * self.dtype_bytes
+        """Stored bytes of one expert's weights: gate | up [D, 2F] and down [F, D], in the
+        weight format with its scales (the engine's ModelConfig.expert_bytes, less biases).
+        """
+        if not self.expert_width:
+            return 0
+        d, f = self.hidden_size, self.expert_width
+        return self.linear_bytes(d, 2 * f, expert=True) + self.linear_bytes(f, d, expert=True)
 
     @property
     def expert_bytes_per_layer(self) -> int:
-        """Bytes of all routed experts of one MoE layer: E * 3 * D * F * itemsize."""
+        """Bytes of all routed experts of one MoE layer: E * expert_bytes."""
         return self.num_experts * self.expert_bytes
 
     @property
@@ -143,6 +195,21 @@ class ModelShape:
         """Parameters of Q, K, V and O projections of one layer."""
         d, h = self.hidden_size, self.head_dim
         return d * (self.num_q_heads + 2 * self.num_kv_heads) * h + self.num_q_heads * h * d
+
+    @property
+    def attention_weight_bytes(self) -> int:
+        """Stored bytes of one layer's Q|K|V [D, (N + 2K) H] and O [N H, D] projections."""
+        d, h = self.hidden_size, self.head_dim
+        qkv = self.linear_bytes(d, (self.num_q_heads + 2 * self.num_kv_heads) * h)
+        return qkv + self.linear_bytes(self.num_q_heads * h, d)
+
+    @property
+    def dense_mlp_bytes(self) -> int:
+        """Stored bytes of one dense MLP layer: gate | up [D, 2F] and down [F, D]."""
+        if not self.dense_width:
+            return 0
+        d, f = self.hidden_size, self.dense_width
+        return self.linear_bytes(d, 2 * f) + self.linear_bytes(f, d)
 
     # ---- construction ----------------------------------------------------------------
     @classmethod

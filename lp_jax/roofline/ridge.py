@@ -6,10 +6,14 @@ Design note. Three analyses, all per device and per MoE layer unless stated:
 1. Compute-bound token count. The expert GEMMs do 2*3*D*F*k*T FLOPs. The paper's simple
    intensity loads all E experts: I(T) = 2*k*T / (E * itemsize), i.e. tokens per expert
    k*T/E for bf16, so the crossing is T* = ridge * E * itemsize / (2k) (= ridge * E/k for
-   bf16). The exact form loads only E_act(T) experts and also moves the routed rows:
-   I(T) = 6*D*F*k*T / (3*D*F*E_act(T)*itemsize + 2*k*T*D*itemsize). I(T) rises
-   monotonically (E_act(T)/T falls) towards 3F/itemsize, and we bisect for the crossing;
-   if 3F/itemsize is below the ridge the layer never turns compute-bound (inf).
+   bf16). itemsize w is the experts' stored bytes per weight, scales included (the
+   shape's weight format: 1 + 4/K for per-channel int8 / fp8, 0.53125 for MXFP4), while
+   the FLOPs stay those of the bf16 matmul the W8A16 kernels run. The exact form loads
+   only E_act(T) experts and also moves the routed rows in the activation itemsize a:
+   I(T) = 6*D*F*k*T / (3*D*F*E_act(T)*w + 2*k*T*D*a). I(T) rises monotonically
+   (E_act(T)/T falls) towards 3F/a, and we bisect for the crossing; if 3F/a is below the
+   ridge the layer never turns compute-bound (inf). A smaller w moves the crossing down
+   but not the asymptote, so the exact crossing drops by less than w does.
 2. Fig. 2 of the paper: one prompt of L tokens prefilled with chunk c loads each MoE
    layer's activated experts ceil(L/c) times, so expert bytes ~ L/c * E_act(c) * bytes
    per expert: inversely proportional to c once E_act(c) ~ E. Layered prefill runs each
@@ -61,7 +65,7 @@ def moe_intensity(
         flops, weight_bytes, act_bytes = expert_traffic(shape, t, tp=tp, ep=ep, routing=routing)
         out = flops / (weight_bytes + act_bytes)
     else:
-        out = 2.0 * shape.top_k * t / (shape.num_experts * shape.dtype_bytes)
+        out = 2.0 * shape.top_k * t / (shape.num_experts * shape.expert_weight_itemsize)
     return float(out) if np.ndim(out) == 0 else out
 
 
@@ -89,7 +93,7 @@ def compute_bound_tokens(
 ) -> ComputeBound:
     """Smallest tokens-per-step T at which the MoE layer is compute-bound on `hardware`."""
     ridge = hardware.ridge_point
-    simple = ridge * shape.num_experts * shape.dtype_bytes / (2.0 * shape.top_k)
+    simple = ridge * shape.num_experts * shape.expert_weight_itemsize / (2.0 * shape.top_k)
 
     def intensity(t: float) -> float:
         return float(moe_intensity(shape, t, routing=routing, tp=tp, ep=ep))

@@ -24,7 +24,9 @@ requests at paper scale take seconds.
 KV pages, when not given, come from HBM capacity: per device, memory_utilization * HBM
 minus the weights' share (weights / (tp * ep)) minus an activation reserve, divided by one
 page's KV bytes on that device (KV heads split over tp, replicated when tp > K); ep data-
-parallel attention groups multiply the pool.
+parallel attention groups multiply the pool. Weights count their stored bytes and the KV
+cache its format's (the shape's `weight_format` / `kv_format`): an FP8 cache holds twice
+the tokens in the same room.
 """
 
 from __future__ import annotations
@@ -128,19 +130,22 @@ class SimConfig:
 
 
 def weight_bytes(shape: ModelShape) -> float:
-    """Parameter bytes: embeddings, lm_head, attention, router, experts / dense MLPs."""
+    """Stored parameter bytes: embeddings, lm_head and router in the activation dtype;
+    attention, experts and dense MLPs in the shape's weight format, scales included."""
     d, e = shape.hidden_size, shape.num_experts
-    params = shape.vocab_size * d * (1 if shape.tie_word_embeddings else 2)
-    params += shape.num_layers * shape.attention_params
-    params += shape.num_moe_layers * (d * e + e * shape.expert_params)
-    params += shape.dense_layers_count * 3 * d * shape.dense_width
-    return float(params * shape.dtype_bytes)
+    plain = shape.vocab_size * d * (1 if shape.tie_word_embeddings else 2)
+    plain += shape.num_moe_layers * d * e
+    stored = shape.num_layers * shape.attention_weight_bytes
+    stored += shape.num_moe_layers * shape.expert_bytes_per_layer
+    stored += shape.dense_layers_count * shape.dense_mlp_bytes
+    return float(plain * shape.dtype_bytes + stored)
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
-    """KV-cache bytes of one token on one device (all layers; KV heads split over tp)."""
+    """KV-cache bytes of one token on one device (all layers; KV heads split over tp), in
+    the shape's KV format."""
     heads = max(shape.num_kv_heads / tp, 1.0)
-    return shape.num_layers * 2 * heads * shape.head_dim * shape.dtype_bytes
+    return shape.num_layers * 2 * heads * shape.head_dim * shape.kv_itemsize
 
 
 def derive_num_pages(cfg: SimConfig) -> int:
