@@ -9,6 +9,9 @@ of the current JAX device and a measured MoE knee (a few seconds on CPU).
 `--ep-comm` prints only the expert-parallel communication section instead (ep_comm.py:
 all-reduce vs all_to_all dispatch bytes, the tokens where all_to_all turns faster, and
 the scheme `auto` picks) for both Qwen3 MoE models, on NVLink and ICI.
+`--weight-format` / `--kv-format` (formats.py) give the model's stored weight and KV
+formats: every byte count, the compute-bound tokens and the Fig. 2 table follow them, at
+the bf16 FLOP rate (the kernels run W8A16 / W4A16). launch/bench_formats.py sweeps them.
 `--aot DIR` reads the compiled programs of a `python -m lp_jax.aot` run instead
 (compiled.py): per program, the cost outside the layer loop and per layer, the
 predicted time on the chip that run targeted, and the gap to the analytic model.
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lp_jax.roofline import compiled, plots, report
+from lp_jax.roofline.formats import KV_FORMATS, WEIGHT_FORMATS
 from lp_jax.roofline.hardware import HARDWARE, get_hardware, measure_current_device
 from lp_jax.roofline.model_shape import resolve_model
 from lp_jax.roofline.ridge import PAPER_CHUNKS, compute_bound_tokens, fig2_table
@@ -48,6 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="config.json path, a name in checkpoints/configs/, or a built-in shape",
     )
     p.add_argument("--hardware", default="H100 SXM", help="hardware for the Fig. 2 table")
+    p.add_argument("--weight-format", choices=sorted(WEIGHT_FORMATS), default=None,
+                   help="stored weight format (default: the config's dtype)")
+    p.add_argument("--kv-format", choices=sorted(KV_FORMATS), default=None,
+                   help="KV-cache format (default: the config's dtype)")
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -124,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ep_comm:
         print_ep_comm()
         return 0
-    shape = resolve_model(args.model)
+    shape = resolve_model(args.model).with_formats(args.weight_format, args.kv_format)
     if not shape.is_moe:
         print(f"{shape.name} has no routed experts; the MoE roofline tables do not apply")
         return 2
@@ -136,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model {shape.name}: D={shape.hidden_size} L={shape.num_layers} "
         f"(MoE layers {shape.num_moe_layers}) E={shape.num_experts} k={shape.top_k} "
-        f"F={shape.expert_width} itemsize={shape.dtype_bytes}; "
+        f"F={shape.expert_width} itemsize={shape.dtype_bytes}; weights "
+        f"{shape.weight_format or 'as dtype'} ({shape.expert_weight_itemsize:.5g} B/expert weight,"
+        f" scales included), KV {shape.kv_format or 'as dtype'} ({shape.kv_itemsize} B); "
         f"expert bytes per layer {shape.expert_bytes_per_layer:,} B; tp={args.tp} ep={args.ep}"
     )
     targets = ", ".join(f"{t} tokens -> {100 * f:.0f}%" for t, f in PAPER_TABLE1_TARGETS)

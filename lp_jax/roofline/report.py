@@ -65,7 +65,8 @@ def compute_bound_table(
     tp: int = 1,
     ep: int = 1,
 ) -> Table:
-    headers = ["hardware", "ridge", "simple T* = ridge*E/k"] + [
+    simple = "ridge*E/k" if shape.expert_weight_itemsize == 2 else "ridge*E*w/(2k)"
+    headers = ["hardware", "ridge", f"simple T* = {simple}"] + [
         f"exact T* ({r.label})" for r in routings
     ]
     rows = []
