@@ -12,8 +12,10 @@ Design note. Three analyses, all per device and per MoE layer unless stated:
    only E_act(T) experts and also moves the routed rows in the activation itemsize a:
    I(T) = 6*D*F*k*T / (3*D*F*E_act(T)*w + 2*k*T*D*a). I(T) rises monotonically
    (E_act(T)/T falls) towards 3F/a, and we bisect for the crossing; if 3F/a is below the
-   ridge the layer never turns compute-bound (inf). A smaller w moves the crossing down
-   but not the asymptote, so the exact crossing drops by less than w does.
+   ridge the layer never turns compute-bound (inf). While all E experts are active the
+   crossing is T* = 3*ridge*E*F*w / (2k*(3F - a*ridge)): proportional to w, so fp8 halves
+   it; the asymptote 3F/a does not move with w, so a chip whose ridge is above it stays
+   memory-bound in every weight format.
 2. Fig. 2 of the paper: one prompt of L tokens prefilled with chunk c loads each MoE
    layer's activated experts ceil(L/c) times, so expert bytes ~ L/c * E_act(c) * bytes
    per expert: inversely proportional to c once E_act(c) ~ E. Layered prefill runs each
