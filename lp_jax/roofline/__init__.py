@@ -8,6 +8,8 @@ any current accelerator. This package turns that argument into numbers for any
 
 - `hardware`    -- vendor-sourced accelerator table, ridge points, a device microbenchmark;
 - `model_shape` -- the shape of a Qwen3-MoE / Qwen3 / GPT-OSS model from its HF config;
+- `formats`     -- stored bytes of the weight formats (bf16, int8, fp8, fp8_block, fp4)
+                   and KV formats (bf16, fp8), scales included;
 - `routing`     -- expected activated experts E_act(T): uniform, Zipf-skewed, measured;
 - `padding`     -- rows a grouped matmul really computes once each expert is tile-padded;
 - `cost_model`  -- per-op FLOPs and HBM bytes of one layer step, per device (tp, ep);
@@ -28,6 +30,7 @@ from lp_jax.roofline.cost_model import (
     lm_head_cost,
     model_step_cost,
 )
+from lp_jax.roofline.formats import KV_FORMATS, WEIGHT_FORMATS, WeightFormat
 from lp_jax.roofline.hardware import (
     HARDWARE,
     Hardware,
@@ -68,6 +71,7 @@ from lp_jax.roofline.routing import (
 __all__ = [
     "GPT_OSS_20B",
     "HARDWARE",
+    "KV_FORMATS",
     "LLAMA3_8B",
     "QWEN3_30B_A3B",
     "QWEN3_ZIPF_EXPONENT",
@@ -85,6 +89,8 @@ __all__ = [
     "Sources",
     "StepTokens",
     "UniformRouting",
+    "WEIGHT_FORMATS",
+    "WeightFormat",
     "ZipfRouting",
     "compute_bound_tokens",
     "expected_active",
