@@ -14,14 +14,15 @@ and fp4 (MXFP4: 0.5 B plus an e8m0 byte per 32 weights) on H100, H200, TPU v5e a
 - the layered-vs-chunked gain on one paper panel, Qwen3-30B-A3B + arXiv (TTFT 10 s, max
   ITL 125 ms, >= 90% passing both): the sustainable rate of chunked-512 and of layered
   (budget 8192, G = ceil(L / 512)) in the simulator, as launch/reproduce_paper.py computes
-  it, with the GPU prior calibration on every chip. The KV cache is FP8 with 8-bit and 4-bit
-  weights (the serving configuration) and bf16 with bf16 weights; the chip count per
+  it (rate grid 0.5 .. 16 req/s doubling, then 5 bisection steps: ~2% resolution), with
+  the GPU prior calibration on every chip. Weights / KV: bf16 / bf16, fp8 / bf16 (the
+  weights alone), fp8 / fp8 and fp4 / fp8 (the serving configurations); the chip count per
   chip type is the fewest (TP 2, 4 or 8) that holds the bf16 model with KV room, the same
   for every format so that only the bytes move.
 
 One table on stdout (markdown) and one PNG. A few minutes on 2 CPU cores:
 
-    .venv/bin/python launch/bench_formats.py [--out runs/formats] [--requests 150]
+    .venv/bin/python launch/bench_formats.py [--out runs/formats] [--requests 300]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from lp_jax.sim import SimConfig, Simulator, prior_calibration, report, synthesi
 from lp_jax.sim.simulator import derive_num_pages, kv_bytes_per_token  # noqa: E402
 
 HARDWARE = ("H100 SXM", "H200 SXM", "TPU v5e", "TPU v6e")
-FORMATS = (("bf16", "bf16"), ("fp8", "fp8"), ("fp4", "fp8"))  # (weights, KV cache)
+FORMATS = (("bf16", "bf16"), ("fp8", "bf16"), ("fp8", "fp8"), ("fp4", "fp8"))  # (weights, KV)
 MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
 TTFT_SLO, TBT_SLO = 10.0, 0.125  # the Qwen3 + arXiv panel
 GRID = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # req/s
@@ -76,8 +77,8 @@ def _gain(task) -> tuple[str, str, str, float, bool]:
     shape = QWEN3_30B_A3B.with_formats(wfmt, kvfmt)
     found, _ = report.search_rate(
         lambda r: {"a": _attainment(shape, hw, tp, policy, r, n)}, GRID, "a",
-        bisect_steps=3, max_extensions=4, growth=2.0)
-    return hw_name, wfmt, policy, found.rate, found.lower_bound_only
+        bisect_steps=5, max_extensions=4, growth=2.0)
+    return hw_name, f"{wfmt}/{kvfmt}", policy, found.rate, found.lower_bound_only
 
 
 def analytic_rows() -> list[dict]:
@@ -139,15 +140,14 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    fmts = [w for w, _ in FORMATS]
-    width = 0.8 / len(fmts)
-    for i, fmt in enumerate(fmts):
-        sel = [r for r in rows if r["weights"] == fmt]
-        xs = [j + (i - 1) * width for j in range(len(sel))]
-        ax1.bar(xs, [r["qwen_knee"] for r in sel], width, label=f"{fmt} weights")
+    width = 0.8 / len(FORMATS)
+    for i, (wfmt, kvfmt) in enumerate(FORMATS):
+        sel = [r for r in rows if (r["weights"], r["kv"]) == (wfmt, kvfmt)]
+        xs = [j + (i - (len(FORMATS) - 1) / 2) * width for j in range(len(sel))]
+        ax1.bar(xs, [r["qwen_knee"] for r in sel], width, label=f"{wfmt} / {kvfmt}")
         gains = [100 * (r["layered"] - r["chunked"]) / r["chunked"] if r.get("chunked") else 0
                  for r in sel]
-        ax2.bar(xs, gains, width, label=f"{fmt} weights / {sel[0]['kv']} KV")
+        ax2.bar(xs, gains, width, label=f"{wfmt} weights / {kvfmt} KV")
     for ax in (ax1, ax2):
         ax.set_xticks(range(len(HARDWARE)))
         ax.set_xticklabels(HARDWARE)
@@ -166,7 +166,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/formats"))
-    ap.add_argument("--requests", type=int, default=150, help="arXiv requests per rate point")
+    ap.add_argument("--requests", type=int, default=300, help="arXiv requests per rate point")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-sim", action="store_true", help="the analytic columns only")
     args = ap.parse_args()
@@ -175,7 +175,7 @@ def main() -> None:
     if not args.no_sim:
         tasks = [(r["hardware"], r["weights"], r["kv"], pol, r["tp"], args.requests)
                  for r in rows for pol in ("chunked", "layered")]
-        by_key = {(r["hardware"], r["weights"]): r for r in rows}
+        by_key = {(r["hardware"], f"{r['weights']}/{r['kv']}"): r for r in rows}
         with report.pool(args.workers) as pool:
             for hw_name, wfmt, pol, rate, lower in pool.imap_unordered(_gain, tasks):
                 by_key[(hw_name, wfmt)][pol] = rate
