@@ -14,7 +14,7 @@ and fp4 (MXFP4: 0.5 B plus an e8m0 byte per 32 weights) on H100, H200, TPU v5e a
 - the layered-vs-chunked gain on one paper panel, Qwen3-30B-A3B + arXiv (TTFT 10 s, max
   ITL 125 ms, >= 90% passing both): the sustainable rate of chunked-512 and of layered
   (budget 8192, G = ceil(L / 512)) in the simulator, as launch/reproduce_paper.py computes
-  it (rate grid 0.5 .. 16 req/s doubling, then 5 bisection steps: ~2% resolution), with
+  it (rate grid 0.5 .. 16 req/s doubling, then 5 bisection steps: ~3% resolution), with
   the GPU prior calibration on every chip. Weights / KV: bf16 / bf16, fp8 / bf16 (the
   weights alone), fp8 / fp8 and fp4 / fp8 (the serving configurations); the chip count per
   chip type is the fewest (TP 2, 4 or 8) that holds the bf16 model with KV room, the same
