@@ -53,6 +53,18 @@ def test_expert_bytes_match_the_engine_counter():
         assert QWEN3_30B_A3B.with_formats(method, None).expert_bytes == engine
 
 
+def test_engine_config_carries_its_formats():
+    from lp_jax.config import ModelConfig
+    from lp_jax.quant.config import QuantConfig
+
+    hf = json.loads((CONFIG_DIR / "Qwen3-30B-A3B.json").read_text())
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert ModelShape.from_model_config(cfg, "q") == dataclasses.replace(QWEN3_30B_A3B, name="q")
+    quant = dataclasses.replace(cfg, quantization=QuantConfig("fp8"), kv_cache_dtype="fp8")
+    shape = ModelShape.from_model_config(quant, "q")
+    assert (shape.weight_format, shape.kv_format) == ("fp8", "fp8")
+
+
 def test_fp8_halves_the_compute_bound_tokens():
     h100 = get_hardware("H100 SXM")
     bf16 = compute_bound_tokens(QWEN3_30B_A3B, h100, routing=UNIFORM)

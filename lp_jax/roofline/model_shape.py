@@ -56,6 +56,8 @@ _DTYPE_BYTES = {
 }
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
+# The engine's quantization methods (lp_jax/quant/config.py) as roofline weight formats.
+_ENGINE_FORMATS = {"int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block", "mxfp4": "fp4"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +273,8 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str) -> ModelShape:
-        """The shape of the model the engine builds from `cfg`."""
+        """The shape of the model the engine builds from `cfg`, in its weight format
+        (`cfg.quantization`) and KV format (`cfg.kv_cache_dtype`)."""
         moe = cfg.num_experts > 0
         dense_layers = cfg.dense_layers if moe else ()
         sliding = tuple(i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i))
@@ -295,6 +298,8 @@ class ModelShape:
             sliding_window=cfg.sliding_window if sliding else 0,
             tie_word_embeddings=cfg.tie_word_embeddings,
             dtype_bytes=_DTYPE_BYTES[dtype],
+            weight_format=_ENGINE_FORMATS[cfg.quantization.method] if cfg.quantization else None,
+            kv_format="fp8" if cfg.kv_cache_dtype == "fp8" else None,
         )
 
     @classmethod
