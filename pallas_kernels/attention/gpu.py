@@ -46,8 +46,9 @@ value) and dequantised in registers, x * scale in float32 and then q's dtype, so
 still sees equal operand types; k_scale and v_scale are one more [2] float32 operand,
 present only for an FP8 pool. Checked in the interpreter and compiled for the H200
 (XLA's Triton and ptxas, sm_90a, Qwen3 heads: no spills; decode 168 registers against
-bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill 252 against 219, under the 255 cap; the
-1-byte pages halve the shared memory of the pipelined loads); not yet run on a GPU.
+bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill 252 against 219,
+under the 255 cap; the 1-byte pages halve the shared memory of the pipelined loads);
+not yet run on a GPU.
 
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
