@@ -33,13 +33,16 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 import pytest  # noqa: E402
 
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
-# longest-first keeps one long file from running alone at the end.
-SLOWEST_FIRST = ("test_programs.py", "test_pallas_end_to_end.py", "test_sharded_kernels.py",
-                 "test_multiprocess.py", "test_gpu_validate.py", "test_golden_parity.py",
-                 "test_moe_kernels.py", "test_gpt_oss.py", "test_prefix_cache.py",
-                 "test_engine.py", "test_mesh_parity.py", "test_aot.py",
-                 "test_expert_dispatch.py", "test_attention_kernels.py", "test_kernel_check.py",
-                 "test_tpu_compile.py")
+# longest-first keeps one long file from running alone at the end. Ordered by the
+# 2026-12-04 clean-clone run's test time per file (tests/README.md).
+SLOWEST_FIRST = ("test_moe_kernels.py", "test_attention_kernels.py", "test_gpt_oss.py",
+                 "test_pallas_end_to_end.py", "test_quant_loading.py", "test_engine.py",
+                 "test_expert_dispatch.py", "test_sharded_kernels.py", "test_tpu_compile.py",
+                 "test_gpu_validate.py", "test_moe_quant.py", "test_kv_fp8.py",
+                 "test_multiprocess.py", "test_aot.py", "test_golden_parity.py",
+                 "test_programs.py", "test_prefix_cache.py", "test_roofline_compiled.py",
+                 "test_kernel_check.py", "test_scheduler.py", "test_mesh_parity.py",
+                 "test_flowprefill.py")
 
 
 def pytest_collection_modifyitems(items):
