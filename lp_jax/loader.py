@@ -20,7 +20,7 @@ Quantized serving (lp_jax/quant): a checkpoint's `quantization_config` (HF
 fine-grained FP8) is read as is, and `quantization="int8" | "fp8"` quantises a 16-bit
 checkpoint, or dummy weights, per output channel while loading; `quant.resolve`
 refuses a request that disagrees with the checkpoint. The tensors behind each
-quantized parameter and its scale are in quant/load.py, checked with the rest
+quantized parameter and its scale are in loader_quant.py, checked with the rest
 before anything is read.
 """
 
@@ -39,16 +39,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lp_jax.config import ModelConfig
-from lp_jax.models import StackedCausalLM, model_class
-from lp_jax.models.stacked import embed_width
-from lp_jax.quant import resolve as resolve_quantization
-from lp_jax.quant.load import (
+from lp_jax.loader_quant import (
     check_fp8_checkpoint,
     dummy_quantized,
     param_schemes,
     quantized_sources,
     scale_path,
 )
+from lp_jax.models import StackedCausalLM, model_class
+from lp_jax.models.stacked import embed_width
+from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.quant.mxfp4 import e8m0_scales
 from lp_jax.quant.mxfp4 import unpack_blocks as mxfp4_unpack_blocks
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
@@ -422,7 +422,7 @@ def load_model(
 
 def _dummy_state(config: ModelConfig, abstract, shardings, seed: int):
     """Random weights for every parameter; a quantized weight and its scale from one
-    draw (quant.load.dummy_quantized)."""
+    draw (loader_quant.dummy_quantized)."""
     flat_shardings = dict(nnx.to_flat_state(shardings))
     keys = iter(jax.random.split(jax.random.key(seed), len(flat_shardings)))
     schemes = param_schemes(config)

@@ -25,7 +25,7 @@ FLOORS = {
     "lp_jax.core": 3,  # the pure-Python scheduling core
     "lp_jax.trace": 4,  # the decision trace: written by the engine and the simulator
     "lp_jax.models": 4,
-    "lp_jax.quant.load": 5,  # the loader's half of the formats: it builds the models' params
+    "lp_jax.loader_quant": 5,  # the loader's half of the formats: it builds the models' params
     "lp_jax.loader": 6, "lp_jax.roofline": 6, "checkpoints": 6,
     "lp_jax.executor": 7, "lp_jax.sim": 7,
     "lp_jax.engine": 8, "lp_jax.aot": 8,
