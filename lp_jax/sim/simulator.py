@@ -50,6 +50,8 @@ from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.roofline.routing import Routing
 from lp_jax.sim.calibration import Calibration, prior_calibration
+from lp_jax.sim.compiled_cost import CompiledCalibration
+from lp_jax.sim.compiled_executor import CompiledCostExecutor
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor
 from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
@@ -80,7 +82,10 @@ class SimConfig:
     activation_reserve_bytes: float = 4e9  # per device, for activations and workspace
     routing: Routing | None = None  # None: Zipf fitted to the paper's Table 1
     tile: int = 1  # grouped-matmul row tile; 1 ignores padding waste
-    calibration: Calibration | None = None  # None: the GPU prior
+    calibration: Calibration | None = None  # None: the GPU prior (or compiled_cost's)
+    # Per-term factors read from compiled programs (compiled_cost.py, issue #26 §4): the
+    # executor scales each op by them; None: the analytic cost model alone.
+    compiled_cost: CompiledCalibration | None = None
     energy: EnergyModel | None = None  # None: the table entry for the hardware, if any
     token_buckets: tuple[int, ...] | None = None  # the engine's row buckets, to mimic padding
     # FlowPrefill (lp_jax/core/policies/flowprefill.py): segment size of a preemptible prefill,
@@ -233,12 +238,16 @@ def ttft_attainment(requests: list[Request], metrics: list[RequestMetrics]) -> d
 class Simulator:
     def __init__(self, config: SimConfig, executor: CostModelExecutor | None = None) -> None:
         self.config = config
-        cal = config.calibration or prior_calibration(config.hardware.name)
-        self.executor = executor or CostModelExecutor(
-            config.shape, config.hardware, tp=config.tp, ep=config.ep, routing=config.routing,
-            tile=config.tile, calibration=cal, token_buckets=config.token_buckets,
-            segment_overhead_s=config.segment_overhead_s,
-        )  # fmt: skip
+        cc = config.compiled_cost
+        cal = config.calibration or (cc.calibration() if cc is not None
+                                     else prior_calibration(config.hardware.name))
+        options = dict(tp=config.tp, ep=config.ep, routing=config.routing, tile=config.tile,
+                       calibration=cal, token_buckets=config.token_buckets,
+                       segment_overhead_s=config.segment_overhead_s)
+        if executor is None and cc is not None:
+            executor = CompiledCostExecutor(config.shape, config.hardware, compiled=cc,
+                                            **options)
+        self.executor = executor or CostModelExecutor(config.shape, config.hardware, **options)
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)
         self.partition: PartitionCostModel | None = None
