@@ -1,7 +1,10 @@
 """MuxWise in the simulator: the SM-partition cost model (monotone in a stream's share, the
-executor's solo cost at the whole device, bandwidth contention), and the policy driving the
-engine's scheduler (every request finishes, no page leak, decode TBT within its SLO, short
-requests preempting long ones between launches)."""
+executor's solo cost at the whole device, bandwidth contention, sync and async launches,
+step-time noise), and the policy driving the engine's scheduler (every request finishes,
+no page leak, decode TBT within its SLO, short requests preempting long ones between
+launches). The TBT checks measure the gaps between simulated token times; the one that
+matters runs MuxWise on the engine's estimator, not on the simulator's own cost model, and
+the same check is shown to catch a predictor that underestimates the decode step."""
 
 import json
 from dataclasses import replace
@@ -24,11 +27,12 @@ from lp_jax.sim import (
     Request,
     SimConfig,
     Simulator,
+    muxwise_predict,
     prior_calibration,
     synthesize,
 )
 from lp_jax.sim.muxwise import MuxWisePolicy
-from lp_jax.sim.muxwise_cost import contended
+from lp_jax.sim.muxwise_cost import Measured, contended
 
 H100 = get_hardware("h100")
 SHAPE = QWEN3_30B_A3B
@@ -160,6 +164,94 @@ def test_muxwise_decode_tbt_within_the_slo():
     assert max(m.max_itl for m in orca.metrics) > TBT
 
 
+def _gaps(res) -> list[float]:
+    """Every inter-token gap of the run, from the simulated token times."""
+    return [g for m in res.metrics for g in m.itls]
+
+
+def _heavy_decodes(tbt: float, **opts):
+    """96 requests decode 4096-token contexts (a decode step near the SLO on a small
+    share) while two 16k prompts prefill beside them."""
+    reqs = [Request(0.001 * i, 4096, 60) for i in range(96)]
+    reqs += [Request(1.0 + 0.3 * i, 16000, 4) for i in range(2)]
+    sim = Simulator(_config(tbt_slo_s=tbt, muxwise=MuxWiseOptions(**opts)))
+    made = _capture(sim)
+    return sim.run(reqs), made[0].policy
+
+
+def test_estimator_muxwise_meets_the_tbt_slo_measured_from_token_times(monkeypatch):
+    """MuxWise planning with the engine's LatencyModel (noisy profile, online contention
+    guard, 5% step-time jitter, async launches): every measured token gap stays within
+    the 40 ms SLO. The same measurement fails a predictor that underestimates the decode
+    step by 20% and does not learn from what it observes."""
+    tbt = 0.04
+    res, policy = _heavy_decodes(tbt, predictor="estimator", noise=0.05, launches="async")
+    assert policy.predictor.kind == "estimator"
+    assert policy.predictor.guard and policy.predictor.observed == res.iterations
+    assert res.extra["muxwise_overlapped_launches"] > 20
+    assert max(_gaps(res)) <= tbt
+    assert all(m.num_tokens == 60 for m in res.metrics[:96])
+    est = muxwise_predict.EstimatedPredictor
+    alone = est.decode_alone
+    monkeypatch.setattr(est, "decode_alone", lambda self, dec, w: 0.8 * alone(self, dec, w))
+    monkeypatch.setattr(est, "observe", lambda *a: None)
+    broken, _ = _heavy_decodes(tbt, predictor="estimator", noise=0.05, launches="async")
+    gaps = _gaps(broken)
+    assert sum(g > tbt for g in gaps) / len(gaps) > 0.02
+
+
+def test_async_launches_carry_work_into_the_next_decode_step():
+    """A launch longer than the decode step: sync waits for it; async ends with the
+    decode step and carries the rest, which the next iteration runs first (beside its
+    decodes); a launch that ends the batch waits; a repartition drains the carry."""
+    decode = tuple(_decoding(i, 1024) for i in range(8))
+    long_launch = _prefill_plan(8192, (0, 24), decode)
+    last = _prefill_plan(8192, (2 * L - 4, 2 * L), decode)
+    ex = _executor()
+    sync = MuxWiseExecutor(PartitionCostModel(ex, MuxWiseOptions()))
+    asyn = MuxWiseExecutor(PartitionCostModel(ex, MuxWiseOptions(launches="async")))
+    seen = []
+    launch = Launch(0.5, False, lambda plan, m: seen.append(m))
+    s = sync.run(long_launch, launch).seconds
+    m_sync = seen[-1]
+    assert m_sync.prefill_s > m_sync.decode_s and s == pytest.approx(m_sync.prefill_s)
+    a = asyn.run(replace(long_launch, step_id=1), launch).seconds
+    m = seen[-1]
+    assert a == pytest.approx(m.decode_s) and a < s
+    assert m.carry_s == pytest.approx(m.prefill_s - m.decode_s) and m.carry_s > 0
+    # The next decode step runs beside the carry (no new launch on the prefill stream).
+    nxt = asyn.run(StepPlan(2, L, decode=decode), launch).seconds
+    m2 = seen[-1]
+    assert m2.carry_in_s == pytest.approx(m.carry_s) and m2.prefill_s >= m.carry_s
+    alone = sync.run(StepPlan(3, L, decode=decode), Launch(0.0)).seconds
+    assert nxt >= alone
+    # The batch's last launch waits for the prefill stream, in async mode too.
+    asyn.run(replace(long_launch, step_id=4), launch)
+    end = asyn.run(replace(last, step_id=5), launch).seconds
+    assert end == pytest.approx(max(seen[-1].decode_s, seen[-1].prefill_s))
+    assert seen[-1].carry_s == 0
+    # A repartition with work in flight stalls on it.
+    asyn.run(replace(long_launch, step_id=6), launch)
+    carry = seen[-1].carry_s
+    re = asyn.run(StepPlan(7, L, decode=decode), Launch(0.0, True)).seconds
+    assert re == pytest.approx(alone + carry + MuxWiseOptions().sync_s)
+    # A new run (step ids start over) drops the carry.
+    asyn.run(replace(long_launch, step_id=8), launch)
+    assert asyn.run(StepPlan(0, L, decode=decode), launch).seconds == pytest.approx(alone)
+    assert isinstance(seen[-1], Measured)
+
+
+def test_noise_is_seeded_and_the_oracle_sees_none_of_it():
+    reqs = [Request(0.001 * i, 512, 40) for i in range(16)] + [Request(0.2, 12000, 2)]
+    runs = {}
+    for key, opts in (("none", {}), ("a", dict(noise=0.1)), ("a2", dict(noise=0.1)),
+                      ("b", dict(noise=0.1, noise_seed=1))):
+        runs[key] = Simulator(_config(muxwise=MuxWiseOptions(**opts))).run(reqs)
+    assert _gaps(runs["a"]) == _gaps(runs["a2"])  # a pure function of the requests
+    assert _gaps(runs["a"]) != _gaps(runs["b"]) != _gaps(runs["none"])
+    assert np.std(_gaps(runs["a"])) > np.std(_gaps(runs["none"]))
+
+
 def test_short_request_preempts_a_long_prefill_between_launches():
     """Launches next to running decodes are short, so a short request arriving in the
     middle of a long prefill batch pauses it at the next launch boundary."""
@@ -197,6 +289,9 @@ def test_muxwise_config_checks():
         SimConfig(shape=SHAPE, hardware=H100, policy="layered", muxwise=MuxWiseOptions())
     with pytest.raises(ValueError):
         MuxWiseOptions(sm_steps=1)
+    for bad in (dict(predictor="guess"), dict(launches="later"), dict(noise=-0.1)):
+        with pytest.raises(ValueError):
+            MuxWiseOptions(**bad)
     with pytest.raises(ValueError, match="memory_utilization"):
         _config(memory_utilization=1.5)
     # The TBT SLO reaches the scheduler (the adaptive layered policy reads it there).

@@ -16,10 +16,16 @@ pages, decodes and preemption as for every policy):
   remainder fits, there is no prefill backlog for the large partition (one plan carries
   one launch), so the prefill share drops to the one with the shortest iteration that
   still runs the remainder within the target: the decodes get the SMs prefill would idle.
-- the predictor is this cost model itself (the simulator's ground truth): it stands for
-  MuxWise's offline-profiled solo predictor plus contention guard, and is exact here, so the
-  simulated MuxWise is an upper bound as far as prediction error goes. The engine's
-  `LatencyModel` knows nothing of SM shares, so it is not used.
+- the predictor (`MuxWiseOptions.predictor`, muxwise_predict.py): "oracle", this cost model
+  itself (exact: the simulated MuxWise is then an upper bound as far as prediction error
+  goes), or "estimator", the engine's `LatencyModel` from a noisy offline profile with
+  per-partition factors and a contention guard, learning online from what each iteration
+  measured (`Launch.observe`).
+- async launches (`launches="async"`, muxwise_cost.py): a launch may end after the decode
+  step; its carry is predicted as measured at the last iteration and runs first on the
+  prefill stream, and a launch is sized so that its midpoint-of-last-unit finish is within
+  the decode step (no prefill-partition idle from rounding down); with no room left (the
+  carry alone outlasts the decode step) the plan launches nothing and the carry runs on.
 - batches: one runs, up to `max_paused_prefills` are paused, each with its own hidden-row
   area (as FlowPrefill's). Scheduling rounds run on events (arrival, finish, preemption,
   pages coming back, a batch ending). Order: priority, then requests that can still meet
@@ -44,30 +50,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.core.policies.base import PrefillPart
 from lp_jax.core.policies.pausable import PausableBatches
 from lp_jax.core.sequence import Sequence, SequenceStatus
-from lp_jax.sim.muxwise_cost import Launch, Overlap, PartitionCostModel, Stream
+from lp_jax.sim.muxwise_cost import Launch, Measured, Overlap, PartitionCostModel
+from lp_jax.sim.muxwise_predict import UnitTable, make_predictor
 
 _INF = float("inf")
-
-
-@dataclass(slots=True)
-class _UnitTable:
-    """A batch's per-unit prefill costs: ops seconds at every grid share (prefix sums over
-    units), memory seconds (prefix sums) and solo seconds at the whole device."""
-
-    t_WU1: np.ndarray
-    mem_U1: np.ndarray
-
-    def ops(self, w: int, a: int, b: int) -> float:
-        return float(self.t_WU1[w, b] - self.t_WU1[w, a])
-
-    def mem(self, a: int, b: int) -> float:
-        return float(self.mem_U1[b] - self.mem_U1[a])
 
 
 @dataclass(slots=True)
@@ -78,7 +68,7 @@ class _Batch:
     slot: int
     unit: int = 0  # the next unit to launch
     protected: bool = False  # started by short requests: only urgency preempts it
-    table: _UnitTable | None = None
+    table: UnitTable | None = None
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -100,6 +90,7 @@ class _Counters:
     deadline_preemptions: int = 0
     fallback_partitions: int = 0  # no share met the TBT target
     decode_only: int = 0  # fallbacks that ran the decodes alone (decode SLO first)
+    carry_waits: int = 0  # async: plans that launched nothing, the carry still running
 
 
 class MuxWisePolicy(PausableBatches):
@@ -120,7 +111,10 @@ class MuxWisePolicy(PausableBatches):
         self._share = 0.0  # the current partition's prefill share
         self._launches: dict[int, Launch] = {}
         self.counters = _Counters()
-        self._solo_cache: dict[tuple[int, int], float] = {}
+        self.predictor = make_predictor(self.cost_model, cfg.num_layers)
+        self._async = self.options.launches == "async"
+        self._carry = 0.0  # async: prefill work the last iteration left, as measured
+        self._expect: tuple[int | None, Overlap | None] = (None, None)
 
     # ------------------------------------------------------------------ protocol
     def take_launch(self, step_id: int) -> Launch:
@@ -149,6 +143,7 @@ class MuxWisePolicy(PausableBatches):
             "muxwise_deadline_preemptions": float(c.deadline_preemptions),
             "muxwise_fallback_partitions": float(c.fallback_partitions),
             "muxwise_decode_only_fallbacks": float(c.decode_only),
+            "muxwise_carry_waits": float(c.carry_waits),
         }
 
     # ------------------------------------------------------------------ one plan
@@ -159,6 +154,7 @@ class MuxWisePolicy(PausableBatches):
         if b is None:
             self._record(0.0, 0)
             return PrefillPart((), None)
+        self._expect = (None, None)
         share, k = self._choose_launch(b, num_decode)
         self._record(share, k)
         if not k:
@@ -177,8 +173,15 @@ class MuxWisePolicy(PausableBatches):
             if share < 1.0:
                 c.overlapped += 1
                 c.share_sum += share
-        self._launches[self.sched.next_step_id] = Launch(share, changed)
+        w, expected = self._expect
+        self._launches[self.sched.next_step_id] = Launch(
+            share, changed, lambda plan, m: self._observe(plan, w, expected, m))
         self._share = share
+
+    def _observe(self, plan: StepPlan, w: int | None, expected: Overlap | None,
+                 measured: Measured) -> None:
+        self._carry = measured.carry_s
+        self.predictor.observe(plan, w, expected, measured)
 
     def _tbt_target(self) -> float:
         tbt = self.tbt_slo_s
@@ -192,55 +195,68 @@ class MuxWisePolicy(PausableBatches):
         table = self._table(b)
         left = self._units - b.unit
         target = self._tbt_target()
-        model, n = self.cost_model, self.options.sm_steps
+        pred, n = self.predictor, self.options.sm_steps
         if not num_decode:  # the whole device, for a quantum
-            fixed = self.cost_model.executor.calibration.overhead_s
-            k = _last_true(1, left, lambda k: table.ops(n - 1, b.unit, b.unit + k)
-                           + model.prefill_fixed_s(k / 2) + fixed <= target)
-            return 1.0, k
-        dec = StepPlan(0, self.sched.config.num_layers, decode=tuple(self.sched.running))
-        sd = model.plan_stream(dec)
-        t_dW = model.ops_seconds_W(sd)
-        for w in range(n - 2, -1, -1):  # prefill share (w + 1) / n, largest first
-            t_d = float(t_dW[n - 2 - w])  # decode share 1 - (w + 1) / n
-            if t_d + model.decode_fixed_s(sd.layers) > target:
+            return 1.0, _last_true(1, left, lambda k: pred.whole_launch(table, b.unit, k)
+                                   <= target)
+        dec = pred.decode(self.sched.running)
+        carry = self._carry if self._async else 0.0
+        order = list(range(n - 2, -1, -1))  # prefill share (w + 1) / n, largest first
+        cur = round(self._share * n) - 1
+        if carry and 0 <= cur < n - 1:  # a repartition would drain the carry: keep it
+            order.remove(cur)
+            order.insert(0, cur)
+        for w in order:
+            if pred.decode_alone(dec, w) > target:
                 continue
-            k = self._fit_units(table, w, b.unit, left, t_dW, sd, target)
-            if k == left:  # the rest fits: no backlog to keep the big partition busy
-                w = self._quickest_share(table, w, b.unit, left, t_dW, sd, target)
+            k = self._fit_units(table, w, b.unit, left, dec, target, carry)
+            if k == left and not carry:  # the rest fits: no backlog for the big partition
+                w = self._quickest_share(table, w, b.unit, left, dec, target, carry)
             if k:
-                return float(model.shares_W[w]), k
+                self._expect = (w, pred.overlap(table, w, b.unit, k, dec, carry))
+                return float(self.cost_model.shares_W[w]), k
+            if self._async and carry and pred.overlap(table, w, b.unit, 1, dec,
+                                                      carry).decode_s <= target:
+                self.counters.carry_waits += 1  # the stream is busy: the carry runs on
+                self._expect = (w, pred.overlap(table, w, b.unit, 0, dec, carry))
+                return float(self.cost_model.shares_W[w]), 0
         self.counters.fallback_partitions += 1
-        if model.ops_seconds(sd, 1.0) + model.decode_fixed_s(sd.layers) <= target:
+        if pred.decode_whole(dec) <= target:
             self.counters.decode_only += 1  # the decode SLO first: no launch this step
             return 0.0, 0
-        return float(model.shares_W[0]), 1
+        return float(self.cost_model.shares_W[0]), 1
 
-    def _overlap(self, table: _UnitTable, w: int, a: int, k: int, t_dW: np.ndarray,
-                 sd: Stream) -> Overlap:
-        """Units [a, a + k) on prefill share w next to the decode step on the rest."""
-        n = self.options.sm_steps
-        return self.cost_model.overlap(float(t_dW[n - 2 - w]), sd.memory_s,
-                                       table.ops(w, a, a + k), table.mem(a, a + k),
-                                       sd.layers, k / 2)
-
-    def _fit_units(self, table: _UnitTable, w: int, a: int, left: int, t_dW: np.ndarray,
-                   sd: Stream, target: float) -> int:
-        """Most units (>= 1) whose launch on share w ends by the decode step, which must
-        meet the TBT target; 0 if even one unit breaks it."""
-        if self._overlap(table, w, a, 1, t_dW, sd).seconds > target:
+    def _fit_units(self, table: UnitTable, w: int, a: int, left: int, dec, target: float,
+                   carry: float) -> int:
+        """Most units (>= 1) whose launch on share w ends by the decode step (async: its
+        last unit's midpoint does, after the carry), which must meet the TBT target; 0 if
+        even one unit breaks it (async: or the carry alone outlasts the decode step)."""
+        pred = self.predictor
+        one = pred.overlap(table, w, a, 1, dec, carry)
+        if not self._async:
+            if one.seconds > target:
+                return 0
+            return _last_true(1, left, lambda k: (o := pred.overlap(table, w, a, k, dec))
+                              .prefill_s <= o.decode_s and o.decode_s <= target)
+        if one.decode_s > target or carry >= one.decode_s:
             return 0
-        return _last_true(1, left, lambda k: (o := self._overlap(table, w, a, k, t_dW, sd))
-                          .prefill_s <= o.decode_s and o.decode_s <= target)
 
-    def _quickest_share(self, table: _UnitTable, w: int, a: int, left: int,
-                        t_dW: np.ndarray, sd: Stream, target: float) -> int:
+        def fits(k: int) -> bool:
+            o = pred.overlap(table, w, a, k, dec, carry)
+            mid = 0.5 * (o.prefill_s + pred.overlap(table, w, a, k - 1, dec, carry).prefill_s)
+            return mid <= o.decode_s and o.decode_s <= target
+
+        return _last_true(1, left, fits)
+
+    def _quickest_share(self, table: UnitTable, w: int, a: int, left: int, dec,
+                        target: float, carry: float) -> int:
         """When the batch's remaining units all fit next to the decode step on share w:
         the prefill share (<= w) with the shortest iteration that still runs them all
         within the TBT target, so the decodes get the SMs the prefill would leave idle."""
-        best, best_s = w, self._overlap(table, w, a, left, t_dW, sd).seconds
+        pred = self.predictor
+        best, best_s = w, pred.overlap(table, w, a, left, dec, carry).seconds
         for v in range(w - 1, -1, -1):
-            o = self._overlap(table, v, a, left, t_dW, sd)
+            o = pred.overlap(table, v, a, left, dec, carry)
             if o.seconds < best_s and o.decode_s <= target:
                 best, best_s = v, o.seconds
             elif o.prefill_s > best_s:
@@ -248,32 +264,10 @@ class MuxWisePolicy(PausableBatches):
         return best
 
     # ------------------------------------------------------------------ batches
-    def _table(self, b: _Batch) -> _UnitTable:
+    def _table(self, b: _Batch) -> UnitTable:
         if b.table is None:
-            b.table = self._build_table(b)
+            b.table = self.predictor.table(b.chunks, b.batch_id)
         return b.table
-
-    def _build_table(self, b: _Batch) -> _UnitTable:
-        """Per-unit costs of the batch; units alike in layer kind and half share a row."""
-        model, cfg = self.cost_model, self.sched.config
-        shape = model.executor.shape
-        units, rows = self._units, {}
-        t_WU = np.zeros((model.options.sm_steps, units))
-        mem_U = np.zeros(units)
-        for u in range(units):
-            layer = u // 2
-            key = (shape.is_moe_layer(layer), shape.is_sliding_layer(layer), u % 2,
-                   u == units - 1)
-            if key not in rows:
-                plan = StepPlan(0, cfg.num_layers, prefill=tuple(b.chunks),
-                                prefill_batch_id=b.batch_id, unit_start=u, unit_end=u + 1,
-                                group_index=u, num_groups=units)
-                s = model.plan_stream(plan)
-                rows[key] = (model.ops_seconds_W(s), s.memory_s)
-            t_WU[:, u], mem_U[u] = rows[key]
-        zero_W1 = np.zeros((model.options.sm_steps, 1))
-        return _UnitTable(np.concatenate([zero_W1, np.cumsum(t_WU, axis=1)], axis=1),
-                          np.concatenate([[0.0], np.cumsum(mem_U)]))
 
     def _round(self, admit: bool) -> None:
         now, _, free = self._begin_round(admit)
@@ -411,15 +405,7 @@ class MuxWisePolicy(PausableBatches):
     # ------------------------------------------------------------------ ranking
     def _solo_s(self, tokens: int, start: int) -> float:
         """Predicted prefill seconds of `tokens` after `start` cached ones, whole device."""
-        key = (tokens, start)
-        hit = self._solo_cache.get(key)
-        if hit is None:
-            seq = Sequence(-1, [1] * (start + tokens))
-            plan = StepPlan(0, self.sched.config.num_layers,
-                            prefill=(PrefillChunk(seq, start, start + tokens),),
-                            prefill_batch_id=0)
-            hit = self._solo_cache[key] = self.cost_model.executor.run(plan).seconds
-        return hit
+        return self.predictor.solo_s(tokens, start)
 
     def _work(self, b: _Batch) -> float:
         """Remaining token-units of a batch, in tokens."""

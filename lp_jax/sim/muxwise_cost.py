@@ -33,9 +33,23 @@ only one phase runs on the whole device at exactly the executor's solo cost.
 
 One plan = one MuxWise iteration: one decode step of every running request (one token each)
 on 1 - s of the SMs, concurrent with one prefill launch of [unit_start, unit_end) operator
-units of one batch on s. The real MuxWise lets a decode iteration start while a prefill
-launch still runs; here the next decode step waits for the plan, which is why the policy
-sizes launches to return before the decode step does (the paper's rule anyway).
+units of one batch on s. Launches (`MuxWiseOptions.launches`):
+- "sync" (default): the next decode step waits for the plan's prefill launch, so the
+  iteration lasts until both streams are done, which is why the policy sizes launches to
+  return before the decode step does; the prefill partition idles between its launch's end
+  and the decode step's.
+- "async" (the paper's engine): the iteration ends when the decode step does; a launch that
+  runs longer carries its remaining work (`carry`, seconds alone on its partition, with its
+  share of the memory demand) into the next iteration, where it runs first on the prefill
+  stream and contends with the next decode step. Two exceptions wait for the prefill stream:
+  a launch that ends its batch (its first tokens need it: TTFT is stamped when it is done)
+  and a repartition (Green Contexts change only on drained streams: the carry is a stall).
+Step-time noise (`noise`, ASSUMED off by default): each stream's finish is multiplied by
+exp(noise x z), z standard normal, drawn from (noise_seed, step_id), so a run stays a pure
+function of its requests; the observed time is the actual one (as in the engine, whose
+measured step is what happened). The policy is told what each iteration took through
+`Launch.observe` (`Measured`: each stream's finish and the carry), which is how an
+estimator-driven MuxWise (muxwise_predict.py) learns.
 
 The policy that sizes partitions and launches is `MuxWisePolicy` (muxwise.py).
 
@@ -45,7 +59,10 @@ grid (share (w + 1) / sm_steps), U = operator units of the stack (U1: U + 1 pref
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,6 +81,14 @@ class MuxWiseOptions:
     launch_overhead_s: float = 50e-6  # per prefill launch on its own stream
     guard: float = 0.9  # decode steps aim at guard x TBT SLO
     preempt_ratio: float = 0.25  # a prompt this short vs the running batch preempts it
+    # What the policy predicts with: "oracle" (this cost model: exact, the simulated
+    # MuxWise's upper bound) or "estimator" (muxwise_predict.py: the engine's LatencyModel
+    # from a noisy simulated profile, per-partition factors and a contention guard, learning
+    # online from the observed iterations).
+    predictor: str = "oracle"
+    launches: str = "sync"  # "sync" or "async" (module note)
+    noise: float = 0.0  # log-sd of each stream's step-time jitter (module note)
+    noise_seed: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.sm_steps, bool) or not isinstance(self.sm_steps, int) \
@@ -77,15 +102,37 @@ class MuxWiseOptions:
             raise ValueError("guard must be in (0, 1]")
         if not 0 <= self.preempt_ratio < 1:
             raise ValueError("preempt_ratio must be in [0, 1)")
+        if self.predictor not in ("oracle", "estimator"):
+            raise ValueError(f'predictor must be "oracle" or "estimator", got {self.predictor!r}')
+        if self.launches not in ("sync", "async"):
+            raise ValueError(f'launches must be "sync" or "async", got {self.launches!r}')
+        if not (math.isfinite(self.noise) and 0 <= self.noise <= 1):
+            raise ValueError(f"noise must be in [0, 1], got {self.noise}")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What one iteration took: its seconds (sync, stall and noise included), the decode
+    stream's and the prefill stream's finish from the iteration's start (0: no such
+    stream; the prefill's includes the carried-in work), the carry-in it started with and
+    the prefill work it leaves for the next iteration (async launches)."""
+
+    seconds: float
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    carry_in_s: float = 0.0
+    carry_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Launch:
     """The partition a plan runs under: the prefill stream's SM share (0: no prefill, the
-    decodes own the device) and whether it differs from the previous plan's."""
+    decodes own the device) and whether it differs from the previous plan's; `observe`,
+    if given, is told the plan and its `Measured` once it has run."""
 
     prefill_share: float
     repartition: bool = False
+    observe: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,22 +249,76 @@ def split_plan(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
 
 
 class MuxWiseExecutor:
-    """A `StepPlan` and its `Launch` in, the overlapped iteration's `StepCost` out."""
+    """A `StepPlan` and its `Launch` in, the iteration's `StepCost` out (module note: sync
+    or async launches, noise). Holds the async carry between plans; a plan whose step id
+    is not above the last one's starts a new run (the carry is dropped)."""
 
     def __init__(self, model: PartitionCostModel) -> None:
         self.model = model
         self.base = model.executor
         self.devices = self.base.devices
+        self._last_step = -1
+        self._carry_t = self._carry_m = 0.0  # ops seconds and memory seconds left over
+
+    def _jitter(self, step_id: int) -> tuple[float, float]:
+        o = self.model.options
+        if not o.noise:
+            return 1.0, 1.0
+        rng = random.Random(o.noise_seed * 1_000_003 + step_id)
+        return math.exp(o.noise * rng.gauss(0, 1)), math.exp(o.noise * rng.gauss(0, 1))
 
     def run(self, plan: StepPlan, launch: Launch) -> StepCost:
-        sync = self.model.options.sync_s if launch.repartition else 0.0
-        if not (plan.decode and plan.prefill):
+        if plan.step_id <= self._last_step:
+            self._carry_t = self._carry_m = 0.0
+        self._last_step = plan.step_id
+        model, o = self.model, self.model.options
+        e_d, e_p = self._jitter(plan.step_id)
+        sync = o.sync_s if launch.repartition else 0.0
+        carry_in = self._carry_t
+        stall = 0.0
+        share = launch.prefill_share
+        if carry_in and (launch.repartition or not 0 < share < 1):
+            stall, carry_in = carry_in * e_p, 0.0  # drain the prefill stream first
+            self._carry_t = self._carry_m = 0.0
+        if not (plan.decode and plan.prefill) and not (plan.decode and carry_in):
             cost = self.base.run(plan)  # one phase: the whole device
-            return replace(cost, seconds=cost.seconds + sync)
+            seconds = cost.seconds * (e_d if plan.decode else e_p)
+            measured = Measured(seconds + sync + stall, seconds if plan.decode else 0.0,
+                                0.0 if plan.decode else seconds)
+            self._tell(launch, plan, measured)
+            return replace(cost, seconds=measured.seconds)
+        if not 0 < share < 1:
+            raise ValueError(f"prefill_share must be in (0, 1), got {share}")
         dec, pre = split_plan(plan)
-        a, b = self.base.run(dec), self.base.run(pre)
-        if not 0 < launch.prefill_share < 1:
-            raise ValueError(f"prefill_share must be in (0, 1), got {launch.prefill_share}")
-        seconds = self.model.split_iteration(dec, pre, launch.prefill_share).seconds + sync
-        return StepCost(seconds, a.flops + b.flops, a.hbm_bytes + b.hbm_bytes,
+        a = self.base.run(dec)
+        sd = model.plan_stream(dec)
+        t_d = model.ops_seconds(sd, 1.0 - share)
+        t_p, mem_p, layers_p = carry_in, self._carry_m, 0.0
+        b = None
+        if plan.prefill:
+            b = self.base.run(pre)
+            sp = model.plan_stream(pre)
+            t_p += model.ops_seconds(sp, share)
+            mem_p += sp.memory_s
+            layers_p = sp.layers
+        fin_d, fin_p = contended(t_d, sd.memory_s, t_p, mem_p)
+        fin_d = (fin_d + model.decode_fixed_s(sd.layers)) * e_d
+        fin_p = (fin_p + (model.prefill_fixed_s(layers_p) if plan.prefill else 0.0)) * e_p
+        ends_batch = bool(plan.prefill) and plan.unit_end == 2 * plan.num_layers
+        if o.launches == "async" and not ends_batch:
+            seconds, left = fin_d, max(0.0, fin_p - fin_d)
+        else:
+            seconds, left = max(fin_d, fin_p), 0.0
+        self._carry_t = left
+        self._carry_m = mem_p * left / fin_p if left else 0.0
+        measured = Measured(seconds + sync + stall, fin_d, fin_p, carry_in, left)
+        self._tell(launch, plan, measured)
+        if b is None:
+            return replace(a, seconds=measured.seconds)
+        return StepCost(measured.seconds, a.flops + b.flops, a.hbm_bytes + b.hbm_bytes,
                         a.expert_bytes + b.expert_bytes, a.layers + b.layers)
+
+    @staticmethod
+    def _tell(launch: Launch, plan: StepPlan, measured: Measured) -> None:
+        if launch.observe is not None:
+            launch.observe(plan, measured)
