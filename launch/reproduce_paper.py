@@ -23,7 +23,16 @@ efficiencies to three kernel-latency statements in the paper (decode batch 32 @ 
 TBT SLO / 5; 8192-token prefill at chunk 512 > 500 ms; at chunk 8192 ~200 ms) to show how much
 of the gap is absolute speed; skip it with --no-sensitivity.
 
+Other machines and the compiled cost (issue #26 §4): `--machine h200` (one H200) or `v6e-8`
+(a TPU v6e 2x4 slice, experts over 8 chips, attention and the KV pool replicated on every
+chip as the engine's expert-parallel programs run them), and `--cost compiled`, which scales
+the analytic cost model by the factors read from that machine's compiled programs
+(lp_jax/sim/compiled_cost.py; files in lp_jax/sim/data/compiled/, or
+`--calibration qwen=FILE`). Off the paper's 2x H100 the "paper" columns compare with a
+different machine, and the sensitivity pass does not run.
+
     .venv/bin/python launch/reproduce_paper.py [--out runs/reproduce] [--workers 2]
+    .venv/bin/python launch/reproduce_paper.py --machine h200 --cost compiled --no-sensitivity
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,15 +57,68 @@ from lp_jax.sim import (  # noqa: E402
     SimConfig,
     Simulator,
     StepFeatures,
+    derive_num_pages,
     prior_calibration,
     report,
     synthesize,
 )
+from lp_jax.sim.compiled_cost import CompiledCalibration  # noqa: E402
 
 HARDWARE = get_hardware("h100")
 TP = 2
 MODELS = {"qwen": QWEN3_30B_A3B, "gpt": GPT_OSS_20B}
 POLICIES = ("chunked", "layered")
+COMPILED_DIR = Path(__file__).resolve().parents[1] / "lp_jax" / "sim" / "data" / "compiled"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one simulated replica runs on. replicated_kv: every chip of the expert axis
+    holds the whole KV pool and runs all of attention (lp_jax's expert-parallel programs),
+    so the pool is one chip's room, not ep chips'."""
+
+    key: str
+    hardware: str
+    tp: int = 1
+    ep: int = 1
+    replicated_kv: bool = False
+
+    @property
+    def title(self) -> str:
+        hw = get_hardware(self.hardware).name
+        return f"{self.tp * self.ep}x {hw}" + (f", TP{self.tp}" if self.tp > 1 else "") + (
+            f", EP{self.ep}" if self.ep > 1 else "")
+
+
+MACHINES = {
+    "h100x2": Machine("h100x2", "h100", tp=2),  # the paper's
+    "h200": Machine("h200", "h200"),
+    "v6e-8": Machine("v6e-8", "v6e", ep=8, replicated_kv=True),
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A machine and how its steps are priced: a calibration, and optionally the compiled
+    programs' factors on top (SimConfig.compiled_cost)."""
+
+    machine: Machine
+    calibration: Calibration
+    compiled: CompiledCalibration | None = None
+
+
+def prior_cost(machine: Machine = MACHINES["h100x2"]) -> Cost:
+    return Cost(machine, prior_calibration(get_hardware(machine.hardware).name))
+
+
+def compiled_cost(machine: Machine, model: str, path: str | Path | None = None) -> Cost:
+    """The compiled cost of `model` on `machine`: the calibration file at `path`, or the
+    committed one, lp_jax/sim/data/compiled/<model>_<machine>.json."""
+    path = Path(path) if path else COMPILED_DIR / f"{model}_{machine.key}.json"
+    cc = CompiledCalibration.load(path)
+    cc.check_matches(MODELS[model], get_hardware(machine.hardware).name, machine.tp,
+                     machine.ep)
+    return Cost(machine, cc.calibration(), cc)
 
 
 @dataclass(frozen=True)
@@ -93,31 +155,42 @@ SEED = 0
 
 
 # ----- one simulation ------------------------------------------------------------------
-def _config(panel: Panel, policy: str, cal: Calibration) -> SimConfig:
-    """`policy` is a scheduler policy, optionally with a token budget: "chunked-2048"."""
+def _config(panel: Panel, policy: str, cost: Calibration | Cost) -> SimConfig:
+    """`policy` is a scheduler policy, optionally with a token budget: "chunked-2048"; a
+    bare Calibration is the paper's machine (2x H100, TP2)."""
+    if isinstance(cost, Calibration):
+        cost = Cost(MACHINES["h100x2"], cost)
     name, _, budget = policy.partition("-")
-    return SimConfig(
-        shape=MODELS[panel.model], hardware=HARDWARE, policy=name, tp=TP, calibration=cal,
+    m = cost.machine
+    cfg = SimConfig(
+        shape=MODELS[panel.model], hardware=get_hardware(m.hardware), policy=name, tp=m.tp,
+        ep=m.ep, calibration=cost.calibration, compiled_cost=cost.compiled,
         max_num_batched_tokens=int(budget) if budget else None,
     )  # fmt: skip
+    if m.replicated_kv:
+        cfg = replace(cfg, num_pages=derive_num_pages(cfg) // m.ep)
+    return cfg
 
 
-def _point(panel: Panel, policy: str, rate: float, n: int, cal: Calibration) -> dict:
+def _point(panel: Panel, policy: str, rate: float, n: int, cost: Calibration | Cost) -> dict:
     reqs = synthesize(panel.workload, n, rate, seed=SEED)
-    res = Simulator(_config(panel, policy, cal)).run(reqs)
+    res = Simulator(_config(panel, policy, cost)).run(reqs)
     s = res.summary(panel.ttft_slo, panel.tbt_slo)
     s["tbt_attainment"] = sum(m.max_itl <= panel.tbt_slo for m in res.metrics) / len(reqs)
-    s["itl_p99_all_tokens"] = percentile([g for m in res.metrics for g in m.itls], 99)
+    itls = [g for m in res.metrics for g in m.itls]
+    s["itl_p99_all_tokens"] = percentile(itls, 99)
+    s["itl_mean_all_tokens"] = sum(itls) / len(itls) if itls else math.nan
     s["rate"] = rate
     return s
 
 
 def _search(args) -> tuple[str, str, dict]:
-    panel, policy, n, cal = args
-    grid = [g * panel.paper_rates[0] for g in GRID]
+    panel, policy, n, cal, *search = args
+    grid_x, bisect_steps = search or (GRID, 4)
+    grid = [g * panel.paper_rates[0] for g in grid_x]
     found, summaries = report.search_rate(
         lambda rate: _point(panel, policy, rate, n, cal), grid, "slo_attainment",
-        bisect_steps=4, full_curve=True, max_extensions=4)
+        bisect_steps=bisect_steps, full_curve=True, max_extensions=4)
     out = {
         "rate": found.rate,
         "lower_bound_only": found.lower_bound_only,
@@ -198,9 +271,16 @@ def paper_implied_calibration(model: str) -> tuple[Calibration, dict]:
 
 
 # ----- the whole study -----------------------------------------------------------------
-def study(cals: dict[str, Calibration], n_for: dict[str, int], workers: int) -> dict:
-    tasks = [(p, pol, n_for[p.workload], cals[p.model]) for p in PANELS for pol in POLICIES]
-    tasks.append((PANELS[0], "chunked-2048", n_for["arxiv"], cals["qwen"]))  # papers.md 1.3->2.6
+def study(cals: dict[str, Calibration | Cost], n_for: dict[str, int], workers: int, *,
+          extras: bool = True, grid: tuple[float, ...] = GRID, bisect_steps: int = 4) -> dict:
+    """extras: also chunked-2048 on Qwen + arXiv and both policies at the paper's 1.3 req/s
+    (the paper-comparison rows); grid (x the paper's chunked rate) and bisect_steps: the
+    rate search's points."""
+    search = (grid, bisect_steps)
+    tasks = [(p, pol, n_for[p.workload], cals[p.model], *search) for p in PANELS
+             for pol in POLICIES]
+    if extras:  # papers.md 1.3 -> 2.6
+        tasks.append((PANELS[0], "chunked-2048", n_for["arxiv"], cals["qwen"], *search))
     results: dict[str, dict] = {p.key: {} for p in PANELS}
     with report.pool(workers) as pool:
         for key, pol, out in pool.imap_unordered(_search, tasks):
@@ -211,7 +291,7 @@ def study(cals: dict[str, Calibration], n_for: dict[str, int], workers: int) -> 
             results[p.key]["common_rate"] = common
             for pol in POLICIES:
                 refs.append((p, pol, "common", common, n_for[p.workload], cals[p.model]))
-                if p.key == "qwen-arxiv":
+                if extras and p.key == "qwen-arxiv":
                     refs.append((p, pol, "paper_1.3", 1.3, n_for[p.workload], cals[p.model]))
         for key, pol, label, s in pool.imap_unordered(_reference, refs):
             results[key][pol][label] = s
@@ -250,12 +330,13 @@ def comparison_rows(results: dict) -> list[dict]:
             plus + "".join(lb),
         )
     r = results["qwen-arxiv"]
-    add(
-        "E2E mean @ 1.3 req/s (s)",
-        PANELS[0].title,
-        PAPER["e2e_qwen_arxiv_1.3"],
-        (r["chunked"]["paper_1.3"]["e2e_mean"], r["layered"]["paper_1.3"]["e2e_mean"]),
-    )
+    if "paper_1.3" in r["chunked"]:
+        add(
+            "E2E mean @ 1.3 req/s (s)",
+            PANELS[0].title,
+            PAPER["e2e_qwen_arxiv_1.3"],
+            (r["chunked"]["paper_1.3"]["e2e_mean"], r["layered"]["paper_1.3"]["e2e_mean"]),
+        )
     for p in PANELS:
         r = results[p.key]
         c, lay = r["chunked"]["common"], r["layered"]["common"]
@@ -377,19 +458,39 @@ def main() -> None:
     ap.add_argument("--sharegpt-requests", type=int, default=500)
     ap.add_argument("--arxiv-requests", type=int, default=300)
     ap.add_argument("--no-sensitivity", action="store_true")
+    ap.add_argument("--machine", choices=sorted(MACHINES), default="h100x2",
+                    help="h100x2: the paper's 2x H100 TP2 (default); h200; v6e-8")
+    ap.add_argument("--cost", choices=("prior", "compiled"), default="prior",
+                    help="prior: the analytic model with the spec prior; compiled: scaled by "
+                         "the machine's compiled-program factors (lp_jax/sim/compiled_cost.py)")
+    ap.add_argument("--calibration", action="append", default=[], metavar="MODEL=FILE",
+                    help="--cost compiled: a calibration file per model (qwen, gpt); default "
+                         "lp_jax/sim/data/compiled/<model>_<machine>.json")
     args = ap.parse_args()
+    machine = MACHINES[args.machine]
+    files = dict(c.split("=", 1) for c in args.calibration if "=" in c)
+    if len(files) != len(args.calibration) or set(files) - set(MODELS):
+        ap.error(f"--calibration takes MODEL=FILE with MODEL in {sorted(MODELS)}")
+    if args.cost == "prior" and files:
+        ap.error("--calibration needs --cost compiled")
+    if args.machine != "h100x2" or args.cost != "prior":
+        args.no_sensitivity = True  # the paper's statements are about its own machine
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n_for = {"sharegpt": args.sharegpt_requests, "arxiv": args.arxiv_requests}
     t0 = time.perf_counter()
-    prior = {m: prior_calibration(HARDWARE.name) for m in MODELS}
-    results = study(prior, n_for, args.workers)
+    if args.cost == "compiled":
+        costs = {m: compiled_cost(machine, m, files.get(m)) for m in MODELS}
+    else:
+        costs = {m: prior_cost(machine) for m in MODELS}
+    prior = {m: c.calibration for m, c in costs.items()}
+    results = study(costs, n_for, args.workers)
     t_main = time.perf_counter() - t0
     rows = comparison_rows(results)
     md = [
         "# Layered prefill: simulator vs paper",
         "",
-        f"2x {HARDWARE.name}, TP{TP}; {n_for['sharegpt']} ShareGPT / {n_for['arxiv']} arXiv "
+        f"{machine.title}; {n_for['sharegpt']} ShareGPT / {n_for['arxiv']} arXiv "
         f"requests per rate point, seed {SEED}; calibration: {prior['qwen'].source}.",
         "",
         markdown(rows),
@@ -401,8 +502,10 @@ def main() -> None:
     plot(results, out / "slo_attainment.png", "SLO attainment vs rate (prior calibration)")
     payload = {
         "setup": {
-            "hardware": HARDWARE.name,
-            "tp": TP,
+            "hardware": get_hardware(machine.hardware).name,
+            "tp": machine.tp,
+            "ep": machine.ep,
+            "cost": args.cost,
             "requests": n_for,
             "seed": SEED,
             "calibration": {m: vars_of(c) for m, c in prior.items()},
@@ -459,7 +562,7 @@ def main() -> None:
     md += [
         "",
         f"Total: {total:.0f} s. Command: `.venv/bin/python launch/reproduce_paper.py "
-        f"--out {args.out} --workers {args.workers}`",
+        f"--out {args.out} --workers {args.workers} --machine {args.machine} --cost {args.cost}`",
     ]
     (out / "results.json").write_text(json.dumps(_clean(payload), indent=1))
     (out / "results.md").write_text("\n".join(md) + "\n")
