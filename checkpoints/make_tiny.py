@@ -33,6 +33,12 @@ STAMP_FILE = ".make_tiny_stamp"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # appended after the BPE vocab, as in Qwen
+# GPT-OSS harmony's markers (o200k_harmony's names). The tiny checkpoints keep the
+# tokenizer above, to which they are plain text; `build_tokenizer(specials=HARMONY_TOKENS)`
+# makes the variant in which they are special tokens, as in the real tokenizer (tests of
+# the harmony output parser, lp_jax/server/harmony.py).
+HARMONY_TOKENS = (ENDOFTEXT, "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                  "<|constrain|>", "<|return|>", "<|call|>")
 
 # Fields every preset shares. Expert fields are dropped for model_type "qwen3".
 _SHARED = {
@@ -201,12 +207,20 @@ CHAT_TEMPLATE = (
 # knowledge cutoff, today's date, reasoning effort and channels. It uses the constructs of
 # the published template (macro, namespace, loop.last, strftime_now, raise_exception,
 # tojson, str.startswith, trim) but not its text: real checkpoints ship their own.
+# Tools (issue #32): the developer message lists the request's functions (a `# Tools`
+# section, each function's JSON schema as written), the system message sends their calls
+# to the commentary channel; an assistant message's calls are
+# <|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>
+# {arguments}<|call|> (after its reasoning on the analysis channel, if it has any), and a
+# tool's answer is <|start|>functions.{name} to=assistant<|channel|>commentary<|message|>
+# {content}<|end|>, named by its tool_call_id (else its `name`, else the last call).
+# Without tools the rendering is as before.
 # The tiny tokenizer's 512 ids are taken, so the markers are plain text to it.
 HARMONY_TEMPLATE = (
     "{%- macro turn(header, body, end='<|end|>') %}"
     "{{- '<|start|>' ~ header ~ '<|message|>' ~ body ~ end }}"
     "{%- endmacro %}\n"
-    "{%- set ns = namespace(instructions='', conversation=false) %}\n"
+    "{%- set ns = namespace(instructions='', conversation=false, tools='', last_call='', tool='') %}\n"
     "{%- for message in messages %}\n"
     "  {%- if message.role in ['system', 'developer'] %}\n"
     "    {%- if ns.conversation %}"
@@ -220,17 +234,49 @@ HARMONY_TEMPLATE = (
     " ~ '\\nKnowledge cutoff: 2024-06\\nCurrent date: ' ~ strftime_now('%Y-%m-%d')"
     " ~ '\\n\\nReasoning: ' ~ (reasoning_effort | default('medium'))"
     " ~ '\\n\\n# Valid channels: analysis, commentary, final. Every assistant message"
-    " names one.') }}\n"
-    "{%- if ns.instructions %}\n"
+    " names one.' ~ ('\\nCalls to these tools must go to the commentary channel:"
+    " \\'functions\\'.' if tools else '')) }}\n"
+    "{%- if tools %}\n"
+    "  {%- set ns.tools = '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n' %}\n"
+    "  {%- for t in tools %}\n"
+    "    {%- set f = t.function %}\n"
+    "    {%- set ns.tools = ns.tools ~ ('// ' ~ f.description ~ '\\n' if f.description else '')"
+    " ~ 'type ' ~ f.name ~ ' = (_: ' ~ (f.parameters | default({'type': 'object'}) | tojson)"
+    " ~ ') => any;\\n\\n' %}\n"
+    "  {%- endfor %}\n"
+    "  {%- set ns.tools = ns.tools ~ '} // namespace functions' %}\n"
+    "{%- endif %}\n"
+    "{%- if ns.instructions or ns.tools %}\n"
     "  {%- set header = '' if ns.instructions.startswith('# Instructions')"
     " else '# Instructions\\n\\n' %}\n"
-    "  {{- turn('developer', header ~ ns.instructions) }}\n"
+    "  {%- set body = header ~ ns.instructions if ns.instructions else '' %}\n"
+    "  {{- turn('developer', body ~ ('\\n\\n' if body and ns.tools else '') ~ ns.tools) }}\n"
     "{%- endif %}\n"
     "{%- for message in messages %}\n"
     "  {%- if message.role == 'user' %}{{- turn('user', message.content) }}\n"
+    "  {%- elif message.role == 'assistant' and message.tool_calls %}\n"
+    "    {%- if message.reasoning_content %}"
+    "{{- turn('assistant<|channel|>analysis', message.reasoning_content | trim) }}{%- endif %}\n"
+    "    {%- if message.content | trim %}"
+    "{{- turn('assistant<|channel|>commentary', message.content | trim) }}{%- endif %}\n"
+    "    {%- for call in message.tool_calls %}\n"
+    "      {%- set args = call.function.arguments %}\n"
+    "      {{- turn('assistant<|channel|>commentary to=functions.' ~ call.function.name"
+    " ~ ' <|constrain|>json', args if args is string else args | tojson, '<|call|>') }}\n"
+    "      {%- set ns.last_call = call.function.name %}\n"
+    "    {%- endfor %}\n"
     "  {%- elif message.role == 'assistant' %}\n"
     "    {%- set end = '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' %}\n"
     "    {{- turn('assistant<|channel|>final', message.content | trim, end) }}\n"
+    "  {%- elif message.role == 'tool' %}\n"
+    "    {%- set ns.tool = message.name or ns.last_call %}\n"
+    "    {%- for m in messages %}{%- for c in m.tool_calls or [] %}"
+    "{%- if message.tool_call_id and c.id == message.tool_call_id %}"
+    "{%- set ns.tool = c.function.name %}{%- endif %}{%- endfor %}{%- endfor %}\n"
+    "    {%- if not ns.tool %}{{- raise_exception('role \"tool\" is not supported here: a"
+    " tool message must answer an assistant tool call') }}{%- endif %}\n"
+    "    {{- turn('functions.' ~ ns.tool ~ ' to=assistant<|channel|>commentary',"
+    " message.content) }}\n"
     "  {%- elif message.role not in ['system', 'developer'] %}\n"
     "    {{- raise_exception('role ' ~ message.role | tojson ~ ' is not supported') }}\n"
     "  {%- endif %}\n"
@@ -407,9 +453,11 @@ def _serial_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
-def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None):
-    """A byte-level BPE tokenizer with exactly vocab_size ids, specials last, trained on
-    `corpus` (default: CORPUS above; checkpoints/train_demo.py passes its own text)."""
+def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None,
+                    specials: tuple[str, ...] = SPECIAL_TOKENS):
+    """A byte-level BPE tokenizer with exactly vocab_size ids, `specials` last (special
+    tokens, in that order), trained on `corpus` (default: CORPUS above;
+    checkpoints/train_demo.py passes its own text)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.trainers import BpeTrainer
 
@@ -418,19 +466,19 @@ def build_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | None = None
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(specials),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     with _serial_tokenizers():
         tok.train_from_iterator(list(CORPUS if corpus is None else corpus), trainer=trainer)
         tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+            [AddedToken(t, special=True, normalized=False) for t in specials]
         )
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"trained {tok.get_vocab_size()} ids, wanted {vocab_size}")
-    for t in SPECIAL_TOKENS:
-        assert tok.token_to_id(t) == special_token_id(vocab_size, t), t
+    for i, t in enumerate(specials):
+        assert tok.token_to_id(t) == vocab_size - len(specials) + i, t
     return tok
 
 

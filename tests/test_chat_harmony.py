@@ -102,3 +102,51 @@ def test_chat_completion_on_tiny_gpt_oss(gpt_oss_dir):
     _, dates = render_today(ChatFormatter(HARMONY_TEMPLATE), CONVERSATION)
     lengths = {len(tok.encode(expected(d), add_special_tokens=False).ids) for d in dates}
     assert resp.usage.prompt_tokens in lengths  # the harmony prompt, not ChatML
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "today's weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_harmony_tools_calls_and_tool_messages():
+    """Tools in the developer message and the system message's commentary rule; an
+    assistant's calls (after its analysis) as commentary messages to functions.NAME ending
+    in <|call|>; each tool answer named by its tool_call_id (else the last call)."""
+    from lp_jax.server.protocol import parse_messages
+
+    fmt = ChatFormatter(HARMONY_TEMPLATE)
+    calls = [{"id": f"call_{n}", "type": "function",
+              "function": {"name": n, "arguments": json.dumps(a)}}
+             for n, a in [("get_weather", {"city": "Oslo"}), ("get_time", {})]]
+    msgs, _ = parse_messages([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Ask the tools.",
+         "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_get_time", "content": "noon"},
+        {"role": "tool", "tool_call_id": "call_get_weather", "content": "sunny"},
+        {"role": "tool", "content": "late"}])
+    text, _ = render_today(fmt, msgs, tools=[WEATHER, TIME])
+    system, developer = text.split("<|end|>")[:2]
+    assert system.endswith("Calls to these tools must go to the commentary channel: "
+                           "'functions'.")
+    assert developer == (
+        "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
+        "// today's weather\ntype get_weather = (_: " + json.dumps(WEATHER["function"][
+            "parameters"]) + ") => any;\n\ntype get_time = (_: {\"type\": \"object\"}) => "
+        "any;\n\n} // namespace functions")
+    assert text.endswith(
+        "<|start|>user<|message|>Weather?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Ask the tools.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Oslo"}<|call|>'
+        "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+        "<|message|>{}<|call|>"
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>noon<|end|>"
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny"
+        "<|end|>"
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>late<|end|>"
+        "<|start|>assistant")
+    plain, _ = render_today(fmt, CONVERSATION)  # without tools: as before
+    assert "# Tools" not in plain and "Calls to these tools" not in plain

@@ -353,8 +353,13 @@ def test_server_tool_round_trip_streamed_and_not(client):
                                                      stream=True, **kw))
         streamed = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls
                                                               or [])]
-        assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
-            [(0, call.function.name, call.function.arguments)]
+        # OpenAI's deltas: index, id, type and name first (arguments ""), then fragments
+        first, *rest = streamed
+        assert (first.index, first.id, first.function.name, first.function.arguments) == \
+            (0, first.id, call.function.name, "") and first.id.startswith("call_")
+        assert rest and all(t.index == 0 and t.id is None and t.function.name is None
+                            for t in rest)
+        assert "".join(t.function.arguments for t in rest) == call.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
     back = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {

@@ -30,6 +30,7 @@ from aiohttp import web
 from lp_jax.server import protocol, respond, submit, vllm_routes
 from lp_jax.server.chat import ChatFormatter
 from lp_jax.server.engine_loop import EngineDeadError, EngineLoop
+from lp_jax.server.harmony import harmony_tokens
 from lp_jax.server.metrics import ServerMetrics
 from lp_jax.server.prometheus import CONTENT_TYPE
 from lp_jax.server.protocol import APIError
@@ -78,7 +79,9 @@ class OpenAIServer:
     the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
     metrics.VLLM_NAMES; `log_stats_s` logs vLLM's stats line that often while requests run
     (lp-serve: every 10 s; None: never); `reasoning_parser` ("qwen3", or None) splits chat
-    answers into reasoning and content (reasoning.py).
+    answers into reasoning and content (reasoning.py). A model whose tokenizer has GPT-OSS
+    harmony's markers as special tokens gets its chat answers parsed as harmony from
+    their token ids, whatever `reasoning_parser` says (harmony.py).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
@@ -104,6 +107,7 @@ class OpenAIServer:
         self.metrics_public = metrics_public
         self.read_timeout = read_timeout
         self.tokenizer = engine.tokenizer
+        self.harmony = harmony_tokens(self.tokenizer)  # None: not a harmony model
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.scheduler.config.max_model_len
         self.max_prompt_bytes = self.max_model_len * max_token_bytes(self.tokenizer,

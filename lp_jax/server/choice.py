@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lp_jax.server import protocol
 from lp_jax.server.detok import TextAssembler
+from lp_jax.server.harmony import HarmonyParser, Piece
 from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
 from lp_jax.server.tools import ToolCallParser, split_calls
 
@@ -28,9 +29,11 @@ class Choice:
     the echo, if asked), its log-probabilities."""
 
     def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req, *,
-                 reasoning: bool = False):
+                 reasoning: bool = False, harmony=None):
         """`reasoning`: a chat answer's reasoning goes apart from its content
-        (reasoning.py; the server's reasoning_parser)."""
+        (reasoning.py; the server's reasoning_parser). `harmony`: the tokenizer's harmony
+        markers (HarmonyTokens) when the model writes GPT-OSS harmony: a chat answer's
+        channels and calls are parsed from its token ids (harmony.py)."""
         self.index, self.handle, self.ids, self.req = index, handle, ids, req
         self.sample_index = index % req.n
         self.tokenizer = tokenizer
@@ -42,10 +45,17 @@ class Choice:
         self.prompt_lps = None  # the engine's prompt log-probabilities, from the first delta
         self.prompt_lps_pending = True  # streaming: not yet sent
         self.echo = self._echo_text(prompt)
-        self.tool_parser = (ToolCallParser() if req.kind == "chat" and req.tools
-                            and req.tool_choice != "none" else None)
+        tools = req.kind == "chat" and bool(req.tools) and req.tool_choice != "none"
+        forced = req.structured_param == "tool_choice"  # the grammar makes the calls
+        self.harmony = self.tool_parser = None
+        self.piece = Piece()  # harmony: what the last delta added
+        if harmony is not None and req.kind == "chat":
+            self.harmony = HarmonyParser(tokenizer, harmony, tools=tools, forced=forced,
+                                         parallel=req.parallel_tool_calls)
+        elif tools:
+            self.tool_parser = ToolCallParser(forced, req.parallel_tool_calls)
         self.in_reasoning = self.think = None
-        if reasoning and req.kind == "chat":
+        if reasoning and req.kind == "chat" and self.harmony is None:
             tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
             self.in_reasoning = opens_reasoning(tail)
             self.think = ThinkSplitter(self.in_reasoning)
@@ -70,6 +80,7 @@ class Choice:
         self.cached = getattr(out, "num_cached_tokens", None)
         if self.prompt_lps is None:
             self.prompt_lps = getattr(out, "prompt_logprobs", None)
+        stopped = self.asm.stopped  # harmony: tokens after a stop string are not parsed
         text = self.asm.push(delta.new_token_ids)
         lp_delta = None
         # An engine without log-probabilities (the mock) answers logprobs: null.
@@ -84,6 +95,7 @@ class Choice:
                 lp_delta = tokens, entries
         elif new_lps is None:
             self.lps = None
+        echo = self.echo if self.echo_pending else ""
         if self.echo_pending:
             self.echo_pending = False
             text = self.echo + text
@@ -95,19 +107,30 @@ class Choice:
             self.reason = delta.finish_reason
         if self.reason is not None:
             self.handle.finished = True
+        if self.harmony is not None:
+            self.piece = (self.harmony.push(delta.new_token_ids) if not stopped else Piece())
+            if self.reason is not None:
+                self.piece += self.harmony.finish()
+            self.piece.content = echo + self.piece.content
         return text, lp_delta
 
     def chat_delta(self, text: str) -> dict:
         """A streamed chat delta's text fields: content, and with a reasoning parser the
         reasoning it holds (a marker's possible start waits for the next text)."""
         r, c, last = "", text, self.reason is not None
+        if self.harmony is not None:  # parsed from the token ids (push)
+            p = self.piece
+            return {"content": p.content,
+                    **({"reasoning_content": p.reasoning, "reasoning": p.reasoning}
+                       if p.reasoning else {}),
+                    **({"tool_calls": p.tool_calls} if p.tool_calls else {})}
         if self.think is not None:
             r, c = self.think.push(text)
             if last:  # the last delta: what was held comes out
                 r2, c2 = self.think.finish()
                 r, c = r + r2, c + c2
         calls = []
-        if self.tool_parser is not None:  # a call goes out once its block closes
+        if self.tool_parser is not None:  # tools.py: when a call goes out
             c, calls = self.tool_parser.push(c)
             if last:
                 c += self.tool_parser.finish()
@@ -117,7 +140,8 @@ class Choice:
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's: "tool_calls" for an answer that stopped after making calls."""
-        if self.reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+        parser = self.harmony or self.tool_parser
+        if self.reason == "stop" and parser is not None and parser.calls:
             return "tool_calls"
         return self.reason
 
@@ -169,6 +193,16 @@ class Choice:
 
     def choice_body(self) -> dict:
         lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
+        if self.req.kind == "chat" and self.harmony is not None:
+            reasoning, content, calls = self.harmony.message()
+            message = {"role": "assistant",
+                       "content": None if content is None else self.echo + content}
+            if reasoning is not None:
+                message.update(reasoning_content=reasoning, reasoning=reasoning)
+            if calls:
+                message["tool_calls"] = calls
+            return {"index": self.index, "message": message, "logprobs": lp,
+                    "finish_reason": self.finish_reason}
         if self.req.kind == "chat":
             message = {"role": "assistant", "content": self.echo + self.asm.text}
             content = self.asm.text
@@ -178,11 +212,11 @@ class Choice:
                                reasoning=reasoning)
             reason = self.reason
             if self.tool_parser is not None:
-                rest, calls = split_calls(content)
+                rest, calls = split_calls(content, self.tool_parser.forced,
+                                          self.tool_parser.parallel)
                 if calls:
                     message["content"] = None if rest is None else self.echo + rest
-                    message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
-                                             for c in calls]
+                    message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
             return {"index": self.index, "message": message, "logprobs": lp,
                     "finish_reason": reason}

@@ -10,7 +10,8 @@ a block is all content. Text that never closes its block is all reasoning.
 
 Qwen3's markers are added tokens but not special ones, so they survive detokenization and
 the split reads the text. Harmony's (GPT-OSS) are special, and the detokenizer drops
-them: that family needs a split on token ids, which is not done here. While streaming, a
+them: that family's analysis channel is split from the token ids (harmony.py, on for every
+model whose tokenizer has harmony's markers). While streaming, a
 tail that may be the start of a marker ("</thi") is held back until the next text
 decides it. With a reasoning parser, the grammar of a chat request whose prompt opens the
 block (structured outputs) starts after its `</think>` (`grammar_after`): the reasoning

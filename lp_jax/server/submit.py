@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import time
 
-from lp_jax.server import protocol, reasoning
+from lp_jax.server import harmony, protocol, reasoning, tools
 from lp_jax.server.chat import ChatTemplateError
 from lp_jax.server.choice import Choice
 from lp_jax.server.engine_loop import EngineDeadError, OverloadedError
@@ -114,10 +114,9 @@ async def submit(server, req) -> list[Choice]:
         _check_prompt_logprobs(server, req, ids_list)
         params = [req.sampling_params(_budget(server, req, len(ids)), server.vocab_size)
                   for ids in ids_list]
-        if req.kind == "chat" and req.structured is not None and server.reasoning_parser:
-            tail = server.tokenizer.decode(ids_list[0][-8:], skip_special_tokens=False)
-            params = [dataclasses.replace(p, structured_outputs=reasoning.grammar_after(
-                p.structured_outputs, server.tokenizer, tail)) for p in params]
+        if req.kind == "chat" and req.structured is not None:
+            params = [dataclasses.replace(p, structured_outputs=_chat_format(
+                server, req, ids_list[0])) for p in params]
         # Queued together (one engine iteration takes them all); all or none. Every
         # choice's deltas go to one queue, in the order the engine made them.
         queue = asyncio.Queue()
@@ -136,7 +135,8 @@ async def submit(server, req) -> list[Choice]:
         for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
             for handle in handles:
                 choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req,
-                                      reasoning=server.reasoning_parser is not None))
+                                      reasoning=server.reasoning_parser is not None,
+                                      harmony=server.harmony))
         return choices
     except APIError:
         server.metrics.rejected.inc(reason="invalid")
@@ -157,6 +157,22 @@ async def submit(server, req) -> list[Choice]:
                        code="engine_dead") from None
     except RuntimeError as exc:
         raise APIError(500, str(exc), type="internal_server_error") from None
+
+
+def _chat_format(server, req, ids: list[int]):
+    """A chat request's output format for this model. Harmony (GPT-OSS): a forced tool
+    call is harmony's function-call message, any other format starts on the final
+    channel. Otherwise, with a reasoning parser, it starts after the reasoning block the
+    prompt opens (reasoning.grammar_after)."""
+    spec = req.structured
+    if server.harmony is not None:
+        if req.structured_param == "tool_choice":
+            return tools.harmony_tool_grammar(req.tools, req.tool_choice)
+        return harmony.final_channel_grammar(spec, server.tokenizer)
+    if server.reasoning_parser:
+        tail = server.tokenizer.decode(ids[-8:], skip_special_tokens=False)
+        return reasoning.grammar_after(spec, server.tokenizer, tail)
+    return spec
 
 
 def _check_prompt_logprobs(server, req, ids_list: list[list[int]]) -> None:

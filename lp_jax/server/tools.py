@@ -1,30 +1,35 @@
-"""Tool calling, Qwen3's way: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+"""Tool calling: requests (both families) and Qwen3's `<tool_call>{...}</tool_call>` blocks.
 
 Requests: `tools` (OpenAI's function tools, rendered by the model's chat template),
 `tool_choice` ("none", "auto", "required" or {"type": "function", "function": {"name"}})
 and `parallel_tool_calls` (`parse_tools`). "required" and a named function are enforced
-with the grammar engine (`tool_grammar`: a Lark grammar of `<tool_call>` blocks around
-each function's JSON schema, lp_jax/structured), so the call is well-formed; "auto" lets
-the model choose and parses what it wrote. "none" parses nothing.
+with the grammar engine (lp_jax/structured), so the call is well-formed: `tool_grammar`
+(Qwen3: `<tool_call>` blocks around each function's JSON schema) or
+`harmony_tool_grammar` (GPT-OSS: a function-call message on the commentary channel,
+after free reasoning). "auto" lets the model choose and parses what it wrote; "none"
+parses nothing.
 
-Responses: `ToolCallParser` takes a choice's text (whole or streamed) and returns the
-content outside the blocks and each complete call as OpenAI's `tool_calls` entry, with
-`arguments` as a JSON string. A block whose body is not a JSON object with a string
-`name` stays content; so does an unterminated block at the end, so a malformed answer
-degrades to plain content, never an error. Streamed, a call goes out in one delta once its
-block closes (index, id, name and the whole arguments string), and content waits while
-a block is open.
+Responses: `ToolCallParser` takes a Qwen3 choice's text (whole or streamed) and returns
+the content outside the blocks and OpenAI's `tool_calls` deltas, `arguments` a JSON
+string as the model wrote it. A forced call streams as OpenAI streams calls: a first
+delta with index, id, type, name and arguments "", once the block's JSON has reached its
+arguments, then argument fragments. An "auto" call must be checked before it goes out (a
+delta cannot be taken back): a block whose body is not a JSON object with a string `name`
+stays content, and so does an unterminated block, so a malformed answer degrades to plain
+content, never an error; a good one goes out in one delta when its block closes. Content
+waits while a block is open. `parallel_tool_calls: false` drops the calls after the first.
 
-The markers are plain text in Qwen3's tokenizer (added, not special), so the split reads
-the detokenized text. GPT-OSS harmony's function calls (commentary channel, special
-tokens) need token ids and are not parsed here.
+Qwen3's markers are plain text in its tokenizer (added, not special), so its parser reads
+the detokenized text. GPT-OSS harmony's (special tokens) are parsed from token ids, in
+harmony.py.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
+import re
 
+from lp_jax.server.harmony import merge_deltas, new_call
 from lp_jax.server.reasoning import marker_prefix
 from lp_jax.structured.params import StructuredOutputsParams
 
@@ -86,17 +91,19 @@ def parse_tools(body: dict):
     return tools, choice, parallel
 
 
+def _wanted_tools(tools: list, choice) -> list[dict]:
+    """The functions a forced choice may call ("required": any; named: that one)."""
+    wanted = choice["function"]["name"] if isinstance(choice, dict) else None
+    return [t["function"] for t in tools if wanted is None or t["function"]["name"] == wanted]
+
+
 def tool_grammar(tools: list, choice, parallel: bool) -> StructuredOutputsParams | None:
-    """The grammar that forces a call ("required": of any tool; named: of that one), one
-    block or, with parallel calls, several; None for "auto" and "none"."""
+    """Qwen3's: the grammar that forces a call ("required": of any tool; named: of that
+    one), one block or, with parallel calls, several; None for "auto" and "none"."""
     if choice in ("auto", "none"):
         return None
-    wanted = [choice["function"]["name"]] if isinstance(choice, dict) else None
     alts = []
-    for t in tools:
-        f = t["function"]
-        if wanted is not None and f["name"] not in wanted:
-            continue
+    for f in _wanted_tools(tools, choice):
         schema = {"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": f["name"]},
@@ -109,61 +116,177 @@ def tool_grammar(tools: list, choice, parallel: bool) -> StructuredOutputsParams
     return StructuredOutputsParams(grammar=lark)
 
 
-class ToolCallParser:
-    """Content and complete tool calls from a choice's text, whole or in pieces."""
+def harmony_tool_grammar(tools: list, choice) -> StructuredOutputsParams | None:
+    """GPT-OSS harmony's: the answer is (after an optional analysis message, the model's
+    free reasoning) one function-call message on the commentary channel,
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>`,
+    its arguments valid against the function's schema. One call: `<|call|>` ends the
+    turn (an eos id of GPT-OSS). None for "auto" and "none"."""
+    if choice in ("auto", "none"):
+        return None
+    alts = []
+    for f in _wanted_tools(tools, choice):
+        schema = dict(f.get("parameters") or {"type": "object"})
+        schema.setdefault("x-guidance", {"whitespace_flexible": False})
+        head = json.dumps(f"commentary to=functions.{f['name']} ")  # a Lark literal
+        alts.append(f'<|channel|> {head} <|constrain|> "json" <|message|> '
+                    f"%json {json.dumps(schema)} <|call|>")
+    lark = ("start: analysis? call\n"
+            'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> '
+            '"assistant"\n'
+            "THOUGHT: /(?s:.*)/\n"
+            f"call: {' | '.join(alts)}")
+    return StructuredOutputsParams(grammar=lark)
 
-    def __init__(self):
+
+class ToolCallParser:
+    """Content and tool-call deltas from a choice's text, whole or in pieces.
+
+    `forced`: the grammar makes the calls (tool_choice "required" or a named function),
+    so a call goes out as soon as its name is known (a first delta with index, id, type,
+    name and arguments ""), then its arguments in fragments as they come; cut short, it
+    stays a call with what it has. Otherwise a call is checked first: it goes out in one
+    delta once its block closes and parses. `parallel=False`: calls after the first are
+    dropped."""
+
+    def __init__(self, forced: bool = False, parallel: bool = True):
+        self.forced, self.parallel = forced, parallel
         self._buf = ""
         self.calls: list[dict] = []
+        self._open = None  # forced: the open block's call, once its name is known
+        self._value = None  # forced: where its arguments end (_ValueEnd)
 
     def push(self, text: str) -> tuple[str, list[dict]]:
-        """(content this text adds, calls it completes)."""
+        """(content this text adds, tool-call deltas it makes)."""
         self._buf += text
-        content, done = "", []
+        content, deltas = "", []
         while True:
             i = self._buf.find(START)
             if i < 0:  # no block open: all but a possible marker start is content
                 keep = marker_prefix(self._buf, START)
                 content += self._buf[: len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep:]
-                return content, done
-            j = self._buf.find(END, i + len(START))
+                return content, merge_deltas(deltas)
+            content += self._buf[:i]
+            self._buf = self._buf[i:]
+            j = self._buf.find(END, len(START))
+            if self.forced:
+                deltas += self._stream(self._buf[len(START): j if j >= 0 else None])
             if j < 0:  # a block is open: its text waits for the end
-                content += self._buf[:i]
-                self._buf = self._buf[i:]
-                return content, done
-            call = _call(self._buf[i + len(START): j], len(self.calls))
+                return content, merge_deltas(deltas)
+            body, self._buf = self._buf[len(START): j], self._buf[j + len(END):]
+            if self._open is not None:  # a forced call: already out
+                self._open = self._value = None
+                continue
+            call = _call(body, len(self.calls))
             if call is None:  # not a call: the block stays text
-                content += self._buf[: j + len(END)]
-            else:
-                content += self._buf[:i]
+                content += START + body + END
+            elif self.parallel or not self.calls:  # else: a second call is dropped
                 self.calls.append(call)
-                done.append(call)
-            self._buf = self._buf[j + len(END):]
+                deltas.append(call)
 
-    def finish(self) -> str:
-        """The text held at the end (an unterminated block stays content)."""
-        out, self._buf = self._buf, ""
+    def _stream(self, body: str) -> list[dict]:
+        """A forced block's new deltas, from its text so far."""
+        out = []
+        if self._open is None:
+            m = _HEAD.match(body)
+            if m is None or not (self.parallel or not self.calls):
+                return out
+            self._open = new_call(len(self.calls), json.loads(m.group(1)), "")
+            self._open["start"] = m.end()
+            self._value = _ValueEnd()
+            self.calls.append(self._open)
+            out.append({k: v for k, v in self._open.items() if k != "start"}
+                       | {"function": dict(self._open["function"])})
+        call = self._open
+        fn = call["function"]
+        new = body[call["start"] + len(fn["arguments"]):]
+        new = new[: self._value.feed(new)]
+        if new:
+            fn["arguments"] += new
+            out.append({"index": call["index"], "function": {"arguments": new}})
         return out
 
+    def finish(self) -> str:
+        """The text held at the end (an unterminated block stays content, unless it is a
+        forced call already out)."""
+        out, self._buf = self._buf, ""
+        if self._open is not None:
+            self._open = self._value = None
+            return ""
+        return out
 
-def split_calls(text: str) -> tuple[str | None, list[dict]]:
-    """A whole answer as (content or None when only calls, calls)."""
-    p = ToolCallParser()
-    content, calls = p.push(text)
+    def whole_calls(self) -> list[dict]:
+        """The calls made, as a message's `tool_calls` (no index)."""
+        return [{k: v for k, v in c.items() if k not in ("index", "start")} for c in self.calls]
+
+
+def split_calls(text: str, forced: bool = False,
+                parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """A whole answer as (content or None when only calls, calls as a message's
+    `tool_calls`)."""
+    p = ToolCallParser(forced, parallel)
+    content, _ = p.push(text)
     content += p.finish()
+    calls = p.whole_calls()
     if calls and not content.strip():
         return None, calls
     return content, calls
 
 
+# The start of a call block's JSON up to its arguments, as the grammar writes it.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+class _ValueEnd:
+    """How much of a text, read piece by piece, is the JSON value it starts with."""
+
+    def __init__(self):
+        self.depth, self.in_str, self.esc, self.started, self.done = 0, False, False, False, False
+
+    def feed(self, text: str) -> int:
+        for k, ch in enumerate(text):
+            if self.done:
+                return k
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    self.done = self.depth == 0
+            elif ch == '"':
+                self.in_str = self.started = True
+            elif ch in "{[":
+                self.depth, self.started = self.depth + 1, True
+            elif ch in "}]":
+                if self.depth == 0:  # the enclosing object's end: a scalar value ended
+                    self.done = True
+                    return k
+                self.depth -= 1
+                self.done = self.depth == 0
+            elif ch in ", \n\t\r" and self.started and self.depth == 0:
+                self.done = True
+                return k
+            else:
+                self.started = True
+        return len(text)
+
+
 def _call(body: str, index: int) -> dict | None:
+    """A block's call, its arguments as the model wrote them (a JSON string); None when
+    the block is not a JSON object with a string `name`."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args)}}
+    m = _HEAD.match(body)
+    if m is not None:
+        _, end = json.JSONDecoder().raw_decode(body, m.end())
+        args = body[m.end(): end]
+    else:
+        args = json.dumps(obj.get("arguments", obj.get("parameters", {})))
+    return new_call(index, obj["name"], args)

@@ -1,0 +1,499 @@
+"""Tool calls and reasoning for both families (issue #32), with nothing compiled.
+
+- GPT-OSS harmony answers are parsed from token ids (lp_jax/server/harmony.py), on a tiny
+  GPT-OSS directory whose tokenizer has harmony's markers as special tokens
+  (tests/harmony_model.py).
+- Forced calls (tool_choice "required" / named) stream OpenAI's deltas: a first one with
+  index, id, type, name and arguments "", then argument fragments; they reassemble to the
+  non-streamed call. Their grammars are exercised by random walks through llguidance's
+  masks on the host, and end to end by an engine on `MaskedFakeExecutor`: the fake
+  executor (tests/fake_executor.py) whose constrained rows take a token their grammar
+  allows, from the engine's own bitmask path (LLMEngine -> StructuredOutputs.fill), so the
+  scheduler's hold of constrained rows, preemption and layered prefill are checked too.
+- Auto calls, reasoning and malformed output go through the official openai client
+  against lp-serve on the mock engine, whose tokens are scripted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import openai
+import pytest
+from fake_executor import FakeExecutor
+from harmony_model import write_harmony_model_dir
+from tokenizers import Tokenizer
+
+from checkpoints.make_tiny import ensure_tiny
+from lp_jax import LLM, SamplingParams
+from lp_jax.executor import compile_guard
+from lp_jax.server import OpenAIServer, ServerThread
+from lp_jax.server.harmony import HarmonyParser, final_channel_grammar, harmony_tokens
+from lp_jax.server.protocol import parse_messages
+from lp_jax.server.tools import ToolCallParser, harmony_tool_grammar, split_calls, tool_grammar
+from lp_jax.structured.compiler import GrammarCompiler
+from lp_jax.structured.params import StructuredOutputsParams as SO
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "today's weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 5}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
+TOOLS = [WEATHER, TIME]
+MSGS = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def valid_args(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return list(args) == ["city"] and isinstance(args["city"], str) \
+            and 1 <= len(args["city"]) <= 5
+    return name == "get_time" and list(args) == ["zone"] and type(args["zone"]) is int \
+        and -12 <= args["zone"] <= 12
+
+
+@pytest.fixture(scope="module")
+def hdir(tmp_path_factory):
+    return write_harmony_model_dir(tmp_path_factory.mktemp("tiny-gpt-oss-harmony"))
+
+
+@pytest.fixture(scope="module")
+def htok(hdir):
+    return Tokenizer.from_file(str(hdir / "tokenizer.json"))
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def chunked(rng, ids):
+    cuts = sorted(int(x) for x in rng.integers(0, len(ids) + 1, size=rng.integers(0, 8)))
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+
+
+def reassemble(deltas: list[dict]) -> list[tuple]:
+    """(index, id, name, arguments) per call from streamed tool-call deltas, checking
+    OpenAI's shape: the first delta of an index has id, type and name, later ones not."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        fn = d["function"]
+        if d["index"] not in calls:
+            assert d["type"] == "function" and d["id"].startswith("call_") and fn["name"]
+            calls[d["index"]] = [d["index"], d["id"], fn["name"], fn.get("arguments", "")]
+        else:
+            assert "id" not in d and "name" not in fn, d
+            calls[d["index"]][3] += fn["arguments"]
+    return [tuple(c) for c in calls.values()]
+
+
+CALL = ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city":"Oslo"}<|call|>')
+THINK = "<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant"
+
+
+# ---------------------------------------------------------------- harmony, host side
+@pytest.mark.parametrize("text, tools, want", [
+    (THINK + CALL, True, ("The user wants weather.", None, [("get_weather", '{"city":"Oslo"}')])),
+    (THINK + "<|channel|>final<|message|>Sunny.<|return|>", True,
+     ("The user wants weather.", "Sunny.", [])),
+    ("<|channel|>final<|message|>Hi<|return|>", False, (None, "Hi", [])),
+    # a recipient before the channel is a call too
+    ("<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+     '{"zone":1}<|call|>', True, (None, None, [("get_time", '{"zone":1}')])),
+    # malformed: invalid JSON, unterminated, no tools, a non-function recipient, no body
+    (CALL.replace('"Oslo"}', "Oslo"), True, (None, '{"city":Oslo', [])),
+    (CALL[:-len("<|call|>")], True, (None, '{"city":"Oslo"}', [])),
+    (CALL, False, (None, '{"city":"Oslo"}', [])),
+    ("<|channel|>commentary to=browser.search<|message|>{}<|call|>", True, (None, "{}", [])),
+    ("<|channel|>final", True, (None, "final", [])),
+    # commentary without a recipient (a preamble) is content; two calls, then parallel off
+    ("<|channel|>commentary<|message|>Looking.<|end|><|start|>assistant" + CALL, True,
+     (None, "Looking.", [("get_weather", '{"city":"Oslo"}')])),
+], ids=["think-call", "think-final", "final", "recipient-first", "bad-json", "unterminated",
+        "no-tools", "other-recipient", "no-body", "preamble"])
+def test_harmony_parser_any_chunking(htok, text, tools, want):
+    """The whole answer and the streamed pieces (any split of the ids) agree; reasoning,
+    content and calls land where they belong, and malformed calls stay content."""
+    marks = harmony_tokens(htok)
+    ids = ids_of(htok, text)
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        p = HarmonyParser(htok, marks, tools=tools)
+        r = c = ""
+        deltas = []
+        for part in (chunked(rng, ids) if trial else [ids]):
+            got = p.push(part)
+            r, c, deltas = r + got.reasoning, c + got.content, deltas + got.tool_calls
+        got = p.finish()
+        r, c, deltas = r + got.reasoning, c + got.content, deltas + got.tool_calls
+        reasoning, content, calls = p.message()
+        assert (reasoning, content) == want[:2]
+        assert [(x["function"]["name"], x["function"]["arguments"]) for x in calls] == want[2]
+        assert (r or None, c) == (want[0], want[1] or "")
+        assert [(n, a) for _, _, n, a in reassemble(deltas)] == want[2]
+        assert [i for i, *_ in reassemble(deltas)] == list(range(len(want[2])))
+
+
+def test_harmony_parallel_and_forced_fragments(htok):
+    marks = harmony_tokens(htok)
+    two = ids_of(htok, CALL + "<|start|>assistant" + CALL.replace("Oslo", "Rome"))
+    for parallel, n in [(True, 2), (False, 1)]:
+        p = HarmonyParser(htok, marks, tools=True, parallel=parallel)
+        p.push(two)
+        p.finish()
+        assert [c["function"]["arguments"] for c in p.message()[2]] == \
+            ['{"city":"Oslo"}', '{"city":"Rome"}'][:n]
+    # forced: a first delta at the header, then fragments; cut short it stays a call
+    p = HarmonyParser(htok, marks, tools=True, forced=True)
+    deltas = [d for t in ids_of(htok, CALL)[:-3] for d in p.push([t]).tool_calls]
+    deltas += p.finish().tool_calls
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(deltas) > 3 and all(set(d) == {"index", "function"} for d in deltas[1:])
+    (call,) = p.message()[2]
+    assert reassemble(deltas) == [(0, call["id"], "get_weather", call["function"]["arguments"])]
+    args = call["function"]["arguments"]
+    assert args and '{"city":"Oslo"}'.startswith(args) and args != '{"city":"Oslo"}'
+
+
+def test_qwen3_forced_calls_stream_fragments_any_chunking():
+    text = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"a\\"}b"}}\n</tool_call>'
+            '<tool_call>\n{"name":"get_time","arguments":{"zone":-3}}\n</tool_call>')
+    _, whole = split_calls(text, forced=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == \
+        [("get_weather", '{"city":"a\\"}b"}'), ("get_time", '{"zone":-3}')]
+    rng = np.random.default_rng(2)
+    for _ in range(40):
+        cuts = sorted(int(x) for x in rng.integers(0, len(text) + 1, size=rng.integers(1, 12)))
+        p, content, deltas = ToolCallParser(forced=True), "", []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            c, d = p.push(text[a:b])
+            content, deltas = content + c, deltas + d
+        content += p.finish()
+        assert content == ""
+        assert [(n, a) for _, _, n, a in reassemble(deltas)] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in whole]
+    cut = text[: text.index('"city":"a') + 9]  # a forced call cut short (max_tokens) stays a call
+    assert split_calls(cut, forced=True)[1][0]["function"]["arguments"] == \
+        cut[cut.index('"arguments":') + len('"arguments":'):]
+    assert split_calls(cut)[0] == cut  # auto: it is content
+    _, one = split_calls(text, parallel=False)
+    assert [c["function"]["name"] for c in one] == ["get_weather"]
+
+
+def random_walk(m, rng, words, prefer, limit=400) -> list[int]:
+    """Tokens through a matcher's masks: a "model" that picks any allowed token, a
+    preferred (special) one a third of the time."""
+    ids, mask = [], np.zeros(words, np.int32)
+    while not m.is_stopped() and len(ids) < limit:
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        sp = [a for a in allowed if a in prefer]
+        t = int(rng.choice(sp)) if sp and rng.random() < 0.33 else int(rng.choice(allowed))
+        assert m.consume_token(t)
+        ids.append(t)
+    return ids
+
+
+def test_harmony_forced_grammar_random_walks_are_valid_calls(hdir, htok):
+    """Every walk through the required / named harmony grammar's masks is (after any
+    analysis) exactly one well-formed call, parsed from its ids by the harmony parser."""
+    marks = harmony_tokens(htok)
+    c = GrammarCompiler(hdir / "tokenizer.json", 512, [marks.ret, marks.call])
+    prefer = {marks.end, marks.call, marks.ret}
+    rng = np.random.default_rng(3)
+    for choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
+        m0, names = c.compile(harmony_tool_grammar(TOOLS, choice)), set()
+        for _ in range(12):
+            ids = random_walk(m0.deep_copy(), rng, 16, prefer)
+            assert ids[-1] == marks.call, ids
+            p = HarmonyParser(htok, marks, tools=True, forced=True)
+            p.push(ids)
+            p.finish()
+            reasoning, content, (call,) = p.message()
+            fn = call["function"]
+            assert content is None and valid_args(fn["name"], fn["arguments"]), fn
+            names.add(fn["name"])
+        assert names == ({"get_weather", "get_time"} if choice == "required" else {"get_time"})
+    assert harmony_tool_grammar(TOOLS, "auto") is None
+    spec = final_channel_grammar(SO(regex="a"), htok)
+    assert htok.decode(list(spec.start_after), skip_special_tokens=False) == \
+        "<|channel|>final<|message|>"
+
+
+# ------------------------------------------- forced calls end to end, fake executor
+def masked_executor(prefer: frozenset):
+    class MaskedFakeExecutor(FakeExecutor):
+        """FakeExecutor whose constrained rows sample from their grammar's bitmask, as
+        the model runner builds it (StructuredOutputs.fill, the engine's matchers): an
+        allowed token that depends on the request's seed (else its id) and position, a
+        preferred one a third of the time, so a seeded request repeats its tokens."""
+
+        structured = None  # LLMEngine attaches its grammar engine here
+
+        def dispatch(self, plan, prev=None):
+            handle = super().dispatch(plan, prev)
+            rows = [(s, i) for i, s in enumerate(plan.sampling_seqs)
+                    if s.sampling_params.structured_outputs is not None]
+            if not rows:
+                return handle
+            for s, _ in rows:  # the scheduler holds these out while a token is pending
+                assert s.num_pending_tokens == 0, s.seq_id
+            mask = np.full((len(plan.sampling_seqs), self.structured.words), -1, np.int32)
+            self.structured.fill([(s.seq_id, i) for s, i in rows], mask)
+            tokens = handle.collect().tokens
+            for s, i in rows:
+                allowed = np.flatnonzero(np.unpackbits(mask[i].view(np.uint8),
+                                                       bitorder="little"))
+                allowed = allowed[allowed < self.vocab_size]
+                seed = s.sampling_params.seed
+                h = (7919 * (s.seq_id if seed is None else seed) + 104729 * s.num_tokens
+                     + 13) % 1000003
+                sp = [a for a in allowed if a in prefer]
+                if sp and h % 3 == 0:
+                    tokens[s.seq_id] = int(sp[h % len(sp)])
+                else:
+                    tokens[s.seq_id] = int(allowed[h % len(allowed)])
+            return handle
+
+    return MaskedFakeExecutor
+
+
+@pytest.fixture(autouse=True)
+def _nothing_compiles():
+    compile_guard.install()
+    before = compile_guard.compilations()
+    yield
+    assert compile_guard.compilations() == before, "a test of tool calls compiled"
+
+
+def fake_server(model_dir, prefer, max_model_len=512, **kw):
+    llm = LLM(model=str(model_dir), max_num_seqs=4, max_model_len=max_model_len, log=None,
+              scheduling="chunked", max_num_batched_tokens=64,
+              executor=masked_executor(frozenset(prefer)), **kw)
+    return llm, ServerThread(OpenAIServer(llm.engine, served_model_names=["m"])).start()
+
+
+def client_of(st):
+    return openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed_calls(chunks) -> list[tuple]:
+    deltas = [t.model_dump(exclude_none=True) for c in chunks if c.choices
+              for t in (c.choices[0].delta.tool_calls or [])]
+    return reassemble(deltas), len(deltas)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3"])
+def test_forced_calls_stream_fragments_equal_to_the_whole_call(family, hdir):
+    """tool_choice required / named through lp-serve: a well-formed call (the grammar),
+    finish_reason tool_calls, streamed as a first delta and argument fragments that
+    reassemble to the non-streamed call; then the call and the tool's answer go back
+    through the chat template."""
+    if family == "gpt-oss":
+        marks = harmony_tokens(Tokenizer.from_file(str(hdir / "tokenizer.json")))
+        model_dir, prefer, context = hdir, {marks.end, marks.call}, 2048  # tools: long prompt
+    else:
+        model_dir, prefer, context = ensure_tiny(preset="tiny"), {509, 511}, 512
+    llm, st = fake_server(model_dir, prefer, context)
+    try:
+        client = client_of(st)
+        kw = dict(model="m", messages=MSGS, max_tokens=200, tools=TOOLS)
+        for seed, choice in [(0, "required"), (1, "required"),
+                             (2, {"type": "function", "function": {"name": "get_weather"}})]:
+            done = client.chat.completions.create(seed=seed, tool_choice=choice, **kw)
+            ch = done.choices[0]
+            assert ch.finish_reason == "tool_calls", ch
+            (call,) = ch.message.tool_calls
+            assert valid_args(call.function.name, call.function.arguments), call
+            if isinstance(choice, dict):
+                assert call.function.name == "get_weather"
+            chunks = list(client.chat.completions.create(seed=seed, tool_choice=choice,
+                                                         stream=True, **kw))
+            (got,), n = streamed_calls(chunks)
+            assert got[0] == 0 and got[2:] == (call.function.name, call.function.arguments)
+            assert n > 2  # fragments, not one delta
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        back = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        answer = client.chat.completions.create(model="m", messages=back, max_tokens=4,
+                                                tools=TOOLS, tool_choice="none")
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        prompt = st.server.chat.render(parse_messages(back)[0], tools=TOOLS)
+        assert "sunny" in prompt  # the tiny Qwen3 template renders no tools or calls
+        if family == "gpt-oss":
+            assert f"to=functions.{call.function.name} <|constrain|>json" in prompt
+            assert f"<|start|>functions.{call.function.name} to=assistant" in prompt
+        assert answer.usage.prompt_tokens == len(ids_of(llm.engine.tokenizer, prompt))
+    finally:
+        st.stop()
+    s = llm.engine.stats()
+    assert s["structured_outputs"]["live"] == 0 and s["free_pages"] == s["total_pages"]
+
+
+# ----------------------------- constrained rows under preemption and layered prefill
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "string", "maxLength": 4},
+                         "b": {"type": "integer", "minimum": 0, "maximum": 999}}}
+
+
+@pytest.mark.parametrize("policy, kw", [
+    ("layered", dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64)),
+    ("layered-preemptible", dict(scheduling="layered", preemptible=True, layer_groups=4,
+                                 max_num_batched_tokens=256)),
+    ("flowprefill", dict(scheduling="flowprefill", preemption_granularity="layer",
+                         max_num_batched_tokens=256)),
+    ("chunked-recompute", dict(scheduling="chunked", max_num_batched_tokens=32, kv_pages=20)),
+])
+def test_constrained_rows_under_preemption_and_layered_prefill(policy, kw):
+    """JSON-schema rows beside free ones under layered prefill, preemptible batches (the
+    urgent constrained arrivals pause a long prefill), FlowPrefill and KV-pressure
+    recompute, overlapped: every constrained output is valid and ends with stop, every
+    free one has its fake tokens, nothing leaks."""
+    from fake_executor import fake_token
+
+    llm = LLM(model=str(ensure_tiny(preset="tiny")), max_num_seqs=4, max_model_len=256,
+              log=None, executor=masked_executor(frozenset({509, 511})), **kw)
+    eng = llm.engine
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 500, int(rng.integers(20, 150))).tolist() for _ in range(10)]
+    prompts[0] = rng.integers(0, 500, 240).tolist()  # a long prefill, paused by the urgent
+    bound = SamplingParams(max_tokens=60, structured_outputs=SO(json=SCHEMA))
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids, outs, step = {}, {}, 0
+    while len(outs) < len(prompts):
+        if step < len(prompts):  # one arrival a step: prefills overlap decodes
+            ids[eng.add_request(prompts[step], bound if step % 2 else free,
+                                priority=-(step % 2))] = step
+        for out in eng.step():
+            if out.finished:
+                outs[ids[out.request_id]] = out
+        step += 1
+        assert step < 3000
+    for i, out in outs.items():
+        if i % 2:
+            assert out.finish_reason == "stop", out.text
+            obj = json.loads(eng.tokenizer.decode(out.token_ids))
+            assert list(obj) == ["a", "b"] and len(obj["a"]) <= 4 and 0 <= obj["b"] <= 999
+        else:
+            rid = next(r for r, k in ids.items() if k == i)
+            assert out.token_ids == [fake_token(rid, len(prompts[i]) + j, 512)
+                                     for j in range(12)]
+    s = eng.stats()
+    assert s["free_pages"] == s["total_pages"] and s["structured_outputs"]["live"] == 0
+    assert s["overlapped_steps"] > 0
+    if policy == "chunked-recompute":
+        assert s["preemptions"] > 0
+    if policy in ("layered-preemptible", "flowprefill"):
+        assert s["prefill_pauses"] > 0, s
+
+
+# ------------------------------------------------ auto calls on the mock, scripted
+class Script:
+    """The mock engine's tokens: each new request takes the next script, then eos."""
+
+    def __init__(self, eos: int):
+        self.eos, self.queue, self.of = eos, [], {}
+
+    def __call__(self, seq_id: int, i: int) -> int:
+        if seq_id not in self.of:
+            self.of[seq_id] = self.queue.pop(0)
+        ids = self.of[seq_id]
+        return ids[i] if i < len(ids) else self.eos
+
+
+@pytest.fixture(scope="module")
+def mock(hdir, htok):
+    from lp_jax.server.mock import MockEngine
+
+    marks = harmony_tokens(htok)
+    script = Script(marks.ret)
+    engine = MockEngine(model_dir=hdir, eos_token_id=marks.ret, max_model_len=1024,
+                        token_fn=script)
+    st = ServerThread(OpenAIServer(engine, served_model_names=["m"])).start()
+    yield st, script, marks
+    st.stop()
+
+
+def ask(mock, text, *, stream, tools=TOOLS, **kw):
+    st, script, marks = mock
+    script.queue.append(ids_of(st.server.tokenizer, text))
+    resp = client_of(st).chat.completions.create(
+        model="m", messages=MSGS, max_tokens=200, stream=stream, tools=tools,
+        extra_body={"stop_token_ids": [marks.call]}, **kw)
+    if not stream:
+        ch = resp.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in ch.message.tool_calls or []]
+        return (getattr(ch.message, "reasoning_content", None), ch.message.content, calls,
+                ch.finish_reason)
+    chunks = [c for c in resp if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    r = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    calls, _ = streamed_calls(chunks)
+    return (r or None, "".join(d.content or "" for d in deltas) or None,
+            [(n, a) for _, _, n, a in calls], chunks[-1].choices[0].finish_reason)
+
+
+@pytest.mark.parametrize("text, want", [
+    (THINK + CALL, ("The user wants weather.", None, [("get_weather", '{"city":"Oslo"}')],
+                    "tool_calls")),
+    (THINK + "<|channel|>final<|message|>It is sunny.<|return|>",
+     ("The user wants weather.", "It is sunny.", [], "stop")),
+    (CALL.replace('"Oslo"}', "Oslo"), (None, '{"city":Oslo', [], "stop")),  # invalid JSON
+    # cut short in its header or its body (then eos): the plain text, as content
+    (THINK + CALL[:40], ("The user wants weather.", "assistantcommentary to=functions.get_w",
+                         [], "stop")),
+    (CALL[: -len('"}<|call|>')], (None, '{"city":"Oslo', [], "stop")),
+], ids=["call", "final", "bad-json", "cut-header", "cut-body"])
+def test_harmony_answers_through_the_openai_client(mock, text, want):
+    """Auto tool choice on GPT-OSS harmony: reasoning, content and calls from the token
+    ids, the same streamed and not; malformed calls are content, never an error."""
+    for stream in (False, True):
+        got = ask(mock, text, stream=stream)
+        assert got == want, (stream, got)
+
+
+def test_harmony_parallel_tool_calls_false_keeps_the_first(mock):
+    two = CALL + "<|start|>assistant" + CALL.replace("Oslo", "Rome")
+    st, script, _ = mock
+    for parallel, n in [(True, 2), (False, 1)]:
+        for stream in (False, True):
+            script.queue.append(ids_of(st.server.tokenizer, two))
+            resp = client_of(st).chat.completions.create(
+                model="m", messages=MSGS, max_tokens=200, stream=stream, tools=TOOLS,
+                parallel_tool_calls=parallel)  # <|call|> is no stop id here: both calls come
+            if stream:
+                calls, _ = streamed_calls([c for c in resp if c.choices])
+                args = [a for *_, a in calls]
+            else:
+                args = [c.function.arguments for c in resp.choices[0].message.tool_calls]
+            assert args == ['{"city":"Oslo"}', '{"city":"Rome"}'][:n], (parallel, stream)
+
+
+def test_harmony_tools_reach_the_template_and_forced_choice_needs_a_grammar(mock):
+    st, _, _ = mock
+    prompt = st.server.chat.render(MSGS, tools=TOOLS)
+    assert "type get_weather = (_: " in prompt and "'functions'" in prompt
+    # The mock samples no grammar: a forced choice is refused as the engine refuses it.
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client_of(st).chat.completions.create(model="m", messages=MSGS, max_tokens=4,
+                                              tools=TOOLS, tool_choice="required")
+
+
+def test_qwen3_grammars_compile_and_walk_to_calls(tiny_dir):
+    """The Qwen3 forced grammar (parallel and not): random walks parse as calls."""
+    c = GrammarCompiler(tiny_dir / "tokenizer.json", 512, [511, 509])
+    rng = np.random.default_rng(4)
+    for parallel in (True, False):
+        m0 = c.compile(tool_grammar(TOOLS, "required", parallel))
+        for _ in range(6):
+            ids = random_walk(m0.deep_copy(), rng, 16, {509, 511})
+            text = Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(ids)
+            content, calls = split_calls(text, forced=True, parallel=parallel)
+            assert content is None and calls and (parallel or len(calls) == 1), text
+            assert all(valid_args(x["function"]["name"], x["function"]["arguments"])
+                       for x in calls)
