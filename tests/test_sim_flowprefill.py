@@ -32,11 +32,13 @@ from lp_jax.sim import (
     multi_slo_requests,
     parse_assignments,
     parse_task_class,
+    prior_calibration,
     solo_ttft,
     ttft_attainment,
     warm_latency,
     weight_bytes,
 )
+from lp_jax.sim.ttft_fit import PROFILE_TOKENS, CubicTTFT, compare
 
 H100 = get_hardware("h100")
 A800 = get_hardware("a800")
@@ -331,6 +333,28 @@ def test_finer_preemption_blocks_the_short_request_less():
         both = [sim.run([long_req, replace(short, arrival=at)]).metrics[1].ttft for at in at_N]
         wait[name] = np.mean(both) - alone  # mean over arrival times inside the long prefill
     assert wait["operator"] < wait["layer"] < wait["group"] < wait["layered_fcfs"]
+
+
+# ----- FlowPrefill's cubic TTFT predictor against the LatencyModel ----------------------------
+def test_cubic_ttft_fit_recovers_a_cubic_and_is_blind_to_cached_context():
+    n = np.array(PROFILE_TOKENS, dtype=float)
+    truth = (2e-3, 3e-5, 4e-10, 5e-15)
+    y = sum(c * n**k for k, c in enumerate(truth))
+    for relative in (True, False):
+        fit = CubicTTFT.fit(n, y, relative=relative)
+        assert [fit.predict(t) for t in (100.0, 5000.0, 20000.0)] == pytest.approx(
+            [sum(c * t**k for k, c in enumerate(truth)) for t in (100.0, 5000.0, 20000.0)],
+            rel=1e-6)
+    with pytest.raises(ValueError):
+        CubicTTFT.fit([1, 2, 3], [1, 2, 3])
+    # One simulated profile with batches and cached prefixes: the LatencyModel's T x P
+    # feature predicts a prompt after a cached prefix; a cubic in new tokens cannot.
+    ex = CostModelExecutor(LLAMA3_8B, A800, calibration=prior_calibration(A800.name))
+    r = compare(ex, profile_kind="mixed")
+    assert r["profile_points"] == 3 * len(PROFILE_TOKENS)
+    assert r["cached"]["latency_model"]["mean"] < 0.05 < r["cached"]["cubic"]["mean"]
+    with pytest.raises(ValueError):
+        compare(ex, profile_kind="table")
 
 
 # ----- the benchmark script ---------------------------------------------------------------------
