@@ -18,7 +18,24 @@ predicted step meets the TBT SLO x (1 - 0.1)), FlowPrefill (operator segments, s
 EDF; decodes ride with the group starts), and MuxWise (lp_jax/sim/muxwise.py: SM
 partitions, layer-wise launches; its constants are ASSUMED, see that module);
 `--policies muxwise-bw-linear` runs MuxWise with HBM bandwidth proportional to the SM
-share (a sensitivity run). The estimator-driven policies (FlowPrefill, adaptive layered)
+share (a sensitivity run).
+
+Fair baselines and MuxWise variants (issue #30 finding 5):
+- chunked-tbt: chunked prefill whose token budget is sized to the TBT SLO: the largest
+  multiple of 128 tokens whose step, as the engine's estimator (warmed as below) predicts
+  it beside `TBT_DECODES` (32, ASSUMED) decodes at the workload's mean context (mean
+  prompt + half the mean output), stays within the TBT SLO x 0.9 (the margin adaptive
+  layered uses);
+- layered-g2 / -g4 / -g8 / -g16: layered with a fixed number of groups G (the fixed-G
+  sweep);
+- muxwise-est (sync launches) and muxwise-est-async: MuxWise on the engine's estimator
+  (lp_jax/sim/muxwise_predict.py) with 5% step-time noise; muxwise-async: the oracle with
+  async launches;
+- any MuxWise spec may add `:field=value` overrides of MuxWiseOptions, e.g.
+  `muxwise-est-async:bandwidth_saturation=0.2:sync_s=0.0002` (the sensitivity sweep, whose
+  table `--sensitivity` adds: each variant's rate against its base spec).
+
+The estimator-driven policies (FlowPrefill, adaptive layered, chunked-tbt's budget)
 get a latency model warmed by a simulated profiling run with 8 output tokens a request,
 then frozen (`--online-latency` keeps it learning; slower). Every policy pays
 `--segment-overhead-us` (50 us) instead of the 2 ms per-iteration overhead for a plan that
@@ -79,9 +96,26 @@ POLICIES: dict[str, dict] = {
     # sensitivity: HBM bandwidth proportional to the SM share (no saturation)
     "muxwise-bw-linear": {"policy": "muxwise",
                           "muxwise": MuxWiseOptions(bandwidth_saturation=1.0)},
+    # fair baselines (module note)
+    "chunked-tbt": {"policy": "chunked"},  # budget sized per workload (tbt_budget)
+    **{f"layered-g{g}": {"policy": "layered", "layer_groups": g} for g in (2, 4, 8, 16)},
+    # MuxWise on the engine's estimator, sync and async launches, and the oracle async
+    "muxwise-est": {"policy": "muxwise",
+                    "muxwise": MuxWiseOptions(predictor="estimator", noise=0.05)},
+    "muxwise-est-async": {"policy": "muxwise",
+                          "muxwise": MuxWiseOptions(predictor="estimator", noise=0.05,
+                                                    launches="async")},
+    "muxwise-async": {"policy": "muxwise", "muxwise": MuxWiseOptions(launches="async")},
 }
 DEFAULT_POLICIES = "chunked-512,layered,layered-adaptive,flowprefill,muxwise"
-ESTIMATOR_DRIVEN = ("flowprefill", "layered-adaptive")
+FAIR_POLICIES = ("chunked-512,chunked-tbt,layered,layered-g2,layered-g4,layered-g8,layered-g16,"
+                 "layered-adaptive,muxwise,muxwise-async,muxwise-est,muxwise-est-async")
+SENSITIVITY = tuple(f"muxwise-est-async:{kv}" for kv in (
+    "bandwidth_saturation=0.2", "bandwidth_saturation=0.6", "bandwidth_saturation=1.0",
+    "sync_s=0", "sync_s=0.0002", "sync_s=0.002", "launch_overhead_s=0.0002",
+    "launch_overhead_s=0.001", "noise=0", "noise=0.1", "noise=0.2"))
+ESTIMATOR_DRIVEN = ("flowprefill", "layered-adaptive", "chunked-tbt")
+TBT_DECODES = 32  # decodes the TBT-sized chunk must protect (ASSUMED)
 PANEL_GRID = (1.0, 2.0, 3.0, 4.0, 5.0, 6.5)  # x the paper's chunked rate
 MULTI_GRID = (0.1, 0.2, 0.3, 0.45, 0.6, 0.8)  # x the capacity estimate
 SEED = 0
@@ -147,14 +181,60 @@ def passes(wl: Workload, r: Request, m) -> bool:
 
 
 # ----- one (workload, policy) -----------------------------------------------------------------
+def policy_options(spec: str) -> dict:
+    """SimConfig options of a policy spec: a POLICIES key, then `:field=value` overrides of
+    MuxWiseOptions for a MuxWise spec."""
+    base, *over = spec.split(":")
+    if base not in POLICIES:
+        raise ValueError(f"unknown policy {base!r}; known: {', '.join(POLICIES)}")
+    opts = dict(POLICIES[base])
+    if over:
+        if opts["policy"] != "muxwise":
+            raise ValueError(f"{spec!r}: only MuxWise specs take overrides")
+        kv = {}
+        for item in over:
+            k, sep, v = item.partition("=")
+            if not sep or k not in MuxWiseOptions.__dataclass_fields__:
+                raise ValueError(f"{spec!r}: {item!r} is not field=value of MuxWiseOptions")
+            cur = getattr(MuxWiseOptions(), k)
+            kv[k] = v if isinstance(cur, str) else type(cur)(float(v))
+        opts["muxwise"] = replace(opts.get("muxwise") or MuxWiseOptions(), **kv)
+    return opts
+
+
+def tbt_budget(wl: Workload, latency, shape) -> int:
+    """The largest multiple of 128 prompt tokens whose chunked step beside TBT_DECODES
+    decodes at the workload's mean context is predicted within 0.9 x the TBT SLO."""
+    reqs = wl.requests(1.0, 200, 200)
+    ctx = int(sum(r.prompt_len + r.output_len / 2 for r in reqs) / len(reqs))
+    B, units = TBT_DECODES, 2 * shape.num_layers
+
+    def fits(c: int) -> bool:
+        x = latency.features([(c, 0)], 0, units, B, B * ctx)
+        return latency.predict(x, B, c) <= 0.9 * wl.tbt_slo
+
+    lo, hi = 1, 128  # in units of 128 tokens
+    if not fits(128):
+        return 128
+    while hi < wl.max_model_len // 128 and fits(128 * hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(128 * mid) else (lo, mid)
+    return 128 * lo
+
+
 def sim_config(wl: Workload, policy: str, args) -> SimConfig:
-    opts = dict(POLICIES[policy])
+    opts = policy_options(policy)
     cfg = SimConfig(shape=MODELS[wl.model], hardware=HARDWARE, tp=TP, tbt_slo_s=wl.tbt_slo,
                     max_model_len=wl.max_model_len,
                     segment_overhead_s=args.segment_overhead_us * 1e-6, **opts)
     if policy in ESTIMATOR_DRIVEN:
-        warm = warm_latency(cfg, output_len=8)
+        warm = warm_latency(cfg if policy != "chunked-tbt"
+                            else replace(cfg, max_num_batched_tokens=8192), output_len=8)
         cfg = replace(cfg, latency=warm, observe_latency=args.online_latency)
+        if policy == "chunked-tbt":
+            cfg = replace(cfg, max_num_batched_tokens=tbt_budget(wl, warm, cfg.shape))
     return cfg
 
 
@@ -212,6 +292,7 @@ def search(task) -> tuple[str, str, dict]:
                                        max_extensions=args.max_extensions, full_curve=False)
     out = {
         "rate": found.rate,
+        "budget": cfg.max_num_batched_tokens,
         "lower_bound_only": found.lower_bound_only,
         "at_rate": points.get(found.rate),
         "curve": [points[r] for r in sorted(points)],
@@ -257,6 +338,8 @@ def markdown(results: dict, workloads: list[Workload], policies: list[str], meta
         lines.append(f"| {wl.title} | " + " | ".join(cells) + " |")
     lines += _detail_table(results, workloads, policies)
     lines += _muxwise_table(results, workloads, policies)
+    lines += _fair_table(results, workloads, policies)
+    lines += _sensitivity_table(results, workloads, policies)
     return "\n".join(lines + [""])
 
 
@@ -270,6 +353,58 @@ def _detail_table(results: dict, workloads: list[Workload], policies: list[str])
         report.cell(1e3 * a["max_itl_p99"], ".0f"),
         report.cell(a["expert_gb_per_100_requests"], ".0f"),
         report.cell(a["mj_per_token"], ".1f")])
+
+
+def _best(res: dict, names: list[str]) -> tuple[str, float]:
+    """(policy, rate) of the best of `names` that ran."""
+    got = [(res[p]["rate"], p) for p in names if p in res]
+    if not got:
+        return "-", 0.0
+    rate, p = max(got)
+    return p, rate
+
+
+def _fair_table(results: dict, workloads: list[Workload], policies: list[str]) -> list[str]:
+    """MuxWise variants against the best baseline that spends the TBT slack."""
+    base = [p for p in policies if not p.startswith("muxwise")]
+    fixed_g = [p for p in base if p.startswith("layered-g")]
+    muxes = [p for p in policies if p.startswith("muxwise") and ":" not in p]
+    if not (base and muxes):
+        return []
+    lines = ["", "Fair baselines: the TBT-sized chunk budget, the best fixed G, the best "
+             "baseline of all, and each MuxWise variant's rate against that best baseline.",
+             "", "| workload | chunked-tbt budget | best fixed G | best baseline | "
+             + " | ".join(f"{m} / best" for m in muxes) + " |",
+             "| --- | ---: | --- | --- | " + " | ".join(["---:"] * len(muxes)) + " |"]
+    for wl in workloads:
+        res = results[wl.key]
+        budget = str(res["chunked-tbt"].get("budget")) if "chunked-tbt" in res else "-"
+        g, g_rate = _best(res, fixed_g)
+        b, b_rate = _best(res, base)
+        cells = [_x(res[m]["rate"], b_rate) for m in muxes]
+        lines.append(report.row([wl.title, budget, f"{g} ({g_rate:.2f})" if g_rate else "-",
+                                 f"{b} ({b_rate:.2f})" if b_rate else "-", *cells]))
+    return lines
+
+
+def _sensitivity_table(results: dict, workloads: list[Workload],
+                       policies: list[str]) -> list[str]:
+    """Each `base:overrides` spec's rate against its base spec's."""
+    variants = [p for p in policies if ":" in p]
+    if not variants:
+        return []
+    lines = ["", "Sensitivity: sustainable rate of each override (its ratio to the base "
+             "spec).", "", "| variant | " + " | ".join(wl.title for wl in workloads) + " |",
+             "| --- | " + " | ".join(["---:"] * len(workloads)) + " |"]
+    for v in variants:
+        base = v.split(":")[0]
+        cells = []
+        for wl in workloads:
+            res = results[wl.key]
+            r, b = res[v]["rate"], res.get(base, {}).get("rate", 0.0)
+            cells.append(f"{r:.2f} ({_x(r, b)})")
+        lines.append(report.row([v.split(":", 1)[1].replace(":", ", "), *cells]))
+    return lines
 
 
 def _muxwise_table(results: dict, workloads: list[Workload], policies: list[str]) -> list[str]:
@@ -341,7 +476,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="arrival window per rate point: rate x window requests")
     ap.add_argument("--min-requests", type=int, default=200)
     ap.add_argument("--max-requests", type=int, default=2000)
-    ap.add_argument("--policies", default=DEFAULT_POLICIES)
+    ap.add_argument("--policies", default=DEFAULT_POLICIES,
+                    help="comma-separated specs, or 'fair' for the fair-baseline set")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="add the sensitivity specs (and their base muxwise-est-async)")
     ap.add_argument("--workloads", default="panels,multislo", help="panels, multislo or keys")
     ap.add_argument("--bisect-steps", type=int, default=4)
     ap.add_argument("--max-extensions", type=int, default=5,
@@ -365,7 +503,12 @@ def select_workloads(spec: str) -> tuple[list[Workload], dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    policies = [p for p in args.policies.split(",") if p]
+    spec = FAIR_POLICIES if args.policies == "fair" else args.policies
+    policies = [p for p in spec.split(",") if p]
+    if args.sensitivity:
+        policies += [p for p in ("muxwise-est-async", *SENSITIVITY) if p not in policies]
+    for p in policies:
+        policy_options(p)  # a bad spec fails before any run
     workloads, multi_info = select_workloads(args.workloads)
     tasks = [(wl, p, args) for wl in workloads for p in policies]
     results: dict[str, dict] = {wl.key: {} for wl in workloads}
