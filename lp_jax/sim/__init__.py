@@ -13,6 +13,9 @@ roofline cost model instead of the JAX executor:
 - `muxwise_cost` -- MuxWise's SM-partition cost model of concurrent prefill / decode
                    streams, and its executor;
 - `muxwise`     -- MuxWise's policy (`SimConfig(policy="muxwise", tbt_slo_s=...)`);
+- `muxwise_predict` -- what MuxWise predicts with: the cost model (oracle) or the
+                   engine's LatencyModel, per-partition factors and a contention guard;
+- `ttft_fit`    -- FlowPrefill's cubic-in-tokens TTFT fit against the LatencyModel;
 - `slo`         -- attainment and the sustainable-rate search;
 - `disagg`      -- prefill / decode disaggregated serving (`DisaggConfig`,
                    `run_disaggregated`), KV transfers over `kv_link` (NVLink, ICI, DCN);
