@@ -29,7 +29,7 @@ from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
 from lp_jax.executor import compile_guard
 from lp_jax.server import OpenAIServer, ServerThread
-from lp_jax.server.harmony import HarmonyParser, final_channel_grammar, harmony_tokens
+from lp_jax.server.harmony import HarmonyParser, Piece, final_channel_grammar, harmony_tokens
 from lp_jax.server.protocol import parse_messages
 from lp_jax.server.tools import ToolCallParser, harmony_tool_grammar, split_calls, tool_grammar
 from lp_jax.structured.compiler import GrammarCompiler
@@ -497,3 +497,49 @@ def test_qwen3_grammars_compile_and_walk_to_calls(tiny_dir):
             assert content is None and calls and (parallel or len(calls) == 1), text
             assert all(valid_args(x["function"]["name"], x["function"]["arguments"])
                        for x in calls)
+
+
+# ---------------------------------------------------- malformed output never raises
+def test_random_output_never_raises_and_streams_as_it_parses_whole(htok):
+    """Random harmony token ids (markers often) and random Qwen3 block text: no error,
+    and any split of the stream gives the whole answer's reasoning, content and calls."""
+    marks = harmony_tokens(htok)
+    rng = np.random.default_rng(7)
+    words = ids_of(htok, ' to=functions.get_weather commentary analysis final {"city":"x"}')
+    for _ in range(150):
+        ids = [int(rng.choice([*marks.ends, marks.start, marks.message, marks.channel,
+                               marks.constrain])) if rng.random() < 0.3
+               else int(rng.choice(words)) for _ in range(int(rng.integers(0, 40)))]
+        for forced in (False, True):
+            whole = HarmonyParser(htok, marks, tools=True, forced=forced)
+            whole.push(ids)
+            whole.finish()
+            p = HarmonyParser(htok, marks, tools=True, forced=forced)
+            got = Piece()
+            for part in chunked(rng, ids):
+                got += p.push(part)
+            got += p.finish()
+            reasoning, content, calls = whole.message()
+            assert (got.reasoning or None, got.content) == (reasoning, content or "")
+            assert [(n, a) for _, _, n, a in reassemble(got.tool_calls)] == \
+                [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    parts = ["<tool_call>", "</tool_call>", '{"name":', ' "get_time"', ',"arguments":', " ",
+             "{", "}", '"', "\\", "1", "\n", "x"]
+    for _ in range(300):
+        text = "".join(rng.choice(parts) for _ in range(int(rng.integers(0, 25))))
+        for forced in (False, True):
+            for parallel in (False, True):
+                content, calls = split_calls(text, forced, parallel)
+                p, c, deltas = ToolCallParser(forced, parallel), "", []
+                for a, b in zip(*_cuts(rng, len(text)), strict=True):
+                    dc, dd = p.push(text[a:b])
+                    c, deltas = c + dc, deltas + dd
+                c += p.finish()
+                assert c == (content or ""), (text, forced)
+                assert [(n, a) for _, _, n, a in reassemble(deltas)] == \
+                    [(x["function"]["name"], x["function"]["arguments"]) for x in calls]
+
+
+def _cuts(rng, n):
+    cuts = sorted(int(x) for x in rng.integers(0, n + 1, size=rng.integers(0, 6)))
+    return [0, *cuts], [*cuts, n]

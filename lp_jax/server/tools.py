@@ -190,9 +190,17 @@ class ToolCallParser:
         out = []
         if self._open is None:
             m = _HEAD.match(body)
-            if m is None or not (self.parallel or not self.calls):
+            # Announced once the arguments' first character is in (the whitespace before
+            # it is not theirs), when a call is wanted.
+            if m is None or m.end() == len(body) or not (self.parallel or not self.calls):
                 return out
-            self._open = new_call(len(self.calls), json.loads(m.group(1)), "")
+            try:
+                name = json.loads(m.group(1))
+            except ValueError:  # not a JSON string: left to the block's end, as text
+                return out
+            if not name:
+                return out
+            self._open = new_call(len(self.calls), name, "")
             self._open["start"] = m.end()
             self._value = _ValueEnd()
             self.calls.append(self._open)
@@ -276,12 +284,12 @@ class _ValueEnd:
 
 def _call(body: str, index: int) -> dict | None:
     """A block's call, its arguments as the model wrote them (a JSON string); None when
-    the block is not a JSON object with a string `name`."""
+    the block is not a JSON object with a non-empty string `name`."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     m = _HEAD.match(body)
     if m is not None:
