@@ -413,14 +413,19 @@ def _muxwise_table(results: dict, workloads: list[Workload], policies: list[str]
         return []
     lines = ["", "MuxWise at its sustainable rate: mean prefill SM share next to decodes, "
              "operator units per launch, repartitions, short-request preemptions, plans "
-             "where no share met the TBT target.", "",
+             "where no share met the TBT target, the share of requests whose every gap met "
+             "the TBT SLO, and the mean error of the predicted decode / prefill finish.", "",
              "| workload | variant | prefill share | units / launch | repartitions | "
-             "short preemptions | no share fits |", "| --- | --- | ---: | ---: | ---: | ---: | "
-             "---: |"]
+             "short preemptions | no share fits | TBT met | decode / prefill error |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    nan = float("nan")
     return lines + _at_rate_rows(results, workloads, muxes, lambda a: [
         report.cell(a["muxwise_mean_prefill_share"], ".2f"),
         report.cell(a["muxwise_units_per_launch"], ".1f"), f"{a['muxwise_repartitions']:.0f}",
-        f"{a['muxwise_short_preemptions']:.0f}", f"{a['muxwise_fallback_partitions']:.0f}"])
+        f"{a['muxwise_short_preemptions']:.0f}", f"{a['muxwise_fallback_partitions']:.0f}",
+        report.cell(a["tbt_attainment"], ".3f"),
+        f"{report.cell(a.get('muxwise_decode_pred_error', nan), '.3f')} / "
+        f"{report.cell(a.get('muxwise_prefill_pred_error', nan), '.3f')}"])
 
 
 def _at_rate_rows(results: dict, workloads: list[Workload], policies: list[str],

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import launch_module
 
+from lp_jax.core.latency import FEATURES, LatencyModel, ModelDims
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.sequence import Sequence
@@ -191,6 +192,7 @@ def test_estimator_muxwise_meets_the_tbt_slo_measured_from_token_times(monkeypat
     assert res.extra["muxwise_overlapped_launches"] > 20
     assert max(_gaps(res)) <= tbt
     assert all(m.num_tokens == 60 for m in res.metrics[:96])
+    assert 0 < res.extra["muxwise_decode_pred_error"] < 0.5  # it is not the truth
     est = muxwise_predict.EstimatedPredictor
     alone = est.decode_alone
     monkeypatch.setattr(est, "decode_alone", lambda self, dec, w: 0.8 * alone(self, dec, w))
@@ -317,3 +319,23 @@ def test_bench_script_smoke(tmp_path):
     md = (tmp_path / "muxwise_sim.md").read_text()
     assert "| Qwen3-30B-A3B + ShareGPT |" in md and "MuxWise at its sustainable rate" in md
     assert (tmp_path / "muxwise_sim_curves.csv").read_text().startswith("workload,policy")
+
+
+def test_bench_policy_specs_and_the_tbt_sized_budget():
+    """Specs with MuxWiseOptions overrides, bad specs refused, and the TBT-sized chunk:
+    the largest multiple of 128 tokens the estimator predicts within 0.9 x TBT."""
+    bench = launch_module("bench_muxwise_sim")
+    o = bench.policy_options("muxwise-est-async:bandwidth_saturation=0.2:sm_steps=8")["muxwise"]
+    assert (o.bandwidth_saturation, o.sm_steps, o.predictor, o.launches) == (
+        0.2, 8, "estimator", "async")
+    for bad in ("nope", "layered:noise=0.1", "muxwise:nonsense=1", "muxwise:noise"):
+        with pytest.raises(ValueError):
+            bench.policy_options(bad)
+    wl = next(w for w in bench.panel_workloads() if w.key == "qwen-sharegpt")
+    coef = [0.0] * len(FEATURES)
+    coef[FEATURES.index("step")] = 0.01
+    coef[FEATURES.index("mlp_t")] = 2e-5 / L  # L MLP units x T: 2e-5 s a token
+    c = bench.tbt_budget(wl, LatencyModel(ModelDims(L), coef), SHAPE)
+    limit = 0.9 * wl.tbt_slo
+    assert c % 128 == 0 and 0.01 + 2e-5 * c <= limit < 0.01 + 2e-5 * (c + 128)
+

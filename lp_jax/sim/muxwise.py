@@ -91,6 +91,9 @@ class _Counters:
     fallback_partitions: int = 0  # no share met the TBT target
     decode_only: int = 0  # fallbacks that ran the decodes alone (decode SLO first)
     carry_waits: int = 0  # async: plans that launched nothing, the carry still running
+    predicted: int = 0  # overlapped iterations with a prediction, and its error summed:
+    decode_err: float = 0.0  # |predicted - measured| / measured decode finish
+    prefill_err: float = 0.0  # the same for the prefill stream's finish
 
 
 class MuxWisePolicy(PausableBatches):
@@ -144,6 +147,9 @@ class MuxWisePolicy(PausableBatches):
             "muxwise_fallback_partitions": float(c.fallback_partitions),
             "muxwise_decode_only_fallbacks": float(c.decode_only),
             "muxwise_carry_waits": float(c.carry_waits),
+            "muxwise_decode_pred_error": c.decode_err / c.predicted if c.predicted else math.nan,
+            "muxwise_prefill_pred_error": (
+                c.prefill_err / c.predicted if c.predicted else math.nan),
         }
 
     # ------------------------------------------------------------------ one plan
@@ -181,6 +187,11 @@ class MuxWisePolicy(PausableBatches):
     def _observe(self, plan: StepPlan, w: int | None, expected: Overlap | None,
                  measured: Measured) -> None:
         self._carry = measured.carry_s
+        if expected is not None and measured.decode_s > 0 and measured.prefill_s > 0:
+            c = self.counters
+            c.predicted += 1
+            c.decode_err += abs(expected.decode_s - measured.decode_s) / measured.decode_s
+            c.prefill_err += abs(expected.prefill_s - measured.prefill_s) / measured.prefill_s
         self.predictor.observe(plan, w, expected, measured)
 
     def _tbt_target(self) -> float:
