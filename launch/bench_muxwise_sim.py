@@ -113,7 +113,8 @@ FAIR_POLICIES = ("chunked-512,chunked-tbt,layered,layered-g2,layered-g4,layered-
 SENSITIVITY = tuple(f"muxwise-est-async:{kv}" for kv in (
     "bandwidth_saturation=0.2", "bandwidth_saturation=0.6", "bandwidth_saturation=1.0",
     "sync_s=0", "sync_s=0.0002", "sync_s=0.002", "launch_overhead_s=0.0002",
-    "launch_overhead_s=0.001", "noise=0", "noise=0.1", "noise=0.2"))
+    "launch_overhead_s=0.001", "noise=0", "noise=0.1", "noise=0.2", "guard=0.8", "guard=1.0",
+    "sm_steps=8", "sm_steps=32", "preempt_ratio=0"))
 ESTIMATOR_DRIVEN = ("flowprefill", "layered-adaptive", "chunked-tbt")
 TBT_DECODES = 32  # decodes the TBT-sized chunk must protect (ASSUMED)
 PANEL_GRID = (1.0, 2.0, 3.0, 4.0, 5.0, 6.5)  # x the paper's chunked rate
