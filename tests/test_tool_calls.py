@@ -543,3 +543,21 @@ def test_random_output_never_raises_and_streams_as_it_parses_whole(htok):
 def _cuts(rng, n):
     cuts = sorted(int(x) for x in rng.integers(0, n + 1, size=rng.integers(0, 6)))
     return [0, *cuts], [*cuts, n]
+
+
+def test_tokenize_renders_the_tools_as_chat_does(mock):
+    """/tokenize with tools counts the prompt a chat request with them runs."""
+    from test_server_input import post
+
+    st, script, marks = mock
+    body = {"model": "m", "messages": MSGS, "tools": TOOLS}
+    status, data = post(st, "/tokenize", body)
+    n = json.loads(data)["count"]
+    assert status == 200 and n > json.loads(post(st, "/tokenize", {**body, "tools": None})[1])[
+        "count"]
+    script.queue.append(ids_of(st.server.tokenizer, "<|channel|>final<|message|>ok<|return|>"))
+    resp = client_of(st).chat.completions.create(model="m", messages=MSGS, max_tokens=8,
+                                                 tools=TOOLS)
+    assert resp.usage.prompt_tokens == n and resp.choices[0].message.content == "ok"
+    status, data = post(st, "/tokenize", {**body, "tools": [{"type": "nope"}]})
+    assert status == 400 and json.loads(data)["error"]["param"] == "tools"

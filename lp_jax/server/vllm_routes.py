@@ -10,7 +10,8 @@ Shaped as vLLM's, so that its clients, probes and scripts work unchanged:
 | `POST /detokenize` | `{"prompt"}` |
 
 /tokenize takes `{"model", "prompt", "add_special_tokens": true}` or `{"model", "messages",
-"add_generation_prompt": true, "add_special_tokens": false}` (the defaults shown), and
+"add_generation_prompt": true, "add_special_tokens": false}` (the defaults shown; a chat
+may carry `tools` and `chat_template_kwargs`, which reach the template), and
 /detokenize `{"model", "tokens"}`.
 /tokenize gives the ids that /v1/completions runs for that prompt, or /v1/chat/completions
 for those messages (the same chat template); `return_token_strs: true` adds each token's
@@ -27,7 +28,7 @@ import functools
 
 from aiohttp import web
 
-from lp_jax.server import protocol
+from lp_jax.server import protocol, tools
 from lp_jax.server.chat import ChatTemplateError
 
 
@@ -82,18 +83,22 @@ async def tokenize(server, request) -> web.Response:
         protocol.utf8_len(text, "prompt")
         special = protocol.get_bool(body, "add_special_tokens", True)
         tok = _tokenizer(server, "prompt")
-        messages = template_kwargs = None
+        messages = template_kwargs = tool_list = None
     else:
         messages, _ = protocol.parse_messages(body["messages"])
         gen_prompt = protocol.get_bool(body, "add_generation_prompt", True)
         template_kwargs = protocol.parse_template_kwargs(body)
+        try:  # the tools go to the template, as in a chat request
+            tool_list = tools.parse_tools(body)[0]
+        except tools.ToolsError as exc:
+            raise protocol.bad(str(exc), exc.param) from None
         special = protocol.get_bool(body, "add_special_tokens", False)  # the template's
         tok = _tokenizer(server, "messages")
 
     def run() -> dict:
         try:
-            text_ = text if messages is None else server.chat.render(messages, gen_prompt,
-                                                                     template_kwargs)
+            text_ = text if messages is None else server.chat.render(
+                messages, gen_prompt, template_kwargs, tool_list)
         except ChatTemplateError as exc:
             raise protocol.bad(str(exc), "messages") from None
         ids = tok.encode_batch([text_], add_special_tokens=special)[0].ids
