@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 from lp_jax.quant.config import QuantConfig
@@ -147,11 +146,12 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
                 raise ValueError("sliding_attention layers need sliding_window > 0")
         q = self.quantization
-        if q is not None and (q.method == "mxfp4") != (self.model_type == "gpt_oss"):
+        gpt_oss = self.model_type == "gpt_oss"
+        if q is not None and q.method == ("fp8_block" if gpt_oss else "mxfp4"):
             raise ValueError(f"quantization {q.method!r} is not supported for "
                              f"{self.model_type}: gpt_oss serves its MXFP4 experts "
-                             "(quantization='mxfp4') or 16-bit weights, the Qwen3 models "
-                             "int8 / fp8 / HF FP8")
+                             "(quantization='mxfp4'), int8 / fp8 at load or 16-bit weights, "
+                             "the Qwen3 models int8 / fp8 / HF FP8")
 
     def is_moe_layer(self, layer: int) -> bool:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
@@ -199,16 +199,15 @@ class ModelConfig:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (gate, up, down, and biases if any) as stored: in
-        the model dtype, or quantized (1 byte a weight) with their float32 scales."""
+        the model dtype, or quantized with their scales (QuantScheme.stored_bytes: 1 B a
+        weight + float32 scales for int8 / fp8, 0.5 B + an e8m0 byte per 32 for MXFP4)."""
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
         D, F = self.hidden_size, self.moe_intermediate_size
         bias = 2 * F + D if self.has_moe_bias else 0
         if self.quantization is None:
             return (3 * D * F + bias) * itemsize
         scheme = self.quantization.scheme
-        scales = (math.prod(scheme.scale_shape(D, 2 * F)) + math.prod(scheme.scale_shape(F, D)))
-        weight_bytes = 3 * D * F // (2 if scheme.name == "mxfp4" else 1)
-        return weight_bytes + 4 * scales + bias * itemsize
+        return scheme.stored_bytes(D, 2 * F) + scheme.stored_bytes(F, D) + bias * itemsize
 
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:

@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from lp_jax.config import ModelConfig
 from lp_jax.loader_quant import (
     check_fp8_checkpoint,
+    check_mxfp4_request,
     dummy_quantized,
     param_schemes,
     quantized_sources,
@@ -399,10 +400,7 @@ def load_model(
         return nnx.merge(graphdef, _dummy_state(config, abstract, shardings, seed))
 
     ckpt = HFCheckpoint(model_dir)
-    if config.quantization is not None and config.quantization.method == "mxfp4" and (
-            not ckpt.has_mxfp4_experts()):
-        raise CheckpointError(f"{ckpt.dir}: quantization='mxfp4' keeps MXFP4 experts as "
-                              "stored, but this checkpoint has no *_blocks / *_scales experts")
+    check_mxfp4_request(ckpt.dir, config, ckpt.has_mxfp4_experts())
     sources = quantized_sources(config, hf_sources(config, mxfp4=ckpt.has_mxfp4_experts()))
     missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
     if missing:  # a model parameter without a checkpoint mapping is a bug here

@@ -98,6 +98,24 @@ def _quantize_host(w: np.ndarray, scheme: QuantScheme):
     return np.asarray(w_q), np.asarray(scale)
 
 
+def check_mxfp4_request(where, cfg: ModelConfig, has_mxfp4: bool) -> None:
+    """Before anything is read: quantization="mxfp4" needs MXFP4 experts to keep, and
+    int8 / fp8 at load need 16-bit ones (an MXFP4 checkpoint is already quantized:
+    requantising its fp4 values would round them twice). Raises CheckpointError."""
+    q = cfg.quantization
+    if q is None or q.from_checkpoint and q.method != "mxfp4":
+        return
+    if q.method == "mxfp4" and not has_mxfp4:
+        raise CheckpointError(f"{where}: quantization='mxfp4' keeps MXFP4 experts as "
+                              "stored, but this checkpoint has no *_blocks / *_scales experts")
+    if q.method != "mxfp4" and has_mxfp4:
+        raise CheckpointError(
+            f"{where}: quantization={q.method!r} disagrees with the checkpoint, whose experts "
+            "are already quantized (MXFP4 *_blocks / *_scales); --quantization int8 / fp8 "
+            "is for 16-bit checkpoints: serve these as stored (quantization='mxfp4') or "
+            "dequantised to 16 bits (no quantization), or start from a BF16 checkpoint")
+
+
 def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
     """Before anything is read: every FP8 tensor feeds a parameter the config converts,
     every converted one is e4m3 with a float32 / bf16 scale, and fused gate/up keeps

@@ -5,7 +5,8 @@ kernels (which consume them). A quantized matrix w_KN (K input rows, N output co
 the layout every kernel here multiplies as x_TK @ w_KN) is stored as
 
     w_q_KN   [..., K, N]      in `scheme.weight_dtype` (int8 or float8_e4m3fn)
-    scale_kn [..., k, n]      float32, k = ceil(K / block_k), n = ceil(N / block_n)
+    scale_kn [..., k, n]      `scheme.scale_dtype` (float32; MXFP4's e8m0), k = ceil(K /
+                              block_k), n = ceil(N / block_n)
 
 and means  w_KN[i, j] = w_q_KN[i, j] * scale_kn[i // block_k, j // block_n].  The scale is
 multiplicative, as Hugging Face's fine-grained FP8 `weight_scale_inv` is (its name says
@@ -37,13 +38,16 @@ INT8_MAX = 127.0
 class QuantScheme:
     """A weight format, frozen and hashable: a static argument of every kernel.
 
-    block_k None means the whole K dimension (one scale per output channel).
+    block_k None means the whole K dimension (one scale per output channel). scale_dtype:
+    the scales as stored (float32, or MXFP4's 1-byte float8_e8m0fnu powers of two);
+    every consumer widens them to float32 before multiplying.
     """
 
     name: str
     weight_dtype: object
     block_k: int | None
     block_n: int
+    scale_dtype: object = jnp.float32
 
     def scale_shape(self, K: int, N: int) -> tuple[int, int]:
         bk = K if self.block_k is None else self.block_k
@@ -51,6 +55,19 @@ class QuantScheme:
 
     def block_k_for(self, K: int) -> int:
         return K if self.block_k is None else self.block_k
+
+    def stored_bytes(self, K: int, N: int) -> int:
+        """HBM bytes of one quantized [K, N] matrix: its values and its scales."""
+        return (stored_bytes((K, N), self.weight_dtype)
+                + stored_bytes(self.scale_shape(K, N), self.scale_dtype))
+
+
+def stored_bytes(shape, dtype) -> int:
+    """Bytes of an array of `shape` at `dtype`'s width in bits (4-bit types: half a byte
+    a value, where numpy's itemsize says 1)."""
+    dtype = jnp.dtype(dtype)
+    bits = jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else dtype.itemsize * 8
+    return math.prod(shape) * bits // 8
 
 
 INT8 = QuantScheme("int8", jnp.int8, None, 1)

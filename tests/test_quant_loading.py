@@ -12,6 +12,7 @@ Tolerances (float32 activations, so only the weight format differs):
   logits match the float32 model holding those dequantised weights within LOGIT_ATOL.
 """
 
+import functools
 import json
 import shutil
 
@@ -28,10 +29,13 @@ from lp_jax.executor import compile_guard
 from lp_jax.loader import load_model, save_params
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.simple import greedy_generate
+from lp_jax.quant import QuantConfig
 from lp_jax.quant.mxfp4 import MXFP4
+from lp_jax.roofline.formats import weight_format
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh
 from pallas_kernels.compile_targets import libtpu_available
+from pallas_kernels.moe.ref import moe_stats
 from pallas_kernels.quant import FP8_BLOCK, ref_dequantize, scheme_named
 
 LOGIT_ATOL = 1e-4
@@ -55,6 +59,13 @@ def dequant_dir():
 @pytest.fixture(scope="module")
 def base_dir():
     return mtq.ensure_tiny_quant("tiny-fp8-base")
+
+
+@pytest.fixture(scope="module")
+def at_load(base_dir):
+    """method -> the tiny-fp8-base model quantized at load, loaded once for the module
+    (the prefill programs of its _logits then serve the greedy references)."""
+    return functools.cache(lambda method: load_model(base_dir, quantization=method))
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +197,8 @@ def _assert_quantized_equal(got_q, want_q, ratio, err_msg):
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantization_at_load(method, base_dir):
-    model = load_model(base_dir, quantization=method)
+def test_quantization_at_load(method, base_dir, at_load):
+    model = at_load(method)
     assert model.config.quantization.method == method and model.config.expert_bytes < (
         3 * 64 * 256 * 4)
     twin = load_model(base_dir)
@@ -289,35 +300,76 @@ def test_quantization_errors_before_compile(tmp_path, fp8_dir, dequant_dir):
     assert scheme_named("int8").block_k is None
 
 
+# Orca and chunked share one program (the same row bucket and hidden buffer, as the shared
+# engines of tests/conftest.py), so a format costs two compiles: that one and layered's,
+# whose hidden buffer carries its 64-token batch between groups. Chunked's 16-token budget
+# splits the 30-token prompt; layered runs it in G=2 groups.
 QUANT_ENGINES = {
-    "orca": dict(scheduling="orca", max_num_batched_tokens=64, token_buckets=(66,)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=16, token_buckets=(16,)),
+    "orca": dict(scheduling="orca", max_num_batched_tokens=16, token_buckets=(66,)),
+    "chunked": dict(scheduling="chunked", max_num_batched_tokens=16, token_buckets=(66,)),
     "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
                     token_buckets=(66,)),
 }
+GREEDY = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def test_int8_greedy_tokens_equal_across_policies(base_dir):
+def _policy_tokens(model_dir, quantization, prompts, method):
+    """{policy: greedy tokens of `prompts`} from LLM(quantization=...) under each policy,
+    checking the engine serves `method` and compiles nothing after warm-up."""
+    from lp_jax import LLM, SamplingParams
+
+    got = {}
+    for name, kw in QUANT_ENGINES.items():
+        llm = LLM(str(model_dir), quantization=quantization, max_num_seqs=2, max_model_len=64,
+                  moe_backend="xla", attention_backend="xla", log=None, **kw)
+        assert llm.engine.model_config.quantization.method == method
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**GREEDY))
+        got[name] = [o.token_ids for o in outs]
+        assert llm.stats()["compilations_after_warmup"] == 0, name
+    return got
+
+
+def test_int8_greedy_tokens_equal_across_policies(base_dir, at_load):
     """LLM(quantization="int8") serves the same greedy tokens under orca, chunked and
     layered as the plain model loop on the same quantized weights, compiling nothing
-    after warm-up (one row bucket each and the xla kernels: ~10 s of compile a program
-    on this host)."""
-    from lp_jax import LLM, SamplingParams
+    after warm-up (one row bucket, the xla kernels)."""
+    from lp_jax import LLM
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 509, n).tolist() for n in (7, 30)]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    ref = load_model(base_dir, quantization="int8")
+    ref = at_load("int8")
     want = [greedy_generate(ref, p, 4, num_pages=4, backends=XLA) for p in prompts]
-    for name, kw in QUANT_ENGINES.items():
-        llm = LLM(str(base_dir), quantization="int8", max_num_seqs=2, max_model_len=64,
-                  moe_backend="xla", attention_backend="xla", log=None, **kw)
-        assert llm.engine.model_config.quantization.method == "int8"
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert [o.token_ids for o in outs] == want, name
-        assert llm.stats()["compilations_after_warmup"] == 0
+    for name, got in _policy_tokens(base_dir, "int8", prompts, "int8").items():
+        assert got == want, name
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         LLM(str(base_dir), quantization="int4")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8"])
+def test_fp8_greedy_tokens_equal_across_policies(fmt, fp8_dir, base_dir, fp8_model, at_load):
+    """The HF FP8 checkpoint (128 x 128 blocks) and fp8 per channel at load: orca, chunked
+    and layered give the same greedy tokens, and PROMPT's are the model loop's."""
+    rng = np.random.default_rng(6)
+    prompts = [PROMPT, rng.integers(0, 509, 30).tolist()]
+    model_dir, quantization = (fp8_dir, None) if fmt == "fp8_block" else (base_dir, "fp8")
+    got = _policy_tokens(model_dir, quantization, prompts, fmt)
+    model = fp8_model if fmt == "fp8_block" else at_load("fp8")
+    want = greedy_generate(model, PROMPT, GREEDY["max_tokens"], backends=XLA)
+    for name, tokens in got.items():
+        assert tokens == got["orca"], name
+        assert tokens[0] == want, name
+
+
+def test_mxfp4_greedy_tokens_equal_across_policies():
+    """GPT-OSS with its experts in MXFP4 (quantization="mxfp4"): orca, chunked and layered
+    give transformers' greedy tokens (tests/golden, on the dequantised weights) for the
+    17- and 40-token golden prompts (windows of 8; the 40-token one is 3 chunks)."""
+    golden = np.load("tests/golden/tiny-gpt-oss-mxfp4.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in (1, 2)]
+    want = [golden[f"greedy_{i}"][:GREEDY["max_tokens"]].tolist() for i in (1, 2)]
+    d = ensure_tiny(preset="tiny-gpt-oss-mxfp4")
+    for name, got in _policy_tokens(d, "mxfp4", prompts, "mxfp4").items():
+        assert got == want, name
 
 
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
@@ -368,6 +420,22 @@ def test_mxfp4_kept_in_4_bits(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(getattr(want, name)[...]))
     assert model.model.layers.self_attn.q_proj.dtype == np.float32  # attention unconverted
     assert model.config.expert_bytes < dense.config.expert_bytes / 5
+    # Stored bytes: e2m1 at half a byte, one e8m0 byte per 32 values (the checkpoint's),
+    # float32 biases; the engine's counter, the kernels' stats and the roofline's "fp4"
+    # all count that.
+    assert mlp.experts_down_proj_scale.dtype == jax.numpy.float8_e8m0fnu
+    cfg = model.config
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    want_bytes = 3 * D * F // 2 + 3 * D * F // 32 + 4 * (2 * F + D)
+    assert cfg.expert_bytes == want_bytes
+    fp4 = weight_format("fp4")
+    assert fp4.matrix_bytes(D, 2 * F) + fp4.matrix_bytes(F, D) + 4 * (2 * F + D) == want_bytes
+    E = cfg.num_experts
+    stats = moe_stats(jax.numpy.ones(E, jax.numpy.int32), mlp.experts_gate_up_proj[...],
+                      mlp.experts_down_proj[...], mlp.experts_gate_up_proj_bias[...],
+                      mlp.experts_down_proj_bias[...], scales=(
+                          mlp.experts_gate_up_proj_scale[...], mlp.experts_down_proj_scale[...]))
+    assert float(stats["expert_bytes_loaded"]) == E * want_bytes
     golden = np.load("tests/golden/tiny-gpt-oss-mxfp4.npz")
     prompt, greedy = golden["prompt_1"].tolist(), golden["greedy_1"].tolist()
     tokens, logits = greedy_generate(model, prompt, 3, backends=XLA,
@@ -378,5 +446,54 @@ def test_mxfp4_kept_in_4_bits(tmp_path):
         load_model(ensure_tiny(preset="tiny-gpt-oss"), quantization="mxfp4")
     with pytest.raises(ValueError, match="'mxfp4' is not supported for qwen3_moe"):
         load_model(mtq.ensure_tiny_quant("tiny-fp8-base"), quantization="mxfp4")
-    with pytest.raises(ValueError, match="'int8' is not supported for gpt_oss"):
+    # int8 / fp8 serve GPT-OSS from a 16-bit checkpoint (test_gpt_oss_quantized_at_load),
+    # not from this already-quantized one; HF FP8 blocks are Qwen3's only
+    with pytest.raises(CheckpointError, match="'int8' disagrees with the checkpoint"):
         load_model(d, quantization="int8")
+    with pytest.raises(ValueError, match="'fp8_block' is not supported for gpt_oss"):
+        model.config.replace(quantization=QuantConfig("fp8_block", from_checkpoint=True))
+
+
+GPT_OSS_EXPERTS = ("experts_gate_up_proj", "experts_down_proj")
+
+
+@pytest.mark.parametrize("method, moe", [("int8", "xla"), ("fp8", "tpu")])
+def test_gpt_oss_quantized_at_load(method, moe, monkeypatch):
+    """GPT-OSS int8 / fp8 at load of its 16-bit checkpoint: the experts quantized per
+    channel as numpy's quantiser does (their biases, the router and attention kept in
+    the checkpoint's float32); the logits (the biased, clamped-SwiGLU experts with their
+    scales through the reference, and through the TPU MoE kernel in interpret mode)
+    match the float32 model holding the dequantised experts (reference MoE) within
+    LOGIT_ATOL. The MXFP4 checkpoint, already quantized, refuses both."""
+    from lp_jax import LLM
+
+    d = ensure_tiny(preset="tiny-gpt-oss")
+    model, twin = load_model(d, quantization=method), load_model(d)
+    assert model.config.quantization.method == method
+    assert model.config.expert_bytes < twin.config.expert_bytes / 3
+    mlp, twin_mlp = model.model.layers.mlp, twin.model.layers.mlp
+    for name in GPT_OSS_EXPERTS:
+        w = np.asarray(getattr(twin_mlp, name)[...])
+        q_np, s_np = zip(*(mtq.quantize_per_channel(m, method)
+                           for m in w.reshape(-1, *w.shape[-2:])), strict=True)
+        q_got, s_got = np.asarray(getattr(mlp, name)[...]), np.asarray(
+            getattr(mlp, name + "_scale")[...])
+        s_np = np.stack(s_np).reshape(s_got.shape)
+        np.testing.assert_allclose(s_got, s_np, rtol=2.4e-7, atol=0, err_msg=name)
+        _assert_quantized_equal(q_got, np.stack(q_np).reshape(w.shape),
+                                w.astype(np.float64) / s_np, name)
+        getattr(twin_mlp, name).set_value(jax.numpy.asarray(q_got.astype(np.float32) * s_got))
+    for p in (mlp.router, mlp.router_bias, mlp.experts_gate_up_proj_bias,
+              model.model.layers.self_attn.q_proj):
+        assert p.dtype == np.float32
+    monkeypatch.setenv("LP_JAX_PALLAS_INTERPRET", "1")
+    got = greedy_generate(model, PROMPT, 1, return_prompt_logits=True,
+                          backends=KernelBackends(moe=moe, attention="xla"))[1]
+    diff = np.abs(got - _logits(twin)).max()
+    print(f"gpt_oss {method} at load ({moe} MoE): logits vs float32 dequantised: "
+          f"max |diff| {diff:.3g}")
+    assert diff <= LOGIT_ATOL, diff
+    mx = ensure_tiny(preset="tiny-gpt-oss-mxfp4")
+    with pytest.raises(CheckpointError, match=rf"quantization='{method}' disagrees with the "
+                                              r"checkpoint, whose experts are already"):
+        LLM(str(mx), quantization=method, log=None)

@@ -26,8 +26,8 @@ are operands. The router bias is the model's: it is in the router logits before 
 get here.
 
 Quantized experts (issue 31, off by default): `scales=(s_gate_up, s_down)` and `scheme=`
-a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn and the
-scales float32, stacked like the weights ([L, E, k, n] with `layer`), shaped by
+a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn (or
+MXFP4's float4_e2m1fn) and the scales float32 (MXFP4's e8m0), stacked like the weights ([L, E, k, n] with `layer`), shaped by
 quant.py's contract. W8A16: the kernels dequantise tiles on chip and multiply the
 activation dtype, accumulating in float32. This reference dequantises the layer's slice
 to float32 (`quant.ref_dequantize`) and runs both matmuls in float32, storing h in the
@@ -37,12 +37,11 @@ activation dtype in between as the kernels do.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import QuantScheme, check_scale, ref_dequantize
+from pallas_kernels.quant import QuantScheme, check_scale, ref_dequantize, stored_bytes
 
 ACTIVATIONS = ("silu", "gpt_oss_clamped")
 
@@ -175,14 +174,13 @@ def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
     The weights (and biases, scales if given) are one layer's [E, ...] or the stacked
     [L, E, ...]: bytes per expert are those of one expert of one layer, in the dtype the
-    arrays have (stored bytes: 1 per weight for int8 / fp8, plus its scales).
+    arrays have (stored bytes, `quant.stored_bytes`: 1 per weight for int8 / fp8, half
+    for fp4, plus the scales at their own width: 4 B float32, 1 B MXFP4's e8m0).
     """
     experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
-    bytes_per_expert = (math.prod(w_gate_up.shape[-2:]) * w_gate_up.dtype.itemsize
-                        + math.prod(w_down.shape[-2:]) * w_down.dtype.itemsize
-                        + sum(b.shape[-1] * b.dtype.itemsize for b in biases if b is not None)
-                        + sum(math.prod(s.shape[-2:]) * s.dtype.itemsize
-                              for s in scales if s is not None))
+    bytes_per_expert = sum(stored_bytes(a.shape[-2:], a.dtype)
+                           for a in (w_gate_up, w_down, *scales) if a is not None)
+    bytes_per_expert += sum(b.shape[-1] * b.dtype.itemsize for b in biases if b is not None)
     return {
         "tokens_per_expert": group_sizes_E,
         "experts_activated": experts_activated,
