@@ -220,7 +220,8 @@ HARMONY_TEMPLATE = (
     "{%- macro turn(header, body, end='<|end|>') %}"
     "{{- '<|start|>' ~ header ~ '<|message|>' ~ body ~ end }}"
     "{%- endmacro %}\n"
-    "{%- set ns = namespace(instructions='', conversation=false, tools='', last_call='', tool='') %}\n"
+    "{%- set ns = namespace(instructions='', conversation=false, tools='', last_call='',"
+    " tool='') %}\n"
     "{%- for message in messages %}\n"
     "  {%- if message.role in ['system', 'developer'] %}\n"
     "    {%- if ns.conversation %}"
@@ -555,6 +556,30 @@ def write_model_dir(
         },
     )
     (out / STAMP_FILE).write_text(_stamp(preset, write_sharded, seed) + "\n")
+    return out
+
+
+def write_harmony_variant(out_dir: str | os.PathLike) -> Path:
+    """tiny-gpt-oss with harmony's markers as special tokens, in out_dir: the preset's
+    config, weights and chat template, a tokenizer trained as `build_tokenizer`'s with
+    HARMONY_TOKENS as its specials (so the ids differ from the preset's), and, as the
+    published GPT-OSS checkpoints, `<|return|>` and `<|call|>` as the eos ids. For the
+    harmony output parser's tests and checks (parsed from token ids)."""
+    src, out = ensure_tiny(preset="tiny-gpt-oss"), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "chat_template.jinja"):
+        shutil.copy(src / name, out / name)
+    cfg = json.loads((src / "config.json").read_text())
+    tok = build_tokenizer(cfg["vocab_size"], specials=HARMONY_TOKENS)
+    tok.save(str(out / "tokenizer.json"))
+    ret, call, pad = (tok.token_to_id(t) for t in ("<|return|>", "<|call|>", ENDOFTEXT))
+    cfg.update(eos_token_id=ret, bos_token_id=pad, pad_token_id=pad)
+    _dump_json(out / "config.json", cfg)
+    _dump_json(out / "generation_config.json",
+               {"bos_token_id": pad, "eos_token_id": [ret, call], "pad_token_id": pad})
+    tc = json.loads((src / "tokenizer_config.json").read_text())
+    tc.update(eos_token="<|return|>", bos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
+    _dump_json(out / "tokenizer_config.json", tc)
     return out
 
 

@@ -2,7 +2,7 @@
 
 - GPT-OSS harmony answers are parsed from token ids (lp_jax/server/harmony.py), on a tiny
   GPT-OSS directory whose tokenizer has harmony's markers as special tokens
-  (tests/harmony_model.py).
+  (checkpoints/make_tiny.py `write_harmony_variant`).
 - Forced calls (tool_choice "required" / named) stream OpenAI's deltas: a first one with
   index, id, type, name and arguments "", then argument fragments; they reassemble to the
   non-streamed call. Their grammars are exercised by random walks through llguidance's
@@ -22,10 +22,9 @@ import numpy as np
 import openai
 import pytest
 from fake_executor import FakeExecutor
-from harmony_model import write_harmony_model_dir
 from tokenizers import Tokenizer
 
-from checkpoints.make_tiny import ensure_tiny
+from checkpoints.make_tiny import ensure_tiny, write_harmony_variant
 from lp_jax import LLM, SamplingParams
 from lp_jax.executor import compile_guard
 from lp_jax.server import OpenAIServer, ServerThread
@@ -57,7 +56,7 @@ def valid_args(name: str, arguments: str) -> bool:
 
 @pytest.fixture(scope="module")
 def hdir(tmp_path_factory):
-    return write_harmony_model_dir(tmp_path_factory.mktemp("tiny-gpt-oss-harmony"))
+    return write_harmony_variant(tmp_path_factory.mktemp("tiny-gpt-oss-harmony"))
 
 
 @pytest.fixture(scope="module")
