@@ -103,6 +103,18 @@ def test_sweep_crossings_of_weight_bytes_come_before_those_of_all_bytes():
     assert got["all bytes"].rows > got["weight bytes"].rows
 
 
+def test_the_kernels_alone_cross_where_their_own_series_does():
+    # program I = 20 sqrt(r); the kernels do all its flops over half its bytes, so
+    # theirs is 40 sqrt(r): the ridge R is reached at (R / 20)^2 and (R / 40)^2 rows
+    costs = [LayerCost(rows=r, flops=20 * math.sqrt(r) * 1e6, bytes=1e6, weight_bytes=1e6,
+                       kernel_flops=20 * math.sqrt(r) * 1e6, kernel_bytes=5e5) for r in ROWS]
+    hw = get_hardware("h200")
+    got = sweep_crossings(costs, hw)
+    assert got["all bytes"].rows == pytest.approx((hw.ridge_point / 20) ** 2)
+    assert got["kernels"].rows == pytest.approx((hw.ridge_point / 40) ** 2)
+    assert "kernels" not in sweep_crossings(_costs(1e3, 1e6), hw)  # none recorded
+
+
 def test_past_the_sweep_the_last_two_samples_extend_linearly():
     # flops 1e6 r, bytes 1e6 + 1e3 r: the asymptote is 1e6 / 1e3 = 1000, and the
     # extension reaches a ridge of 500 where 1e6 r = 500 (1e6 + 1e3 r): r = 1000,

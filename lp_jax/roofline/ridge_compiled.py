@@ -82,6 +82,11 @@ class LayerCost:
     def weight_intensity(self) -> float:
         return self.flops / self.weight_bytes
 
+    @property
+    def kernel_intensity(self) -> float | None:
+        """The Pallas calls' own flops / bytes (None where none were recorded)."""
+        return self.kernel_flops / self.kernel_bytes if self.kernel_bytes > 0 else None
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -200,12 +205,17 @@ def beyond_sweep(costs: Sequence[LayerCost], ridge: float, *, weight: bool = Fal
 
 
 def sweep_crossings(costs: Sequence[LayerCost], hw: Hardware) -> dict[str, Crossing]:
-    """{"all bytes": ..., "weight bytes": ...} crossings of one chip's sweep."""
+    """{"all bytes", "weight bytes"[, "kernels"]} crossings of one chip's sweep; "kernels":
+    the Pallas calls' flops over their own bytes (weights, routed rows in and out, the
+    [R, F] intermediate), where every sample recorded them."""
     costs = sorted(costs, key=lambda c: c.rows)
     rows = [c.rows for c in costs]
-    return {"all bytes": crossing(rows, [c.intensity for c in costs], hw.ridge_point),
-            "weight bytes": crossing(rows, [c.weight_intensity for c in costs],
-                                     hw.ridge_point)}
+    out = {"all bytes": crossing(rows, [c.intensity for c in costs], hw.ridge_point),
+           "weight bytes": crossing(rows, [c.weight_intensity for c in costs],
+                                    hw.ridge_point)}
+    if all(c.kernel_intensity for c in costs):
+        out["kernels"] = crossing(rows, [c.kernel_intensity for c in costs], hw.ridge_point)
+    return out
 
 
 def formula_knees(shape: ModelShape, hw: Hardware) -> dict[str, float]:
@@ -253,17 +263,21 @@ def markdown_table(results: dict[str, dict]) -> str:
     whole-prompt layer group) as fractions of the ridge. results[chip] = {"hardware":
     Hardware, "costs": [LayerCost, ...], "knees": formula_knees(...)}."""
     lines = ["| chip | ridge FLOP/B | compiled: flops / all bytes | asymptote dF/dB | "
-             "compiled: flops / weight bytes | formula exact | formula simple | "
-             "I(512) / ridge | I(7000) / ridge |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "compiled: kernels alone | compiled: flops / weight bytes | formula exact | "
+             "formula simple | I(512) / ridge | I(7000) / ridge |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         hw, costs, knees = r["hardware"], r["costs"], r["knees"]
         at = [_interp_intensity(costs, n, "intensity") for n in (PAPER_CHUNK, ARXIV_MEDIAN)]
         frac = [f"{v / hw.ridge_point:.2f}" if v else "-" for v in at]
         asymptote = beyond_sweep(costs, hw.ridge_point).asymptote
+        kernels = sweep_crossings(costs, hw).get("kernels")
+        kernels_text = "-" if kernels is None else (
+            f"{kernels.rows:,.0f}" if kernels.crosses
+            else f"never (<= {max(c.rows for c in costs):,})")
         lines.append(
             f"| {name} | {hw.ridge_point:.1f} | {_crossing_text(costs, hw, False)} | "
-            f"{asymptote:.0f} | {_crossing_text(costs, hw, True)} | "
+            f"{asymptote:.0f} | {kernels_text} | {_crossing_text(costs, hw, True)} | "
             f"{_knee_text(knees['exact uniform'])} | "
             f"{knees['simple']:,.0f} | {frac[0]} | {frac[1]} |")
     return "\n".join(lines)
