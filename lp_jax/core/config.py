@@ -47,6 +47,10 @@ class SchedulerConfig:
     slo_alpha: float = 0.1
     flowprefill_rules: str = "reference"
     max_paused_prefills: int = 8
+    # FlowPrefill segments dispatched ahead (flowprefill.py "Lookahead"): a plan carries
+    # up to this many of the running batch's segments, so at most k + 1 are outstanding
+    # on the device; 1: one segment per plan.
+    flowprefill_lookahead: int = 1
     # Share KV pages of equal prefixes (block_manager.py). EngineConfig turns it on; off
     # here, so the simulator and the plan-shape tests see whole prefills.
     enable_prefix_caching: bool = False
@@ -91,6 +95,10 @@ class SchedulerConfig:
                 self.max_paused_prefills, int) or self.max_paused_prefills < 0:
             raise ValueError(
                 f"max_paused_prefills must be an int >= 0, got {self.max_paused_prefills!r}")
+        if isinstance(self.flowprefill_lookahead, bool) or not isinstance(
+                self.flowprefill_lookahead, int) or self.flowprefill_lookahead < 1:
+            raise ValueError(f"flowprefill_lookahead must be an int >= 1, got "
+                             f"{self.flowprefill_lookahead!r}")
         for name, ids in (("eos_token_id", (self.eos_token_id,)),
                           ("extra_eos_token_ids", self.extra_eos_token_ids)):
             bad = [t for t in ids if t is not None and not 0 <= t < self.vocab_size]

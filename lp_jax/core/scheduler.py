@@ -209,6 +209,12 @@ class Scheduler:
         """The step id of the plan being made (of the next one, between plans)."""
         return self._next_step
 
+    @property
+    def outstanding_plans(self) -> tuple[StepPlan, ...]:
+        """Plans scheduled and not yet committed (still on the device), oldest first;
+        the plan being made is not among them."""
+        return tuple(self._pending)
+
     def count(self, name: str, n: int = 1) -> None:
         """Adds n to the counter `name` of stats()."""
         self._stats[name] += n

@@ -54,6 +54,10 @@ class EngineConfig:
     # Paused batches whose hidden states stay on device, each in max_num_batched_tokens
     # rows of the hidden buffer (Qwen3-30B-A3B at 8192 tokens: 32 MiB each).
     max_paused_prefills: int = 8
+    # FlowPrefill segments dispatched ahead, k: a plan carries up to k of the running
+    # batch's segments as one call (one host plan, dispatch and commit), at most k + 1
+    # outstanding; an urgent arrival waits for up to k + 1 segments (flowprefill.py).
+    flowprefill_lookahead: int = 1
     slo_classes: dict | str | None = None  # {name: {"ttft_ms", "tbt_ms"}}, JSON, or a path
     latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.profile_latency)
     prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)

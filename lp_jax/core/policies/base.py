@@ -20,6 +20,7 @@ A policy sees the scheduler through `self.sched` and uses only these members:
     sched.prefill_start(seq)  where seq's next chunk starts (its cached prefix counts as done)
     sched.new_batch_id()      an id for a new prefill batch
     sched.next_step_id  the step id of the plan being made
+    sched.outstanding_plans   plans made and not committed yet (on the device), oldest first
     sched.count(name, n=1)    add to one of sched.stats()'s counters
 
 Declared options, read before the policy runs (class attributes and static methods;

@@ -6,7 +6,8 @@ operator units (unit 2i: layer i's attention half, 2i + 1: its MLP half) of the 
 layered policy's groups). A compiled program cannot be interrupted, so segment boundaries
 are the preemption points; the step's unit bounds are runtime values (step.py), so
 segments add no programs. With at most two plans outstanding (overlapped scheduling),
-an urgent request waits for at most two segments.
+an urgent request waits for at most two segments, or k + 1 with a lookahead of k
+(below).
 
 A paused batch keeps its KV pages and its boundary hidden states: every batch owns one of
 `1 + max_paused_prefills` row areas of the executor's hidden buffer
@@ -48,8 +49,23 @@ Infeasible requests are demoted, never dropped. A batch that needs a row area wh
 is free waits. Under memory pressure a paused batch is a preemption victim before running
 decodes (its pages are freed and its prompt recomputed).
 
+Lookahead (`SchedulerConfig.flowprefill_lookahead`, k; issue #30 finding 4). A queued XLA
+execution cannot be cancelled, so a segment dispatched ahead is a segment an urgent
+arrival waits for; dispatching only one ahead (k = 1) pays a host plan, dispatch and
+commit for every segment. With k > 1 a plan carries a *run* of up to k consecutive
+segments of the running batch, executed as one call over their unit span (the step's
+unit bounds are runtime values: no new program), so the host work is paid once per run.
+A run is at most k + 1 minus the segments of the plans still outstanding (with
+overlapped scheduling, k after a one-segment plan and 1 after a k-segment one), so at
+most k + 1 segments are on the device at once: an event (an arrival, a finish) is acted
+on in the next plan, at a segment boundary, after at most k + 1 segments (k = 1: two,
+as before). Pauses land on segment boundaries, and a paused batch resumes at the
+segment where it stopped. The predicted remaining time counts (k + 1) / 2 segments a
+plan.
+
 Decodes, if any, run through all layers in the plans whose segment begins one of the
-batch's layered groups (co-located mode; see `decodes_now`). With
+batch's layered groups (co-located mode; see `decodes_now`); a run stops before such a
+segment while decodes are running. With
 `EngineConfig.prefill_only` every request ends at its first token, the setting of the
 FlowPrefill paper (the prefill instance of a disaggregated deployment).
 """
@@ -94,6 +110,8 @@ class FlowPrefillPolicy(PausableBatches):
         self.granularity = "group" if cfg.preemptible else cfg.preemption_granularity
         self.alpha = cfg.slo_alpha
         self.reference = cfg.flowprefill_rules == "reference"
+        self.lookahead = cfg.flowprefill_lookahead
+        self._plan_segments: dict[int, int] = {}  # step id -> segments, outstanding plans
         self._load_at, self._load = None, (0, 0)  # decodes (rows, context) at a plan
 
     @staticmethod
@@ -108,7 +126,8 @@ class FlowPrefillPolicy(PausableBatches):
         b = self._find(plan.prefill_batch_id)
         if b is None:
             return
-        b.index += 1
+        while b.index < len(b.segments) and b.segments[b.index][0] < plan.unit_end:
+            b.index += 1  # every segment of the plan's run
         if b.index == len(b.segments):
             self._remove(b)
             self._event = True
@@ -130,10 +149,31 @@ class FlowPrefillPolicy(PausableBatches):
         b = self._running
         if b is None:
             return PrefillPart((), None)
-        a, e = b.segments[b.index]
+        n = self._run_length(b)
+        a, e = b.segments[b.index][0], b.segments[b.index + n - 1][1]
         return PrefillPart(tuple(b.chunks), b.batch_id, group_index=b.index,
                            num_groups=len(b.segments), unit_start=a, unit_end=e,
                            rows=tuple(b.rows))
+
+    def _run_length(self, b: _Batch) -> int:
+        """How many of b's segments, from its next one, the plan being made carries
+        (module docstring, "Lookahead"): at most k, and at most k + 1 minus the segments
+        still outstanding, so that no more than k + 1 are on the device at once; a run
+        stops before a segment decodes ride with (co-located mode), so they still step
+        at every group start."""
+        k, left = self.lookahead, len(b.segments) - b.index
+        if k == 1 or left == 1:
+            return 1
+        outstanding = self.sched.outstanding_plans
+        self._plan_segments = {p.step_id: self._plan_segments.get(p.step_id, 1)
+                               for p in outstanding}
+        queued = sum(self._plan_segments.values())
+        n = max(1, min(k, k + 1 - queued, left))
+        if self.sched.running:
+            n = next((j for j in range(1, n)
+                      if b.segments[b.index + j][0] in b.decode_units), n)
+        self._plan_segments[self.sched.next_step_id] = n
+        return n
 
     def _round(self, admit: bool) -> None:
         now, batches, free = self._begin_round(admit)
@@ -188,6 +228,8 @@ class FlowPrefillPolicy(PausableBatches):
         s = self.sched
         if segments is None:
             segments = self._num_segments(sum(t for t, _ in chunks_TP))
+        if self.lookahead > 1:  # runs of k and of one alternate: (k + 1) / 2 a plan
+            segments = max(1, -(-2 * segments // (self.lookahead + 1)))
         if self._load_at != s.next_step_id:  # once per plan's ranking, not per candidate
             self._load_at = s.next_step_id
             self._load = (len(s.running), sum(q.num_tokens for q in s.running))
