@@ -390,6 +390,27 @@ def test_aot_int8_qwen3_30b_fits_a_v5e_2x2():
         build(cfg, AotConfig(**aot, quantization="int4"))
 
 
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu is not installed")
+def test_aot_gpt_oss_20b_formats_on_a_v5e_2x2():
+    """The AOT plan (no compile) of GPT-OSS-20B, experts 4 ways: int8 and fp8 (at load
+    of a BF16 checkpoint) store an expert weight in 1 byte, MXFP4 in half of one (XLA
+    packs e2m1 two a byte, as the TPU compiler's argument sizes show), so one layer's
+    experts on a chip are 1/2 and 1/4 of bf16's."""
+    from lp_jax.aot import AotConfig, build, load_config
+
+    cfg = load_config("gpt-oss-20b")
+    aot = dict(platform="tpu", topology="v5e:2x2", mesh_shape=(1, 4, 1), max_num_seqs=8)
+    plans = {q: build(cfg, AotConfig(**aot, quantization=q))
+             for q in (None, "int8", "fp8", "mxfp4")}
+    E, D, F = cfg.num_experts // 4, cfg.hidden_size, cfg.moe_intermediate_size
+    layer = {q: b.layer_expert_bytes_per_device for q, b in plans.items()}
+    assert layer == {None: 2 * E * 3 * D * F, "int8": E * 3 * D * F, "fp8": E * 3 * D * F,
+                     "mxfp4": E * 3 * D * F // 2}
+    weights = {q: b.weight_bytes_per_device for q, b in plans.items()}
+    assert weights["mxfp4"] < weights["int8"] == weights["fp8"] < weights[None]
+    assert plans["int8"].model_config.quantization.method == "int8"
+
+
 def test_lp_serve_and_aot_take_quantization():
     from lp_jax.aot.__main__ import main as aot_main
     from lp_jax.serve import build_parser, engine_config

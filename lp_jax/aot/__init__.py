@@ -57,6 +57,7 @@ from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
+from pallas_kernels.quant import stored_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
@@ -132,8 +133,10 @@ def _devices(cfg: AotConfig):
 
 
 def _shard_bytes(shape, dtype, sharding) -> int:
-    local = sharding.shard_shape(shape)
-    return math.prod(local) * np.dtype(dtype).itemsize
+    """HBM bytes of one device's shard, at the dtype's width in bits: XLA packs 4-bit
+    types (MXFP4's e2m1) two a byte, where numpy's itemsize says 1
+    (`pallas_kernels.quant.stored_bytes`; the TPU compiler's argument sizes agree)."""
+    return stored_bytes(sharding.shard_shape(shape), dtype)
 
 
 @dataclasses.dataclass
