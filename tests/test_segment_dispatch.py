@@ -66,6 +66,29 @@ def test_a_plan_carries_up_to_k_segments_and_at_most_k_plus_1_are_outstanding(
     assert plans_by_k[4] < plans_by_k[2] < segments, plans_by_k
 
 
+def test_decodes_still_ride_at_every_group_start():
+    """Co-located: a request decodes while a 60-token prompt prefills in four layered
+    groups under k = 4; no run crosses a group start, and each group start's plan carries
+    the decode, as with one segment a plan."""
+    starts = {}
+    for k in (1, 4):
+        llm = fake_llm("operator", k, layer_groups=4)
+        eng = llm.engine
+        dec = eng.add_request(list(range(300, 304)), SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True))
+        while not eng.scheduler.running:
+            eng.step()
+        eng.add_request(list(range(1, 61)), ONE)
+        while eng.has_unfinished():
+            eng.step()
+        plans = [p for p in eng.runner.plans if any(c.num_tokens > 4 for c in p.prefill)]
+        groups = {4 * g for g in range(4)}  # units of 2-layer groups' starts
+        assert all(not any(p.unit_start < u < p.unit_end for u in groups) for p in plans)
+        starts[k] = [p.unit_start for p in plans if any(s.seq_id == dec for s in p.decode)]
+        assert set(starts[k]) == groups, (k, starts[k])
+    assert starts[1] == starts[4]
+
+
 def _short_ttft(k, urgent_at=None, granularity="operator"):
     """A 5-token request's TTFT on the virtual clock, alone or arriving at `urgent_at`
     while a 60-token prompt prefills (tests/test_engine_fake.py's set-up); and the
