@@ -221,7 +221,7 @@ class MuxWisePolicy(PausableBatches):
             if pred.decode_alone(dec, w) > target:
                 continue
             k = self._fit_units(table, w, b.unit, left, dec, target, carry)
-            if k == left and not carry:  # the rest fits: no backlog for the big partition
+            if k == left:  # the rest fits: no backlog for the big partition
                 w = self._quickest_share(table, w, b.unit, left, dec, target, carry)
             if k:
                 self._expect = (w, pred.overlap(table, w, b.unit, k, dec, carry))
