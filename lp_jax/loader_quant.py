@@ -158,8 +158,13 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
 
 def dummy_quantized(shape, scheme: QuantScheme, std: float, shardings, key):
     """(w_q, scale) of a N(0, std^2) draw, made on device in `shardings` (weight's,
-    scale's), drawn and quantized one leading slice at a time."""
+    scale's), drawn and quantized one leading slice at a time. Parameters of one shape
+    (k and v, gate and up) share one compiled program."""
+    return _dummy_program(tuple(shape), scheme, float(std), tuple(shardings))(key)
 
+
+@functools.lru_cache(maxsize=64)
+def _dummy_program(shape, scheme: QuantScheme, std: float, shardings):
     def one(k, shp):
         return quantize(jax.random.normal(k, shp, jnp.float32) * std, scheme)
 
@@ -168,4 +173,4 @@ def dummy_quantized(shape, scheme: QuantScheme, std: float, shardings, key):
             return one(k, shape)
         return jax.lax.map(lambda ki: one(ki, shape[1:]), jax.random.split(k, shape[0]))
 
-    return jax.jit(init, out_shardings=shardings)(key)
+    return jax.jit(init, out_shardings=shardings)
