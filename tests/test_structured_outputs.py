@@ -395,6 +395,28 @@ def test_server_malformed_tool_calls_degrade_to_content(client):
                 assert re.fullmatch(regex, text), text
 
 
+def test_server_parallel_tool_calls_false_keeps_the_first(client):
+    """tool_choice auto with two calls written (forced by a regex): both come back, or with
+    parallel_tool_calls false only the first, streamed and not."""
+    one = '<tool_call>\\{"name": "get_time"\\}</tool_call>'  # short: no arguments ({})
+    for parallel, n in [(True, 2), (False, 1)]:
+        for stream in (False, True):
+            resp = client.chat.completions.create(
+                model="tiny", messages=MSGS, max_tokens=120, tools=[WEATHER, TIME],
+                stream=stream, parallel_tool_calls=parallel, seed=n,
+                extra_body={"structured_outputs": {"regex": one + one}})
+            if stream:
+                chunks = [c for c in resp if c.choices]
+                calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+                reason = chunks[-1].choices[0].finish_reason
+            else:
+                calls, reason = resp.choices[0].message.tool_calls, resp.choices[0].finish_reason
+            assert len(calls) == n and reason == "tool_calls", (parallel, stream, reason, calls)
+            if stream:
+                assert [c.index for c in calls] == list(range(n))
+            assert all(json.loads(c.function.arguments) == {} for c in calls)
+
+
 @pytest.mark.parametrize("choice", ["always", {"type": "function", "function": {"name": "nope"}},
                                     {"type": "function"}, 3])
 def test_server_bad_tool_choice_is_400(client, choice):

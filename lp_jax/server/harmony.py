@@ -94,11 +94,12 @@ class Piece:
 
 
 def merge_deltas(deltas: list[dict]) -> list[dict]:
-    """Tool-call deltas with consecutive entries of one index merged (one chunk carries
-    each call once): the first keeps its id, type and name, the arguments are joined."""
+    """Tool-call deltas with consecutive argument fragments of one index joined. A call's
+    first delta (id, type, name, arguments "") stays apart, as OpenAI sends it: a chunk
+    may then carry it and the call's first fragment."""
     out: list[dict] = []
     for d in deltas:
-        if out and out[-1]["index"] == d["index"]:
+        if out and out[-1]["index"] == d["index"] and "id" not in out[-1] and "id" not in d:
             prev = out[-1]
             fn = {**prev["function"]}
             fn["arguments"] = fn.get("arguments", "") + d["function"].get("arguments", "")

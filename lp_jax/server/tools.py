@@ -190,9 +190,7 @@ class ToolCallParser:
         out = []
         if self._open is None:
             m = _HEAD.match(body)
-            # Announced once the arguments' first character is in (the whitespace before
-            # it is not theirs), when a call is wanted.
-            if m is None or m.end() == len(body) or not (self.parallel or not self.calls):
+            if m is None or not (self.parallel or not self.calls):
                 return out
             try:
                 name = json.loads(m.group(1))
@@ -208,6 +206,9 @@ class ToolCallParser:
                        | {"function": dict(self._open["function"])})
         call = self._open
         fn = call["function"]
+        if not fn["arguments"]:  # the whitespace before the arguments is not theirs
+            rest = body[call["start"]:]
+            call["start"] += len(rest) - len(rest.lstrip())
         new = body[call["start"] + len(fn["arguments"]):]
         new = new[: self._value.feed(new)]
         if new:
