@@ -136,6 +136,20 @@ def test_harmony_parser_any_chunking(htok, text, tools, want):
         assert [i for i, *_ in reassemble(deltas)] == list(range(len(want[2])))
 
 
+def test_harmony_text_without_headers_streams_as_content(htok):
+    """Output with no harmony (no <|message|> within MAX_HEADER_TOKENS) is content,
+    streamed as it comes rather than held to the end."""
+    from lp_jax.server.harmony import MAX_HEADER_TOKENS
+
+    text = "The weather this week has been strange. " * 12
+    ids = ids_of(htok, text)
+    assert len(ids) > 2 * MAX_HEADER_TOKENS
+    p = HarmonyParser(htok, harmony_tokens(htok), tools=True)
+    early = "".join(p.push([t]).content for t in ids[: 2 * MAX_HEADER_TOKENS])
+    rest = p.push(ids[2 * MAX_HEADER_TOKENS:]).content + p.finish().content
+    assert early and early + rest == text and p.message() == (None, text, [])
+
+
 def test_harmony_parallel_and_forced_fragments(htok):
     marks = harmony_tokens(htok)
     two = ids_of(htok, CALL + "<|start|>assistant" + CALL.replace("Oslo", "Rome"))

@@ -13,7 +13,8 @@ token ids and decodes only the headers and bodies between them:
 - everything else (the final channel, a commentary preamble) is `content`.
 
 Malformed output degrades to content, never an error: a header that never reaches
-`<|message|>`, a call to anything but `functions.*`, or (tool_choice "auto") a call whose
+`<|message|>` (or runs past MAX_HEADER_TOKENS, then streams on as content: the model
+writes no harmony), a call to anything but `functions.*`, or (tool_choice "auto") a call whose
 body is not a JSON object or is cut off, comes back as its body's text. Streamed, an
 "auto" call goes out in one delta (index, id, type, name, arguments) once its body closes
 and parses, since a delta cannot be taken back. A call that the grammar forces
@@ -36,6 +37,9 @@ from lp_jax.server.detok import IncrementalDetokenizer
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
            "<|return|>", "<|call|>")
 FINAL_HEADER = "<|channel|>final<|message|>"  # where a final answer's text starts
+# A header longer than this (harmony's are a few tokens, a function name and all) is not
+# one: the model writes no harmony, and its text streams as content.
+MAX_HEADER_TOKENS = 64
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 
@@ -150,6 +154,10 @@ class HarmonyParser:
                     self.header, self.state = [], "between"
                 else:
                     self.header.append(t)
+                    if len(self.header) > MAX_HEADER_TOKENS:
+                        self._begin("content")
+                        out += self._body(self.detok.add(self.header))
+                        self.header = []
             elif self.state == "body":
                 if t in m.ends or t == m.start:
                     out += self._close(complete=t in m.ends)
@@ -190,13 +198,16 @@ class HarmonyParser:
         elif channel is not None and channel.group(1) == "analysis":
             self.kind = "reasoning"
             self.reasoning = self.reasoning or ""
-        self.state, self.body = "body", ""
-        self.detok = IncrementalDetokenizer(self.tok, skip_special_tokens=True)
+        self._begin(self.kind)
         if self.kind == "call" and self.forced and self._wanted():
             self.call = new_call(len(self.calls), self.name, "")
             self.calls.append(self.call)
             return Piece(tool_calls=[dict(self.call, function=dict(self.call["function"]))])
         return Piece()
+
+    def _begin(self, kind: str) -> None:
+        self.kind, self.state, self.body = kind, "body", ""
+        self.detok = IncrementalDetokenizer(self.tok, skip_special_tokens=True)
 
     def _wanted(self) -> bool:
         return self.parallel or not self.calls
