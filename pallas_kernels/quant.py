@@ -66,7 +66,12 @@ def stored_bytes(shape, dtype) -> int:
     """Bytes of an array of `shape` at `dtype`'s width in bits (4-bit types: half a byte
     a value, where numpy's itemsize says 1)."""
     dtype = jnp.dtype(dtype)
-    bits = jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else dtype.itemsize * 8
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    else:  # bool
+        bits = dtype.itemsize * 8
     return math.prod(shape) * bits // 8
 
 

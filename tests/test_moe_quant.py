@@ -399,3 +399,18 @@ def test_compile_matrix():
 def _qwen_moe(x, logits, w_gu, w_d, s_gu, s_d, layer, *, scheme, backend, **kw):
     return backend(x, logits, w_gu, w_d, layer=layer, top_k=QWEN["A"], norm_topk_prob=True,
                    scales=(s_gu, s_d), scheme=scheme, **kw)[0]
+
+
+def test_stored_bytes_at_the_bit_width():
+    """Stored bytes count a dtype's bits (4-bit types half a byte a value, where numpy's
+    itemsize says 1) and a scheme's scales at their own width."""
+    from lp_jax.quant.mxfp4 import MXFP4
+
+    assert quant.stored_bytes((4, 8), jnp.float4_e2m1fn) == 16
+    assert quant.stored_bytes((4, 8), jnp.int4) == 16
+    assert quant.stored_bytes((4, 8), jnp.int8) == 32
+    assert quant.stored_bytes((3,), jnp.bfloat16) == 6
+    assert quant.stored_bytes((2, 2), jnp.bool_) == 4
+    assert MXFP4.stored_bytes(64, 16) == 64 * 16 // 2 + (64 // 32) * 16  # + e8m0 bytes
+    assert quant.INT8.stored_bytes(64, 16) == 64 * 16 + 16 * 4  # + float32 per column
+    assert quant.FP8_BLOCK.stored_bytes(256, 192) == 256 * 192 + 2 * 2 * 4
