@@ -171,6 +171,10 @@ def plot(results: dict, path: Path) -> Path:
         cross = sweep_crossings(costs, hw)["all bytes"]
         if cross.crosses:
             ax.plot([cross.rows], [hw.ridge_point], "x", color=color, ms=10, mew=2)
+    first = sorted(next(iter(results.values()))["costs"], key=lambda c: c.rows)
+    if all(c.kernel_intensity for c in first):  # the same kernels' estimates on every chip
+        ax.plot([c.rows for c in first], [c.kernel_intensity for c in first], "-",
+                color="grey", lw=1, label="compiled kernels alone: their flops / bytes")
     ax.plot([], [], "k:", lw=1, label="dotted: flops / expert-weight bytes")
     along = ax.get_xaxis_transform()  # x in data, y in axes coordinates
     ax.axvline(PAPER_CHUNK, color="grey", lw=1)

@@ -201,7 +201,8 @@ def test_table_and_json_name_a_chip_that_never_crosses():
     v6e_row = next(line for line in table.splitlines() if line.startswith("| v6e"))
     assert "never" not in h200_row.split("|")[3]
     assert "never (asymptote 100 < ridge)" in v6e_row.split("|")[3]  # 1e6 / 1e4 < 560
-    data = json.loads(results_json(results))
+    data = json.loads(results_json(results), parse_constant=pytest.fail)  # strict JSON
+    assert data["v6e"]["knees"]["exact uniform"] is None  # 3F/a = 48 < 560: never
     assert data["v6e"]["crossings"]["all bytes"]["rows"] is None
     assert 256 < data["h200"]["crossings"]["all bytes"]["rows"] < 512
     assert [c["rows"] for c in data["h200"]["costs"]] == ROWS

@@ -307,7 +307,8 @@ def results_json(results: dict[str, dict]) -> str:
     for name, r in results.items():
         hw = r["hardware"]
         out[name] = {
-            "hardware": hw.name, "ridge": hw.ridge_point, "knees": r["knees"],
+            "hardware": hw.name, "ridge": hw.ridge_point,
+            "knees": {k: v if math.isfinite(v) else None for k, v in r["knees"].items()},
             "costs": [c.to_json() for c in sorted(r["costs"], key=lambda c: c.rows)],
             "crossings": {k: dataclasses.asdict(v) | {"rows": v.rows if v.crosses else None}
                           for k, v in sweep_crossings(r["costs"], hw).items()},
