@@ -11,11 +11,13 @@ hardware.py). It is pure and host-only: HLO text in, numbers out.
     HLO text -> compiled.Walker (every op; a Pallas call as its cost estimate)
              -> LayerCost(rows, flops, bytes, weight_bytes)
     sweep of LayerCosts + ridge -> Crossing (log-log interpolation between samples)
+                                -> BeyondSweep (past the last sample: linear extension)
 
 Two intensities, both from the same compiled flops:
-* flops / bytes: every HBM byte the program moves (kernels' rows and weights, the
-  router, the sorted or gathered copy of x, the float32 combine, the padding of the
-  routing layout). This one decides whether the program is compute-bound.
+* flops / bytes: every HBM byte the program moves (the kernels' rows, weights and
+  [R, F] intermediate, the router, the sorted or packed copy of x, the combine, the
+  routing layout's metadata). This one decides whether the program is compute-bound;
+  the kernels' own flops over their own bytes are kept beside it.
 * flops / weight_bytes: the expert weights the kernels read, the paper's form of the
   argument (its simple intensity loads all E experts; here the E_act(T) active ones).
 
