@@ -25,16 +25,15 @@ spread over [0.15, 0.65] of the long prompt's solo TTFT; blocking = its TTFT min
 TTFT alone. The bound is k + 1 segments (the rest of the one running and k queued) of the
 longest (an attention half at operator granularity), as the engine timed it; blocking
 also holds the host's own wait for the step boundary and the urgent request's slowdown,
-so it may pass it a little. Then the same arrivals on a virtual clock moved by the
-latency estimator the host-cost runs fitted, one frozen copy for every row
-(`virtual_blocking`): reproducible on a loaded
-host, its bound counted in the estimator's one-segment plans.
+so it may pass it a little. Beside it, counted from the engine's plans (not timed):
+the segments the outstanding plans held when the urgent request's first plan was made,
+which is what k adds to its wait (at most k; the segment running at the arrival, or one
+dispatched before the host saw it, comes on top).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -47,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from launch.bench_flowprefill import ONE_TOKEN, blocking  # noqa: E402
 from lp_jax.bench.open_loop import use_policy  # noqa: E402
-from lp_jax.core.clock import VirtualClock  # noqa: E402
-from lp_jax.core.slo import SLO  # noqa: E402
 from lp_jax.engine.config import EngineConfig  # noqa: E402
 from lp_jax.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -106,23 +103,6 @@ def segments_of(plan, policy) -> int:
     return sum(1 for a, _ in b.segments if plan.unit_start <= a < plan.unit_end)
 
 
-def one_segment_plans(engine, base, granularity: str, prompt: list[int]) -> list:
-    """The one-segment plans of the prompt alone (lookahead 1), made by a fresh scheduler
-    and never run: what the k + 1 segment bound is counted in."""
-    use_policy(engine, base, preemption_granularity=granularity, flowprefill_lookahead=1)
-    sched, plans = engine.scheduler, []
-    from lp_jax.core.plan import StepResult
-    from lp_jax.core.sequence import Sequence
-
-    seq = Sequence(10**9, prompt, ONE_TOKEN)
-    sched.add(seq)
-    while sched.has_unfinished():
-        plan = sched.schedule(0.0)
-        plans.append(plan)
-        sched.commit(plan, StepResult(tokens={s.seq_id: 0 for s in plan.sampling_seqs}), 0.0)
-    return [p for p in plans if p.prefill]
-
-
 def one_prefill(engine, prompt: list[int]) -> dict:
     """Runs one prompt alone; the host and device seconds of its plans."""
     timed = _Timed(engine)
@@ -153,39 +133,25 @@ def one_prefill(engine, prompt: list[int]) -> dict:
             "device": timed.device, "longest": timed.longest}
 
 
-def virtual_blocking(engine, long_p, short_p, repeats: int) -> dict:
-    """`blocking` on a virtual clock (core/clock.py) moved by the engine's latency
-    estimator as it learnt this host's steps, frozen: the same schedule every run, so
-    the figure is the lookahead's and not the shared host's noise. The numerics are
-    real; the times are the estimator's."""
-    wall = engine.clock
+def queued_ahead(engine, short_len: int) -> tuple[list[int], object]:
+    """Hooks the scheduler: for each request of `short_len` tokens, the segments the
+    plans still outstanding hold when its first plan is made (what it waits for beyond
+    the step boundary). Returns the list it fills and the hook's undo."""
+    sched, seen, counts = engine.scheduler, set(), []
+    schedule = sched.schedule
 
-    def ttfts(arrivals):
-        engine.clock = VirtualClock()
-        ids, out, i = {}, {}, 0
-        while i < len(arrivals) or engine.has_unfinished():
-            while i < len(arrivals) and (arrivals[i][0] <= engine.clock.now()
-                                         or not engine.has_unfinished()):
-                t, p, slo = arrivals[i]
-                engine.clock.advance_to(t)
-                ids[engine.add_request(p, ONE_TOKEN, slo=slo, arrival_time=t)] = i
-                i += 1
-            for o in engine.step():
-                if o.finished:
-                    out[ids[o.request_id]] = o.metrics.ttft
-        return out
+    def watched(now):
+        plan = schedule(now)
+        for c in plan.prefill:
+            q = c.seq
+            if q.num_prompt_tokens == short_len and q.seq_id not in seen:
+                seen.add(q.seq_id)
+                counts.append(sum(segments_of(p, sched.policy)
+                                  for p in sched.outstanding_plans[:-1]))
+        return plan
 
-    try:
-        long_solo = ttfts([(0.0, long_p, None)])[0]
-        short_solo = ttfts([(0.0, short_p, None)])[0]
-        urgent = SLO(long_solo + short_solo)
-        waits = [ttfts([(0.0, long_p, SLO(1e3)), (f * long_solo, short_p, urgent)])[1]
-                 - short_solo for f in np.linspace(0.15, 0.65, repeats)]
-    finally:
-        engine.clock = wall
-    return {"long_solo_ms": long_solo * 1e3, "short_solo_ms": short_solo * 1e3,
-            "blocking_ms": statistics.mean(waits) * 1e3, "blocking_max_ms": max(waits) * 1e3,
-            "blocking_all_ms": [w * 1e3 for w in waits]}
+    sched.schedule = watched
+    return counts, lambda: setattr(sched, "schedule", schedule)
 
 
 def main(argv=None) -> dict:
@@ -228,30 +194,25 @@ def main(argv=None) -> dict:
             if rep:
                 runs[c].append(r)
     results = {"config": vars(args) | {"model": model}, "runs": {}}
-    frozen = copy.deepcopy(engine.scheduler.latency)  # fitted on every run above
     for c in configs:
         rs = runs[c]
         segs = rs[0]["segments"]
         per_seg = {k: statistics.median(r[k] for r in rs) / segs * 1e3
                    for k in ("wall", *PARTS, "host", "exposed", "device")}
         use_policy(engine, base, preemption_granularity=c[0], flowprefill_lookahead=c[1])
+        queued, undo = queued_ahead(engine, len(short_p))
         blk = blocking(engine, long_p, short_p, args.block_repeats)
-        live = engine.scheduler.latency
-        use_policy(engine, base, preemption_granularity=c[0], flowprefill_lookahead=c[1])
-        engine.scheduler.latency = copy.deepcopy(frozen)  # one estimator for every row
-        vblk = virtual_blocking(engine, long_p, short_p, args.block_repeats)
-        engine.scheduler.latency = live
+        undo()
+        queued = queued[-args.block_repeats:]  # the arrivals during the long prefill
         results["runs"][name[c]] = {
             "granularity": c[0], "lookahead": c[1], "segments": segs,
             "plans": statistics.median(r["plans"] for r in rs), "per_segment_ms": per_seg,
             "host_to_device": per_seg["host"] / per_seg["device"],
             "longest_segment_ms": statistics.median(r["longest"] for r in rs) * 1e3,
-            "blocking": blk, "virtual_blocking": vblk}
+            "blocking": blk, "queued_segments": queued}
         res = results["runs"][name[c]]
         res["bound_ms"] = (c[1] + 1) * res["longest_segment_ms"]
-        vseg = max(copy.deepcopy(frozen).predict_plan(p) for p in one_segment_plans(
-            engine, base, c[0], long_p))
-        res["virtual_bound_ms"] = (c[1] + 1) * vseg * 1e3
+
         print(name[c], json.dumps(results["runs"][name[c]]))
     results["compilations_after_warmup"] = engine.stats()["compilations_after_warmup"]
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -268,24 +229,23 @@ def render(r: dict) -> str:
              f"{r['compilations_after_warmup']}", "",
              "| granularity | k | segments / plans | plan | dispatch | commit | engine host "
              "| exposed host | device | host : device | wall | blocking mean / max | "
-             "(k + 1) x longest segment | virtual blocking mean / max | virtual bound |",
+             "(k + 1) x longest segment | segments queued ahead, mean / max |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: | ---: | ---: | ---: |"]
+             "| ---: | ---: | ---: |"]
     for res in r["runs"].values():
-        s, b, v = res["per_segment_ms"], res["blocking"], res["virtual_blocking"]
+        s, b, q = res["per_segment_ms"], res["blocking"], res["queued_segments"]
         lines.append(
             f"| {res['granularity']} | {res['lookahead']} | {res['segments']} / "
             f"{res['plans']:g} | {s['plan']:.3f} | {s['dispatch']:.3f} | {s['commit']:.3f} | "
             f"{s['host']:.3f} | {s['exposed']:.3f} | {s['device']:.3f} | "
             f"{res['host_to_device']:.2f} | {s['wall']:.3f} | {b['blocking_ms']:.1f} / "
-            f"{b['blocking_max_ms']:.1f} | {res['bound_ms']:.1f} | {v['blocking_ms']:.1f} / "
-            f"{v['blocking_max_ms']:.1f} | {res['virtual_bound_ms']:.1f} |")
+            f"{b['blocking_max_ms']:.1f} | {res['bound_ms']:.1f} | "
+            f"{statistics.mean(q):.2f} / {max(q)} |")
     lines.append("")
     lines.append("Per-segment columns in ms (host parts, the engine's host total, the part "
                  "not overlapped with a step, the device step time per segment, wall). "
-                 "Blocking in ms: wall clock, then on the virtual clock moved by the "
-                 "estimator fitted on this run's steps; virtual bound: k + 1 of the "
-                 "longest one-segment plan as the estimator predicts it.")
+                 "Blocking in ms on the wall clock; segments queued ahead: those the "
+                 "outstanding plans held when the urgent request's first plan was made.")
     return "\n".join(lines) + "\n"
 
 
