@@ -27,11 +27,12 @@ get here.
 
 Quantized experts (issue 31, off by default): `scales=(s_gate_up, s_down)` and `scheme=`
 a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn (or
-MXFP4's float4_e2m1fn) and the scales float32 (MXFP4's e8m0), stacked like the weights ([L, E, k, n] with `layer`), shaped by
-quant.py's contract. W8A16: the kernels dequantise tiles on chip and multiply the
-activation dtype, accumulating in float32. This reference dequantises the layer's slice
-to float32 (`quant.ref_dequantize`) and runs both matmuls in float32, storing h in the
-activation dtype in between as the kernels do.
+MXFP4's float4_e2m1fn) and the scales float32 (MXFP4's e8m0), stacked like the
+weights ([L, E, k, n] with `layer`), shaped by quant.py's contract. W8A16: the kernels
+dequantise tiles on chip and multiply the activation dtype, accumulating in float32.
+This reference dequantises the layer's slice to float32 (`quant.ref_dequantize`) and
+runs both matmuls in float32, storing h in the activation dtype in between as the
+kernels do.
 """
 
 from __future__ import annotations
