@@ -12,6 +12,7 @@ Tolerances (float32 activations, so only the weight format differs):
   logits match the float32 model holding those dequantised weights within LOGIT_ATOL.
 """
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -514,6 +515,16 @@ def test_gpt_oss_quantized_at_load(method, moe, monkeypatch):
     print(f"gpt_oss {method} at load ({moe} MoE): logits vs float32 dequantised: "
           f"max |diff| {diff:.3g}")
     assert diff <= LOGIT_ATOL, diff
+    # LLM and lp-serve: the engine's model config carries the format (its expert-bytes
+    # counter the model's); the fake executor compiles nothing
+    from lp_jax.serve import build_parser, engine_config
+    from tests.fake_executor import FakeExecutor
+
+    args = build_parser().parse_args(["--model", str(d), "--quantization", method])
+    llm = LLM(**{**dataclasses.asdict(engine_config(args)), "log": None},
+              executor=FakeExecutor)
+    assert llm.engine.model_config.quantization.method == method
+    assert llm.engine.model_config.expert_bytes == model.config.expert_bytes
     mx = ensure_tiny(preset="tiny-gpt-oss-mxfp4")
     with pytest.raises(CheckpointError, match=rf"quantization='{method}' disagrees with the "
                                               r"checkpoint, whose experts are already"):
