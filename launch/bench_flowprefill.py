@@ -22,7 +22,8 @@ minus its TTFT alone under the same policy (so the wait until its prefill starts
 slowdown while it runs), in ms (mean and max) and as a share of the long prompt's solo
 TTFT.
 
-`--trace`: each policy's open-loop run also writes its decision trace
+`--lookahead k`: FlowPrefill plans carry up to k segments (issue #30 finding 4; the
+other policies ignore it). `--trace`: each policy's open-loop run also writes its decision trace
 (`trace_<policy>.jsonl`, lp_jax/trace) and timeline (`timeline_<policy>.png`) to --out.
 """
 
@@ -128,6 +129,9 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=6, help="blocking arrivals per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lookahead", type=int, default=1,
+                   help="flowprefill_lookahead: segments a FlowPrefill plan may carry "
+                        "(launch/bench_segment_dispatch.py; 1: one segment a plan)")
     p.add_argument("--trace", action="store_true",
                    help="write each policy's decision trace and timeline PNG to --out")
     args = p.parse_args(argv)
@@ -172,7 +176,7 @@ def main(argv=None) -> dict:
                                     "assumed": c.assumed} for c in classes},
                "policies": {}}
     for name in args.policies.split(","):
-        use_policy(engine, base, **POLICIES[name])
+        use_policy(engine, base, **POLICIES[name], flowprefill_lookahead=args.lookahead)
         if args.trace:
             engine.trace = TraceWriter(out / f"trace_{name}.jsonl", source="engine",
                                        policy=name, num_layers=base.num_layers, clock="wall")
