@@ -22,8 +22,10 @@ minus its TTFT alone under the same policy (so the wait until its prefill starts
 slowdown while it runs), in ms (mean and max) and as a share of the long prompt's solo
 TTFT.
 
-`--lookahead k`: FlowPrefill plans carry up to k segments (issue #30 finding 4; the
-other policies ignore it). `--trace`: each policy's open-loop run also writes its decision trace
+`--lookahead 1,2`: each FlowPrefill policy also runs with plans of up to k segments, as
+the row <policy>-k<k> (issue #30 finding 4), on the same arrivals.
+
+`--trace`: each policy's open-loop run also writes its decision trace
 (`trace_<policy>.jsonl`, lp_jax/trace) and timeline (`timeline_<policy>.png`) to --out.
 """
 
@@ -129,8 +131,9 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=6, help="blocking arrivals per policy")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lookahead", type=int, default=1,
-                   help="flowprefill_lookahead: segments a FlowPrefill plan may carry "
+    p.add_argument("--lookahead", default="1",
+                   help="flowprefill_lookahead k, or several (1,2): segments a FlowPrefill "
+                        "plan may carry, each k a row <policy>-k<k> "
                         "(launch/bench_segment_dispatch.py; 1: one segment a plan)")
     p.add_argument("--trace", action="store_true",
                    help="write each policy's decision trace and timeline PNG to --out")
@@ -175,8 +178,12 @@ def main(argv=None) -> dict:
                                     "ttft_slo_ms": slos[c.name].ttft_s * 1e3,
                                     "assumed": c.assumed} for c in classes},
                "policies": {}}
-    for name in args.policies.split(","):
-        use_policy(engine, base, **POLICIES[name], flowprefill_lookahead=args.lookahead)
+    lookaheads = [int(k) for k in str(args.lookahead).split(",")]
+    runs = [(policy, k) for policy in args.policies.split(",")
+            for k in (lookaheads if policy.startswith("flowprefill") else [1])]
+    for policy, k in runs:
+        name = policy if k == 1 else f"{policy}-k{k}"
+        use_policy(engine, base, **POLICIES[policy], flowprefill_lookahead=k)
         if args.trace:
             engine.trace = TraceWriter(out / f"trace_{name}.jsonl", source="engine",
                                        policy=name, num_layers=base.num_layers, clock="wall")
