@@ -52,9 +52,12 @@ def _run_staggered(llm: LLM, prompts, params):
 
 @pytest.fixture(scope="module")
 def expected(reference_model):
-    # one page count for all five: their decode steps share one program
-    return [greedy_generate(reference_model, p, GREEDY.max_tokens, num_pages=16)
-            for p in _prompts()]
+    # one page count and one prefill size for all five: their prefills share one program,
+    # their decode steps another
+    prompts = _prompts()
+    rows = max(map(len, prompts))
+    return [greedy_generate(reference_model, p, GREEDY.max_tokens, num_pages=16,
+                            prefill_rows=rows) for p in prompts]
 
 
 @pytest.mark.parametrize("name", POLICIES)

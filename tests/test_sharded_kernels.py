@@ -226,7 +226,9 @@ def test_sharded_engine_matches_single_device_xla(sharded_engine):
     assert not stats["kernel_fallbacks"]
     xla = KernelBackends(moe="xla", attention="xla")
     model = load_model(ensure_tiny(preset=ENGINE_PRESET))
-    want = [greedy_generate(model, p, NEW_TOKENS, backends=xla) for p in PROMPTS]
+    rows = max(map(len, PROMPTS))  # one prefill and one decode program for both
+    want = [greedy_generate(model, p, NEW_TOKENS, backends=xla, prefill_rows=rows,
+                            num_pages=-(-(rows + NEW_TOKENS) // 16)) for p in PROMPTS]
     assert sharded_engine[1] == want
 
 

@@ -34,10 +34,13 @@ def _forward(graphdef, state, kv_pages, token_ids_T, meta, *, decode_only, backe
 
 def greedy_generate(model: StackedCausalLM, prompt: list[int], max_new_tokens: int, *,
                     page_size: int = 16, backends: KernelBackends = KernelBackends(),
-                    return_prompt_logits: bool = False, num_pages: int | None = None):
+                    return_prompt_logits: bool = False, num_pages: int | None = None,
+                    prefill_rows: int | None = None):
     """Returns the greedy continuation (and the prompt's float32 logits if asked).
-    `num_pages`: the KV pages to allocate (None: just enough); callers generating for
-    several prompts pass one count, so all their decode steps share one program."""
+    `num_pages`: the KV pages to allocate (None: just enough); `prefill_rows`: the rows
+    the prompt's call is padded to (None: the prompt's length; padding rows write no KV
+    and their logits are dropped). Callers generating for several prompts pass one of
+    each, so all their prefills share one program and all their decode steps another."""
     cfg = model.config
     total = len(prompt) + max_new_tokens
     need = math.ceil(total / page_size)
@@ -45,15 +48,20 @@ def greedy_generate(model: StackedCausalLM, prompt: list[int], max_new_tokens: i
         num_pages = need
     elif num_pages < need:
         raise ValueError(f"{num_pages} pages cannot hold {total} tokens of {page_size}")
+    rows = len(prompt) if prefill_rows is None else prefill_rows
+    if rows < len(prompt):
+        raise ValueError(f"a {len(prompt)}-token prompt exceeds prefill_rows={rows}")
     pages = list(range(num_pages))
     kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype)
     graphdef, state = nnx.split(model)
 
     meta = build_metadata([(0, len(prompt), pages)], page_size=page_size,
-                          num_tokens=len(prompt), num_seqs=1, pages_per_seq=num_pages)
-    logits, kv_pages = _forward(graphdef, state, kv_pages, jnp.asarray(prompt, jnp.int32), meta,
+                          num_tokens=rows, num_seqs=1, pages_per_seq=num_pages)
+    token_ids = np.zeros(rows, np.int32)
+    token_ids[:len(prompt)] = prompt
+    logits, kv_pages = _forward(graphdef, state, kv_pages, jnp.asarray(token_ids), meta,
                                 decode_only=False, backends=backends)
-    prompt_logits = np.asarray(logits)
+    prompt_logits = np.asarray(logits)[:len(prompt)]
     tokens = [int(np.argmax(prompt_logits[-1]))]
     for pos in range(len(prompt), total - 1):
         meta = build_metadata([(pos, 1, pages)], page_size=page_size, num_tokens=1, num_seqs=1,
