@@ -5,8 +5,9 @@ float32). Tolerance: 1e-4 absolute on float32 logits; greedy tokens identical.
 
 Pages of PAGE_SIZE = 36 tokens: every prompt with its 32 greedy tokens (37, 49 and 72
 tokens) then takes 2 pages, so one decode program serves a preset's three prompts
-(16-token pages need 3, 4 and 5, three programs), and every sequence still crosses a
-page boundary (prompt 2 already in its prefill).
+(16-token pages need 3, 4 and 5, three programs), every prefill is padded to the longest
+prompt (one prefill program; the padding must leave the logits as they are), and every
+sequence still crosses a page boundary (prompt 2 already in its prefill).
 """
 
 import re
@@ -30,10 +31,13 @@ def test_matches_transformers(preset):
     assert n >= 3
     totals = [len(golden[f"prompt_{i}"]) + len(golden[f"greedy_{i}"]) for i in range(n)]
     assert {-(-t // PAGE_SIZE) for t in totals} == {2}  # one decode program, two pages
+    # one prefill program: every prompt padded to the longest (the padding rows must
+    # leave the real rows' logits Hugging Face's)
+    rows = max(len(golden[f"prompt_{i}"]) for i in range(n))
     for i in range(n):
         prompt = golden[f"prompt_{i}"].tolist()
         want = golden[f"greedy_{i}"].tolist()
         tokens, logits = greedy_generate(model, prompt, len(want), page_size=PAGE_SIZE,
-                                         return_prompt_logits=True)
+                                         return_prompt_logits=True, prefill_rows=rows)
         np.testing.assert_allclose(logits, golden[f"logits_{i}"], rtol=0, atol=1e-4)
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"

@@ -216,6 +216,7 @@ def test_matches_transformers(preset):
     assert str(golden["weights_digest"]) == weights_digest(model_dir), "rerun make_golden.py"
     model = load_model(model_dir)
     assert isinstance(model, GptOssForCausalLM)
+    rows = max(len(golden[f"prompt_{i}"]) for i in range(3))  # one prefill program
     for i in range(3):
         prompt = golden[f"prompt_{i}"].tolist()
         want = golden[f"greedy_{i}"].tolist()
@@ -223,7 +224,7 @@ def test_matches_transformers(preset):
         # tests/test_golden_parity.py (2 pages each, each crossing a page boundary).
         assert -(-(len(prompt) + len(want)) // 36) == 2
         tokens, logits = greedy_generate(model, prompt, len(want), page_size=36,
-                                         return_prompt_logits=True)
+                                         return_prompt_logits=True, prefill_rows=rows)
         np.testing.assert_allclose(logits, golden[f"logits_{i}"], rtol=0, atol=1e-4)
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
 
