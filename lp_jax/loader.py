@@ -51,7 +51,7 @@ from lp_jax.models import StackedCausalLM, model_class
 from lp_jax.models.stacked import embed_width
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.quant.mxfp4 import e8m0_scales
-from lp_jax.quant.mxfp4 import unpack_blocks as mxfp4_unpack_blocks
+from lp_jax.quant.mxfp4 import packed_from_blocks as mxfp4_packed_from_blocks
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -170,13 +170,13 @@ def _gpt_oss_sources(cfg: ModelConfig, mxfp4: bool) -> dict[tuple[str, ...], _So
         return _Source((L, E), lambda j, e: [(experts.format(j) + t, e) for t in tensors],
                        build, lambda j, e: shapes)
 
-    if mxfp4 and cfg.quantization is not None:  # kept in 4 bits (quant/mxfp4.py)
+    if mxfp4 and cfg.quantization is not None:  # kept packed (quant/mxfp4.py)
         G = D // 32
         for name, n_out, g in (("gate_up_proj", 2 * F, G), ("down_proj", D, F // 32)):
             fix = _deinterleave if name == "gate_up_proj" else (lambda a: a)
             src[(*mlp, f"experts_{name}")] = per_expert(
                 [f"{name}_blocks"], [(E, n_out, g, 16)],
-                lambda a, fix=fix: fix(mxfp4_unpack_blocks(a[0]).T))
+                lambda a, fix=fix: fix(mxfp4_packed_from_blocks(a[0])))
             src[(*mlp, f"experts_{name}_scale")] = per_expert(
                 [f"{name}_scales"], [(E, n_out, g)], lambda a, fix=fix: fix(e8m0_scales(a[0]).T))
     elif mxfp4:

@@ -17,6 +17,36 @@ Schemes:
 * "fp8": per output channel, e4m3, scale = amax / 448.
 * "fp8_block": Hugging Face fine-grained FP8, 128 x 128 blocks of e4m3 (the checkpoint's
   [out, in] blocks, transposed into this [in, out] layout).
+* "mxfp4": GPT-OSS's MXFP4 (OCP MX), e2m1 values with one e8m0 power-of-two scale per 32
+  values along K (block_k 32, block_n 1), kept packed two a byte (`pack` = 2): see
+  "The packed MXFP4 layout" below.
+
+The packed MXFP4 layout (W4A16; what the loader stores and every MoE backend reads).
+Mosaic TPU refuses `f4E2M1FN` vectors and sm_90 has no fp4 MMA, so the e2m1 values travel
+as plain bytes, two 4-bit codes a byte, and each kernel decodes them on chip:
+
+    w_p_KN   [..., K/2, N]    int8; byte (j, n) holds the e2m1 code of w[j, n] in its
+                              low nibble and of w[j + K/2, n] in its high nibble
+    scale_kn [..., K/32, N]   float8_e8m0fnu (1 byte: 2^(e - 127)), in w's row order:
+                              row i of w has scale row i // 32
+
+so w[i, n] = e2m1(code(i, n)) * scale[i // 32, n], and the stored bytes are 0.5 a weight
+plus 1 per 32 (0.53125 B a weight). K must be a multiple of 32 (GPT-OSS-20B: D = F =
+2880, Qwen3-30B-A3B: 2048 and 768; the tiny GPT-OSS's F = 32, whose halves of 16 rows
+share one scale row: a half need not be whole scale blocks, the scale row is always
+i // 32). A shard of the byte rows along K is no shard of w (it holds two row ranges),
+so K is never split across devices in this layout. The code is the e2m1 bit pattern:
+bit 3 sign, bits 1-2 exponent (bias 1), bit 0 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6
+and their negatives (`E2M1_VALUES`).
+
+Why K/2 and not neighbouring rows: the halves [0, K/2) and [K/2, K) are the two halves
+the TPU gate/up kernel already gathers x in (a 32-bit word holds x[j] and x[K/2 + j],
+`tpu.pack_rows`), so one packed block [R, N] at byte rows [r0, r0 + R) serves both halves:
+its low nibbles multiply x[:, r0:r0 + R], its high nibbles x[:, K/2 + r0:K/2 + r0 + R],
+with no lane or sublane interleave. A K tile of t rows of w is t/2 byte rows [r0, r0 +
+t/2): its low nibbles are rows r0.. of w, its high nibbles rows K/2 + r0.. .
+`pack_mxfp4` / `unpack_mxfp4` convert from / to the codes [..., K, N]; `ref_dequantize`
+reads this layout, so the reference, xla_tiles, TPU and GPU backends share it.
 
 Leading dimensions ([L, E] of stacked experts) are shared by the weight and its scale.
 `ref_dequantize` is the oracle the kernels are tested against.
@@ -48,6 +78,18 @@ class QuantScheme:
     block_k: int | None
     block_n: int
     scale_dtype: object = jnp.float32
+    pack: int = 1  # weights per stored element along K (MXFP4: 2 nibbles a byte, K/2 rows)
+
+    def logical_k(self, rows: int) -> int:
+        """K of a stored weight with `rows` rows (K/pack of them are stored)."""
+        return rows * self.pack
+
+    def stored_shape(self, K: int, N: int) -> tuple[int, int]:
+        """The stored weight's [rows, N] for a logical [K, N] matrix."""
+        bk = self.block_k_for(K)
+        if self.pack > 1 and (K % self.pack or K % bk):
+            raise ValueError(f"{self.name}: K = {K} must be a multiple of {bk}")
+        return K // self.pack, N
 
     def scale_shape(self, K: int, N: int) -> tuple[int, int]:
         bk = K if self.block_k is None else self.block_k
@@ -58,7 +100,7 @@ class QuantScheme:
 
     def stored_bytes(self, K: int, N: int) -> int:
         """HBM bytes of one quantized [K, N] matrix: its values and its scales."""
-        return (stored_bytes((K, N), self.weight_dtype)
+        return (stored_bytes(self.stored_shape(K, N), self.weight_dtype)
                 + stored_bytes(self.scale_shape(K, N), self.scale_dtype))
 
 
@@ -78,7 +120,38 @@ def stored_bytes(shape, dtype) -> int:
 INT8 = QuantScheme("int8", jnp.int8, None, 1)
 FP8 = QuantScheme("fp8", jnp.float8_e4m3fn, None, 1)
 FP8_BLOCK = QuantScheme("fp8_block", jnp.float8_e4m3fn, 128, 128)
-SCHEMES = {s.name: s for s in (INT8, FP8, FP8_BLOCK)}
+MXFP4 = QuantScheme("mxfp4", jnp.int8, 32, 1, jnp.float8_e8m0fnu, pack=2)
+SCHEMES = {s.name: s for s in (INT8, FP8, FP8_BLOCK, MXFP4)}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by 4-bit code
+
+
+def pack_mxfp4(codes_KN):
+    """e2m1 codes (integers 0..15) [..., K, N] -> the packed int8 [..., K/2, N]: rows j
+    and j + K/2 share byte row j (low, high nibble). numpy or jax arrays."""
+    K = codes_KN.shape[-2]
+    if K % 32:
+        raise ValueError(f"mxfp4: K = {K} must be a multiple of 32")
+    lo, hi = codes_KN[..., :K // 2, :], codes_KN[..., K // 2:, :]
+    packed = (lo & 15) | ((hi & 15) << 4)
+    if isinstance(packed, jax.Array):
+        return jax.lax.bitcast_convert_type(packed.astype(jnp.uint8), jnp.int8)
+    return packed.astype("uint8").view("int8")
+
+
+def decode_e2m1(code):
+    """int32 e2m1 codes (0..15) -> float32 values, with integer ops and selects only
+    (Mosaic TPU has no fp4 vectors): sign bit 3, exponent bits 1-2, mantissa bit 0."""
+    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    pow2 = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0))
+    mag = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    return jnp.where((code >> 3) & 1 == 1, -mag, mag)
+
+
+def unpack_mxfp4(w_p):
+    """The packed int8 [..., K/2, N] -> float32 e2m1 values [..., K, N] (no scales)."""
+    b = w_p.astype(jnp.int32) & 0xFF
+    return jnp.concatenate([decode_e2m1(b & 15), decode_e2m1(b >> 4)], axis=-2)
 
 
 def scheme_named(name: str) -> QuantScheme:
@@ -93,7 +166,9 @@ def check_scale(w_q: jax.Array, scale: jax.Array, scheme: QuantScheme) -> None:
     if jnp.dtype(w_q.dtype) != jnp.dtype(scheme.weight_dtype):
         raise ValueError(f"{scheme.name} weights must be {jnp.dtype(scheme.weight_dtype)}, "
                          f"got {w_q.dtype}")
-    K, N = w_q.shape[-2:]
+    rows, N = w_q.shape[-2:]
+    K = scheme.logical_k(rows)
+    scheme.stored_shape(K, N)  # packed: K a multiple of the block
     want = (*w_q.shape[:-2], *scheme.scale_shape(K, N))
     if tuple(scale.shape) != want:
         raise ValueError(f"{scheme.name} scale for weight {tuple(w_q.shape)} must have "
@@ -111,9 +186,10 @@ def ref_dequantize(w_q: jax.Array, scale: jax.Array, scheme: QuantScheme,
                    dtype=jnp.float32) -> jax.Array:
     """w_q * scale per block, in `dtype` (float32 by default: the kernels' arithmetic)."""
     check_scale(w_q, scale, scheme)
-    K, N = w_q.shape[-2:]
+    K, N = scheme.logical_k(w_q.shape[-2]), w_q.shape[-1]
     full = expand_scale(scale.astype(jnp.float32), scheme, K, N)
-    return (w_q.astype(jnp.float32) * full).astype(dtype)
+    values = unpack_mxfp4(w_q) if scheme.pack == 2 else w_q.astype(jnp.float32)
+    return (values * full).astype(dtype)
 
 
 def ref_quantize(w: jax.Array, scheme: QuantScheme) -> tuple[jax.Array, jax.Array]:
@@ -122,6 +198,8 @@ def ref_quantize(w: jax.Array, scheme: QuantScheme) -> tuple[jax.Array, jax.Arra
     The JAX quantiser used at load time (`quantization="int8" | "fp8"`). Tests check it
     against an independent numpy one (checkpoints/), not against itself.
     """
+    if scheme.pack > 1:
+        raise ValueError(f"{scheme.name}: quantised by lp_jax.quant.mxfp4, not ref_quantize")
     K, N = w.shape[-2:]
     k, n = scheme.scale_shape(K, N)
     bk = scheme.block_k_for(K)
