@@ -194,6 +194,10 @@ def tile_gmm(
     M = tile_group_M.shape[0]
     N = N2 // 2 if swiglu else N2
     out_dtype = lhs_SK.dtype if out_dtype is None else out_dtype
+    packed = scale is not None and scheme.pack > 1  # MXFP4: two e2m1 codes a byte
+    if packed:
+        _check_mxfp4_step(scheme, K, bk)
+        K2 *= scheme.pack
     if K != K2 or K % bk or N % bn:
         raise ValueError(f"shapes: lhs {lhs_SK.shape} rhs {rhs_GKN2.shape}, bk={bk} bn={bn}")
     if jnp.dtype(lhs_SK.dtype).itemsize != 2 and not interpret:
@@ -212,13 +216,15 @@ def tile_gmm(
     n_accs = 2 if swiglu else 1
     col_offsets = (0, grid_n) if swiglu else (0,)  # gate (and up) blocks in rhs's N
     per_channel = quantized and scheme.block_k is None
-    if quantized and not per_channel and (scheme.block_k % bk or scheme.block_n % bn
+    if quantized and not packed and not per_channel and (scheme.block_k % bk or scheme.block_n % bn
                                           or (swiglu and N % scheme.block_n)):
         raise ValueError(f"block scales {scheme.block_k} x {scheme.block_n} need K / N "
                          f"steps that divide them: bk={bk} bn={bn} N={N}")
     in_item, out_item = jnp.dtype(lhs_SK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
     stage_bytes = tm * bk * in_item + n_accs * bk * bn * w_item
+    if packed:  # bk/2 byte rows of codes and the step's two e8m0 scale rows
+        stage_bytes = tm * bk * in_item + n_accs * (bk // 2 + 2) * bn
     bias_bytes = 0 if bias is None else n_accs * bn * bias.dtype.itemsize
     if quantized:  # the converted tiles (one per accumulator) and per-channel scales
         bias_bytes += n_accs * bk * bn * in_item + n_accs * bn * 4
@@ -229,6 +235,9 @@ def tile_gmm(
     # per channel: [G, 1, N2] viewed as [G, N2] (free); blocks: [G, k, n] as they are
     scale_args = () if not quantized else (
         scale.reshape(scale.shape[0], -1) if per_channel else scale,)
+    if packed:  # e8m0 bytes as int8 (a bitcast); [G, K/32, N2] viewed as [G, 2, K/64, N2]
+        scale_args = (jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(
+            G, 2, K // bk, N2),)
 
     def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, *refs):
         refs = list(refs)
@@ -243,9 +252,15 @@ def tile_gmm(
             g = tile_group_gmem[m]
             rhs_expert = rhs_gmem.at[g]  # a ref slice in global memory
             rhs_specs = [
-                plgpu.BlockSpec((bk, bn), lambda k, c=c: (k, n + c), delay_release=1)
+                plgpu.BlockSpec((bk // 2 if packed else bk, bn), lambda k, c=c: (k, n + c),
+                                delay_release=1)
                 for c in col_offsets
             ]
+            # MXFP4: each step's scale rows k (low nibbles) and K/64 + k (high), by TMA
+            scale_specs = [
+                plgpu.BlockSpec((2, 1, bn), lambda k, c=c: (0, k, n + c), delay_release=1)
+                for c in col_offsets
+            ] if packed else []
 
             def mma_scope(*accs):
                 if not quantized:
@@ -255,7 +270,11 @@ def tile_gmm(
 
             def pipeline(accs, wbufs):
                 def step(idx, lhs_smem, *rhs_smems):
-                    if quantized:
+                    if packed:
+                        rhs_smems = _decode_mxfp4_step(rhs_smems[:n_accs],
+                                                       rhs_smems[n_accs:], wbufs,
+                                                       lhs_smem.dtype)
+                    elif quantized:
                         rhs_smems = _dequantize_step(rhs_smems, wbufs, lhs_smem.dtype,
                                                      scale_gmem, g, idx[0], n, bk, bn,
                                                      col_offsets, None if per_channel
@@ -274,10 +293,11 @@ def tile_gmm(
                     grid=(grid_k,),
                     in_specs=[
                         plgpu.BlockSpec((tm, bk), lambda k: (0, k), delay_release=1),
-                        *rhs_specs,
+                        *rhs_specs, *scale_specs,
                     ],
                     max_concurrent_steps=max(stages, 2),
-                )(lhs_tile, *([rhs_expert] * n_accs))
+                )(lhs_tile, *([rhs_expert] * n_accs),
+                  *([scale_gmem.at[g]] * len(scale_specs)))
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(mma_scope, *([plgpu.ACC((tm, bn))] * n_accs))
@@ -337,6 +357,57 @@ def _dequantize_step(rhs_smems, wbufs, dtype, scale_gmem, g, k, n, bk: int, bn: 
     return wbufs
 
 
+MXFP4_BK = 64  # logical K rows a step: 32 byte rows, one e8m0 scale row per nibble half
+
+
+def _check_mxfp4_step(scheme, K: int, bk: int) -> None:
+    """Refuses a packed-MXFP4 K step other than 64 rows (32 byte rows: its low nibbles
+    are rows [32k, 32k + 32) of w, its high nibbles the same rows of the second half,
+    one e8m0 scale row each) and a K that is not a multiple of 64."""
+    if scheme.pack != 2 or scheme.block_k != 32 or scheme.block_n != 1:
+        raise NotImplementedError(f"the gpu MoE kernel packs only MXFP4 (2 codes a byte, "
+                                  f"32 x 1 scale blocks), got {scheme}")
+    if bk != MXFP4_BK or K % MXFP4_BK:
+        raise ValueError(f"mxfp4 on the gpu kernel: K steps of {MXFP4_BK} rows over a K "
+                         f"that is a multiple of 64; got bk={bk}, K={K}")
+
+
+def mxfp4_column_order(K: int) -> jax.Array:
+    """The order of lhs's K columns the packed-MXFP4 kernel reads: step k's 64 columns are
+    [32k, 32k + 32) then K/2 + [32k, 32k + 32), the rows of w whose codes share step
+    k's 32 byte rows (quant.py's layout: byte row j holds rows j and j + K/2), so the
+    step's decoded [64, bn] tile is its low-nibble rows over its high-nibble rows."""
+    j = jnp.arange(K // 2).reshape(K // MXFP4_BK, MXFP4_BK // 2)
+    return jnp.concatenate([j, j + K // 2], axis=1).reshape(K)
+
+
+def _e2m1_times_scale(code_i32, scale_f32, dtype):
+    """e2m1 codes (int32 0..15) times their float32 scales, in `dtype`: integer ops,
+    selects and one multiply (sm_90 has no fp4 type to convert from)."""
+    e, m = (code_i32 >> 1) & 3, (code_i32 & 1).astype(jnp.float32)
+    pow2 = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0))
+    mag = jnp.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m)) * scale_f32
+    return jnp.where((code_i32 & 8) != 0, -mag, mag).astype(dtype)
+
+
+def _decode_mxfp4_step(code_smems, scale_smems, wbufs, dtype):
+    """One K step of packed MXFP4 weights decoded into the 16-bit shared-memory tiles the
+    WGMMAs read: byte tile [32, bn] -> low nibbles times scale row 0 into rows [0, 32),
+    high nibbles times scale row 1 into rows [32, 64). The e8m0 byte s is the float32
+    2^(s - 127) with s as its exponent field (s = 0, 2^-127, reads as 0: no checkpoint
+    scale is that small)."""
+    half = MXFP4_BK // 2
+    for code_smem, s_smem, wbuf in zip(code_smems, scale_smems, wbufs, strict=True):
+        b = code_smem[...].astype(jnp.int32) & 0xFF
+        s = s_smem[...].astype(jnp.int32) & 0xFF  # [2, 1, bn]
+        s = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
+        for h, code in enumerate((b & 15, b >> 4)):
+            s_row = jax.lax.broadcast_in_dim(s[h, 0], code.shape, [1])
+            wbuf[pl.ds(h * half, half), :] = _e2m1_times_scale(code, s_row, dtype)
+    plgpu.commit_smem()
+    return wbufs
+
+
 def _add_bias(accs, bias_N2, n, bn: int, col_offsets, op=jnp.add):
     """op(accs[c], bias_N2[(n + col_offsets[c]) * bn :][:bn]) over the rows, in float32
     (op: add for biases, multiply for per-channel weight scales). The slices (one
@@ -392,36 +463,51 @@ def moe_ffn_gpu(
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
     b_gate_up, b_down = check_bias(biases, w_gate_up_LEDF2, w_down_LEFD)
+    if scales and jnp.dtype(w_gate_up_LEDF2.dtype) == jnp.dtype(jnp.float4_e2m1fn):
+        raise NotImplementedError(
+            "the gpu MoE kernel takes MXFP4 packed two e2m1 codes a byte (int8 [.., K/2, N], "
+            "quant.MXFP4 / quant.pack_mxfp4), not float4_e2m1fn [.., K, N]")
     s_gate_up, s_down = check_scales(scales, scheme, w_gate_up_LEDF2, w_down_LEFD)
     if s_gate_up is not None:  # [L*E, k, n] like the weights
         s_gate_up = s_gate_up.reshape(-1, *s_gate_up.shape[-2:])
         s_down = s_down.reshape(-1, *s_down.shape[-2:])
     E = w_gate_up_LEDF2.shape[-3]
-    F = w_down_GFD.shape[1]
+    packed = s_gate_up is not None and scheme.pack > 1  # MXFP4 (quant.py's layout)
+    F = w_gate_up_GDF2.shape[-1] // 2
     tm = tiling.tm
     cdt = w_gate_up_GDF2.dtype if s_gate_up is None else x_TD.dtype  # the MMA dtype
-    bk = tiling.bk or 128 // jnp.dtype(cdt).itemsize
+    bk = tiling.bk or (MXFP4_BK if packed else 128 // jnp.dtype(cdt).itemsize)
+    if packed and bk != MXFP4_BK:
+        raise ValueError(f"mxfp4 on the gpu kernel takes K steps of {MXFP4_BK} rows, "
+                         f"got tiling.bk={tiling.bk}")
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
     M = layout.tile_group_M.shape[0]
 
-    # Expert-sorted copy of x, experts 8-row aligned (see the module docstring).
-    x_SD = x_TD.astype(cdt)[layout.token_ids_S]
+    # Expert-sorted copy of x, experts 8-row aligned (see the module docstring); MXFP4:
+    # its columns in the packed kernel's K order (the same gather, a permuted index).
+    x_cdt = x_TD.astype(cdt)
+    if packed:
+        x_cdt = x_cdt[:, mxfp4_column_order(D)]
+    x_SD = x_cdt[layout.token_ids_S]
     h_dtype = w_down_GFD.dtype if s_down is None else cdt
     common = dict(
         tile_group_M=layout.tile_group_M + group_offset, num_tiles=layout.num_tiles, tm=tm,
         stages=tiling.stages, num_sms=num_sms, interpret=interpret,
     )
-    # block scales: one scale block per tile (bn at most block_n)
-    bn_cap = scheme.block_n if s_gate_up is not None and scheme.block_k else 1 << 30
+    # fp8 block scales: one scale block per tile (bn at most block_n)
+    bn_cap = (scheme.block_n if s_gate_up is not None and scheme.block_k and not packed
+              else 1 << 30)
     h_PF = tile_gmm(
         x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
         bk=_fit_block(D, bk), bn=_fit_block(F, min(tiling.gate_up_bn, bn_cap)),
         out_dtype=h_dtype, bias=b_gate_up, act=activation, scale=s_gate_up, scheme=scheme,
         **common,
     )
+    if packed:  # h's columns in the down kernel's K order: a copy of h (activations)
+        h_PF = h_PF[:, mxfp4_column_order(F)]
     y_PD = tile_gmm(
         h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
         bk=_fit_block(F, bk), bn=_fit_block(D, min(tiling.down_bn, bn_cap)),
