@@ -414,3 +414,100 @@ def test_stored_bytes_at_the_bit_width():
     assert MXFP4.stored_bytes(64, 16) == 64 * 16 // 2 + (64 // 32) * 16  # + e8m0 bytes
     assert quant.INT8.stored_bytes(64, 16) == 64 * 16 + 16 * 4  # + float32 per column
     assert quant.FP8_BLOCK.stored_bytes(256, 192) == 256 * 192 + 2 * 2 * 4
+
+
+# ----------------------------------------------------------------------- MXFP4 (W4A16)
+E2M1_NP = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _np_mxfp4(rng, shape):
+    """Random MXFP4 [..., K, N] as (packed int8 bytes, e8m0 scales, float32 values), the
+    packing and the dequantisation written here in numpy from the layout's definition
+    (quant.py: byte j = code of row j | code of row j + K/2 << 4; scale row i // 32)."""
+    *lead, K, N = shape
+    codes = rng.integers(0, 16, shape)
+    exps = rng.integers(121, 126, (*lead, K // 32, N)).astype(np.uint8)
+    values = E2M1_NP[codes] * np.ldexp(1.0, np.repeat(exps.astype(np.int32) - 127, 32, -2))
+    byte = codes[..., :K // 2, :] | (codes[..., K // 2:, :] << 4)
+    return (byte.astype(np.uint8).view(np.int8), exps.view(jnp.float8_e8m0fnu),
+            values.astype(np.float32))
+
+
+@functools.cache
+def mxfp4_case(dtype, D: int, F: int):
+    """Tokens, routing and mask as in `case` (expert 3 unpicked, two tokens masked) and
+    random MXFP4 experts [L, E, ...]."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32).astype(dtype)
+    logits = rng.standard_normal((T, E)) * 2.0
+    logits[:, 3] = -30.0
+    mask = np.ones(T, bool)
+    mask[[4, 9]] = False
+    gu, d = _np_mxfp4(rng, (L, E, D, 2 * F)), _np_mxfp4(rng, (L, E, F, D))
+    return (x, jnp.asarray(logits, jnp.float32), jnp.asarray(mask), (gu[0], d[0]),
+            (gu[1], d[1]), (gu[2], d[2]))
+
+
+def _mxfp4_oracle(dtype, D, F):
+    """The float32 MoE over the numpy-dequantised layer (no quant.py code on this side)."""
+    x, logits, mask, _, _, (w_gu, w_d) = mxfp4_case(dtype, D, F)
+    return jax.jit(lambda *a: ref_moe_ffn_dense(*a, top_k=TOP_K, norm_topk_prob=True,
+                                                token_mask_T=mask))(
+        x.astype(jnp.float32), logits, w_gu[1], w_d[1])
+
+
+@pytest.mark.parametrize("dtype,D,F,fused", [
+    # the gather's bfloat16 x as word halves, h as words in the down kernel; F/2 = 16
+    # rows a half, both halves in scale row 0
+    (jnp.bfloat16, 64, 32, True),
+    # the unfused tile_gmm gate/up, float32 halves sliced in the kernel; halves of 64 / 48
+    # rows, so the down weights' scale row 1 straddles the halves
+    (jnp.float32, 128, 96, False),
+])
+def test_tpu_mxfp4_kernels_match_the_numpy_oracle(dtype, D, F, fused):
+    """W4A16: packed e2m1 decoded on chip, against numpy's dequantise-then-matmul.
+    Expert 3 routes no row (its tiles never run), two tokens masked, groups of 0..5 rows
+    in 8-row tiles (partial tiles). float32: within 1e-5 (e2m1 x 2^e is exact, only the
+    summation order differs); bfloat16: 1e-2 (x, h and y rounded to bfloat16)."""
+    x, logits, mask, (q_gu, q_d), scales, _ = mxfp4_case(dtype, D, F)
+    fn = lambda *a: tpu.moe_ffn_tpu(*a, layer=1, top_k=TOP_K, norm_topk_prob=True,
+                                    token_mask_T=mask, scales=scales, scheme=quant.MXFP4,
+                                    tiling=tpu.TpuTiling(tm=TM), fused_gather=fused,
+                                    interpret=True)
+    y, stats = jax.jit(fn)(x, logits, jnp.asarray(q_gu), jnp.asarray(q_d))
+    assert rel_err(y, _mxfp4_oracle(dtype, D, F)) < TOL[jnp.dtype(dtype)]
+    # stored bytes: half a byte a weight plus an e8m0 byte per 32, per activated expert
+    per_expert = quant.MXFP4.stored_bytes(D, 2 * F) + quant.MXFP4.stored_bytes(F, D)
+    assert float(stats["expert_bytes_loaded"]) == int(stats["experts_activated"]) * per_expert
+    assert per_expert == 3 * D * F * 0.53125
+
+
+def test_mxfp4_reference_reads_the_packed_layout():
+    """ref_moe_ffn (the xla backend) on the packed weights equals the numpy oracle."""
+    x, logits, mask, (q_gu, q_d), scales, _ = mxfp4_case(jnp.float32, 64, 32)
+    y, _ = jax.jit(lambda *a: ref_moe_ffn(*a, layer=1, top_k=TOP_K, norm_topk_prob=True,
+                                          token_mask_T=mask, scales=scales,
+                                          scheme=quant.MXFP4))(
+        x, logits, jnp.asarray(q_gu), jnp.asarray(q_d))
+    assert rel_err(y, _mxfp4_oracle(jnp.float32, 64, 32)) < 1e-5
+
+
+def test_mxfp4_column_chunks_and_refused_k_tiles():
+    """The on-chip decode walks a wide block in 128-multiple column chunks (2F = 1280:
+    two of 640), run here outside Pallas; k tiles that split K are refused by name."""
+    from pallas_kernels.moe import tpu_quant as tq
+
+    rng = np.random.default_rng(3)
+    w_p, s, w = _np_mxfp4(rng, (64, 1280))
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    assert tq.mxfp4_chunk(1280) == 640 and tq.mxfp4_chunk(5760) == 640
+    got = jax.jit(lambda x, w_p, s: tq.mxfp4_qdot(
+        x[:, :32], x[:, 32:], lambda c0, c: w_p[:, c0:c0 + c], lambda c0, c: s[:, c0:c0 + c],
+        64, 1280, jnp.float32))(x, w_p, s)
+    assert rel_err(got, x @ w) < 1e-6
+    xq, logits, mask, (q_gu, q_d), scales, _ = mxfp4_case(jnp.bfloat16, 64, 32)
+    for tiling in (tpu.TpuTiling(tm=TM, tk=32), tpu.TpuTiling(tm=TM, down_tk=16)):
+        with pytest.raises(ValueError, match="whole-K blocks"):
+            jax.eval_shape(lambda *a, t=tiling: tpu.moe_ffn_tpu(
+                *a, layer=1, top_k=TOP_K, norm_topk_prob=True, scales=scales,
+                scheme=quant.MXFP4, tiling=t, interpret=True), xq, logits, q_gu, q_d)

@@ -317,7 +317,14 @@ def _gate_up_gather_kernel(
         s_kws = [tq.block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
     part_rows = xbuf.shape[-1]  # D / pack: part p holds rows [p * D/pack, (p+1) * D/pack)
     dots = [0.0] * num_w  # gate, up; or the joint [gate | up]
-    for part in range(pack):
+    if quant is not None and quant.mode == "mxfp4":  # packed e2m1: rows j, D/2 + j a byte
+        xs = [_unpack_words(words, pack, part).astype(cdt) for part in range(pack)]
+        D = pack * part_rows
+        x_lo, x_hi = xs if pack == 2 else (xs[0][:, :D // 2], xs[0][:, D // 2:])
+        for j, (w_ref, s_ref) in enumerate(zip(w_refs, scale_refs, strict=True)):
+            dots[j] = tq.mxfp4_qdot(x_lo, x_hi, lambda c0, c, w=w_ref: w[0, :, c0:c0 + c],
+                                    lambda c0, c, s=s_ref: s[:, c0:c0 + c], D, width, cdt)
+    for part in range(pack if quant is None or quant.mode != "mxfp4" else 0):
         x = _unpack_words(words, pack, part).astype(cdt)
         for j, w_ref in enumerate(w_refs):
             dots[j] += tq.qdot(x, w_ref[part], quant, part * part_rows + k * kw, s_kws[j])
@@ -372,6 +379,8 @@ def gate_up_gather(
     quant = tq.quant_of(scheme, s_gate_up, x_TD.dtype)
     tq.check_block_chunks(quant, D // pack if pack > 1 else 0, tiles_k, tk // pack,
                         "gate_up_gather")
+    tq.check_mxfp4_tiles(quant, tiles_k, "gate_up_gather")
+    mx = quant is not None and quant.mode == "mxfp4"
 
     def w_map(up_offset):
         def index_map(i, n, k, tile_group_ref, tile_rows_ref):
@@ -406,8 +415,11 @@ def gate_up_gather(
                                pack=pack, act=act, num_w=len(offsets),
                                num_bias=len(bias_args), split=split, quant=quant,
                                num_scale=len(scale_args), width=width, offsets=offsets)
-    w_spec = functools.partial(pl.BlockSpec, (None, pack, tk // pack, width))
-    w_GPKF2 = w_gate_up_GDF2.reshape(G, pack, D // pack, F2)  # a bitcast
+    # MXFP4: one [D/2, width] block of bytes serves both halves of x (quant.py's layout)
+    w_parts = 1 if mx else pack
+    w_spec = functools.partial(pl.BlockSpec, (None, w_parts, tk // 2 if mx else tk // pack,
+                                              width))
+    w_GPKF2 = w_gate_up_GDF2.reshape(G, w_parts, -1, F2)  # a bitcast
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((P, F), x_TD.dtype),
@@ -429,7 +441,7 @@ def gate_up_gather(
         cost_estimate=_moe_cost(routing, P, G, k=D, n=F, glu=True, lhs_dtype=x_TD.dtype,
                                 w_dtype=w_gate_up_GDF2.dtype, out_dtype=x_TD.dtype,
                                 bias=b_gate_up, tm=tm, blocks=tiles_n * tiles_k,
-                                scale=s_gate_up),
+                                scale=s_gate_up, w_pack=2 if mx else 1),
         interpret=_interpret_arg(interpret),
         name=cost.TPU_MOE_GATE_UP_GATHER,
     )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None],
@@ -457,15 +469,16 @@ def _bias_vmem_bytes(bias_args, width: int) -> int:
 
 
 def _moe_cost(routing, P: int, G: int, *, k: int, n: int, glu: bool, lhs_dtype, w_dtype,
-              out_dtype, bias, tm: int, blocks: int, scale=None):
+              out_dtype, bias, tm: int, blocks: int, scale=None, w_pack: int = 1):
     """`cost.moe_matmul` of a kernel call as a pl.CostEstimate. A grid of more than one
     weight block per tile (blocks > 1) walks them again for every tile. Quantized
-    weights count their stored bytes: 1 per weight plus one expert's scales [k, n]."""
+    weights count their stored bytes: 1 per weight (MXFP4: 1 per w_pack = 2) plus one
+    expert's scales [k, n]."""
     routing = routing or cost.Routing(tokens=P, top_k=1, experts=G)
     scale_bytes = 0 if scale is None else math.prod(scale.shape[-2:]) * scale.dtype.itemsize
     return cost.moe_matmul(
         **routing._asdict(), k=k, n=n, glu=glu, lhs_itemsize=jnp.dtype(lhs_dtype).itemsize,
-        w_itemsize=jnp.dtype(w_dtype).itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
+        w_itemsize=jnp.dtype(w_dtype).itemsize / w_pack, out_itemsize=jnp.dtype(out_dtype).itemsize,
         bias_itemsize=0 if bias is None else bias.dtype.itemsize, tm=tm,
         refetch_per_tile=blocks > 1, scale_bytes=scale_bytes).pallas()
 
@@ -473,12 +486,25 @@ def _moe_cost(routing, P: int, G: int, *, k: int, n: int, glu: bool, lhs_dtype, 
 # ------------------------------------------------------------- grouped matmul by tiles
 def _tile_gmm_kernel(tile_group_ref, lhs_ref, *refs, tiles_k: int, act, n_rhs: int,
                      num_bias: int, split, quant: tq.Quant | None = None, num_scale: int = 0,
-                     width: int = 0, offsets=(0,)):
+                     width: int = 0, offsets=(0,), lhs_pack: int = 1):
     n, k = pl.program_id(1), pl.program_id(2)
     rhs_refs, bias_refs = refs[:n_rhs], refs[n_rhs:n_rhs + num_bias]
     scale_refs = refs[n_rhs + num_bias:n_rhs + num_bias + num_scale]
     out_ref, *acc_refs = refs[n_rhs + num_bias + num_scale:]
     lhs = lhs_ref[...]
+    if quant is not None and quant.mode == "mxfp4":  # lhs as words (lhs_pack 2) or values
+        K = 2 * rhs_refs[0].shape[0]
+        if lhs_pack == 2:
+            x_lo, x_hi = (_unpack_words(lhs, 2, p).astype(quant.cdt) for p in (0, 1))
+        else:
+            x_lo, x_hi = lhs[:, :K // 2].astype(quant.cdt), lhs[:, K // 2:].astype(quant.cdt)
+        dots = [tq.mxfp4_qdot(x_lo, x_hi, lambda c0, c, r=r: r[:, c0:c0 + c],
+                              lambda c0, c, s=s: s[:, c0:c0 + c], K, width, quant.cdt)
+                for r, s in zip(rhs_refs, scale_refs, strict=True)]
+        _accumulate_and_store(k, tiles_k, dots, acc_refs, out_ref,
+                              _epilogue(act, bias_refs, tile_group_ref, pl.program_id(0),
+                                        split))
+        return
     s_kws = [None] * n_rhs
     if quant is not None and quant.mode == "block":
         s_kws = [tq.block_scales(scale_refs[0], quant, (n + o) * width, width) for o in offsets]
@@ -520,6 +546,9 @@ def tile_gmm(
     """
     P, K = lhs_PK.shape
     G, K2, N2 = rhs_GKN2.shape
+    quant = tq.quant_of(scheme, scale, lhs_PK.dtype)
+    mx = quant is not None and quant.mode == "mxfp4"
+    K2 = scheme.logical_k(K2) if mx else K2  # packed MXFP4: K/2 rows of bytes
     N = N2 // 2 if swiglu else N2
     out_dtype = lhs_PK.dtype if out_dtype is None else out_dtype
     if K != K2 or K % tk or N % tn or P % tm:
@@ -527,11 +556,16 @@ def tile_gmm(
                          f"tn={tn}")
     tiles_k, tiles_n = K // tk, N // tn
     width, offsets, split = _gate_up_blocks(N, tn, tiles_n) if swiglu else (tn, (0,), None)
-    quant = tq.quant_of(scheme, scale, lhs_PK.dtype)
     tq.check_block_chunks(quant, 0, tiles_k, tk, "tile_gmm")
+    tq.check_mxfp4_tiles(quant, tiles_k, "tile_gmm")
+    # MXFP4 needs lhs as its two K halves: bfloat16 rows as 32-bit words (pack_rows: word
+    # j = lhs[:, j], lhs[:, K/2 + j]), a copy like the gather's; float32 sliced in-kernel.
+    lhs_pack = 2 if mx and jnp.dtype(lhs_PK.dtype) == jnp.dtype(jnp.bfloat16) else 1
+    lhs_in = pack_rows(lhs_PK) if lhs_pack == 2 else lhs_PK
 
     def rhs_spec(offset):
-        return pl.BlockSpec((None, tk, width), lambda i, n, k, g: (g[i], k, n + offset))
+        return pl.BlockSpec((None, tk // 2 if mx else tk, width),
+                            lambda i, n, k, g: (g[i], k, n + offset))
 
     rhs_specs = [rhs_spec(o) for o in offsets]
     bias_specs, bias_args = _bias_operands(bias, width, offsets)
@@ -548,12 +582,14 @@ def tile_gmm(
     return pl.pallas_call(
         functools.partial(_tile_gmm_kernel, tiles_k=tiles_k, act=act if swiglu else None,
                           n_rhs=n_rhs, num_bias=len(bias_args), split=split, quant=quant,
-                          num_scale=len(scale_args), width=width, offsets=offsets),
+                          num_scale=len(scale_args), width=width, offsets=offsets,
+                          lhs_pack=lhs_pack),
         out_shape=jax.ShapeDtypeStruct((P, N), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(num_tiles, tiles_n, tiles_k),
-            in_specs=[pl.BlockSpec((tm, tk), lambda i, n, k, g: (i, k)), *rhs_specs,
+            in_specs=[pl.BlockSpec((tm, tk // lhs_pack), lambda i, n, k, g: (i, k)),
+                      *rhs_specs,
                       *bias_specs, *scale_specs],
             out_specs=pl.BlockSpec((tm, tn), lambda i, n, k, g: (i, n)),
             scratch_shapes=scratch,
@@ -563,10 +599,11 @@ def tile_gmm(
         compiler_params=_compiler_params(("arbitrary",) * 3, vmem_bytes),
         cost_estimate=_moe_cost(routing, P, G, k=K, n=N, glu=swiglu, lhs_dtype=lhs_PK.dtype,
                                 w_dtype=rhs_GKN2.dtype, out_dtype=out_dtype, bias=bias, tm=tm,
-                                blocks=tiles_n * tiles_k, scale=scale),
+                                blocks=tiles_n * tiles_k, scale=scale,
+                                w_pack=2 if mx else 1),
         interpret=_interpret_arg(interpret),
         name=cost.TPU_MOE_GATE_UP if swiglu else cost.TPU_MOE_DOWN,
-    )(tile_group_M, lhs_PK, *([rhs_GKN2] * n_rhs), *bias_args, *scale_args)
+    )(tile_group_M, lhs_in, *([rhs_GKN2] * n_rhs), *bias_args, *scale_args)
 
 
 # --------------------------------------------------------------------------- the layer
@@ -607,7 +644,7 @@ def moe_ffn_tpu(
         s_gate_up = s_gate_up.reshape(-1, *s_gate_up.shape[-2:])
         s_down = s_down.reshape(-1, *s_down.shape[-2:])
     E = w_gate_up_LEDF2.shape[-3]
-    F = w_down_GFD.shape[1]
+    F = w_down_GFD.shape[1] * (1 if s_down is None else scheme.pack)  # MXFP4: F/2 rows
     tm = tiling.tm
     weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
     if token_mask_T is not None:
