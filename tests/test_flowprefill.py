@@ -135,6 +135,18 @@ def test_latency_features_count_expert_reloads():
     assert chunks[3] == whole[3]  # MLP token work is the same
 
 
+def test_latency_features_put_experts_on_mlp_halves_only():
+    """An operator segment's experts are those of the MoE MLP halves (unit 2i + 1) it
+    runs: an attention half alone loads none beyond the decodes' own, an MLP half alone
+    loads the prefill's, and the halves of a span add up to the whole layer's."""
+    m = LatencyModel(ModelDims(L, 128, 8))
+    attn, mlp = (m.features([(256, 0)], u, u + 1)[4] for u in (2, 3))
+    whole = m.features([(256, 0)], 2, 4)[4]
+    assert attn == 0 and mlp > 0 and attn + mlp == whole
+    # a span from an MLP half to the next attention half holds one MLP half
+    assert m.features([(256, 0)], 3, 5)[4] == mlp
+
+
 # ------------------------------------------------------------------- scheduler
 def fp(**kw):
     base = dict(preemption_granularity="operator", max_num_batched_tokens=64)

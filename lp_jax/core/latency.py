@@ -159,8 +159,8 @@ class LatencyModel:
             x[3] = n_mlp * T
         B = num_decode
         if experts is None:  # MoE MLP units in [a, b) see T + B rows, the rest B rows
-            moe_mixed = self._moe_prefix[(b + 1) // 2] - self._moe_prefix[(a + 1) // 2] \
-                if T else 0
+            # layer i's MLP half is unit 2i + 1: a <= 2i + 1 < b for i in [a // 2, b // 2)
+            moe_mixed = self._moe_prefix[b // 2] - self._moe_prefix[a // 2] if T else 0
             moe_all = int(self._moe_prefix[-1])
             experts = moe_mixed * d.expected_experts(T + B)
             experts += segments * ((moe_all - moe_mixed) if B else 0) * d.expected_experts(B)
