@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--flowprefill-rules", choices=("reference", "lp_jax"), default="reference",
                    help="flowprefill's ranking and batching: the released FlowPrefill code's "
                         "(reference) or lp_jax's earlier ones [default: reference]")
+    f.add_argument("--flowprefill-lookahead", type=_positive_int, default=1,
+                   help="flowprefill: segments of the running prefill one plan carries (one "
+                        "host plan, dispatch and commit); an urgent arrival waits for at most "
+                        "k + 1 segments [default: 1]")
     f.add_argument("--max-paused-prefills", type=_non_negative_int, default=8,
                    help="paused prefill batches whose hidden states stay on the device")
     f.add_argument("--latency-model", type=_existing_path, default=None,
@@ -251,8 +255,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",
-                "flowprefill_rules", "max_paused_prefills", "slo_classes", "latency_model",
-                "prefill_only",
+                "flowprefill_rules", "flowprefill_lookahead", "max_paused_prefills",
+                "slo_classes", "latency_model", "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
                 "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path")
 

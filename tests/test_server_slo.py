@@ -231,8 +231,9 @@ def test_serve_flowprefill_flags(tmp_path):
     args = serve.build_parser().parse_args([
         "--scheduling", "flowprefill", "--preemption-granularity", "layer",
         "--slo-alpha", "0.2", "--max-paused-prefills", "3", "--slo-classes", str(path),
-        "--prefill-only", "--latency-model", str(path)])
+        "--prefill-only", "--latency-model", str(path), "--flowprefill-lookahead", "2"])
     cfg = serve.engine_config(args)
+    assert cfg.flowprefill_lookahead == 2
     assert (cfg.scheduling, cfg.preemption_granularity, cfg.slo_alpha) == ("flowprefill",
                                                                             "layer", 0.2)
     assert cfg.max_paused_prefills == 3 and cfg.prefill_only and not cfg.preemptible
@@ -271,6 +272,7 @@ def test_serve_bad_slo_classes_fail_at_start_up(tmp_path, capsys, value, words):
 
 @pytest.mark.parametrize("argv", [["--slo-alpha", "1"], ["--max-paused-prefills", "-1"],
                                   ["--preemption-granularity", "token"],
+                                  ["--flowprefill-lookahead", "0"],
                                   ["--latency-model", "/nonexistent/model.json"]])
 def test_serve_bad_flowprefill_flags(argv, capsys):
     from lp_jax import serve
