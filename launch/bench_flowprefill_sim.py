@@ -136,6 +136,13 @@ POLICY_SPECS: tuple[PolicySpec, ...] = (
         "FlowPrefill / operator, 2 ms per segment",
         {"policy": "flowprefill", "preemption_granularity": "operator", "segment_overhead_s": None},
     ),
+    # the same 2 ms, paid once per plan of up to k segments (issue #30 finding 4)
+    *(PolicySpec(
+        f"flowprefill_operator_2ms_k{k}",
+        f"FlowPrefill / operator, 2 ms per plan of up to {k} segments",
+        {"policy": "flowprefill", "preemption_granularity": "operator", "segment_overhead_s": None,
+         "flowprefill_lookahead": k},
+    ) for k in (4, 16)),
 )
 BASELINES = ("layered_fcfs", "fcfs_whole", "chunked_2048", "chunked_8192")
 FLOW = "flowprefill_operator"

@@ -96,6 +96,9 @@ class SimConfig:
     slo_alpha: float = 0.1
     flowprefill_rules: str = "reference"
     max_paused_prefills: int = 8
+    # segments of the running prefill one FlowPrefill plan carries (SchedulerConfig's
+    # flowprefill_lookahead): one plan, so one per-plan overhead, for up to k segments
+    flowprefill_lookahead: int = 1
     # The scheduler's step-latency estimator (FlowPrefill's slack): a copy of this model
     # at the start of every run (runs stay pure functions of their requests); None: a fresh
     # one for the shape, learning online from the simulated steps (`observe_latency`).
@@ -271,6 +274,7 @@ class Simulator:
             preemption_granularity=c.preemption_granularity, preemptible=c.preemptible,
             slo_alpha=c.slo_alpha, max_paused_prefills=c.max_paused_prefills,
             flowprefill_rules=c.flowprefill_rules, tbt_slo_s=c.tbt_slo_s,
+            flowprefill_lookahead=c.flowprefill_lookahead,
         )  # fmt: skip
 
     @property
