@@ -428,8 +428,9 @@ def test_lp_serve_and_aot_take_quantization():
 
 
 def test_mxfp4_kept_in_4_bits(tmp_path):
-    """quantization="mxfp4": GPT-OSS's experts stay e2m1 with their power-of-two scales,
-    dequantise exactly to what the default (16-bit) load makes of them, and give
+    """quantization="mxfp4": GPT-OSS's experts stay e2m1 (packed two a byte) with their
+    power-of-two scales, dequantise exactly to what the default (16-bit) load makes of
+    them, and give
     transformers' logits and greedy tokens (tests/golden, made on the dequantised
     weights)."""
     d = ensure_tiny(preset="tiny-gpt-oss-mxfp4")
@@ -438,7 +439,9 @@ def test_mxfp4_kept_in_4_bits(tmp_path):
     mlp, want = model.model.layers.mlp, dense.model.layers.mlp
     for name in ("experts_gate_up_proj", "experts_down_proj"):
         w_q = getattr(mlp, name)[...]
-        assert w_q.dtype == jax.numpy.float4_e2m1fn
+        # packed: two e2m1 codes a byte, [.., K/2, N] (pallas_kernels.quant's MXFP4 layout)
+        assert w_q.dtype == jax.numpy.int8
+        assert w_q.shape[-2] * 2 == getattr(want, name).shape[-2]
         got = ref_dequantize(w_q, getattr(mlp, name + "_scale")[...], MXFP4)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(getattr(want, name)[...]))
     assert model.model.layers.self_attn.q_proj.dtype == np.float32  # attention unconverted
