@@ -59,10 +59,13 @@ _PALLAS_CALLS = ("tpu_custom_call", "mosaic_gpu", "__gpu$xla.gpu.triton")
 def _slice_shapes(build) -> tuple[set, dict, set]:
     """(expert slice shapes, {shape: parameter} of other stacked parameters' slices), each
     as both the global and the per-device one-layer shape; and the shapes, stacked and
-    one layer, global and per device, of quantized (8-bit) expert weights."""
+    one layer, global and per device, of quantized (8-bit) expert weights, and for packed
+    MXFP4 also those shapes with K rows, which a dequantised copy has."""
     experts, others, quantized = set(), {}, set()
     leaves = jax.tree_util.tree_flatten_with_path(build.args[0])[0]
     L = build.model_config.num_hidden_layers
+    q = build.model_config.quantization
+    pack = 1 if q is None else q.scheme.pack
     for path, x in leaves:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         if x.ndim < 2 or "layers" not in name:
@@ -75,6 +78,9 @@ def _slice_shapes(build) -> tuple[set, dict, set]:
                 experts |= shapes
                 if x.dtype.itemsize == 1:
                     quantized |= shapes | {tuple(x.shape), tuple(local)}
+                    if pack > 1:  # MXFP4's bytes hold K/2 rows: the dequantised K rows
+                        quantized |= {(*s[:-2], s[-2] * pack, s[-1])
+                                      for s in shapes | {tuple(x.shape), tuple(local)}}
         elif x.shape[0] <= L and x.ndim >= 3:  # [L, a, b]: one layer is a matrix
             short = name.split("/")[-2] if "/" in name else name
             for s in shapes:

@@ -27,9 +27,10 @@ get here.
 
 Quantized experts (issue 31, off by default): `scales=(s_gate_up, s_down)` and `scheme=`
 a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn (or
-MXFP4's float4_e2m1fn) and the scales float32 (MXFP4's e8m0), stacked like the
-weights ([L, E, k, n] with `layer`), shaped by quant.py's contract. W8A16: the kernels
-dequantise tiles on chip and multiply the activation dtype, accumulating in float32.
+MXFP4's packed int8 [.., K/2, N], two e2m1 codes a byte) and the scales float32
+(MXFP4's e8m0 [.., K/32, N]), stacked like the weights ([L, E, k, n] with `layer`),
+shaped by quant.py's contract. W8A16 / W4A16: the kernels dequantise tiles on chip and
+multiply the activation dtype, accumulating in float32.
 This reference dequantises the layer's slice to float32 (`quant.ref_dequantize`) and
 runs both matmuls in float32, storing h in the activation dtype in between as the
 kernels do.
@@ -176,7 +177,8 @@ def moe_stats(group_sizes_E: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     The weights (and biases, scales if given) are one layer's [E, ...] or the stacked
     [L, E, ...]: bytes per expert are those of one expert of one layer, in the dtype the
     arrays have (stored bytes, `quant.stored_bytes`: 1 per weight for int8 / fp8, half
-    for fp4, plus the scales at their own width: 4 B float32, 1 B MXFP4's e8m0).
+    for MXFP4, whose int8 array has K/2 rows, plus the scales at their own width: 4 B
+    float32, 1 B MXFP4's e8m0).
     """
     experts_activated = jnp.sum(group_sizes_E > 0).astype(jnp.int32)
     bytes_per_expert = sum(stored_bytes(a.shape[-2:], a.dtype)
