@@ -76,14 +76,19 @@ Quantized weights (issue 31, `tpu_quant.py`): int8 / fp8 weights with their scal
 group); every weight block is converted on chip and multiplied in the activation
 dtype, the scales applied to the float32 sums (per channel in the epilogue, fp8 blocks
 per 128-row K chunk). h is stored in the activation dtype. The cost estimate counts
-the stored bytes (1 per weight plus the scales).
+the stored bytes (1 per weight plus the scales). MXFP4 (W4A16): packed int8 [G, K/2, N]
+bytes of two e2m1 codes and e8m0 scales, decoded per column chunk on chip
+(`tq.mxfp4_qdot`), low nibbles against x's first half of K, high against its second;
+whole-K blocks only (0.5 B a weight in the cost).
 
 Status: both gate/up paths and the down kernel pass the TPU interpreter tests, and
 compile with the real TPU compiler (libtpu on a CPU host, compile-only v5e and v6e
 devices) at Qwen3-30B-A3B shapes with stacked weights (tests/test_tpu_compile.py),
 and for v6e at GPT-OSS-20B shapes with biases (tests/test_moe_kernels.py). Quantized:
 int8, fp8 and fp8 blocks pass the interpreter (tests/test_moe_quant.py) and compile
-for v5e and v6e at Qwen3-30B-A3B shapes (int8 on v6e in that test file).
+for v5e and v6e at Qwen3-30B-A3B shapes (int8 on v6e in that test file); MXFP4 passes
+the interpreter against a numpy oracle and compiles for v6e at GPT-OSS-20B shapes
+(launch/compile_gpt_oss_mxfp4.py).
 None has run on a TPU.
 """
 
