@@ -6,7 +6,10 @@ SwiGLU, traced layer; at 64 tokens (decode) and 2048 (a prefill chunk). Prints t
 compile time, the Mosaic calls, the temporaries against one layer's 4-bit experts, and
 the audit's dequantised-copy check (lp_jax/aot/audit.py: no 16/32-bit value shaped
 like one layer, or the stack, of the experts in their logical [.., 2880, 5760] /
-[.., 2880, 2880] shapes, in the StableHLO or the optimized HLO).
+[.., 2880, 2880] shapes, in the StableHLO or the optimized HLO). Then the same kernels at
+Qwen3-30B-A3B's expert shapes (D = 2048, F = 768, 128 experts, top-8, SiLU; no Qwen3
+checkpoint ships MXFP4, this checks that the tiles divide its 768 width: separate
+768-wide gate and up blocks, one 768-column decode chunk each).
 
     .venv/bin/python launch/compile_gpt_oss_mxfp4.py
 """
@@ -77,6 +80,32 @@ def main():
     found = dequantised_copies(control, shapes)
     print(f"control (dequantise then the 16-bit kernel): {len(found)} dequantised values "
           f"found ({'FAIL, as it must' if found else 'none: the audit misses it'})")
+    f, a, shapes, min_elements = qwen3_shapes()
+    t0 = time.perf_counter()
+    compiled = compile_targets.compile_tpu(f, a, topology="v6e:2x2", mesh_shape=(1,))
+    hlo = compiled.as_text()
+    found = dequantised_copies(hlo, shapes)
+    print(f"mxfp4 at Qwen3-30B-A3B shapes, T=64: compiled for v6e in "
+          f"{time.perf_counter() - t0:.1f} s, {hlo.count('tpu_custom_call')} Mosaic calls, "
+          f"temporaries {compiled.memory_analysis().temp_size_in_bytes / 1e6:.1f} MB, "
+          f"dequantised copies: {'none (PASS)' if not found else found[:3]}; the kernels "
+          f"read {sorted(_kernel_weight_roots(hlo, min_elements=min_elements))}")
+
+
+def qwen3_shapes(T=64, D=2048, F=768, E=128, A=8):
+    sd = jax.ShapeDtypeStruct
+    a = (sd((T, D), jnp.bfloat16), sd((T, E), jnp.float32),
+         sd((L, E, *S.stored_shape(D, 2 * F)), S.weight_dtype),
+         sd((L, E, *S.stored_shape(F, D)), S.weight_dtype),
+         sd((L, E, *S.scale_shape(D, 2 * F)), S.scale_dtype),
+         sd((L, E, *S.scale_shape(F, D)), S.scale_dtype), sd((), jnp.int32))
+
+    def f(x, logits, w_gu, w_d, s_gu, s_d, layer):
+        return tpu.moe_ffn_tpu(x, logits, w_gu, w_d, layer=layer, top_k=A,
+                               norm_topk_prob=True, scales=(s_gu, s_d), scheme=S)[0]
+
+    shapes = {s for w in [(L, E, D, 2 * F), (L, E, F, D)] for s in (w, w[1:], (1, *w[1:]))}
+    return f, a, shapes, E * F * D // 2
 
 
 def dequantise_then_kernel(x, logits, w_gu, w_d, b_gu, b_d, s_gu, s_d, layer):
