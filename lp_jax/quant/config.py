@@ -10,9 +10,9 @@ Two ways in, one config out:
   loader dequantises those experts to 16 bits (loader.dequantize_mxfp4).
 * `quantization="int8" | "fp8"` on a 16-bit checkpoint (or dummy weights) quantises
   per output channel at load (pallas_kernels.quant.ref_quantize).
-* `quantization="mxfp4"` on GPT-OSS's MXFP4 checkpoint keeps its experts in 4 bits
-  (mxfp4.py), opt-in while the Pallas MoE kernels do not take fp4; the loader checks
-  that the checkpoint has MXFP4 experts.
+* `quantization="mxfp4"` on GPT-OSS's MXFP4 checkpoint keeps its experts in 4 bits,
+  packed two codes a byte (mxfp4.py, pallas_kernels.quant's layout; opt-in); the loader
+  checks that the checkpoint has MXFP4 experts.
 
 `resolve` joins the two: asking for a format the checkpoint does not have is an
 error, asking for the one it has is a no-op (as vLLM's `--quantization fp8` on an FP8
