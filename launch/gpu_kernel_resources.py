@@ -4,11 +4,18 @@ ptxas gives each (registers, spills, shared memory, launch) and what that allows
     python launch/gpu_kernel_resources.py                        # the defaults
     python launch/gpu_kernel_resources.py --moe-bn 64            # gate/up N block 64
     python launch/gpu_kernel_resources.py --prefill-warps 4 --prefill-rows 64
+    python launch/gpu_kernel_resources.py --mxfp4                # + W4A16 MoE, GPT-OSS-20B
 
 Needs the `gpu-compile` extra (the CUDA plugin and ptxas), no GPU. Qwen3-30B-A3B shapes,
 bfloat16: the MoE's two Mosaic GPU kernels (stacked [2, 128, ...] experts, 64 tokens),
 and the Triton decode and ragged prefill attention (32 / 4 heads, head_dim 128, 16-token
 pages). Prints one line per kernel and writes --out (JSON) if given.
+
+--mxfp4 adds the MoE kernels with GPT-OSS-20B's packed MXFP4 experts (W4A16, issue #31:
+D = F = 2880, 32 experts, top-4, biases, clamped SwiGLU, int8 [2, 32, K/2, N] codes and
+e8m0 [2, 32, K/32, N] scales, 64 tokens) and the dequantised-copy audit of that
+program (lp_jax.aot.audit.dequantised_copies: no 16/32-bit value shaped like one layer's
+experts, logical or packed, in its StableHLO or its compiled HLO).
 """
 
 from __future__ import annotations
@@ -61,6 +68,48 @@ def compile_kernels(fn, args, gpu: str) -> tuple[list[dict], float]:
     return [k for k in kernels if k["ours"]], seconds
 
 
+def compile_mxfp4_moe(gpu: str, tiling) -> tuple[list[dict], float, list[str]]:
+    """The W4A16 MXFP4 MoE at GPT-OSS-20B shapes: (our kernels, compile seconds, the
+    dequantised-copy audit's findings, [] when it passes)."""
+    from lp_jax.aot.audit import dequantised_copies
+    from pallas_kernels import quant
+    from pallas_kernels.moe import gpu as moe_gpu
+    from pallas_kernels.moe.gpu import moe_ffn_gpu
+    from pallas_kernels.moe.ref import MoEActivation
+
+    moe_gpu.MXFP4_TRY_LOWERING = True  # refused by default: the lowering fails (BENCHMARKS)
+    T, D, E, A, F, L = 64, 2880, 32, 4, 2880, 2
+    s = quant.MXFP4
+    args = (sd((T, D), jnp.bfloat16), sd((T, E), jnp.float32),
+            sd((L, E, *s.stored_shape(D, 2 * F)), s.weight_dtype),
+            sd((L, E, *s.stored_shape(F, D)), s.weight_dtype),
+            sd((L, E, *s.scale_shape(D, 2 * F)), s.scale_dtype),
+            sd((L, E, *s.scale_shape(F, D)), s.scale_dtype),
+            sd((L, E, 2 * F), jnp.bfloat16), sd((L, E, D), jnp.bfloat16), sd((), jnp.int32))
+    act = MoEActivation("gpt_oss_clamped", limit=7.0, alpha=1.702)
+
+    def moe(x, logits, w_gu, w_d, s_gu, s_d, b_gu, b_d, layer):
+        return moe_ffn_gpu(x, logits, w_gu, w_d, layer=layer, top_k=A, norm_topk_prob=True,
+                           biases=(b_gu, b_d), activation=act, scales=(s_gu, s_d),
+                           scheme=s, tiling=tiling)[0]
+
+    layers = [(L, E, D, 2 * F), (L, E, F, D), (L, E, D // 2, 2 * F), (L, E, F // 2, D)]
+    shapes = {w for full in layers for w in (full, full[1:], (1, *full[1:]))}
+    mesh = compile_targets.cuda_mesh(gpu)
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp)
+        t = time.perf_counter()
+        with jax.set_mesh(mesh), resources.mosaic_dumps(dump / "mosaic"):
+            lowered = jax.jit(moe).lower(*compile_targets._shard_args(args, mesh, None))
+            compiled = lowered.compile(
+                compiler_options=resources.xla_dump_options(dump / "xla"))
+        seconds = time.perf_counter() - t
+        kernels = resources.collect(dump / "xla", dump / "mosaic", compile_targets.ptxas_path())
+    found = dequantised_copies(lowered.as_text(), shapes)
+    found += dequantised_copies(compiled.as_text(), shapes)
+    return [k for k in kernels if k["ours"]], seconds, found
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpu", default="h200", choices=compile_targets.GPU_TARGETS)
@@ -72,6 +121,9 @@ def main(argv=None):
     p.add_argument("--prefill-warps", type=int, default=8)
     p.add_argument("--prefill-stages", type=int, default=2)
     p.add_argument("--decode-warps", type=int, default=4)
+    p.add_argument("--mxfp4", action="store_true",
+                   help="also the W4A16 MXFP4 MoE at GPT-OSS-20B shapes, with the audit")
+    p.add_argument("--only-mxfp4", action="store_true", help="that one alone")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     missing = compile_targets.cuda_compiler_missing()
@@ -103,9 +155,17 @@ def main(argv=None):
                 attention.decode_attention(q_dec, kv, lens, table, sm_scale=H**-0.5,
                                            num_warps=args.decode_warps))
 
-    rows = []
-    for name, fn, fargs in (("moe", moe, moe_args), ("attention", attn, attn_args)):
-        kernels, seconds = compile_kernels(fn, fargs, args.gpu)
+    rows, audit = [], None
+    jobs = [] if args.only_mxfp4 else [("moe", moe, moe_args), ("attention", attn, attn_args)]
+    if args.mxfp4 or args.only_mxfp4:
+        jobs.append(("moe-mxfp4 (gpt-oss-20b)", None, None))
+    for name, fn, fargs in jobs:
+        if fn is None:
+            kernels, seconds, audit = compile_mxfp4_moe(args.gpu, tiling)
+            print(f"  audit (16/32-bit values shaped like one layer's experts): "
+                  f"{'pass' if not audit else audit}")
+        else:
+            kernels, seconds = compile_kernels(fn, fargs, args.gpu)
         print(f"{name}: compiled in {seconds:.1f} s")
         for k in kernels:
             k.update(occupancy(k))
@@ -114,7 +174,7 @@ def main(argv=None):
                   f"warps) an SM, limited by {', '.join(k['limited_by'])}")
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                        "kernels": rows}, indent=1))
+                                        "kernels": rows, "mxfp4_audit": audit}, indent=1))
     return rows
 
 

@@ -108,7 +108,8 @@ def test_mxfp4_kernel_matches_the_numpy_oracle(dtype, tol):
 
 def test_refusals():
     """What the packed kernel does not take gets a clear error: a K step other than 64,
-    and MXFP4 as unpacked float4_e2m1fn values."""
+    MXFP4 as unpacked float4_e2m1fn values, and hardware (outside the interpreter), where
+    the Mosaic GPU lowering fails (BENCHMARKS.md)."""
     with pytest.raises(ValueError, match="K steps of 64"):
         jax.eval_shape(lambda: _run(jnp.bfloat16, tiling=gpu.GpuTiling(tm=8, bk=32)))
     x, logits, mask, a, _ = case()
@@ -118,3 +119,8 @@ def test_refusals():
             jnp.asarray(x, jnp.bfloat16), jnp.asarray(logits), unpacked, a["w"][1], layer=1,
             top_k=TOP_K, norm_topk_prob=True, scales=a["scales"], scheme=quant.MXFP4,
             interpret=True))
+    x_, w, sc = jnp.asarray(x, jnp.bfloat16), a["w"], a["scales"]
+    with pytest.raises(NotImplementedError, match="GPU interpreter only"):
+        jax.eval_shape(lambda: gpu.moe_ffn_gpu(
+            x_, jnp.asarray(logits), *w, layer=1, top_k=TOP_K, norm_topk_prob=True,
+            scales=sc, scheme=quant.MXFP4))

@@ -50,6 +50,21 @@ tests/test_moe_quant.py): gate/up 206 registers (int8, fp8) and 255 (fp8 blocks:
 the cap, no spill), down 227 / 231 / 168, no spills, no stack, 128 KiB of shared
 memory (fp8-block down: 80 KiB).
 
+MXFP4 (W4A16, issue 31; quant.py's packed layout: int8 [K/2, N], byte row j the e2m1
+codes of rows j and j + K/2, e8m0 scales [K/32, N]): a K step is 64 rows, the 32 byte
+rows [32k, 32k + 32) TMA'd as stored (a quarter of bf16's bytes) with the step's two
+scale rows (k and K/64 + k: scales viewed as [G, 2, K/64, N]), decoded in registers
+(integer ops and selects; the e8m0 byte becomes the float32 exponent field, so scaling
+is exact) into one 16-bit [64, bn] shared-memory tile per accumulator, low-nibble rows
+over high ones. lhs's columns are permuted to match (`mxfp4_column_order`: step k reads
+x columns [32k, 32k + 32) and K/2 + [32k, 32k + 32)), for x inside the row gather XLA
+already makes, for h as one more copy of h between the two kernels. Status: passes the
+GPU interpreter (tests/test_moe_quant_gpu_fp4.py) but does not lower for hardware:
+Mosaic GPU's layout inference (jax 0.11.2) finds no layout for the scale row broadcast
+over a 32-row register tile, and the 64-row WGMMA-layout alternatives fail too
+(launch/compile_mxfp4_gpu_decode.py, BENCHMARKS.md), so `moe_ffn_gpu` refuses MXFP4
+outside the interpreter (MXFP4_TRY_LOWERING = True attempts it).
+
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
 whole, reshaped (for free) to [L*E, ...], with layer*E added to the tile groups, so no
@@ -358,6 +373,7 @@ def _dequantize_step(rhs_smems, wbufs, dtype, scale_gmem, g, k, n, bk: int, bn: 
 
 
 MXFP4_BK = 64  # logical K rows a step: 32 byte rows, one e8m0 scale row per nibble half
+MXFP4_TRY_LOWERING = False  # True: lower for hardware anyway (the experiment that fails)
 
 
 def _check_mxfp4_step(scheme, K: int, bk: int) -> None:
@@ -477,6 +493,12 @@ def moe_ffn_gpu(
     tm = tiling.tm
     cdt = w_gate_up_GDF2.dtype if s_gate_up is None else x_TD.dtype  # the MMA dtype
     bk = tiling.bk or (MXFP4_BK if packed else 128 // jnp.dtype(cdt).itemsize)
+    if packed and not interpret and not MXFP4_TRY_LOWERING:
+        raise NotImplementedError(
+            "mxfp4 on the gpu MoE kernel runs in the GPU interpreter only: Mosaic GPU's "
+            "layout inference (jax 0.11.2) finds no layout for the e8m0 scale row "
+            "broadcast over a step's 32-row decoded tile (BENCHMARKS.md, 'MXFP4 in the "
+            "Hopper MoE kernel'); use backend='xla_tiles' on a GPU")
     if packed and bk != MXFP4_BK:
         raise ValueError(f"mxfp4 on the gpu kernel takes K steps of {MXFP4_BK} rows, "
                          f"got tiling.bk={tiling.bk}")

@@ -1,0 +1,111 @@
+"""Why packed MXFP4 does not lower in the Hopper MoE kernel yet (issue #31, W4A16): the
+decode step of `pallas_kernels.moe.gpu` cut into variants, each lowered by Mosaic GPU
+(layout inference included, for an H200; no ptxas needed) in its own process with a
+time limit.
+
+One K step of the packed layout is a [32, bn] int8 tile (bn = 64 here) of two e2m1
+codes a byte, plus two e8m0 scale rows [bn] (low and high nibbles). Variants:
+
+  noscale    decode both nibble halves unscaled into rows [0, 32) / [32, 64) of a
+             [64, bn] bf16 tile (32-row register tiles)
+  row        the same, times each half's scale row broadcast over the 32 rows
+  bcast64    a scale row loaded in WGMMA column layout, broadcast over 64 rows, stored
+  cat        the halves concatenated to one 64-row tile cast to the WGMMA layout
+  rescale64  noscale, then the 64-row tile reloaded in the WGMMA layout and scaled
+
+    .venv/bin/python launch/compile_mxfp4_gpu_decode.py [--timeout 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+VARIANTS = ("noscale", "row", "bcast64", "cat", "rescale64")
+BN = 64
+
+
+def lower(variant: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import compile_targets
+    from pallas_kernels.moe.gpu import _e2m1_times_scale
+
+    W = plgpu.Layout.WGMMA
+
+    def scale_row(s_smem, h, layout=None):
+        s = (plgpu.load(s_smem.at[h, 0], layout=layout) if layout else s_smem[h, 0])
+        return jax.lax.bitcast_convert_type((s.astype(jnp.int32) & 0xFF) << 23, jnp.float32)
+
+    def body(w_gmem, s_gmem, o_gmem):
+        def scope(w_smem, s_smem, o_smem, bar):
+            for src, dst in ((w_gmem, w_smem), (s_gmem, s_smem)):
+                plgpu.copy_gmem_to_smem(src, dst, bar)
+                plgpu.barrier_wait(bar)
+            b = w_smem[...].astype(jnp.int32) & 0xFF
+            halves = (b & 15, b >> 4)
+            if variant in ("noscale", "rescale64"):
+                for h, code in enumerate(halves):
+                    o_smem[pl.ds(h * 32, 32), :] = _e2m1_times_scale(code, 1.0, jnp.bfloat16)
+            if variant == "row":
+                for h, code in enumerate(halves):
+                    s = jax.lax.broadcast_in_dim(scale_row(s_smem, h), code.shape, [1])
+                    o_smem[pl.ds(h * 32, 32), :] = _e2m1_times_scale(code, s, jnp.bfloat16)
+            if variant == "bcast64":
+                s = scale_row(s_smem, 0, W.reduce(0))
+                o_smem[...] = jax.lax.broadcast_in_dim(s, (64, BN), [1]).astype(jnp.bfloat16)
+            if variant == "cat":
+                codes = plgpu.layout_cast(jnp.concatenate(halves, axis=0), W)
+                o_smem[...] = _e2m1_times_scale(codes, 1.0, jnp.bfloat16)
+            if variant == "rescale64":
+                plgpu.commit_smem()
+                s = jax.lax.broadcast_in_dim(scale_row(s_smem, 0, W.reduce(0)), (64, BN), [1])
+                o_smem[...] = (plgpu.load(o_smem, layout=W).astype(jnp.float32)
+                               * s).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.SMEM((32, BN), jnp.int8), plgpu.SMEM((2, 1, BN), jnp.int8),
+                      plgpu.SMEM((64, BN), jnp.bfloat16), plgpu.Barrier(num_arrivals=1))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((64, BN), jnp.bfloat16), grid=(1,),
+        grid_names=("sm",), compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    sd = jax.ShapeDtypeStruct
+    with compile_targets.mosaic_gpu_modules():
+        compile_targets.export_cuda(kernel, (sd((32, BN), jnp.int8),
+                                             sd((2, 1, BN), jnp.int8))).mlir_module()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--variant", choices=VARIANTS, help="lower this one here (internal)")
+    args = p.parse_args()
+    if args.variant:
+        lower(args.variant)
+        return
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for v in VARIANTS:
+        t = time.perf_counter()
+        try:
+            r = subprocess.run([sys.executable, __file__, "--variant", v], env=env,
+                               capture_output=True, text=True, timeout=args.timeout)
+            err = [ln for ln in r.stderr.splitlines() if "Error:" in ln]
+            out = "lowers" if r.returncode == 0 else (err[-1] if err else f"rc {r.returncode}")
+        except subprocess.TimeoutExpired:
+            out = f"layout search still running after {args.timeout:.0f} s (killed)"
+        print(f"{v:10s} {time.perf_counter() - t:6.1f} s  {out[:200]}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
