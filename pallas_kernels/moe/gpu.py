@@ -312,7 +312,7 @@ def tile_gmm(
                     ],
                     max_concurrent_steps=max(stages, 2),
                 )(lhs_tile, *([rhs_expert] * n_accs),
-                  *([scale_gmem.at[g]] * len(scale_specs)))
+                  *([scale_gmem.at[g]] * len(scale_specs) if scale_specs else []))
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(mma_scope, *([plgpu.ACC((tm, bn))] * n_accs))
