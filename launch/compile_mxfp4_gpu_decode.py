@@ -12,6 +12,8 @@ codes a byte, plus two e8m0 scale rows [bn] (low and high nibbles). Variants:
   bcast64    a scale row loaded in WGMMA column layout, broadcast over 64 rows, stored
   cat        the halves concatenated to one 64-row tile cast to the WGMMA layout
   rescale64  noscale, then the 64-row tile reloaded in the WGMMA layout and scaled
+  wgmma64    noscale's tile as the B operand of a [64, 64] x [64, bn] WGMMA, the
+             accumulator times a scale row (scaling on the accumulator)
 
     .venv/bin/python launch/compile_mxfp4_gpu_decode.py [--timeout 60]
 """
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("noscale", "row", "bcast64", "cat", "rescale64")
+VARIANTS = ("noscale", "row", "bcast64", "cat", "rescale64", "wgmma64")
 BN = 64
 
 
@@ -43,16 +45,28 @@ def lower(variant: str) -> None:
         s = (plgpu.load(s_smem.at[h, 0], layout=layout) if layout else s_smem[h, 0])
         return jax.lax.bitcast_convert_type((s.astype(jnp.int32) & 0xFF) << 23, jnp.float32)
 
-    def body(w_gmem, s_gmem, o_gmem):
-        def scope(w_smem, s_smem, o_smem, bar):
-            for src, dst in ((w_gmem, w_smem), (s_gmem, s_smem)):
+    def body(x_gmem, w_gmem, s_gmem, o_gmem):
+        def scope(x_smem, w_smem, s_smem, o_smem, wb, bar):
+            for src, dst in ((x_gmem, x_smem), (w_gmem, w_smem), (s_gmem, s_smem)):
                 plgpu.copy_gmem_to_smem(src, dst, bar)
                 plgpu.barrier_wait(bar)
             b = w_smem[...].astype(jnp.int32) & 0xFF
             halves = (b & 15, b >> 4)
-            if variant in ("noscale", "rescale64"):
+            if variant in ("noscale", "rescale64", "wgmma64"):
+                dst = wb if variant == "wgmma64" else o_smem
                 for h, code in enumerate(halves):
-                    o_smem[pl.ds(h * 32, 32), :] = _e2m1_times_scale(code, 1.0, jnp.bfloat16)
+                    dst[pl.ds(h * 32, 32), :] = _e2m1_times_scale(code, 1.0, jnp.bfloat16)
+            if variant == "wgmma64":
+                plgpu.commit_smem()
+
+                def mma(acc):
+                    plgpu.wgmma(acc, x_smem, wb)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                acc = pl.run_scoped(mma, plgpu.ACC((64, BN)))
+                s = jax.lax.broadcast_in_dim(scale_row(s_smem, 0, W.reduce(0)), acc.shape, [1])
+                o_smem[...] = (acc * s).astype(jnp.bfloat16)
             if variant == "row":
                 for h, code in enumerate(halves):
                     s = jax.lax.broadcast_in_dim(scale_row(s_smem, h), code.shape, [1])
@@ -72,7 +86,8 @@ def lower(variant: str) -> None:
             plgpu.copy_smem_to_gmem(o_smem, o_gmem)
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scope, plgpu.SMEM((32, BN), jnp.int8), plgpu.SMEM((2, 1, BN), jnp.int8),
+        pl.run_scoped(scope, plgpu.SMEM((64, 64), jnp.bfloat16), plgpu.SMEM((32, BN), jnp.int8),
+                      plgpu.SMEM((2, 1, BN), jnp.int8), plgpu.SMEM((64, BN), jnp.bfloat16),
                       plgpu.SMEM((64, BN), jnp.bfloat16), plgpu.Barrier(num_arrivals=1))
 
     kernel = plgpu.kernel(
@@ -81,7 +96,7 @@ def lower(variant: str) -> None:
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     sd = jax.ShapeDtypeStruct
     with compile_targets.mosaic_gpu_modules():
-        compile_targets.export_cuda(kernel, (sd((32, BN), jnp.int8),
+        compile_targets.export_cuda(kernel, (sd((64, 64), jnp.bfloat16), sd((32, BN), jnp.int8),
                                              sd((2, 1, BN), jnp.int8))).mlir_module()
 
 

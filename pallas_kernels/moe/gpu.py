@@ -60,10 +60,10 @@ over high ones. lhs's columns are permuted to match (`mxfp4_column_order`: step 
 x columns [32k, 32k + 32) and K/2 + [32k, 32k + 32)), for x inside the row gather XLA
 already makes, for h as one more copy of h between the two kernels. Status: passes the
 GPU interpreter (tests/test_moe_quant_gpu_fp4.py) but does not lower for hardware:
-Mosaic GPU's layout inference (jax 0.11.2) finds no layout for the scale row broadcast
-over a 32-row register tile, and the 64-row WGMMA-layout alternatives fail too
-(launch/compile_mxfp4_gpu_decode.py, BENCHMARKS.md), so `moe_ffn_gpu` refuses MXFP4
-outside the interpreter (MXFP4_TRY_LOWERING = True attempts it).
+Mosaic GPU's layout inference (jax 0.11.2) finds no layout for a step's two 32-row
+decoded register tiles once a scale row is broadcast over them or their 16-bit tile feeds
+a WGMMA (launch/compile_mxfp4_gpu_decode.py, BENCHMARKS.md), so `moe_ffn_gpu` refuses
+MXFP4 outside the interpreter (MXFP4_TRY_LOWERING = True attempts it).
 
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
