@@ -44,7 +44,9 @@ the epilogue, per 128-row K block in the K loop on TPU). Both kernels take them:
 TPU kernels convert weight blocks in VMEM (`tpu_quant.py`); the Hopper kernel, whose
 WGMMA takes N-major B tiles only in 16 bits, converts each K step's 8-bit tiles into
 16-bit shared memory (`gpu.py`). "auto" on Hopper takes 8-bit weights with scales to the
-kernel (16-bit x); 8-bit weights without scales are refused everywhere (`ref.py`).
+kernel (16-bit x), and packed MXFP4 to xla_tiles (the Hopper kernel's MXFP4 path runs in
+the interpreter only: Mosaic GPU finds no layout for it, `gpu.py`); 8-bit weights without
+scales are refused everywhere (`ref.py`).
 
 Interpret mode (run the Pallas kernels on CPU, for tests): pass `interpret=True`, or
 set the environment variable LP_JAX_PALLAS_INTERPRET=1 (read at trace time) to make
@@ -135,6 +137,8 @@ def moe_ffn(
     mma_itemsize = (x_TD.dtype if scales else w_gate_up_LEDF2.dtype).itemsize
     if auto and backend == "gpu" and mma_itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel multiplies in 16 bits only
+    if auto and backend == "gpu" and scheme is not None and scheme.pack > 1:
+        backend = "xla_tiles"  # packed MXFP4 does not lower for the H200 yet (gpu.py)
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T, biases=biases, activation=activation,
                   scales=scales, scheme=scheme)
