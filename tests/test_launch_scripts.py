@@ -3,6 +3,7 @@ module would otherwise go unnoticed until someone needs the figure (bench_progra
 once imported POLICIES from a module that no longer had it). Importing runs nothing:
 each script does its work under `if __name__ == "__main__"`."""
 
+import os
 import pathlib
 
 import pytest
@@ -19,5 +20,13 @@ def test_scripts_found():
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_launch_script_imports(path):
     assert 'if __name__ == "__main__"' in path.read_text(), f"{path.name} runs on import"
+    before = dict(os.environ)
     module = launch_module(path.stem)
     assert callable(getattr(module, "main", None)), f"{path.name} has no main()"
+    # importing a script must not change what later tests in this process run (an
+    # LP_JAX_PALLAS_INTERPRET set at import once put a worker's kernels in interpret mode)
+    # (libtpu's and the GPU client's own variables, set by what the script imports, do not
+    # change what runs on CPU)
+    changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)
+               and (k.startswith(("LP_", "JAX_")) or k == "XLA_FLAGS")}
+    assert not changed, f"{path.name} sets {sorted(changed)} on import"
