@@ -97,6 +97,34 @@ def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
     return s
 
 
+def short_request_ttft(llm, urgent_at=None):
+    """A 5-token request's TTFT on `llm`'s virtual clock: alone (urgent_at None), or
+    arriving at virtual time `urgent_at` while a 60-token prompt prefills; and the
+    predicted step time of each plan that carried the long prompt."""
+    from lp_jax.core.sampling_params import SamplingParams
+    from lp_jax.core.slo import SLO
+
+    eng = llm.engine
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ids = {}
+    if urgent_at is not None:
+        ids[eng.add_request(list(range(1, 61)), one, slo=SLO(100.0))] = "long"
+        while eng.clock.now() < urgent_at:
+            assert eng.has_unfinished(), "the urgent request would arrive after the prefill"
+            eng.step()
+    ids[eng.add_request(list(range(100, 105)), one, slo=SLO(10.0),
+                        arrival_time=eng.clock.now() if urgent_at is None else urgent_at)] = "s"
+    ttft = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                ttft[ids[out.request_id]] = out.metrics.ttft
+    lat = eng.scheduler.latency
+    long_steps = [lat.predict_plan(p) for p in eng.runner.plans
+                  if any(c.num_tokens > 5 for c in p.prefill)]
+    return ttft["s"], long_steps
+
+
 def output_ids(seq) -> list[int]:
     """A Sequence's output token ids (its tokens after the prompt)."""
     return seq.token_ids[seq.num_prompt_tokens:]

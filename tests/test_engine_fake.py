@@ -7,11 +7,11 @@ test_prefix_cache.py) keep at least one case of each feature against the model."
 
 import numpy as np
 import pytest
+from conftest import short_request_ttft
 from fake_executor import FakeExecutor, fake_logprob, fake_token
 
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
-from lp_jax.core.slo import SLO
 from lp_jax.executor import compile_guard
 
 VOCAB = 512  # the tiny model's
@@ -196,25 +196,7 @@ def _short_ttft(policy, urgent_at=None, **kw):
     """TTFT of a 5-token request under a virtual clock: alone (urgent_at None), or
     arriving at virtual time `urgent_at` while a 60-token prompt prefills. Also returns
     the predicted step time of each plan that carried the long prompt."""
-    llm = fake_llm(policy, virtual_clock=True, **kw)
-    eng = llm.engine
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    ids = {}
-    if urgent_at is not None:
-        ids[eng.add_request(list(range(1, 61)), one, slo=SLO(100.0))] = "long"
-        while eng.clock.now() < urgent_at:
-            eng.step()
-    ids[eng.add_request(list(range(100, 105)), one, slo=SLO(10.0),
-                        arrival_time=eng.clock.now() if urgent_at is None else urgent_at)] = "s"
-    ttft = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                ttft[ids[out.request_id]] = out.metrics.ttft
-    lat = eng.scheduler.latency
-    long_steps = [lat.predict_plan(p) for p in eng.runner.plans
-                  if any(c.num_tokens > 5 for c in p.prefill)]
-    return ttft["s"], long_steps
+    return short_request_ttft(fake_llm(policy, virtual_clock=True, **kw), urgent_at)
 
 
 @pytest.mark.parametrize("policy,preemptible", [

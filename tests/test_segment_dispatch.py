@@ -5,6 +5,7 @@ on the fake executor (tests/fake_executor.py), blocking on the virtual clock; on
 compares greedy tokens on a shared engine's real programs."""
 
 import pytest
+from conftest import short_request_ttft
 from fake_executor import FakeExecutor, fake_token
 
 from checkpoints.make_tiny import ensure_tiny
@@ -93,25 +94,7 @@ def _short_ttft(k, urgent_at=None, granularity="operator"):
     """A 5-token request's TTFT on the virtual clock, alone or arriving at `urgent_at`
     while a 60-token prompt prefills (tests/test_engine_fake.py's set-up); and the
     predicted time of each plan that carried the long prompt."""
-    llm = fake_llm(granularity, k, virtual_clock=True)
-    eng = llm.engine
-    ids = {}
-    if urgent_at is not None:
-        ids[eng.add_request(list(range(1, 61)), ONE, slo=SLO(100.0))] = "long"
-        while eng.clock.now() < urgent_at:
-            assert eng.has_unfinished(), "the urgent request would arrive after the prefill"
-            eng.step()
-    ids[eng.add_request(list(range(100, 105)), ONE, slo=SLO(10.0),
-                        arrival_time=eng.clock.now() if urgent_at is None else urgent_at)] = "s"
-    ttft = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                ttft[ids[out.request_id]] = out.metrics.ttft
-    lat = eng.scheduler.latency
-    long_steps = [lat.predict_plan(p) for p in eng.runner.plans
-                  if any(c.num_tokens > 5 for c in p.prefill)]
-    return ttft["s"], long_steps
+    return short_request_ttft(fake_llm(granularity, k, virtual_clock=True), urgent_at)
 
 
 def test_an_urgent_arrival_waits_at_most_k_plus_1_segments():
