@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from lp_jax.bench.open_loop import run_open_loop, use_policy
+from lp_jax.bench.report import write_results
 from lp_jax.core.metrics import percentile
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.engine.config import EngineConfig
@@ -126,9 +127,7 @@ def main(argv=None) -> dict:
         print(name, json.dumps(res))
     results["latency_model"] = engine.scheduler.latency.error()
     results["compilations_after_warmup"] = engine.stats()["compilations_after_warmup"]
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(render(results))
-    print(render(results))
+    write_results(out, results, render)
     return results
 
 

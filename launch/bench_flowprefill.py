@@ -42,6 +42,7 @@ import numpy as np
 
 from lp_jax.bench import open_loop
 from lp_jax.bench.open_loop import use_policy
+from lp_jax.bench.report import write_results
 from lp_jax.core.latency import profile_prompts
 from lp_jax.core.metrics import percentile
 from lp_jax.core.sampling_params import SamplingParams
@@ -210,9 +211,7 @@ def main(argv=None) -> dict:
         print(name, json.dumps({k: v for k, v in res.items() if k != "by_class"}))
     results["latency_model"] = engine.scheduler.latency.error()
     results["compilations_after_warmup"] = engine.stats()["compilations_after_warmup"]
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(render(results))
-    print(render(results))
+    write_results(out, results, render)
     return results
 
 

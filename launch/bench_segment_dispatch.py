@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from launch.bench_flowprefill import ONE_TOKEN, blocking  # noqa: E402
 from lp_jax.bench.open_loop import use_policy  # noqa: E402
+from lp_jax.bench.report import write_results  # noqa: E402
 from lp_jax.engine.config import EngineConfig  # noqa: E402
 from lp_jax.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -215,9 +216,7 @@ def main(argv=None) -> dict:
 
         print(name[c], json.dumps(results["runs"][name[c]]))
     results["compilations_after_warmup"] = engine.stats()["compilations_after_warmup"]
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(render(results))
-    print(render(results))
+    write_results(out, results, render)
     return results
 
 

@@ -138,6 +138,19 @@ def _clean(x):
     return x
 
 
+def write_results(out, results: dict, render) -> str:
+    """A launch benchmark's outputs: `out`/results.json and `out`/results.md (the
+    markdown `render(results)` makes, also printed); returns the markdown."""
+    from pathlib import Path
+
+    out = Path(out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    md = render(results)
+    (out / "results.md").write_text(md)
+    print(md)
+    return md
+
+
 def write_json(path, results: dict) -> None:
     Path(path).write_text(json.dumps(_clean(results), indent=1))
 
