@@ -97,6 +97,17 @@ def make_seq(seq_id, prompt, max_tokens=4, *, decoding=False, **kw):
     return s
 
 
+# Two OpenAI tools with bounded arguments (the tool-call tests of test_structured_outputs
+# and test_tool_calls): a forced call's arguments stay short on random weights.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "today's weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 5}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
+
+
 def short_request_ttft(llm, urgent_at=None):
     """A 5-token request's TTFT on `llm`'s virtual clock: alone (urgent_at None), or
     arriving at virtual time `urgent_at` while a 60-token prompt prefills; and the

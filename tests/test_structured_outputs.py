@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from conftest import TIME, WEATHER
 from pydantic import BaseModel, Field
 
 from lp_jax import SamplingParams
@@ -321,15 +322,6 @@ def test_server_reasoning_split_streamed_and_not(client):
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) \
             == msg.reasoning_content
         assert "".join(d.content or "" for d in deltas) == msg.content
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "today's weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 5}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
 
 
 def test_server_tool_round_trip_streamed_and_not(client):

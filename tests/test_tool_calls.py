@@ -21,6 +21,7 @@ import json
 import numpy as np
 import openai
 import pytest
+from conftest import TIME, WEATHER
 from fake_executor import FakeExecutor
 from tokenizers import Tokenizer
 
@@ -34,13 +35,6 @@ from lp_jax.server.tools import ToolCallParser, harmony_tool_grammar, split_call
 from lp_jax.structured.compiler import GrammarCompiler
 from lp_jax.structured.params import StructuredOutputsParams as SO
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "today's weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 5}}}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}}}
 TOOLS = [WEATHER, TIME]
 MSGS = [{"role": "user", "content": "Weather in Oslo?"}]
 
