@@ -13,9 +13,10 @@ pages). Prints one line per kernel and writes --out (JSON) if given.
 
 --mxfp4 adds the MoE kernels with GPT-OSS-20B's packed MXFP4 experts (W4A16, issue #31:
 D = F = 2880, 32 experts, top-4, biases, clamped SwiGLU, int8 [2, 32, K/2, N] codes and
-e8m0 [2, 32, K/32, N] scales, 64 tokens) and the dequantised-copy audit of that
-program (lp_jax.aot.audit.dequantised_copies: no 16/32-bit value shaped like one layer's
-experts, logical or packed, in its StableHLO or its compiled HLO).
+e8m0 [2, 32, k, N] scales, k as quant.py stores them (K/32 or padded), 64 tokens) and
+the dequantised-copy audit of that program (lp_jax.aot.audit.dequantised_copies: no
+16/32-bit value shaped like one layer's experts, logical or packed, in its StableHLO or
+its compiled HLO).
 """
 
 from __future__ import annotations
@@ -73,11 +74,9 @@ def compile_mxfp4_moe(gpu: str, tiling) -> tuple[list[dict], float, list[str]]:
     dequantised-copy audit's findings, [] when it passes)."""
     from lp_jax.aot.audit import dequantised_copies
     from pallas_kernels import quant
-    from pallas_kernels.moe import gpu as moe_gpu
     from pallas_kernels.moe.gpu import moe_ffn_gpu
     from pallas_kernels.moe.ref import MoEActivation
 
-    moe_gpu.MXFP4_TRY_LOWERING = True  # refused by default: the lowering fails (BENCHMARKS)
     T, D, E, A, F, L = 64, 2880, 32, 4, 2880, 2
     s = quant.MXFP4
     args = (sd((T, D), jnp.bfloat16), sd((T, E), jnp.float32),

@@ -44,8 +44,8 @@ the epilogue, per 128-row K block in the K loop on TPU). Both kernels take them:
 TPU kernels convert weight blocks in VMEM (`tpu_quant.py`); the Hopper kernel, whose
 WGMMA takes N-major B tiles only in 16 bits, converts each K step's 8-bit tiles into
 16-bit shared memory (`gpu.py`). "auto" on Hopper takes 8-bit weights with scales to the
-kernel (16-bit x), and packed MXFP4 to xla_tiles (the Hopper kernel's MXFP4 path runs in
-the interpreter only: Mosaic GPU finds no layout for it, `gpu.py`); 8-bit weights without
+kernel (16-bit x), packed MXFP4 too where D and F are multiples of 64 and at least 128
+(else xla_tiles: `gpu.mxfp4_fits`); 8-bit weights without
 scales are refused everywhere (`ref.py`).
 
 Interpret mode (run the Pallas kernels on CPU, for tests): pass `interpret=True`, or
@@ -138,7 +138,10 @@ def moe_ffn(
     if auto and backend == "gpu" and mma_itemsize != 2:
         backend = "xla_tiles"  # the Hopper kernel multiplies in 16 bits only
     if auto and backend == "gpu" and scheme is not None and scheme.pack > 1:
-        backend = "xla_tiles"  # packed MXFP4 does not lower for the H200 yet (gpu.py)
+        from pallas_kernels.moe.gpu import mxfp4_fits
+
+        if not (mxfp4_fits(x_TD.shape[-1]) and mxfp4_fits(w_down_LEFD.shape[-2] * 2)):
+            backend = "xla_tiles"  # the Hopper kernel's 128-row MXFP4 steps (gpu.py)
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T, biases=biases, activation=activation,
                   scales=scales, scheme=scheme)

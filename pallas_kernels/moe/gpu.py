@@ -51,19 +51,23 @@ the cap, no spill), down 227 / 231 / 168, no spills, no stack, 128 KiB of shared
 memory (fp8-block down: 80 KiB).
 
 MXFP4 (W4A16, issue 31; quant.py's packed layout: int8 [K/2, N], byte row j the e2m1
-codes of rows j and j + K/2, e8m0 scales [K/32, N]): a K step is 64 rows, the 32 byte
-rows [32k, 32k + 32) TMA'd as stored (a quarter of bf16's bytes) with the step's two
-scale rows (k and K/64 + k: scales viewed as [G, 2, K/64, N]), decoded in registers
-(integer ops and selects; the e8m0 byte becomes the float32 exponent field, so scaling
-is exact) into one 16-bit [64, bn] shared-memory tile per accumulator, low-nibble rows
-over high ones. lhs's columns are permuted to match (`mxfp4_column_order`: step k reads
-x columns [32k, 32k + 32) and K/2 + [32k, 32k + 32)), for x inside the row gather XLA
-already makes, for h as one more copy of h between the two kernels. Status: passes the
-GPU interpreter (tests/test_moe_quant_gpu_fp4.py) but does not lower for hardware:
-Mosaic GPU's layout inference (jax 0.11.2) finds no layout for a step's two 32-row
-decoded register tiles once a scale row is broadcast over them or their 16-bit tile feeds
-a WGMMA (launch/compile_mxfp4_gpu_decode.py, BENCHMARKS.md), so `moe_ffn_gpu` refuses
-MXFP4 outside the interpreter (MXFP4_TRY_LOWERING = True attempts it).
+codes of rows j and j + K/2, e8m0 scales [K/32, N], maybe padded with rows past K/32 that
+are never read): a K step is 128 rows, the 64 byte rows [r0, r0 + 64) TMA'd as stored (a
+quarter of bf16's bytes; a `pl.Element` block, r0 = min(64k, K/2 - 64)), loaded into
+registers in the WGMMA layout as one 64-row tile and decoded (integer ops and selects;
+the e8m0 byte becomes the float32 exponent field, so scaling is exact) into one 16-bit
+[128, bn] shared-memory tile per accumulator, low-nibble rows over high ones, each
+nibble half a 64-row register tile whose two 32-row scale blocks are a select between
+two broadcast scale rows. A work item's K/32 scale rows come by one TMA per accumulator
+before its K loop. lhs's columns are permuted to match (`mxfp4_column_order`: step k
+reads x columns r0 + [0, 64) and K/2 + r0 + [0, 64)), for x inside the row gather XLA
+already makes, for h as one more copy of h between the two kernels. When 64 does not
+divide K/2 (GPT-OSS-20B: 1440 = 22.5 x 64) the last step overlaps the one before and the
+lhs columns of its repeated byte rows are zeros, so the weights are never copied or
+padded. Needs K a multiple of 64 and at least 128. Mosaic GPU's layout inference (jax
+0.11.2) finds no layout for 32-row decoded register tiles (the first version of this
+path), hence the 64-row tiles; ptxas for an H200 at GPT-OSS-20B shapes: gate/up 227
+registers, down 162, no spills (BENCHMARKS.md, "MXFP4 in the Hopper MoE kernel").
 
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
@@ -98,8 +102,9 @@ Status: passes the GPU interpreter tests and goes through
 Mosaic GPU lowering (layout inference, shared-memory budget) for an H200 at
 Qwen3-30B-A3B shapes with stacked weights, and at GPT-OSS-20B shapes with biases, in
 tests/test_moe_kernels.py; the PTX compile, a run and the timings need the H200.
-Quantized: int8 and fp8 blocks pass the GPU interpreter (tests/test_moe_quant.py) and
-all three schemes compile through ptxas (above); none has run on a GPU, and the
+Quantized: int8 and fp8 blocks pass the GPU interpreter (tests/test_moe_quant.py), MXFP4
+too (tests/test_moe_quant_gpu_fp4.py), and all four schemes compile through ptxas
+(above); none has run on a GPU, and the
 interpreter runs WGMMAs synchronously, so it cannot check the wgmma_wait(0) ordering.
 """
 
@@ -110,6 +115,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -210,10 +216,12 @@ def tile_gmm(
     N = N2 // 2 if swiglu else N2
     out_dtype = lhs_SK.dtype if out_dtype is None else out_dtype
     packed = scale is not None and scheme.pack > 1  # MXFP4: two e2m1 codes a byte
-    if packed:
-        _check_mxfp4_step(scheme, K, bk)
+    if packed:  # lhs is [S, mxfp4_lhs_width(K2)]: K2 the logical K, padded to whole steps
         K2 *= scheme.pack
-    if K != K2 or K % bk or N % bn:
+        _check_mxfp4_step(scheme, K2, bk)
+        if K == mxfp4_lhs_width(K2):
+            K = K2
+    if K != K2 or (K % bk and not packed) or N % bn:
         raise ValueError(f"shapes: lhs {lhs_SK.shape} rhs {rhs_GKN2.shape}, bk={bk} bn={bn}")
     if jnp.dtype(lhs_SK.dtype).itemsize != 2 and not interpret:
         # The weights are [K, N] (N-major) in shared memory; WGMMA takes an N-major B
@@ -227,7 +235,8 @@ def tile_gmm(
     quantized = scale is not None
     if not quantized and lhs_SK.dtype != rhs_GKN2.dtype:
         raise ValueError(f"lhs {lhs_SK.dtype} and rhs {rhs_GKN2.dtype} dtypes differ")
-    grid_n, grid_k = N // bn, K // bk
+    grid_n = N // bn
+    grid_k = -(-K // bk) if packed else K // bk  # packed: the last step may overlap
     n_accs = 2 if swiglu else 1
     col_offsets = (0, grid_n) if swiglu else (0,)  # gate (and up) blocks in rhs's N
     per_channel = quantized and scheme.block_k is None
@@ -238,11 +247,13 @@ def tile_gmm(
     in_item, out_item = jnp.dtype(lhs_SK.dtype).itemsize, jnp.dtype(out_dtype).itemsize
     w_item = jnp.dtype(rhs_GKN2.dtype).itemsize
     stage_bytes = tm * bk * in_item + n_accs * bk * bn * w_item
-    if packed:  # bk/2 byte rows of codes and the step's two e8m0 scale rows
-        stage_bytes = tm * bk * in_item + n_accs * (bk // 2 + 2) * bn
+    if packed:  # bk/2 byte rows of codes
+        stage_bytes = tm * bk * in_item + n_accs * (bk // 2) * bn
     bias_bytes = 0 if bias is None else n_accs * bn * bias.dtype.itemsize
     if quantized:  # the converted tiles (one per accumulator) and per-channel scales
         bias_bytes += n_accs * bk * bn * in_item + n_accs * bn * 4
+    if packed:  # a work item's e8m0 scale rows, all K/32 of them (one load an item)
+        bias_bytes += n_accs * (K // 32) * bn
     while (stages > 2
            and stages * stage_bytes + tm * bn * out_item + bias_bytes > _SMEM_BUDGET):
         stages -= 1
@@ -250,9 +261,11 @@ def tile_gmm(
     # per channel: [G, 1, N2] viewed as [G, N2] (free); blocks: [G, k, n] as they are
     scale_args = () if not quantized else (
         scale.reshape(scale.shape[0], -1) if per_channel else scale,)
-    if packed:  # e8m0 bytes as int8 (a bitcast); [G, K/32, N2] viewed as [G, 2, K/64, N2]
-        scale_args = (jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(
-            G, 2, K // bk, N2),)
+    if packed:  # e8m0 bytes as int8 (a bitcast), [G, k, N2]: rows past K/32 never read
+        if scale.shape[-2] < K // 32:
+            raise ValueError(f"mxfp4 scales {scale.shape} need at least K/32 = {K // 32} rows")
+        scale_args = (jax.lax.bitcast_convert_type(scale, jnp.int8),)
+    half = K // 2  # packed: byte rows of an expert's codes
 
     def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, *refs):
         refs = list(refs)
@@ -266,29 +279,46 @@ def tile_gmm(
             lhs_tile = lhs_gmem.at[pl.ds(pl.multiple_of(row_start_gmem[m], row_align), tm)]
             g = tile_group_gmem[m]
             rhs_expert = rhs_gmem.at[g]  # a ref slice in global memory
-            rhs_specs = [
-                plgpu.BlockSpec((bk // 2 if packed else bk, bn), lambda k, c=c: (k, n + c),
-                                delay_release=1)
-                for c in col_offsets
-            ]
-            # MXFP4: each step's scale rows k (low nibbles) and K/64 + k (high), by TMA
-            scale_specs = [
-                plgpu.BlockSpec((2, 1, bn), lambda k, c=c: (0, k, n + c), delay_release=1)
-                for c in col_offsets
-            ] if packed else []
+            if packed:  # step k: byte rows [r0, r0 + bk/2), r0 = min(k bk/2, K/2 - bk/2)
+                rhs_specs = [
+                    plgpu.BlockSpec((pl.Element(bk // 2), bn),
+                                    lambda k, c=c: (_mxfp4_step_row(k, half, bk), n + c),
+                                    delay_release=1)
+                    for c in col_offsets
+                ]
+            else:
+                rhs_specs = [
+                    plgpu.BlockSpec((bk, bn), lambda k, c=c: (k, n + c), delay_release=1)
+                    for c in col_offsets
+                ]
 
             def mma_scope(*accs):
                 if not quantized:
-                    return pipeline(accs, ())
+                    return pipeline(accs, (), None)
                 bufs = [plgpu.SMEM((bk, bn), lhs_SK.dtype)] * n_accs  # converted tiles
-                return pl.run_scoped(lambda *wbufs: pipeline(accs, wbufs), *bufs)
+                if packed:  # this item's scale rows [0, K/32) (n_accs of them), by TMA
+                    bufs += [plgpu.SMEM((n_accs, K // 32, bn), jnp.int8),
+                             plgpu.Barrier(num_arrivals=1)]
 
-            def pipeline(accs, wbufs):
+                def scoped(*bufs):
+                    wbufs, s_smem = bufs[:n_accs], None
+                    if packed:
+                        s_smem, barrier = bufs[n_accs:]
+                        for c, off in enumerate(col_offsets):
+                            plgpu.copy_gmem_to_smem(
+                                scale_gmem.at[g, pl.ds(0, K // 32), pl.ds((n + off) * bn, bn)],
+                                s_smem.at[c], barrier)
+                            plgpu.barrier_wait(barrier)
+                    return pipeline(accs, wbufs, s_smem)
+
+                return pl.run_scoped(scoped, *bufs)
+
+            def pipeline(accs, wbufs, s_smem):
                 def step(idx, lhs_smem, *rhs_smems):
                     if packed:
-                        rhs_smems = _decode_mxfp4_step(rhs_smems[:n_accs],
-                                                       rhs_smems[n_accs:], wbufs,
-                                                       lhs_smem.dtype)
+                        rhs_smems = _decode_mxfp4_step(
+                            rhs_smems, s_smem, wbufs, lhs_smem.dtype,
+                            _mxfp4_step_row(idx[0], half, bk) // 32, half // 32)
                     elif quantized:
                         rhs_smems = _dequantize_step(rhs_smems, wbufs, lhs_smem.dtype,
                                                      scale_gmem, g, idx[0], n, bk, bn,
@@ -308,11 +338,10 @@ def tile_gmm(
                     grid=(grid_k,),
                     in_specs=[
                         plgpu.BlockSpec((tm, bk), lambda k: (0, k), delay_release=1),
-                        *rhs_specs, *scale_specs,
+                        *rhs_specs,
                     ],
                     max_concurrent_steps=max(stages, 2),
-                )(lhs_tile, *([rhs_expert] * n_accs),
-                  *([scale_gmem.at[g]] * len(scale_specs) if scale_specs else []))
+                )(lhs_tile, *([rhs_expert] * n_accs))
                 return tuple(acc[...] for acc in accs)
 
             accs = pl.run_scoped(mma_scope, *([plgpu.ACC((tm, bn))] * n_accs))
@@ -372,29 +401,61 @@ def _dequantize_step(rhs_smems, wbufs, dtype, scale_gmem, g, k, n, bk: int, bn: 
     return wbufs
 
 
-MXFP4_BK = 64  # logical K rows a step: 32 byte rows, one e8m0 scale row per nibble half
-MXFP4_TRY_LOWERING = False  # True: lower for hardware anyway (the experiment that fails)
+MXFP4_BK = 128  # logical K rows a step: 64 byte rows, each nibble half a 64-row tile
 
 
 def _check_mxfp4_step(scheme, K: int, bk: int) -> None:
-    """Refuses a packed-MXFP4 K step other than 64 rows (32 byte rows: its low nibbles
-    are rows [32k, 32k + 32) of w, its high nibbles the same rows of the second half,
-    one e8m0 scale row each) and a K that is not a multiple of 64."""
+    """Refuses a packed-MXFP4 K step other than 128 rows (64 byte rows: its low nibbles
+    are 64 rows of w's first half, its high nibbles the same rows of the second half, two
+    e8m0 scale rows each) and a K that is not a multiple of 64 (K/2 whole scale blocks)
+    or below 128 (one whole step)."""
     if scheme.pack != 2 or scheme.block_k != 32 or scheme.block_n != 1:
         raise NotImplementedError(f"the gpu MoE kernel packs only MXFP4 (2 codes a byte, "
                                   f"32 x 1 scale blocks), got {scheme}")
-    if bk != MXFP4_BK or K % MXFP4_BK:
+    if bk != MXFP4_BK or K % 64 or K < MXFP4_BK:
         raise ValueError(f"mxfp4 on the gpu kernel: K steps of {MXFP4_BK} rows over a K "
-                         f"that is a multiple of 64; got bk={bk}, K={K}")
+                         f"that is a multiple of 64 and at least {MXFP4_BK}; got bk={bk}, "
+                         f"K={K}")
 
 
-def mxfp4_column_order(K: int) -> jax.Array:
-    """The order of lhs's K columns the packed-MXFP4 kernel reads: step k's 64 columns are
-    [32k, 32k + 32) then K/2 + [32k, 32k + 32), the rows of w whose codes share step
-    k's 32 byte rows (quant.py's layout: byte row j holds rows j and j + K/2), so the
-    step's decoded [64, bn] tile is its low-nibble rows over its high-nibble rows."""
-    j = jnp.arange(K // 2).reshape(K // MXFP4_BK, MXFP4_BK // 2)
-    return jnp.concatenate([j, j + K // 2], axis=1).reshape(K)
+def mxfp4_fits(K: int) -> bool:
+    """Whether the packed-MXFP4 kernel takes a K (`_check_mxfp4_step`)."""
+    return K % 64 == 0 and K >= MXFP4_BK
+
+
+def _mxfp4_step_row(k, half: int, bk: int):
+    """The first byte row of step k: k * bk/2, the last step moved back to end at K/2
+    (half) when bk/2 does not divide it, so it overlaps the step before."""
+    return jnp.minimum(k * (bk // 2), half - bk // 2)
+
+
+def mxfp4_lhs_width(K: int) -> int:
+    """Columns of the packed kernel's lhs: K rounded up to whole 128-row steps."""
+    return -(-K // MXFP4_BK) * MXFP4_BK
+
+
+def mxfp4_column_order(K: int):
+    """(index, valid), numpy [mxfp4_lhs_width(K)]: lhs column i of the packed-MXFP4 kernel
+    is x column index[i] where valid[i], else 0. Step k's 128 columns are the rows of w
+    whose codes are its 64 byte rows [r0, r0 + 64) (quant.py's layout: byte row j holds
+    rows j and j + K/2): r0 + [0, 64) then K/2 + r0 + [0, 64), so its decoded [128, bn]
+    tile is low-nibble rows over high-nibble rows. r0 = min(64k, K/2 - 64): when 64 does
+    not divide K/2 the last step overlaps the one before, and the byte rows that one
+    covered already (below 64k) get zero lhs columns: they add 0 x w."""
+    half, rows = K // 2, MXFP4_BK // 2
+    k = np.arange(mxfp4_lhs_width(K) // MXFP4_BK)[:, None]
+    r0 = np.minimum(k * rows, half - rows)
+    j = r0 + np.arange(rows)[None, :]  # [steps, 64] byte rows
+    valid = np.broadcast_to(j >= k * rows, j.shape)
+    index = np.concatenate([j, j + half], axis=1).reshape(-1)
+    return index, np.concatenate([valid, valid], axis=1).reshape(-1)
+
+
+def mxfp4_lhs(x_SK: jax.Array) -> jax.Array:
+    """x's columns in the packed kernel's order (`mxfp4_column_order`): one gather, with
+    the zero columns of an overlapping last step."""
+    index, valid = mxfp4_column_order(x_SK.shape[-1])
+    return jnp.where(jnp.asarray(valid), x_SK[:, index], jnp.zeros((), x_SK.dtype))
 
 
 def _e2m1_times_scale(code_i32, scale_f32, dtype):
@@ -406,20 +467,30 @@ def _e2m1_times_scale(code_i32, scale_f32, dtype):
     return jnp.where((code_i32 & 8) != 0, -mag, mag).astype(dtype)
 
 
-def _decode_mxfp4_step(code_smems, scale_smems, wbufs, dtype):
+def _decode_mxfp4_step(code_smems, s_smem, wbufs, dtype, s_lo, s_hi_offset: int):
     """One K step of packed MXFP4 weights decoded into the 16-bit shared-memory tiles the
-    WGMMAs read: byte tile [32, bn] -> low nibbles times scale row 0 into rows [0, 32),
-    high nibbles times scale row 1 into rows [32, 64). The e8m0 byte s is the float32
-    2^(s - 127) with s as its exponent field (s = 0, 2^-127, reads as 0: no checkpoint
-    scale is that small)."""
-    half = MXFP4_BK // 2
-    for code_smem, s_smem, wbuf in zip(code_smems, scale_smems, wbufs, strict=True):
-        b = code_smem[...].astype(jnp.int32) & 0xFF
-        s = s_smem[...].astype(jnp.int32) & 0xFF  # [2, 1, bn]
-        s = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
+    WGMMAs read: byte tile [64, bn] (loaded in the WGMMA register layout: one 64-row
+    tile, which Mosaic GPU's layout inference accepts a broadcast scale row over) -> low
+    nibbles times scale rows s_lo (tile rows [0, 32)) and s_lo + 1 ([32, 64)) into rows
+    [0, 64), high nibbles times rows s_lo + s_hi_offset (K/64) and the one after into
+    rows [64, 128). s_smem [accumulators, K/32, bn]: the work item's e8m0 bytes; the
+    byte s is the float32 2^(s - 127) with s as its exponent field (s = 0, 2^-127, reads
+    as 0: no checkpoint scale is that small)."""
+    wgmma = plgpu.Layout.WGMMA
+    rows = MXFP4_BK // 2
+    for c, (code_smem, wbuf) in enumerate(zip(code_smems, wbufs, strict=True)):
+        b = plgpu.load(code_smem, layout=wgmma).astype(jnp.int32) & 0xFF
+        top = jax.lax.broadcasted_iota(jnp.int32, b.shape, 0) < 32
+
+        def scale_row(r, shape=b.shape, c=c):
+            s = plgpu.load(s_smem.at[c, r], layout=wgmma.reduce(0)).astype(jnp.int32) & 0xFF
+            s = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
+            return jax.lax.broadcast_in_dim(s, shape, [1])
+
         for h, code in enumerate((b & 15, b >> 4)):
-            s_row = jax.lax.broadcast_in_dim(s[h, 0], code.shape, [1])
-            wbuf[pl.ds(h * half, half), :] = _e2m1_times_scale(code, s_row, dtype)
+            r = s_lo + h * s_hi_offset
+            s = jnp.where(top, scale_row(r), scale_row(r + 1))
+            wbuf[pl.ds(h * rows, rows), :] = _e2m1_times_scale(code, s, dtype)
     plgpu.commit_smem()
     return wbufs
 
@@ -493,12 +564,6 @@ def moe_ffn_gpu(
     tm = tiling.tm
     cdt = w_gate_up_GDF2.dtype if s_gate_up is None else x_TD.dtype  # the MMA dtype
     bk = tiling.bk or (MXFP4_BK if packed else 128 // jnp.dtype(cdt).itemsize)
-    if packed and not interpret and not MXFP4_TRY_LOWERING:
-        raise NotImplementedError(
-            "mxfp4 on the gpu MoE kernel runs in the GPU interpreter only: Mosaic GPU's "
-            "layout inference (jax 0.11.2) finds no layout for the e8m0 scale row "
-            "broadcast over a step's 32-row decoded tile (BENCHMARKS.md, 'MXFP4 in the "
-            "Hopper MoE kernel'); use backend='xla_tiles' on a GPU")
     if packed and bk != MXFP4_BK:
         raise ValueError(f"mxfp4 on the gpu kernel takes K steps of {MXFP4_BK} rows, "
                          f"got tiling.bk={tiling.bk}")
@@ -512,7 +577,7 @@ def moe_ffn_gpu(
     # its columns in the packed kernel's K order (the same gather, a permuted index).
     x_cdt = x_TD.astype(cdt)
     if packed:
-        x_cdt = x_cdt[:, mxfp4_column_order(D)]
+        x_cdt = mxfp4_lhs(x_cdt)
     x_SD = x_cdt[layout.token_ids_S]
     h_dtype = w_down_GFD.dtype if s_down is None else cdt
     common = dict(
@@ -524,15 +589,15 @@ def moe_ffn_gpu(
               else 1 << 30)
     h_PF = tile_gmm(
         x_SD, w_gate_up_GDF2, row_start_M=layout.tile_src_M, swiglu=True,
-        bk=_fit_block(D, bk), bn=_fit_block(F, min(tiling.gate_up_bn, bn_cap)),
+        bk=bk if packed else _fit_block(D, bk), bn=_fit_block(F, min(tiling.gate_up_bn, bn_cap)),
         out_dtype=h_dtype, bias=b_gate_up, act=activation, scale=s_gate_up, scheme=scheme,
         **common,
     )
     if packed:  # h's columns in the down kernel's K order: a copy of h (activations)
-        h_PF = h_PF[:, mxfp4_column_order(F)]
+        h_PF = mxfp4_lhs(h_PF)
     y_PD = tile_gmm(
         h_PF, w_down_GFD, row_start_M=jnp.arange(M, dtype=jnp.int32) * tm, swiglu=False,
-        bk=_fit_block(F, bk), bn=_fit_block(D, min(tiling.down_bn, bn_cap)),
+        bk=bk if packed else _fit_block(F, bk), bn=_fit_block(D, min(tiling.down_bn, bn_cap)),
         out_dtype=x_TD.dtype, bias=b_down, scale=s_down, scheme=scheme, **common,
     )
     y_TD = combine_padded(y_PD, layout, weights_TA).astype(x_TD.dtype)
