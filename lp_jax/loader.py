@@ -50,8 +50,8 @@ from lp_jax.loader_quant import (
 from lp_jax.models import StackedCausalLM, model_class
 from lp_jax.models.stacked import embed_width
 from lp_jax.quant import resolve as resolve_quantization
-from lp_jax.quant.mxfp4 import e8m0_scales
 from lp_jax.quant.mxfp4 import packed_from_blocks as mxfp4_packed_from_blocks
+from lp_jax.quant.mxfp4 import scales_from_checkpoint as mxfp4_scales
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
@@ -178,7 +178,7 @@ def _gpt_oss_sources(cfg: ModelConfig, mxfp4: bool) -> dict[tuple[str, ...], _So
                 [f"{name}_blocks"], [(E, n_out, g, 16)],
                 lambda a, fix=fix: fix(mxfp4_packed_from_blocks(a[0])))
             src[(*mlp, f"experts_{name}_scale")] = per_expert(
-                [f"{name}_scales"], [(E, n_out, g)], lambda a, fix=fix: fix(e8m0_scales(a[0]).T))
+                [f"{name}_scales"], [(E, n_out, g)], lambda a, fix=fix: fix(mxfp4_scales(a[0])))
     elif mxfp4:
         G = D // 32  # gate_up's input is D; down's is F
         src[(*mlp, "experts_gate_up_proj")] = per_expert(

@@ -6,7 +6,8 @@ the layout every kernel here multiplies as x_TK @ w_KN) is stored as
 
     w_q_KN   [..., K, N]      in `scheme.weight_dtype` (int8 or float8_e4m3fn)
     scale_kn [..., k, n]      `scheme.scale_dtype` (float32; MXFP4's e8m0), k = ceil(K /
-                              block_k), n = ceil(N / block_n)
+                              block_k), n = ceil(N / block_n) (MXFP4 stores k rounded
+                              up to a multiple of 8: padding rows, never read)
 
 and means  w_KN[i, j] = w_q_KN[i, j] * scale_kn[i // block_k, j // block_n].  The scale is
 multiplicative, as Hugging Face's fine-grained FP8 `weight_scale_inv` is (its name says
@@ -27,15 +28,27 @@ as plain bytes, two 4-bit codes a byte, and each kernel decodes them on chip:
 
     w_p_KN   [..., K/2, N]    int8; byte (j, n) holds the e2m1 code of w[j, n] in its
                               low nibble and of w[j + K/2, n] in its high nibble
-    scale_kn [..., K/32, N]   float8_e8m0fnu (1 byte: 2^(e - 127)), in w's row order:
-                              row i of w has scale row i // 32
+    scale_kn [..., k, N]      float8_e8m0fnu (1 byte: 2^(e - 127)), in w's row order:
+                              row i of w has scale row i // 32; k is K/32 rounded up to
+                              a multiple of 8 (`scale_row_multiple`; GPT-OSS-20B's K/32
+                              = 90 is stored as 96 rows)
 
-so w[i, n] = e2m1(code(i, n)) * scale[i // 32, n], and the stored bytes are 0.5 a weight
-plus 1 per 32 (0.53125 B a weight). K must be a multiple of 32 (GPT-OSS-20B: D = F =
-2880, Qwen3-30B-A3B: 2048 and 768; the tiny GPT-OSS's F = 32, whose halves of 16 rows
-share one scale row: a half need not be whole scale blocks, the scale row is always
-i // 32). A shard of the byte rows along K is no shard of w (it holds two row ranges),
-so K is never split across devices in this layout. The code is the e2m1 bit pattern:
+so w[i, n] = e2m1(code(i, n)) * scale[i // 32, n]. The rows past K/32 are padding:
+they hold e8m0 1.0 (`SCALE_PAD`, byte 127) and every consumer ignores them (no w row
+maps to them). Consumers also take unpadded scales (exactly K/32 rows; `check_scale`).
+Why pad: the TPU compiler's default layout of an [L, E, 90, N] stack (and of the 1, 2
+and 100 rows probed) is not row-major ({3,1,2,0}: the experts dim second-minor), so
+every step copied GPT-OSS-20B's stacked scales into the row-major layout the kernels
+read (94.9 + 47.5 MiB a chip on v6e); every multiple of 8 probed gets the row-major
+default on v5e and v6e (BENCHMARKS.md, "MXFP4 scale rows padded"). The loader pads at
+load (the checkpoint keeps HF's K/32 rows). Stored bytes: 0.5 a weight plus 1 per 32,
+plus the padding rows (0.53125 B a weight plus padding of the scale rows to a multiple
+of 8; GPT-OSS-20B: 96/90 of the scale bytes, 0.2% of the experts). K must be a multiple
+of 32 (GPT-OSS-20B: D = F = 2880, Qwen3-30B-A3B: 2048 and 768, whose 64 and 24 scale
+rows need no padding; the tiny GPT-OSS's F = 32, whose halves of 16 rows share one scale
+row: a half need not be whole scale blocks, the scale row is always i // 32). A shard
+of the byte rows along K is no shard of w (it holds two row ranges), so K is never split
+across devices in this layout. The code is the e2m1 bit pattern:
 bit 3 sign, bits 1-2 exponent (bias 1), bit 0 mantissa; values 0, 0.5, 1, 1.5, 2, 3, 4, 6
 and their negatives (`E2M1_VALUES`).
 
@@ -59,6 +72,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -79,6 +93,7 @@ class QuantScheme:
     block_n: int
     scale_dtype: object = jnp.float32
     pack: int = 1  # weights per stored element along K (MXFP4: 2 nibbles a byte, K/2 rows)
+    scale_row_multiple: int = 1  # stored scale rows rounded up to this (MXFP4: 8)
 
     def logical_k(self, rows: int) -> int:
         """K of a stored weight with `rows` rows (K/pack of them are stored)."""
@@ -92,14 +107,20 @@ class QuantScheme:
         return K // self.pack, N
 
     def scale_shape(self, K: int, N: int) -> tuple[int, int]:
-        bk = K if self.block_k is None else self.block_k
-        return math.ceil(K / bk), math.ceil(N / self.block_n)
+        """The stored scale's [k, n], k padded to `scale_row_multiple` rows."""
+        m = self.scale_row_multiple
+        return -(-self.scale_rows(K) // m) * m, math.ceil(N / self.block_n)
+
+    def scale_rows(self, K: int) -> int:
+        """Scale rows that K rows of w use: ceil(K / block_k) (no padding)."""
+        return math.ceil(K / self.block_k_for(K))
 
     def block_k_for(self, K: int) -> int:
         return K if self.block_k is None else self.block_k
 
     def stored_bytes(self, K: int, N: int) -> int:
-        """HBM bytes of one quantized [K, N] matrix: its values and its scales."""
+        """HBM bytes of one quantized [K, N] matrix: its values and its scales as stored
+        (MXFP4: padding rows included)."""
         return (stored_bytes(self.stored_shape(K, N), self.weight_dtype)
                 + stored_bytes(self.scale_shape(K, N), self.scale_dtype))
 
@@ -120,7 +141,9 @@ def stored_bytes(shape, dtype) -> int:
 INT8 = QuantScheme("int8", jnp.int8, None, 1)
 FP8 = QuantScheme("fp8", jnp.float8_e4m3fn, None, 1)
 FP8_BLOCK = QuantScheme("fp8_block", jnp.float8_e4m3fn, 128, 128)
-MXFP4 = QuantScheme("mxfp4", jnp.int8, 32, 1, jnp.float8_e8m0fnu, pack=2)
+MXFP4 = QuantScheme("mxfp4", jnp.int8, 32, 1, jnp.float8_e8m0fnu, pack=2,
+                    scale_row_multiple=8)
+SCALE_PAD = 1.0  # the value of padding scale rows (e8m0 byte 127); never read
 SCHEMES = {s.name: s for s in (INT8, FP8, FP8_BLOCK, MXFP4)}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by 4-bit code
@@ -170,13 +193,30 @@ def check_scale(w_q: jax.Array, scale: jax.Array, scheme: QuantScheme) -> None:
     K = scheme.logical_k(rows)
     scheme.stored_shape(K, N)  # packed: K a multiple of the block
     want = (*w_q.shape[:-2], *scheme.scale_shape(K, N))
-    if tuple(scale.shape) != want:
+    exact = (*want[:-2], scheme.scale_rows(K), want[-1])
+    if tuple(scale.shape) not in (want, exact):
+        also = "" if want == exact else f" (or {exact}, unpadded)"
         raise ValueError(f"{scheme.name} scale for weight {tuple(w_q.shape)} must have "
-                         f"shape {want}, got {tuple(scale.shape)}")
+                         f"shape {want}{also}, got {tuple(scale.shape)}")
+
+
+def pad_scale_rows(scale_kn, scheme: QuantScheme):
+    """scale [..., k, n] with its rows padded to `scheme.scale_row_multiple` with
+    SCALE_PAD (the stored layout; a no-op when k is already a multiple). numpy or jax."""
+    k, m = scale_kn.shape[-2], scheme.scale_row_multiple
+    extra = -(-k // m) * m - k
+    if not extra:
+        return scale_kn
+    widths = [(0, 0)] * (scale_kn.ndim - 2) + [(0, extra), (0, 0)]
+    if isinstance(scale_kn, jax.Array):
+        return jnp.pad(scale_kn, widths, constant_values=jnp.asarray(SCALE_PAD, scale_kn.dtype))
+    pad = np.full((*scale_kn.shape[:-2], extra, scale_kn.shape[-1]), SCALE_PAD, scale_kn.dtype)
+    return np.concatenate([scale_kn, pad], axis=-2)
 
 
 def expand_scale(scale: jax.Array, scheme: QuantScheme, K: int, N: int) -> jax.Array:
-    """The per-element [..., K, N] scale (repeats each block's scale over its block)."""
+    """The per-element [..., K, N] scale (repeats each block's scale over its block;
+    padding rows past K fall off)."""
     bk = scheme.block_k_for(K)
     full = jnp.repeat(jnp.repeat(scale, bk, axis=-2), scheme.block_n, axis=-1)
     return full[..., :K, :N]

@@ -411,7 +411,10 @@ def test_stored_bytes_at_the_bit_width():
     assert quant.stored_bytes((4, 8), jnp.int8) == 32
     assert quant.stored_bytes((3,), jnp.bfloat16) == 6
     assert quant.stored_bytes((2, 2), jnp.bool_) == 4
-    assert MXFP4.stored_bytes(64, 16) == 64 * 16 // 2 + (64 // 32) * 16  # + e8m0 bytes
+    # + e8m0 bytes: K/32 rows, stored padded to a multiple of 8 (2 -> 8, 90 -> 96; 24 is one)
+    assert MXFP4.stored_bytes(64, 16) == 64 * 16 // 2 + 8 * 16
+    assert MXFP4.stored_bytes(2880, 5760) == 2880 * 5760 // 2 + 96 * 5760
+    assert MXFP4.stored_bytes(768, 2048) == 768 * 2048 // 2 + 24 * 2048
     assert quant.INT8.stored_bytes(64, 16) == 64 * 16 + 16 * 4  # + float32 per column
     assert quant.FP8_BLOCK.stored_bytes(256, 192) == 256 * 192 + 2 * 2 * 4
 
@@ -431,6 +434,15 @@ def _np_mxfp4(rng, shape):
     byte = codes[..., :K // 2, :] | (codes[..., K // 2:, :] << 4)
     return (byte.astype(np.uint8).view(np.int8), exps.view(jnp.float8_e8m0fnu),
             values.astype(np.float32))
+
+
+def _poison_padded(scale, K: int):
+    """e8m0 scales [..., K/32, N] with NaN (byte 255) rows appended up to the stored count
+    (K/32 rounded up to a multiple of 8): whatever read a padding row would go NaN."""
+    s = np.asarray(scale).view(np.uint8)
+    rows = -(-(K // 32) // 8) * 8
+    pad = np.full((*s.shape[:-2], rows - s.shape[-2], s.shape[-1]), 255, np.uint8)
+    return np.concatenate([s, pad], axis=-2).view(jnp.float8_e8m0fnu)
 
 
 @functools.cache
@@ -456,40 +468,83 @@ def _mxfp4_oracle(dtype, D, F):
         x.astype(jnp.float32), logits, w_gu[1], w_d[1])
 
 
-@pytest.mark.parametrize("dtype,D,F,fused", [
+@pytest.mark.parametrize("dtype,D,F,fused,padded", [
     # the gather's bfloat16 x as word halves, h as words in the down kernel; F/2 = 16
-    # rows a half, both halves in scale row 0
-    (jnp.bfloat16, 64, 32, True),
+    # rows a half, both halves in scale row 0; the scales as the loader stores them, their
+    # 2 / 1 rows padded to 8, the padding rows NaN here (they must never be read)
+    (jnp.bfloat16, 64, 32, True, True),
     # the unfused tile_gmm gate/up, float32 halves sliced in the kernel; halves of 64 / 48
-    # rows, so the down weights' scale row 1 straddles the halves
-    (jnp.float32, 128, 96, False),
+    # rows, so the down weights' scale row 1 straddles the halves; unpadded scales
+    (jnp.float32, 128, 96, False, False),
 ])
-def test_tpu_mxfp4_kernels_match_the_numpy_oracle(dtype, D, F, fused):
+def test_tpu_mxfp4_kernels_match_the_numpy_oracle(dtype, D, F, fused, padded):
     """W4A16: packed e2m1 decoded on chip, against numpy's dequantise-then-matmul.
     Expert 3 routes no row (its tiles never run), two tokens masked, groups of 0..5 rows
     in 8-row tiles (partial tiles). float32: within 1e-5 (e2m1 x 2^e is exact, only the
     summation order differs); bfloat16: 1e-2 (x, h and y rounded to bfloat16)."""
     x, logits, mask, (q_gu, q_d), scales, _ = mxfp4_case(dtype, D, F)
+    if padded:
+        scales = (_poison_padded(scales[0], D), _poison_padded(scales[1], F))
     fn = lambda *a: tpu.moe_ffn_tpu(*a, layer=1, top_k=TOP_K, norm_topk_prob=True,
                                     token_mask_T=mask, scales=scales, scheme=quant.MXFP4,
                                     tiling=tpu.TpuTiling(tm=TM), fused_gather=fused,
                                     interpret=True)
     y, stats = jax.jit(fn)(x, logits, jnp.asarray(q_gu), jnp.asarray(q_d))
     assert rel_err(y, _mxfp4_oracle(dtype, D, F)) < TOL[jnp.dtype(dtype)]
-    # stored bytes: half a byte a weight plus an e8m0 byte per 32, per activated expert
-    per_expert = quant.MXFP4.stored_bytes(D, 2 * F) + quant.MXFP4.stored_bytes(F, D)
+    # stored bytes: half a byte a weight plus the e8m0 scale rows as given (K/32, or
+    # padded to 8: what the loader stores and MXFP4.stored_bytes counts), per activated
+    # expert
+    rows_gu, rows_d = (8, 8) if padded else (D // 32, F // 32)
+    per_expert = 3 * D * F // 2 + rows_gu * 2 * F + rows_d * D
     assert float(stats["expert_bytes_loaded"]) == int(stats["experts_activated"]) * per_expert
-    assert per_expert == 3 * D * F * 0.53125
+    stored = quant.MXFP4.stored_bytes(D, 2 * F) + quant.MXFP4.stored_bytes(F, D)
+    assert stored == 3 * D * F // 2 + 8 * 2 * F + 8 * D
+    if not padded:
+        assert per_expert == 3 * D * F * 0.53125
 
 
 def test_mxfp4_reference_reads_the_packed_layout():
-    """ref_moe_ffn (the xla backend) on the packed weights equals the numpy oracle."""
+    """ref_moe_ffn (the xla backend) and xla_tiles on the packed weights equal the numpy
+    oracle, with K/32 scale rows and with them padded to 8 by NaN rows (never read)."""
     x, logits, mask, (q_gu, q_d), scales, _ = mxfp4_case(jnp.float32, 64, 32)
-    y, _ = jax.jit(lambda *a: ref_moe_ffn(*a, layer=1, top_k=TOP_K, norm_topk_prob=True,
-                                          token_mask_T=mask, scales=scales,
-                                          scheme=quant.MXFP4))(
-        x, logits, jnp.asarray(q_gu), jnp.asarray(q_d))
-    assert rel_err(y, _mxfp4_oracle(jnp.float32, 64, 32)) < 1e-5
+    poisoned = (jnp.asarray(_poison_padded(scales[0], 64)),
+                jnp.asarray(_poison_padded(scales[1], 32)))
+    want = _mxfp4_oracle(jnp.float32, 64, 32)
+    for backend, s in ((ref_moe_ffn, scales), (ref_moe_ffn, poisoned),
+                       (moe_ffn_xla_tiles, poisoned)):
+        y, _ = jax.jit(lambda *a, f=backend, s=s: f(*a, layer=1, top_k=TOP_K,
+                                                     norm_topk_prob=True, token_mask_T=mask,
+                                                     scales=s, scheme=quant.MXFP4))(
+            x, logits, jnp.asarray(q_gu), jnp.asarray(q_d))
+        assert rel_err(y, want) < 1e-5, backend.__name__
+
+
+def test_mxfp4_scale_rows_are_padded_to_8():
+    """GPT-OSS-20B's K = 2880 has 90 scale rows, which the TPU compiler would lay out
+    experts-minor (a relayout copy every step, BENCHMARKS.md): the quantiser and the
+    loader's conversion store 96, rows 90.. e8m0 1.0, and dequantisation ignores them
+    (NaN there changes nothing). Scale rows other than K/32 or the padded count are
+    refused."""
+    from lp_jax.quant.mxfp4 import quantize_mxfp4, scales_from_checkpoint
+
+    K, N = 2880, 16
+    w = jax.random.normal(jax.random.key(0), (K, N), jnp.float32)
+    w_p, s = quantize_mxfp4(w)
+    assert s.shape == (96, N) and quant.MXFP4.scale_shape(K, N) == (96, N)
+    assert (np.asarray(s).view(np.uint8)[90:] == 127).all()  # 2^0
+    want = quant.ref_dequantize(w_p, s[:90], quant.MXFP4)
+    assert rel_err(want, w) < 0.2  # e2m1's 3 bits of precision: it is w, coarsely
+    for scale in (s, _poison_padded(s[:90], K)):
+        np.testing.assert_array_equal(quant.ref_dequantize(w_p, scale, quant.MXFP4), want)
+    for rows in (89, 91, 95, 97):
+        with pytest.raises(ValueError, match=r"must have shape \(96, 16\) \(or \(90, 16\)"):
+            quant.check_scale(w_p, jnp.ones((rows, N), jnp.float8_e8m0fnu), quant.MXFP4)
+    # the checkpoint's [out, in/32] exponent bytes: transposed, padded with 127
+    ckpt = np.random.default_rng(0).integers(118, 130, (N, 90)).astype(np.uint8)
+    got = scales_from_checkpoint(ckpt).view(np.uint8)
+    assert got.shape == (96, N)
+    np.testing.assert_array_equal(got[:90], ckpt.T)
+    assert (got[90:] == 127).all()
 
 
 def test_mxfp4_column_chunks_and_refused_k_tiles():

@@ -442,20 +442,30 @@ def test_mxfp4_kept_in_4_bits(tmp_path):
         # packed: two e2m1 codes a byte, [.., K/2, N] (pallas_kernels.quant's MXFP4 layout)
         assert w_q.dtype == jax.numpy.int8
         assert w_q.shape[-2] * 2 == getattr(want, name).shape[-2]
-        got = ref_dequantize(w_q, getattr(mlp, name + "_scale")[...], MXFP4)
+        scale = getattr(mlp, name + "_scale")[...]
+        got = ref_dequantize(w_q, scale, MXFP4)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(getattr(want, name)[...]))
+        # K/32 scale rows (2 for D = 64, 1 for F = 32) stored padded to 8 with e8m0 1.0,
+        # which nothing reads: NaN there dequantises the same
+        k = getattr(want, name).shape[-2] // 32
+        assert scale.shape[-2] == 8 and k < 8
+        assert (np.asarray(scale).view(np.uint8)[..., k:, :] == 127).all()
+        poisoned = scale.at[..., k:, :].set(jax.numpy.nan)
+        np.testing.assert_array_equal(np.asarray(ref_dequantize(w_q, poisoned, MXFP4)),
+                                      np.asarray(got))
     assert model.model.layers.self_attn.q_proj.dtype == np.float32  # attention unconverted
     assert model.config.expert_bytes < dense.config.expert_bytes / 5
-    # Stored bytes: e2m1 at half a byte, one e8m0 byte per 32 values (the checkpoint's),
-    # float32 biases; the engine's counter, the kernels' stats and the roofline's "fp4"
-    # all count that.
+    # Stored bytes: e2m1 at half a byte, one e8m0 byte per 32 values (the checkpoint's)
+    # plus the padding scale rows, float32 biases; the engine's counter and the kernels'
+    # stats count that, the roofline's "fp4" the 0.53125 B a weight without the padding.
     assert mlp.experts_down_proj_scale.dtype == jax.numpy.float8_e8m0fnu
     cfg = model.config
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
-    want_bytes = 3 * D * F // 2 + 3 * D * F // 32 + 4 * (2 * F + D)
+    unpadded = 3 * D * F // 2 + 3 * D * F // 32 + 4 * (2 * F + D)
+    want_bytes = 3 * D * F // 2 + 8 * 2 * F + 8 * D + 4 * (2 * F + D)
     assert cfg.expert_bytes == want_bytes
     fp4 = weight_format("fp4")
-    assert fp4.matrix_bytes(D, 2 * F) + fp4.matrix_bytes(F, D) + 4 * (2 * F + D) == want_bytes
+    assert fp4.matrix_bytes(D, 2 * F) + fp4.matrix_bytes(F, D) + 4 * (2 * F + D) == unpadded
     E = cfg.num_experts
     stats = moe_stats(jax.numpy.ones(E, jax.numpy.int32), mlp.experts_gate_up_proj[...],
                       mlp.experts_down_proj[...], mlp.experts_gate_up_proj_bias[...],

@@ -7,13 +7,16 @@ The checkpoint stores an expert projection [out, in] as `*_blocks` uint8 [out, i
 it in pallas_kernels.quant's MXFP4 layout (see its docstring): int8 [in/2, out] whose
 byte j holds input rows j and j + in/2 (`pack_mxfp4`), and a `jnp.float8_e8m0fnu` scale
 [in/32, out] (the checkpoint's byte is the e8m0 bit pattern, so it is reinterpreted, not
-converted). The nibbles are moved, never converted, so the stored values are the
+converted), its rows padded with e8m0 1.0 to a multiple of 8 (`quant.pad_scale_rows`:
+GPT-OSS-20B's 90 rows become 96, which the TPU compiler lays out row-major; the padding
+rows are never read). The nibbles are moved, never converted, so the stored values are the
 checkpoint's exactly; every MoE backend (reference, xla_tiles through `ref_dequantize`,
 the TPU and GPU kernels, which decode on chip) reads this one layout.
 
 Stored bytes: 0.5 B a weight (the int8 array has K/2 rows) and 1 B per 32 for the
-scales, as in the checkpoint: 0.53125 B a weight, what `quant.stored_bytes`, the
-engine's expert-bytes counter and lp_jax.roofline's "fp4" count.
+scales, as in the checkpoint: 0.53125 B a weight, plus the padding scale rows (GPT-OSS-
+20B: 6 of 96, 0.2% of its experts). `quant.stored_bytes` and the engine's expert-bytes
+counter count the padding (it is in HBM); lp_jax.roofline's "fp4" counts 0.53125 B.
 
 Opt-in (`quantization="mxfp4"`); by default an MXFP4 checkpoint is dequantised to 16
 bits at load (loader.dequantize_mxfp4), as before.
@@ -26,9 +29,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.quant import MXFP4, pack_mxfp4
+from pallas_kernels.quant import MXFP4, pack_mxfp4, pad_scale_rows
 
 E2M1_MAX = 6.0
+
+
 def codes_from_blocks(blocks: np.ndarray) -> np.ndarray:
     """uint8 [..., G, 16] -> the e2m1 codes uint8 [..., G * 32], low nibble first."""
     blocks = np.asarray(blocks, np.uint8)
@@ -48,11 +53,17 @@ def e8m0_scales(scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(scales, np.uint8).view(ml_dtypes.float8_e8m0fnu)
 
 
+def scales_from_checkpoint(scales: np.ndarray) -> np.ndarray:
+    """One projection's checkpoint scales uint8 [out, in/32] -> the stored e8m0 scale
+    [k, out]: transposed, rows padded to a multiple of 8 (`pad_scale_rows`)."""
+    return pad_scale_rows(e8m0_scales(scales).T, MXFP4)
+
+
 def quantize_mxfp4(w_KN: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(packed int8 [..., K/2, N], e8m0 power-of-two scale [..., K/32, N]) of w, the OCP
-    MX rule: scale 2^(floor(log2 amax) - 2), values rounded to e2m1 (saturating at 6;
-    float4_e2m1fn's rounding gives the code). For random (dummy) weights and
-    initialisation only; checkpoints arrive quantized."""
+    """(packed int8 [..., K/2, N], e8m0 power-of-two scale [..., k, N]: K/32 rows padded
+    to a multiple of 8) of w, the OCP MX rule: scale 2^(floor(log2 amax) - 2), values
+    rounded to e2m1 (saturating at 6; float4_e2m1fn's rounding gives the code). For
+    random (dummy) weights and initialisation only; checkpoints arrive quantized."""
     K, N = w_KN.shape[-2:]
     blocks = w_KN.astype(jnp.float32).reshape(*w_KN.shape[:-2], K // 32, 32, N)
     amax = jnp.max(jnp.abs(blocks), axis=-2)
@@ -61,4 +72,4 @@ def quantize_mxfp4(w_KN: jax.Array) -> tuple[jax.Array, jax.Array]:
     q = jnp.clip(blocks / scale[..., None, :], -E2M1_MAX, E2M1_MAX)
     q4 = q.reshape(w_KN.shape).astype(jnp.float4_e2m1fn)
     codes = jax.lax.bitcast_convert_type(q4, jnp.uint4).astype(jnp.uint8)
-    return pack_mxfp4(codes), scale.astype(MXFP4.scale_dtype)
+    return pack_mxfp4(codes), pad_scale_rows(scale.astype(MXFP4.scale_dtype), MXFP4)

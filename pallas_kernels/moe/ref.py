@@ -28,7 +28,8 @@ get here.
 Quantized experts (issue 31, off by default): `scales=(s_gate_up, s_down)` and `scheme=`
 a `pallas_kernels.quant.QuantScheme`; the weights are then int8 / float8_e4m3fn (or
 MXFP4's packed int8 [.., K/2, N], two e2m1 codes a byte) and the scales float32
-(MXFP4's e8m0 [.., K/32, N]), stacked like the weights ([L, E, k, n] with `layer`),
+(MXFP4's e8m0 [.., K/32, N], rows padded to a multiple of 8 and never read), stacked
+like the weights ([L, E, k, n] with `layer`),
 shaped by quant.py's contract. W8A16 / W4A16: the kernels dequantise tiles on chip and
 multiply the activation dtype, accumulating in float32.
 This reference dequantises the layer's slice to float32 (`quant.ref_dequantize`) and

@@ -21,21 +21,23 @@ follow `pallas_kernels.quant` ([G, k, n] float32, w = w_q * scale per block):
   1024, F = 768 = 6 x 128). N blocks may straddle and end partial (2F = 192: one whole,
   one partial block): the expansion maps each column to its own block.
 
-MXFP4 (W4A16, `quant.MXFP4`: int8 [G, K/2, N] bytes of two e2m1 codes, byte row j holding
-rows j and j + K/2, and e8m0 scales [G, K/32, N]). Mosaic has no fp4 vectors, so a
-weight block is decoded with integer ops and selects (`quant.decode_e2m1`), multiplied
-by its rows' scales (float32; exact in bfloat16: a power of two times an e2m1 value) and
-converted to the activations' dtype, then two dots, low nibbles against x's first half
-of K and high nibbles against its second, sum in float32. The gate/up kernel already
-holds x as those two halves (`tpu.pack_rows`); the down kernel takes h as words the same
-way. A block's columns are decoded a chunk of <= 1024 at a time (a multiple of 128
-lanes dividing the block), so the decoded float32 temporaries stay a few MB at
-GPT-OSS-20B's whole-K [1440, 5760] gate/up block. Each column chunk's dots run over the
-whole K: the scales vary every 32 rows of K, and applied to the weights (not to partial
-sums) no K chunk needs a lane offset that is no multiple of 128 (1440 is none). The
-kernels therefore take MXFP4 with whole-K blocks only (tk = D, down_tk = F, their
-defaults) and refuse other k tiles by name; the scale block is the expert's whole
-[K/32, width] rows at the weight block's columns (K/32 a whole dim).
+MXFP4 (W4A16, `quant.MXFP4`: int8 [G, K/2, N] bytes of two e2m1 codes, byte row j
+holding rows j and j + K/2, and e8m0 scales [G, k, N], K/32 rows padded to k, a multiple
+of 8). Mosaic has no fp4 vectors, so a weight block is decoded with integer ops and
+selects (`quant.decode_e2m1`), multiplied by its rows' scales (float32; exact in
+bfloat16: a power of two times an e2m1 value) and converted to the activations' dtype,
+then two dots, low nibbles against x's first half of K and high nibbles against its
+second, sum in float32. The gate/up kernel already holds x as those two halves
+(`tpu.pack_rows`); the down kernel takes h as words the same way. A block's columns are
+decoded a chunk of <= 1024 at a time (a multiple of 128 lanes dividing the block), so
+the decoded float32 temporaries stay a few MB at GPT-OSS-20B's whole-K [1440, 5760]
+gate/up block. Each column chunk's dots run over the whole K: the scales vary every 32
+rows of K, and applied to the weights (not to partial sums) no K chunk needs a lane
+offset that is no multiple of 128 (1440 is none). The kernels therefore take MXFP4 with
+whole-K blocks only (tk = D, down_tk = F, their defaults) and refuse other k tiles by
+name; the scale block is the expert's whole [k, width] rows at the weight block's
+columns (k a whole dim; the padding rows past K/32 come along and are never read: w row
+r reads scale row r // 32 < K/32).
 
 Nothing dequantises a layer, or an expert, into HBM: the audit's dequantised-copy rule
 (`lp_jax/aot/audit.py`) checks that on the compiled programs.
@@ -85,7 +87,7 @@ def scale_operands(scale_Gkn, quant: Quant | None, width: int, offsets):
     if quant is None:
         return [], []
     if quant.mode in ("channel", "mxfp4"):
-        rows = scale_Gkn.shape[1]  # 1 (channel) or K/32 (mxfp4: whole K blocks only)
+        rows = scale_Gkn.shape[1]  # 1 (channel) or k >= K/32 (mxfp4: whole K blocks)
 
         def spec(offset):
             return pl.BlockSpec((None, rows, width),
@@ -141,8 +143,8 @@ def mxfp4_chunk(width: int) -> int:
 
 
 def _row_scales(s_kw, start: int, rows: int):
-    """float32 [rows, w]: row r gets scale row (start + r) // 32 of s_kw [K/32, w]
-    (static: a sublane concatenation of broadcast rows)."""
+    """float32 [rows, w]: row r gets scale row (start + r) // 32 of s_kw [k, w] (static:
+    a sublane concatenation of broadcast rows; rows past K/32, padding, are never read)."""
     parts, r = [], start
     while r < start + rows:
         q = r // 32
@@ -155,8 +157,8 @@ def _row_scales(s_kw, start: int, rows: int):
 def mxfp4_qdot(x_lo, x_hi, load_w, load_s, K: int, width: int, cdt):
     """x @ w in float32 for a packed MXFP4 block of K rows and `width` columns: x_lo
     = x[:, :K/2], x_hi = x[:, K/2:] (cdt), load_w(c0, c) the int8 bytes [K/2, c] of
-    columns c0.., load_s(c0, c) their e8m0 scales [K/32, c]. Decoded a column chunk at
-    a time (`mxfp4_chunk`)."""
+    columns c0.., load_s(c0, c) their e8m0 scales [k, c] (k >= K/32: padding rows
+    unread). Decoded a column chunk at a time (`mxfp4_chunk`)."""
     half, wc, outs = K // 2, mxfp4_chunk(width), []
     for c0 in range(0, width, wc):
         b = load_w(c0, wc).astype(jnp.int32) & 0xFF
