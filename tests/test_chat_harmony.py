@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 
 import openai
 import pytest
@@ -150,3 +151,52 @@ def test_harmony_tools_calls_and_tool_messages():
         "<|start|>assistant")
     plain, _ = render_today(fmt, CONVERSATION)  # without tools: as before
     assert "# Tools" not in plain and "Calls to these tools" not in plain
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_response_format_on_harmony_always_reaches_the_final_channel(tmp_path):
+    """GPT-OSS with response_format, random weights at temperature 1: the grammar holds
+    the whole answer to harmony's shape (an optional analysis message of about half of
+    max_tokens, then the final channel), so every sample finishes with `stop` and the
+    schema's JSON as its content, streamed as not. The longest valid answer fits in
+    max_tokens: the analysis header and its text (about 50 tokens: random walks through
+    the grammar's masks take at most 58), then <|end|> to <|return|> (at most 35). The
+    engine has the shapes of test_chat_completion_on_tiny_gpt_oss: its programs come from
+    the run's compilation cache."""
+    from checkpoints.make_tiny import write_harmony_variant
+    from lp_jax.engine.config import EngineConfig
+    from lp_jax.engine.llm_engine import LLMEngine
+
+    hdir = write_harmony_variant(tmp_path / "tiny-gpt-oss-harmony")
+    engine = LLMEngine(EngineConfig(
+        model=str(hdir), scheduling="chunked", max_num_seqs=4, max_model_len=512,
+        max_num_batched_tokens=256, token_buckets=(256,), backends="off"), log=None)
+    st = ServerThread(OpenAIServer(engine, served_model_names=["m"])).start()
+    try:
+        client = openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        kw = dict(model="m", messages=CONVERSATION[1:2], temperature=1.0, max_tokens=100,
+                  response_format=rf)
+        resp = client.chat.completions.create(n=16, seed=3, **kw)
+        reasoned = 0
+        for ch in resp.choices:
+            assert ch.finish_reason == "stop", ch
+            obj = json.loads(ch.message.content)
+            assert list(obj) == ["name", "age"], ch
+            assert re.fullmatch("[a-z]{1,6}", obj["name"]) and 0 <= obj["age"] <= 99, obj
+            reasoned += getattr(ch.message, "reasoning_content", None) is not None
+        assert reasoned and len({c.message.content for c in resp.choices}) > 8
+        # seeded sample i uses seed + i: streamed alone, sample 0 again
+        chunks = [c for c in client.chat.completions.create(seed=3, stream=True, **kw)
+                  if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+            resp.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert st.engine_call(lambda e: e.stats())["compilations_after_warmup"] == 0
+    finally:
+        st.stop()

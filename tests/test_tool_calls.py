@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import openai
@@ -190,6 +191,81 @@ def test_qwen3_forced_calls_stream_fragments_any_chunking():
     assert [c["function"]["name"] for c in one] == ["get_weather"]
 
 
+QWEN_CALLS = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\\"}b"}}'
+              '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": -3}}\n'
+              "</tool_call>")
+HARMONY_CALLS = [THINK + CALL, CALL + "<|start|>assistant" + CALL.replace("Oslo", "Rome"),
+                 CALL.replace('{"city":"Oslo"}', ' \n{"city": "Oslo"} \n'),
+                 "<|channel|>commentary<|message|>Looking.<|end|><|start|>assistant" + CALL]
+
+
+def test_auto_calls_stream_any_chunking_equal_to_the_whole(htok):
+    """tool_choice auto, streamed: a well-formed call goes out as a first delta and
+    argument fragments, which (any split of the stream) reassemble to the call the whole
+    answer makes, with the same content; both families."""
+    marks = harmony_tokens(htok)
+    rng = np.random.default_rng(9)
+    for text in HARMONY_CALLS:
+        ids = ids_of(htok, text)
+        whole = HarmonyParser(htok, marks, tools=True)
+        whole.push(ids)
+        whole.finish()
+        reasoning, content, calls = whole.message()
+        assert calls
+        for _ in range(10):
+            p, got = HarmonyParser(htok, marks, tools=True, stream=True), Piece()
+            for part in chunked(rng, ids):
+                got += p.push(part)
+            got += p.finish()
+            assert (got.reasoning or None, got.content) == (reasoning, content or "")
+            streamed = reassemble(got.tool_calls)
+            assert [(n, a) for _, _, n, a in streamed] == \
+                [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            assert [i for i, *_ in streamed] == list(range(len(calls)))
+        p = HarmonyParser(htok, marks, tools=True, stream=True)
+        one = [d for t in ids for d in p.push([t]).tool_calls]
+        assert one and len(one) > 2 * len(calls)  # token by token: fragments
+    content, calls = split_calls(QWEN_CALLS)
+    assert content == "Let me check.\n" and len(calls) == 2  # the newline between blocks
+    for _ in range(20):
+        p, c, deltas = ToolCallParser(stream=True), "", []
+        for a, b in zip(*_cuts(rng, len(QWEN_CALLS)), strict=True):
+            dc, dd = p.push(QWEN_CALLS[a:b])
+            c, deltas = c + dc, deltas + dd
+        c += p.finish()
+        assert c == content
+        assert [(n, a) for _, _, n, a in reassemble(deltas)] == \
+            [(x["function"]["name"], x["function"]["arguments"]) for x in calls]
+    p = ToolCallParser(stream=True)
+    assert len([d for ch in QWEN_CALLS for d in p.push(ch)[1]]) > 2 * len(calls)
+
+
+@pytest.mark.parametrize("text, args", [
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}\n</tool_call>', '{"zone": 1}'),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 1', '{"zone": 1'),
+    ('<tool_call>\n{"name": "get_time", "arguments": 1}\n</tool_call>', None),
+], ids=["invalid-json", "unterminated", "not-an-object"])
+def test_qwen3_malformed_auto_call_after_its_header_went_out(text, args):
+    """Whole, a malformed block is content. Streamed, a block whose arguments opened a
+    JSON object has gone out as a call: it stays one, its arguments as the model wrote
+    them (and the rest of the block is dropped). Arguments that are no object wait for
+    the block's end, then go as the whole answer has them (a call here: `1`)."""
+    whole = split_calls(text)
+    p = ToolCallParser(stream=True)
+    content, deltas = "", []
+    for ch in text:
+        dc, dd = p.push(ch)
+        content, deltas = content + dc, deltas + dd
+    content += p.finish()
+    got = [(n, a) for _, _, n, a in reassemble(deltas)]
+    if args is None:
+        assert len(deltas) == 1 and whole[0] is None and content == ""
+        assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]]
+    else:
+        assert whole == (text, [])
+        assert content == "" and got == [("get_time", args)]
+
+
 def random_walk(m, rng, words, prefer, limit=400) -> list[int]:
     """Tokens through a matcher's masks: a "model" that picks any allowed token, a
     preferred (special) one a third of the time."""
@@ -225,9 +301,42 @@ def test_harmony_forced_grammar_random_walks_are_valid_calls(hdir, htok):
             names.add(fn["name"])
         assert names == ({"get_weather", "get_time"} if choice == "required" else {"get_time"})
     assert harmony_tool_grammar(TOOLS, "auto") is None
-    spec = final_channel_grammar(SO(regex="a"), htok)
-    assert htok.decode(list(spec.start_after), skip_special_tokens=False) == \
-        "<|channel|>final<|message|>"
+
+
+FORMATS = [  # (a bounded format, a check of the final channel's text)
+    (SO(json={"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}),
+     lambda t: list(json.loads(t)) == ["n"] and 0 <= json.loads(t)["n"] <= 99),
+    (SO(regex="[a-c]{2,4}/[0-9]"), lambda t: re.fullmatch("[a-c]{2,4}/[0-9]", t)),
+    (SO(choice=["red", "blue"]), lambda t: t in ("red", "blue")),
+    (SO(grammar='start: "(" /[0-9]{1,2}/ ")"'), lambda t: re.fullmatch(r"\(\d{1,2}\)", t)),
+]
+
+
+def test_harmony_final_channel_grammar_random_walks_reach_the_final_channel(hdir, htok):
+    """response_format on GPT-OSS: every walk through the grammar's masks is an optional
+    analysis message, no longer than half of max_tokens, then the final channel with the
+    format's text, ended by <|return|>; a bad format still names its own field."""
+    marks = harmony_tokens(htok)
+    c = GrammarCompiler(hdir / "tokenizer.json", 512, [marks.ret, marks.call])
+    prefer = {marks.ret, marks.start, marks.channel, marks.message}  # <|end|>: rarely
+    rng = np.random.default_rng(8)
+    for spec, check in FORMATS:
+        m0, thoughts = c.compile(final_channel_grammar(spec, max_tokens=40)), []
+        for _ in range(6):
+            ids = random_walk(m0.deep_copy(), rng, 16, prefer)
+            assert ids[-1] == marks.ret, htok.decode(ids, skip_special_tokens=False)
+            p = HarmonyParser(htok, marks)
+            p.push(ids)
+            p.finish()
+            reasoning, content, calls = p.message()
+            assert check(content) and not calls, (spec.kind, content)
+            if reasoning is not None:
+                thoughts.append(ids.index(marks.end) - ids.index(marks.message) - 1)
+        # walks with and without an analysis message, whose text stops at 20 tokens
+        assert 0 < len(thoughts) < 6 and max(thoughts) == 20, thoughts
+    with pytest.raises(ValueError, match="structured_outputs.json does not compile"):
+        c.compile(final_channel_grammar(SO(json={"type": 7}), 40))
 
 
 # ------------------------------------------- forced calls end to end, fake executor
@@ -445,23 +554,82 @@ def ask(mock, text, *, stream, tools=TOOLS, **kw):
             [(n, a) for _, _, n, a in calls], chunks[-1].choices[0].finish_reason)
 
 
-@pytest.mark.parametrize("text, want", [
+@pytest.mark.parametrize("text, want, streamed", [
     (THINK + CALL, ("The user wants weather.", None, [("get_weather", '{"city":"Oslo"}')],
-                    "tool_calls")),
+                    "tool_calls"), None),
     (THINK + "<|channel|>final<|message|>It is sunny.<|return|>",
-     ("The user wants weather.", "It is sunny.", [], "stop")),
-    (CALL.replace('"Oslo"}', "Oslo"), (None, '{"city":Oslo', [], "stop")),  # invalid JSON
-    # cut short in its header or its body (then eos): the plain text, as content
+     ("The user wants weather.", "It is sunny.", [], "stop"), None),
+    # invalid JSON: content; streamed, the call went out when its body opened a JSON
+    # object, and stays a call with the text the model wrote as its arguments
+    (CALL.replace('"Oslo"}', "Oslo"), (None, '{"city":Oslo', [], "stop"),
+     (None, None, [("get_weather", '{"city":Oslo')], "tool_calls")),
+    # cut short in its header: the plain text, as content (streamed too)
     (THINK + CALL[:40], ("The user wants weather.", "assistantcommentary to=functions.get_w",
-                         [], "stop")),
-    (CALL[: -len('"}<|call|>')], (None, '{"city":"Oslo', [], "stop")),
-], ids=["call", "final", "bad-json", "cut-header", "cut-body"])
-def test_harmony_answers_through_the_openai_client(mock, text, want):
+                         [], "stop"), None),
+    # cut short in its body (then eos): content; streamed, a call with what it has
+    (CALL[: -len('"}<|call|>')], (None, '{"city":"Oslo', [], "stop"),
+     (None, None, [("get_weather", '{"city":"Oslo')], "tool_calls")),
+    # a body that does not open a JSON object never goes out as a call
+    (CALL.replace('{"city":"Oslo"}', 'Oslo {"city":1}'), (None, 'Oslo {"city":1}', [], "stop"),
+     None),
+], ids=["call", "final", "bad-json", "cut-header", "cut-body", "not-an-object"])
+def test_harmony_answers_through_the_openai_client(mock, text, want, streamed):
     """Auto tool choice on GPT-OSS harmony: reasoning, content and calls from the token
-    ids, the same streamed and not; malformed calls are content, never an error."""
+    ids, the same streamed and not, a streamed call in fragments; malformed calls are
+    content, never an error (streamed: see `streamed`)."""
+    assert ask(mock, text, stream=False) == want
+    assert ask(mock, text, stream=True) == (streamed or want)
+
+
+@pytest.fixture(scope="module")
+def qwen_mock(tiny_dir):
+    from lp_jax.server.mock import MockEngine
+
+    script = Script(511)
+    st = ServerThread(OpenAIServer(MockEngine(model_dir=tiny_dir, eos_token_id=511,
+                                              max_model_len=512, token_fn=script),
+                                   served_model_names=["m"])).start()
+    yield st, script
+    st.stop()
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3"])
+def test_auto_calls_stream_fragments_through_the_openai_client(family, mock, qwen_mock):
+    """tool_choice auto through lp-serve: the model's two calls stream as OpenAI's deltas
+    (per call a first delta with index, id, type, name, arguments "", then argument
+    fragments) that reassemble to the non-streamed calls, content and finish_reason."""
+    st, script = (mock[0], mock[1]) if family == "gpt-oss" else qwen_mock
+    text = HARMONY_CALLS[1] if family == "gpt-oss" else QWEN_CALLS
+    client = client_of(st)
+    kw = dict(model="m", messages=MSGS, max_tokens=200, tools=TOOLS)
+    script.queue.append(ids_of(st.server.tokenizer, text))
+    done = client.chat.completions.create(**kw).choices[0]
+    script.queue.append(ids_of(st.server.tokenizer, text))
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    calls, n = streamed_calls(chunks)
+    assert [(i, name, a) for i, _, name, a in calls] == \
+        [(i, c.function.name, c.function.arguments)
+         for i, c in enumerate(done.message.tool_calls)] and len(calls) == 2
+    assert n > 2 * len(calls)  # fragments, not one delta a call
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        (done.message.content or "")
+    assert done.finish_reason == chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stop, want", [
+    (["END"], ("Say END? Not yet.", "Sunny, ", [], "stop")),  # in both: the content's stops
+    (["Not yet"], ("Say END? Not yet.", "Sunny, END of report.", [], "stop")),  # reasoning's
+    (['"city"'], ("Say END? Not yet.", None, [("get_weather", '{"city":"Oslo"}')],
+                  "tool_calls")),  # in a call's arguments
+], ids=["content", "reasoning-only", "arguments-only"])
+def test_harmony_stop_strings_match_the_content_only(mock, stop, want):
+    """GPT-OSS: stop strings apply to what the user gets as content (the final channel),
+    not to the analysis channel's reasoning or a call's arguments; streamed and not."""
+    think = "<|channel|>analysis<|message|>Say END? Not yet.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>Sunny, END of report.<|return|>"
+    text = think + (CALL if want[2] else final)
     for stream in (False, True):
-        got = ask(mock, text, stream=stream)
-        assert got == want, (stream, got)
+        assert ask(mock, text, stream=stream, stop=stop) == want, stream
 
 
 def test_harmony_parallel_tool_calls_false_keeps_the_first(mock):
@@ -530,6 +698,17 @@ def test_random_output_never_raises_and_streams_as_it_parses_whole(htok):
             assert (got.reasoning or None, got.content) == (reasoning, content or "")
             assert [(n, a) for _, _, n, a in reassemble(got.tool_calls)] == \
                 [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        # auto, streamed: every call the whole answer makes goes out, as it is (maybe
+        # beside calls that went out before their body turned out malformed)
+        p, got = HarmonyParser(htok, marks, tools=True, stream=True), Piece()
+        for part in chunked(rng, ids):
+            got += p.push(part)
+        got += p.finish()
+        streamed = [(n, a) for _, _, n, a in reassemble(got.tool_calls)]
+        assert streamed == [(c["function"]["name"], c["function"]["arguments"])
+                            for c in p.message()[2]]
+        assert _subsequence(_pairs(HarmonyParser(htok, marks, tools=True), ids), streamed)
+        assert (got.reasoning or None) == whole.message()[0]
     parts = ["<tool_call>", "</tool_call>", '{"name":', ' "get_time"', ',"arguments":', " ",
              "{", "}", '"', "\\", "1", "\n", "x"]
     for _ in range(300):
@@ -545,6 +724,30 @@ def test_random_output_never_raises_and_streams_as_it_parses_whole(htok):
                 assert c == (content or ""), (text, forced)
                 assert [(n, a) for _, _, n, a in reassemble(deltas)] == \
                     [(x["function"]["name"], x["function"]["arguments"]) for x in calls]
+            p, deltas = ToolCallParser(parallel=parallel, stream=True), []
+            for a, b in zip(*_cuts(rng, len(text)), strict=True):
+                deltas += p.push(text[a:b])[1]
+            p.finish()
+            streamed = [(n, a) for _, _, n, a in reassemble(deltas)]
+            assert streamed == [(x["function"]["name"], x["function"]["arguments"])
+                                for x in p.whole_calls()]
+            strict = [(x["function"]["name"], x["function"]["arguments"])
+                      for x in split_calls(text, False, parallel)[1]]
+            if parallel:
+                assert _subsequence(strict, streamed), (text, strict, streamed)
+            else:  # the first call out, maybe one that turned out malformed
+                assert len(streamed) <= 1 and bool(streamed) >= bool(strict), text
+
+
+def _pairs(parser, ids) -> list[tuple]:
+    parser.push(ids)
+    parser.finish()
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in parser.message()[2]]
+
+
+def _subsequence(xs: list, ys: list) -> bool:
+    it = iter(ys)
+    return all(any(x == y for y in it) for x in xs)
 
 
 def _cuts(rng, n):

@@ -8,7 +8,7 @@ log-probability formatter; `usage` sums a request's choices as OpenAI counts the
 from __future__ import annotations
 
 from lp_jax.server import protocol
-from lp_jax.server.detok import TextAssembler
+from lp_jax.server.detok import StopStrings, TextAssembler
 from lp_jax.server.harmony import HarmonyParser, Piece
 from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
 from lp_jax.server.tools import ToolCallParser, split_calls
@@ -37,7 +37,10 @@ class Choice:
         self.index, self.handle, self.ids, self.req = index, handle, ids, req
         self.sample_index = index % req.n
         self.tokenizer = tokenizer
-        self.asm = TextAssembler(tokenizer, ids, req.stop)
+        chat_harmony = harmony is not None and req.kind == "chat"
+        # A harmony answer's stop strings match its content, once parsed (`_harmony_push`).
+        self.asm = TextAssembler(tokenizer, ids, () if chat_harmony else req.stop)
+        self.stops = StopStrings(req.stop) if chat_harmony else None
         self.lps = None if req.logprobs is None else LogprobFormatter(tokenizer, req)
         self.lp_tokens, self.lp_entries = [], []  # the whole choice's, when not streamed
         self.reason = self.last = self.cached = None
@@ -49,11 +52,11 @@ class Choice:
         forced = req.structured_param == "tool_choice"  # the grammar makes the calls
         self.harmony = self.tool_parser = None
         self.piece = Piece()  # harmony: what the last delta added
-        if harmony is not None and req.kind == "chat":
+        if chat_harmony:
             self.harmony = HarmonyParser(tokenizer, harmony, tools=tools, forced=forced,
-                                         parallel=req.parallel_tool_calls)
+                                         parallel=req.parallel_tool_calls, stream=req.stream)
         elif tools:
-            self.tool_parser = ToolCallParser(forced, req.parallel_tool_calls)
+            self.tool_parser = ToolCallParser(forced, req.parallel_tool_calls, req.stream)
         self.in_reasoning = self.think = None
         if reasoning and req.kind == "chat" and self.harmony is None:
             tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
@@ -80,7 +83,6 @@ class Choice:
         self.cached = getattr(out, "num_cached_tokens", None)
         if self.prompt_lps is None:
             self.prompt_lps = getattr(out, "prompt_logprobs", None)
-        stopped = self.asm.stopped  # harmony: tokens after a stop string are not parsed
         text = self.asm.push(delta.new_token_ids)
         lp_delta = None
         # An engine without log-probabilities (the mock) answers logprobs: null.
@@ -99,7 +101,10 @@ class Choice:
         if self.echo_pending:
             self.echo_pending = False
             text = self.echo + text
-        if self.asm.stopped:
+        if self.harmony is not None:
+            self.piece = self._harmony_push(delta.new_token_ids, delta.finished)
+            self.piece.content = echo + self.piece.content
+        if self.asm.stopped or (self.stops is not None and self.stops.stopped):
             self.reason = "stop"
             self.handle.abort()  # the engine stops generating; the client is answered
         elif delta.finished:
@@ -107,12 +112,26 @@ class Choice:
             self.reason = delta.finish_reason
         if self.reason is not None:
             self.handle.finished = True
-        if self.harmony is not None:
-            self.piece = (self.harmony.push(delta.new_token_ids) if not stopped else Piece())
-            if self.reason is not None:
-                self.piece += self.harmony.finish()
-            self.piece.content = echo + self.piece.content
         return text, lp_delta
+
+    def _harmony_push(self, ids, finished: bool) -> Piece:
+        """What a delta's ids add to a harmony answer, its content through the stop
+        strings: they match what the user gets as content (the final channel, and any
+        text that comes back as content), never the analysis channel's reasoning or a
+        call's arguments. With stop strings the ids are parsed one at a time, so that
+        nothing after a stop string is parsed (no call made after it)."""
+        out, stops = Piece(), self.stops
+        for part in ([t] for t in ids) if stops.stop else [ids]:
+            if stops.stopped:
+                return out
+            p = self.harmony.push(part)
+            p.content = stops.push(p.content)
+            out += p
+        if finished and not stops.stopped:
+            p = self.harmony.finish()
+            p.content = stops.push(p.content, final=True)
+            out += p
+        return out
 
     def chat_delta(self, text: str) -> dict:
         """A streamed chat delta's text fields: content, and with a reasoning parser the
@@ -194,7 +213,9 @@ class Choice:
     def choice_body(self) -> dict:
         lp = None if self.lps is None else self.lps.format(self.lp_tokens, self.lp_entries)
         if self.req.kind == "chat" and self.harmony is not None:
-            reasoning, content, calls = self.harmony.message()
+            reasoning, _, calls = self.harmony.message()
+            content = self.stops.text  # the parsed content, cut at a stop string
+            content = None if calls and not content.strip() else content
             message = {"role": "assistant",
                        "content": None if content is None else self.echo + content}
             if reasoning is not None:

@@ -8,9 +8,12 @@ the same token keeps tokenizers that strip a leading space from the first decode
 O(1). Text that ends in U+FFFD (a UTF-8 sequence split across tokens) is held back until
 the next token completes it, or until the request finishes.
 
-`TextAssembler` adds stop strings on top: it scans the text for the earliest stop string,
-cuts the output there, and, while streaming, holds back the shortest tail that could still
-grow into a stop string, so a client never sees a partial stop string.
+`TextAssembler` adds stop strings on top (`StopStrings`): it scans the text for the
+earliest stop string, cuts the output there, and, while streaming, holds back the shortest
+tail that could still grow into a stop string, so a client never sees a partial stop
+string. A GPT-OSS harmony chat answer matches its stop strings against its content
+instead, once its channels are parsed (choice.py): the analysis channel (reasoning) and a
+call's arguments never stop it.
 """
 
 from __future__ import annotations
@@ -54,31 +57,21 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-class TextAssembler:
-    """Token ids in, text to send out; detects stop strings. See the module docstring."""
+class StopStrings:
+    """Text in, the text safe to send out: cut at the earliest stop string (`stopped`
+    then), and while more may come, less the longest tail that could still grow into one.
+    `text`: all text taken so far, cut at a stop string."""
 
-    def __init__(self, tokenizer, prompt_token_ids=(), stop: tuple[str, ...] = ()):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+    def __init__(self, stop: tuple[str, ...] = ()):
         self.stop = tuple(s for s in stop if s)
-        self.text = ""  # all text decoded so far (cut at a stop string)
+        self.text = ""
         self.sent = 0  # characters of `text` handed out
-        self.num_tokens = 0
         self.stopped = False
 
-    def push(self, token_ids) -> str:
-        """Add tokens; returns the text that is safe to send. Sets `stopped` on a stop string."""
+    def push(self, new: str, final: bool = False) -> str:
+        """Add text; `final`: nothing more comes, so nothing is held back."""
         if self.stopped:
             return ""
-        self.num_tokens += len(token_ids)
-        return self._take(self.detok.add(token_ids), final=False)
-
-    def finish(self) -> str:
-        """The request ended: the rest of the text, held-back characters included."""
-        if self.stopped:
-            return ""
-        return self._take(self.detok.flush(), final=True)
-
-    def _take(self, new: str, final: bool) -> str:
         if new:
             start = len(self.text)
             self.text += new
@@ -86,8 +79,7 @@ class TextAssembler:
                 cut = self._find_stop(start)
                 if cut is not None:
                     self.text = self.text[:cut]
-                    self.stopped = True
-                    final = True
+                    self.stopped = final = True
         end = len(self.text) if final else len(self.text) - self._held_tail()
         if end <= self.sent:
             return ""
@@ -114,3 +106,34 @@ class TextAssembler:
                     held = k
                     break
         return held
+
+
+class TextAssembler:
+    """Token ids in, text to send out; detects stop strings. See the module docstring."""
+
+    def __init__(self, tokenizer, prompt_token_ids=(), stop: tuple[str, ...] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.stops = StopStrings(stop)
+        self.num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        """All text decoded so far (cut at a stop string)."""
+        return self.stops.text
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def push(self, token_ids) -> str:
+        """Add tokens; returns the text that is safe to send. Sets `stopped` on a stop string."""
+        if self.stopped:
+            return ""
+        self.num_tokens += len(token_ids)
+        return self.stops.push(self.detok.add(token_ids))
+
+    def finish(self) -> str:
+        """The request ended: the rest of the text, held-back characters included."""
+        if self.stopped:
+            return ""
+        return self.stops.push(self.detok.flush(), final=True)

@@ -36,7 +36,6 @@ from lp_jax.server.detok import IncrementalDetokenizer
 
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
            "<|return|>", "<|call|>")
-FINAL_HEADER = "<|channel|>final<|message|>"  # where a final answer's text starts
 # A header longer than this (harmony's are a few tokens, a function name and all) is not
 # one: the model writes no harmony, and its text streams as content.
 MAX_HEADER_TOKENS = 64
@@ -72,14 +71,31 @@ def harmony_tokens(tokenizer) -> HarmonyTokens | None:
     return None if None in ids else HarmonyTokens(*ids)
 
 
-def final_channel_grammar(spec, tokenizer):
+def analysis_rules(max_tokens: int | None) -> str:
+    """Lark rules for a harmony grammar's optional analysis message (free reasoning, then
+    the next message's `<|start|>assistant`): `analysis`, its text limited to half of the
+    request's `max_tokens` tokens (llguidance's `max_tokens` rule attribute, which may let
+    a token more through), so that the message the grammar forces after it has about the
+    other half: a format whose longest text fits there is always reached."""
+    budget = "" if max_tokens is None else f"[max_tokens={max(1, max_tokens // 2)}]"
+    return ('analysis: <|channel|> "analysis" <|message|> thought <|end|> <|start|> '
+            '"assistant"\n'
+            f"thought{budget}: THOUGHT\n"
+            "THOUGHT: /(?s:.*)/\n")
+
+
+def final_channel_grammar(spec, max_tokens: int | None = None):
     """A chat request's output format (StructuredOutputsParams or None) on a harmony
-    model: the grammar starts on the final channel (after `<|channel|>final<|message|>`),
-    the reasoning before it is free."""
+    model: the whole answer is constrained to harmony's shape, an optional analysis
+    message (`analysis_rules`) then the final channel, `<|channel|>final<|message|>`, whose
+    text is the format's and which ends the answer with `<|return|>`. So the answer always
+    reaches the final channel, with the format's text as its content, whatever the model
+    (random weights included) would write."""
     if spec is None:
         return None
-    ids = tokenizer.encode(FINAL_HEADER, add_special_tokens=False).ids
-    return dataclasses.replace(spec, start_after=tuple(ids))
+    frame = ("start: analysis? final\n" + analysis_rules(max_tokens)
+             + 'final: <|channel|> "final" <|message|> @body <|return|>\n')
+    return dataclasses.replace(spec, frame=frame, start_after=())
 
 
 @dataclasses.dataclass
@@ -122,18 +138,21 @@ def new_call(index: int, name: str, arguments: str) -> dict:
 class HarmonyParser:
     """Token ids of one harmony answer in, `Piece`s out; see the module docstring.
     `tools`: messages to functions.* are calls (the request has tools and tool_choice is
-    not "none"); `forced`: the grammar makes the calls (stream their arguments)."""
+    not "none"); `forced`: the grammar makes the calls (stream their arguments);
+    `stream`: the answer streams, so an auto call goes out as its body comes (whole, it
+    is checked first)."""
 
     def __init__(self, tokenizer, marks: HarmonyTokens, *, tools: bool = False,
-                 forced: bool = False, parallel: bool = True):
+                 forced: bool = False, parallel: bool = True, stream: bool = False):
         self.tok, self.marks = tokenizer, marks
-        self.tools, self.forced, self.parallel = tools, forced, parallel
+        self.tools, self.forced, self.parallel, self.stream = tools, forced, parallel, stream
         self.state = "header"  # header -> body -> between -> header ...
         self.header: list[int] = []
         self.kind = self.name = None  # the open body's: "reasoning" | "content" | "call"
         self.detok = None
         self.body = ""  # the open body's text so far
-        self.call = None  # the open (forced) call's entry in self.calls
+        self.call = None  # the open call's entry in self.calls, once it is out
+        self.ws = ""  # an auto call's trailing whitespace, sent only if more text follows
         self.reasoning: str | None = None  # None: no analysis message
         self.content = ""
         self.calls: list[dict] = []
@@ -221,16 +240,36 @@ class HarmonyParser:
             return Piece(reasoning=text)
         if self.kind == "content":
             return self._text(text)
-        if self.call is not None:  # a forced call: its arguments stream
-            self.call["function"]["arguments"] += text
-            return Piece(tool_calls=[{"index": self.call["index"],
-                                      "function": {"arguments": text}}])
-        return Piece()  # an auto call waits for its end
+        if self.call is not None:  # a call out already: its arguments stream
+            return self._fragment(text)
+        head = self.body.lstrip()
+        if self.forced or not self.stream or not self._wanted() or not head.startswith("{"):
+            return Piece()  # checked at its end: dropped, blank so far, or not an object
+        # A streamed auto call goes out once its body starts as a JSON object.
+        self.call = new_call(len(self.calls), self.name, "")
+        self.calls.append(self.call)
+        out = Piece(tool_calls=[dict(self.call, function=dict(self.call["function"]))])
+        out += self._fragment(head)
+        return out
+
+    def _fragment(self, text: str) -> Piece:
+        """An argument fragment of the open call. An auto call's trailing whitespace waits
+        for more text (the whole answer's arguments are its body, stripped)."""
+        if not self.forced:
+            text = self.ws + text
+            body = text.rstrip()
+            text, self.ws = body, text[len(body):]
+        if not text:
+            return Piece()
+        self.call["function"]["arguments"] += text
+        return Piece(tool_calls=[{"index": self.call["index"],
+                                  "function": {"arguments": text}}])
 
     def _close(self, complete: bool) -> Piece:
         out = self._body(self.detok.flush())
         kind, body, opened = self.kind, self.body, self.call
         self.kind = self.call = None
+        self.ws = ""
         # A forced call is out already; one past the first without parallel calls (forced:
         # never opened) is dropped.
         if kind != "call" or opened is not None or not self._wanted():

@@ -116,7 +116,7 @@ async def submit(server, req) -> list[Choice]:
                   for ids in ids_list]
         if req.kind == "chat" and req.structured is not None:
             params = [dataclasses.replace(p, structured_outputs=_chat_format(
-                server, req, ids_list[0])) for p in params]
+                server, req, ids_list[0], p.max_tokens)) for p in params]
         # Queued together (one engine iteration takes them all); all or none. Every
         # choice's deltas go to one queue, in the order the engine made them.
         queue = asyncio.Queue()
@@ -159,16 +159,17 @@ async def submit(server, req) -> list[Choice]:
         raise APIError(500, str(exc), type="internal_server_error") from None
 
 
-def _chat_format(server, req, ids: list[int]):
+def _chat_format(server, req, ids: list[int], max_tokens: int):
     """A chat request's output format for this model. Harmony (GPT-OSS): a forced tool
-    call is harmony's function-call message, any other format starts on the final
-    channel. Otherwise, with a reasoning parser, it starts after the reasoning block the
-    prompt opens (reasoning.grammar_after)."""
+    call is harmony's function-call message, any other format is the final channel's
+    text, after about `max_tokens` / 2 tokens of analysis at most (harmony.py).
+    Otherwise, with a reasoning parser, it starts after the reasoning block the prompt
+    opens (reasoning.grammar_after)."""
     spec = req.structured
     if server.harmony is not None:
         if req.structured_param == "tool_choice":
-            return tools.harmony_tool_grammar(req.tools, req.tool_choice)
-        return harmony.final_channel_grammar(spec, server.tokenizer)
+            return tools.harmony_tool_grammar(req.tools, req.tool_choice, max_tokens)
+        return harmony.final_channel_grammar(spec, max_tokens)
     if server.reasoning_parser:
         tail = server.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         return reasoning.grammar_after(spec, server.tokenizer, tail)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 
-from lp_jax.server.harmony import merge_deltas, new_call
+from lp_jax.server.harmony import analysis_rules, merge_deltas, new_call
 from lp_jax.server.reasoning import marker_prefix
 from lp_jax.structured.params import StructuredOutputsParams
 
@@ -116,9 +116,11 @@ def tool_grammar(tools: list, choice, parallel: bool) -> StructuredOutputsParams
     return StructuredOutputsParams(grammar=lark)
 
 
-def harmony_tool_grammar(tools: list, choice) -> StructuredOutputsParams | None:
+def harmony_tool_grammar(tools: list, choice,
+                         max_tokens: int | None = None) -> StructuredOutputsParams | None:
     """GPT-OSS harmony's: the answer is (after an optional analysis message, the model's
-    free reasoning) one function-call message on the commentary channel,
+    free reasoning, at most half of `max_tokens`: harmony.analysis_rules) one
+    function-call message on the commentary channel,
     `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments}<|call|>`,
     its arguments valid against the function's schema. One call: `<|call|>` ends the
     turn (an eos id of GPT-OSS). None for "auto" and "none"."""
@@ -131,11 +133,8 @@ def harmony_tool_grammar(tools: list, choice) -> StructuredOutputsParams | None:
         head = json.dumps(f"commentary to=functions.{f['name']} ")  # a Lark literal
         alts.append(f'<|channel|> {head} <|constrain|> "json" <|message|> '
                     f"%json {json.dumps(schema)} <|call|>")
-    lark = ("start: analysis? call\n"
-            'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> '
-            '"assistant"\n'
-            "THOUGHT: /(?s:.*)/\n"
-            f"call: {' | '.join(alts)}")
+    lark = ("start: analysis? call\n" + analysis_rules(max_tokens)
+            + f"call: {' | '.join(alts)}")
     return StructuredOutputsParams(grammar=lark)
 
 
@@ -145,12 +144,15 @@ class ToolCallParser:
     `forced`: the grammar makes the calls (tool_choice "required" or a named function),
     so a call goes out as soon as its name is known (a first delta with index, id, type,
     name and arguments ""), then its arguments in fragments as they come; cut short, it
-    stays a call with what it has. Otherwise a call is checked first: it goes out in one
-    delta once its block closes and parses. `parallel=False`: calls after the first are
+    stays a call with what it has. `stream` (tool_choice "auto", streamed): the same, once
+    the block's JSON has its name and its arguments have started as a JSON object;
+    a block written otherwise (arguments first, say) is checked at its end and goes out
+    in one delta. Whole (`stream=False`), an auto call is checked first: a call once its
+    block closes and parses, else content. `parallel=False`: calls after the first are
     dropped."""
 
-    def __init__(self, forced: bool = False, parallel: bool = True):
-        self.forced, self.parallel = forced, parallel
+    def __init__(self, forced: bool = False, parallel: bool = True, stream: bool = False):
+        self.forced, self.parallel, self.stream = forced, parallel, stream
         self._buf = ""
         self.calls: list[dict] = []
         self._open = None  # forced: the open block's call, once its name is known
@@ -170,12 +172,12 @@ class ToolCallParser:
             content += self._buf[:i]
             self._buf = self._buf[i:]
             j = self._buf.find(END, len(START))
-            if self.forced:
+            if self.forced or self.stream:
                 deltas += self._stream(self._buf[len(START): j if j >= 0 else None])
             if j < 0:  # a block is open: its text waits for the end
                 return content, merge_deltas(deltas)
             body, self._buf = self._buf[len(START): j], self._buf[j + len(END):]
-            if self._open is not None:  # a forced call: already out
+            if self._open is not None:  # a streamed call: already out
                 self._open = self._value = None
                 continue
             call = _call(body, len(self.calls))
@@ -198,6 +200,8 @@ class ToolCallParser:
                 return out
             if not name:
                 return out
+            if not self.forced and not body[m.end():].lstrip().startswith("{"):
+                return out  # auto: not yet (or not) arguments that are a JSON object
             self._open = new_call(len(self.calls), name, "")
             self._open["start"] = m.end()
             self._value = _ValueEnd()
@@ -218,7 +222,7 @@ class ToolCallParser:
 
     def finish(self) -> str:
         """The text held at the end (an unterminated block stays content, unless it is a
-        forced call already out)."""
+        call already out)."""
         out, self._buf = self._buf, ""
         if self._open is not None:
             self._open = self._value = None

@@ -29,7 +29,21 @@ CACHE_SIZE = 256  # compiled grammars kept (start-state matchers; a few KB to MB
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a spec (not yet checked)."""
+    """The llguidance grammar of a spec (not yet checked): its own, or with a `frame`, a
+    top-level grammar of two, the frame first (it starts) and the spec's own as `body`,
+    which the frame names as `@body`."""
+    body = _own_grammar(spec)
+    if spec.frame is None:
+        return body
+    inner = json.loads(body)["grammars"] if body.lstrip().startswith("{") else \
+        [{"lark_grammar": body}]
+    if len(inner) != 1:
+        raise ValueError("a framed grammar must be a single grammar")
+    return json.dumps({"grammars": [{"name": "frame", "lark_grammar": spec.frame},
+                                    {**inner[0], "name": "body"}]})
+
+
+def _own_grammar(spec: StructuredOutputsParams) -> str:
     kind = spec.kind
     if kind in ("json", "json_object"):
         schema = json.loads(spec.json) if kind == "json" else {"type": "object"}

@@ -39,6 +39,9 @@ class StructuredOutputsParams:
     # Token ids after which the grammar starts (the end of a reasoning block: the server
     # sets Qwen3's `</think>` here, reasoning.py); the output is free until they appear.
     start_after: tuple[int, ...] = ()
+    # A Lark grammar the spec's own grammar goes into, referenced there as `@body` (the
+    # server puts GPT-OSS harmony's channels around an answer's format here, harmony.py).
+    frame: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -56,7 +59,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.start_after must be at most {MAX_TRIGGER} "
                              f"token ids, got {_short(self.start_after)}")
         object.__setattr__(self, "start_after", trigger)
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "frame"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v or len(v) > MAX_SPEC_CHARS):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string of "
@@ -77,11 +80,12 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal specs compile to the same grammar."""
+    def key(self) -> tuple[str, str, str]:
+        """(kind, canonical text, frame): equal specs compile to the same grammar."""
         k = self.kind
         v = getattr(self, k)
-        return k, "" if k == "json_object" else _json.dumps(v) if k == "choice" else v
+        return (k, "" if k == "json_object" else _json.dumps(v) if k == "choice" else v,
+                self.frame or "")
 
     @classmethod
     def from_dict(cls, d: dict) -> StructuredOutputsParams:
