@@ -10,8 +10,14 @@
   executor (tests/fake_executor.py) whose constrained rows take a token their grammar
   allows, from the engine's own bitmask path (LLMEngine -> StructuredOutputs.fill), so the
   scheduler's hold of constrained rows, preemption and layered prefill are checked too.
-- Auto calls, reasoning and malformed output go through the official openai client
-  against lp-serve on the mock engine, whose tokens are scripted.
+- Auto calls stream the same deltas, once a call's arguments open a JSON object; a
+  malformed one is content whole, and streamed stays the call it went out as. They,
+  reasoning, malformed output and harmony stop strings (on the content only) go through
+  the official openai client against lp-serve on the mock engine, whose tokens are
+  scripted.
+- response_format on GPT-OSS (the whole harmony answer constrained, so it reaches the
+  final channel): random walks through its masks here, temperature-1 samples of the
+  tiny model in test_chat_harmony.py.
 """
 
 from __future__ import annotations

@@ -15,14 +15,20 @@ token ids and decodes only the headers and bodies between them:
 Malformed output degrades to content, never an error: a header that never reaches
 `<|message|>` (or runs past MAX_HEADER_TOKENS, then streams on as content: the model
 writes no harmony), a call to anything but `functions.*`, or (tool_choice "auto") a call whose
-body is not a JSON object or is cut off, comes back as its body's text. Streamed, an
-"auto" call goes out in one delta (index, id, type, name, arguments) once its body closes
-and parses, since a delta cannot be taken back. A call that the grammar forces
+body is not a JSON object or is cut off, comes back as its body's text.
+
+Calls stream as OpenAI streams them: a first delta with index, id, type, name and
+arguments "", then argument fragments as they are decoded. A call that the grammar forces
 (tool_choice "required" or a named function, `forced=True`) cannot be malformed: it goes
-out as OpenAI streams calls, a first delta with index, id, type, name and arguments "",
-then argument fragments as they are decoded; cut short by max_tokens, it stays a call
-with the arguments it has, streamed or not. With `parallel=False` the calls after the
-first are dropped.
+out at its header; cut short by max_tokens, it stays a call with the arguments it has,
+streamed or not. A streamed "auto" call (`stream=True`) goes out once its body starts as
+a JSON object (`{`, after any whitespace; its trailing whitespace waits for more text, as
+the whole answer's arguments are the body stripped), so a well-formed one reassembles to
+the call the whole answer makes. A delta cannot be taken back: if such a body then turns
+out malformed (invalid JSON, or cut off), the call stays a call, its arguments the text
+the model wrote (OpenAI documents that arguments may be invalid JSON); a body that never
+starts as an object is content, as whole. With `parallel=False` the calls after the first
+are dropped.
 """
 
 from __future__ import annotations

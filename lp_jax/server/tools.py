@@ -11,13 +11,16 @@ parses nothing.
 
 Responses: `ToolCallParser` takes a Qwen3 choice's text (whole or streamed) and returns
 the content outside the blocks and OpenAI's `tool_calls` deltas, `arguments` a JSON
-string as the model wrote it. A forced call streams as OpenAI streams calls: a first
-delta with index, id, type, name and arguments "", once the block's JSON has reached its
-arguments, then argument fragments. An "auto" call must be checked before it goes out (a
-delta cannot be taken back): a block whose body is not a JSON object with a string `name`
-stays content, and so does an unterminated block, so a malformed answer degrades to plain
-content, never an error; a good one goes out in one delta when its block closes. Content
-waits while a block is open. `parallel_tool_calls: false` drops the calls after the first.
+string as the model wrote it. Whole, a block whose body is not a JSON object with a
+string `name` stays content, and so does an unterminated block, so a malformed answer
+degrades to plain content, never an error. Streamed, a call goes out as OpenAI streams
+calls: a first delta with index, id, type, name and arguments "", once the block's JSON
+has its name and reached its arguments (an "auto" call: once they open a JSON object),
+then argument fragments up to the arguments' end. A delta cannot be taken back, so an
+"auto" block that turns out malformed after that (invalid JSON, unterminated) stays a
+call with the arguments the model wrote; one written another way (arguments before the
+name, say) is checked at its end and goes out in one delta. Content waits while a block
+is open. `parallel_tool_calls: false` drops the calls after the first.
 
 Qwen3's markers are plain text in its tokenizer (added, not special), so its parser reads
 the detokenized text. GPT-OSS harmony's (special tokens) are parsed from token ids, in
