@@ -37,11 +37,35 @@ dequantisation of hand-made blocks and scales, and of layer 0's experts
 Log-probabilities are torch.log_softmax in float64 of the float32 logits, rounded to
 float32, so float32(numpy float64 log-softmax of `logits_i`) equals `prompt_logprobs_i`.
 The greedy-step ones come from the same one-pass logits as greedy_margin_i (not stored).
+
+Quantized formats (QUANT_GOLDENS, issue #31), on checkpoints/make_tiny_quant.py's 4-layer
+"tiny-fp8" model (needs `pip install ml_dtypes==0.7.0 accelerate==1.16.0` in the venv
+too). transformers runs each in float32 on its dequantised weights:
+
+    tiny-fp8            the HF fine-grained FP8 checkpoint (e4m3 + 128 x 128
+                        weight_scale_inv), dequantised by transformers itself
+                        (FineGrainedFP8Config(dequantize=True)); the script checks that
+                        every parameter equals its own torch dequantisation of the raw
+                        safetensors file, bit for bit
+    tiny-fp8-base-int8  "tiny-fp8-base" (float32) with every weight that lp_jax's
+    tiny-fp8-base-fp8   quantization="int8" | "fp8" converts at load (attention q/k/v/o,
+                        dense and expert projections; not the router, embedding or head)
+                        replaced by q * scale of make_tiny_quant.quantize_per_channel
+                        (numpy, per output channel)
+
+Their files hold the fields above (no weights_digest) plus
+
+    checkpoint_sha256   str        sha256 of the model.safetensors lp_jax serves (tiny-fp8's,
+                                   or tiny-fp8-base's for the at-load formats)
+    quantization_gap_i  float32 [] max |logits_i - the unquantized float32 model's logits|:
+                                   how far the format moves them
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +73,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file as load_torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config, Mxfp4Config
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
@@ -64,6 +91,14 @@ CHAT = [
         "content": "How many tokens fit in a page of the cache, and why does it matter?",
     },
 ]
+
+
+# golden file -> (make_tiny_quant preset lp_jax serves, quantization= at load or None)
+QUANT_GOLDENS = {
+    "tiny-fp8": ("tiny-fp8", None),
+    "tiny-fp8-base-int8": ("tiny-fp8-base", "int8"),
+    "tiny-fp8-base-fp8": ("tiny-fp8-base", "fp8"),
+}
 
 
 def load_make_tiny():
@@ -222,13 +257,122 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
     return record
 
 
+def load_make_tiny_quant():
+    """checkpoints.make_tiny_quant (numpy, ml_dtypes and make_tiny; no jax)."""
+    sys.path.insert(0, str(ROOT))
+    from checkpoints import make_tiny_quant
+
+    return make_tiny_quant
+
+
+def load_float32(model_dir: Path, **extra):
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+        **extra,
+    )
+    bad = {k: v for k, v in info.items() if v}
+    assert not bad, f"{model_dir.name}: loading problems {bad}"
+    return model.eval()
+
+
+def torch_dequantize_fp8(raw: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Every `<m>.weight` with a `<m>.weight_scale_inv` as float32 w[o, i] * s[o // block,
+    i // block], from the raw checkpoint tensors; other tensors as float32."""
+    out = {}
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        w = t.to(torch.float32)
+        s = raw.get(name + "_scale_inv")
+        if s is not None:
+            o, i = torch.arange(w.shape[0]) // block, torch.arange(w.shape[1]) // block
+            w = w * s.to(torch.float32)[o[:, None], i[None, :]]
+        out[name] = w
+    return out
+
+
+def check_fp8_dequantised(model, model_dir: Path, cfg: dict) -> None:
+    """transformers' FP8 dequantisation of every parameter equals ours, bit for bit (the
+    experts as transformers fuses them: gate_up_proj [E, 2F, D] = gate rows then up rows)."""
+    block = cfg["quantization_config"]["weight_block_size"][0]
+    raw = load_torch(str(model_dir / "model.safetensors"))
+    assert {t.dtype for t in raw.values()} >= {torch.float8_e4m3fn, torch.bfloat16}
+    want = torch_dequantize_fp8(raw, block)
+    got = dict(model.state_dict())
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts"
+        if f"{p}.down_proj" not in got:
+            continue
+        E = cfg["num_experts"]
+        gate_up = [torch.cat([want.pop(f"{p}.{e}.gate_proj.weight"),
+                              want.pop(f"{p}.{e}.up_proj.weight")]) for e in range(E)]
+        want[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+        want[f"{p}.down_proj"] = torch.stack([want.pop(f"{p}.{e}.down_proj.weight")
+                                              for e in range(E)])
+    assert got.keys() == want.keys(), got.keys() ^ want.keys()
+    for name, w in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], w), name
+
+
+def quantize_at_load(mtq, tensors: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+    """The weights lp_jax's quantization=kind converts (make_tiny_quant.converts with no
+    modules kept) replaced by q * scale of make_tiny_quant.quantize_per_channel (per
+    output channel), float32 [out, in]."""
+    out = {}
+    for name, w in tensors.items():
+        if mtq.converts(name, {"modules_to_not_convert": []}):
+            q_KN, s_1N = mtq.quantize_per_channel(w.T, kind)
+            w = np.ascontiguousarray((q_KN.astype(np.float32) * s_1N).T)
+        out[name] = w
+    return out
+
+
+def make_quant_golden(make_tiny, golden: str, tmp: Path) -> dict[str, np.ndarray]:
+    mtq = load_make_tiny_quant()
+    preset, kind = QUANT_GOLDENS[golden]
+    model_dir = mtq.write_quant_dir(tmp / golden, preset)
+    served_sha = hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+    cfg = json.loads((model_dir / "config.json").read_text())
+    base = load_float32(mtq.write_quant_dir(tmp / f"{golden}-unquantized", "tiny-fp8-base"))
+    if kind is None:
+        model = load_float32(model_dir, quantization_config=FineGrainedFP8Config(dequantize=True))
+        check_fp8_dequantised(model, model_dir, cfg)
+    else:
+        tensors = load_numpy(str(model_dir / "model.safetensors"))
+        assert {t.dtype for t in tensors.values()} == {np.dtype(np.float32)}
+        save_numpy(quantize_at_load(mtq, tensors, kind), str(model_dir / "model.safetensors"))
+        model = load_float32(model_dir)
+    check_structure(model, cfg, make_tiny)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids_list, texts = prompts(tok, cfg["vocab_size"], len(make_tiny.SPECIAL_TOKENS))
+    record: dict[str, np.ndarray] = {
+        "preset": np.array(golden),
+        "checkpoint_sha256": np.array(served_sha),
+        "transformers_version": np.array(transformers.__version__),
+        "torch_version": np.array(torch.__version__),
+        **{k: np.array(v) for k, v in texts.items()},
+    }
+    for i, ids in enumerate(ids_list):
+        record[f"prompt_{i}"] = np.array(ids, dtype=np.int32)
+        for key, val in run_prompt(model, ids, cfg["num_experts_per_tok"]).items():
+            record[f"{key}_{i}"] = val
+        with torch.no_grad():
+            unquantized = base(torch.tensor([ids])).logits[0].numpy()
+        record[f"quantization_gap_{i}"] = np.float32(np.abs(record[f"logits_{i}"]
+                                                            - unquantized).max())
+    return record
+
+
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     make_tiny = load_make_tiny()
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in sys.argv[1:] or make_tiny.ALL_PRESETS:
-            rec = make_preset(make_tiny, preset, Path(tmp))
+        for preset in sys.argv[1:] or [*make_tiny.ALL_PRESETS, *QUANT_GOLDENS]:
+            if preset in QUANT_GOLDENS:
+                rec = make_quant_golden(make_tiny, preset, Path(tmp))
+            else:
+                rec = make_preset(make_tiny, preset, Path(tmp))
             for i in range(len(PROMPT_LENS)):
                 g = rec[f"greedy_{i}"]
                 assert len(set(g.tolist())) > 1, f"{preset}: greedy_{i} repeats one token"
@@ -237,6 +381,9 @@ def main() -> None:
             routers = [float(rec[f"router_margin_{i}"]) for i in range(len(PROMPT_LENS))]
             print(f"{preset}: greedy_0={rec['greedy_0'].tolist()}")
             print(f"  min greedy margins {margins}, min router margins {routers}")
+            if "quantization_gap_0" in rec:
+                gaps = [float(rec[f"quantization_gap_{i}"]) for i in range(len(PROMPT_LENS))]
+                print(f"  max |logits - unquantized logits| {gaps}")
     print(
         f"transformers {transformers.__version__}, torch {torch.__version__}, "
         f"python {sys.version.split()[0]}"
