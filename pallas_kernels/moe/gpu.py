@@ -58,8 +58,9 @@ registers in the WGMMA layout as one 64-row tile and decoded (integer ops and se
 the e8m0 byte becomes the float32 exponent field, so scaling is exact) into one 16-bit
 [128, bn] shared-memory tile per accumulator, low-nibble rows over high ones, each
 nibble half a 64-row register tile whose two 32-row scale blocks are a select between
-two broadcast scale rows. A work item's K/32 scale rows come by one TMA per accumulator
-before its K loop. lhs's columns are permuted to match (`mxfp4_column_order`: step k
+two broadcast scale rows. A work item's K/32 scale rows (gate and up: the scales viewed
+as [G, k, 2, F]) come by one TMA issued before its K loop and waited for in step 0,
+behind the pipeline's first loads. lhs's columns are permuted to match (`mxfp4_column_order`: step k
 reads x columns r0 + [0, 64) and K/2 + r0 + [0, 64)), for x inside the row gather XLA
 already makes, for h as one more copy of h between the two kernels. When 64 does not
 divide K/2 (GPT-OSS-20B: 1440 = 22.5 x 64) the last step overlaps the one before and the
@@ -261,10 +262,13 @@ def tile_gmm(
     # per channel: [G, 1, N2] viewed as [G, N2] (free); blocks: [G, k, n] as they are
     scale_args = () if not quantized else (
         scale.reshape(scale.shape[0], -1) if per_channel else scale,)
-    if packed:  # e8m0 bytes as int8 (a bitcast), [G, k, N2]: rows past K/32 never read
+    if packed:  # e8m0 bytes as int8 (a bitcast), [G, k, N2] viewed as [G, k, accs, N]:
+        # the gate (and up) columns of N block n are [:, :, :, n*bn : (n+1)*bn]; rows past
+        # K/32 are never read
         if scale.shape[-2] < K // 32:
             raise ValueError(f"mxfp4 scales {scale.shape} need at least K/32 = {K // 32} rows")
-        scale_args = (jax.lax.bitcast_convert_type(scale, jnp.int8),)
+        scale_args = (jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(
+            G, scale.shape[-2], n_accs, N),)
     half = K // 2  # packed: byte rows of an expert's codes
 
     def body(tile_group_gmem, row_start_gmem, num_tiles_gmem, lhs_gmem, rhs_gmem, *refs):
@@ -294,28 +298,30 @@ def tile_gmm(
 
             def mma_scope(*accs):
                 if not quantized:
-                    return pipeline(accs, (), None)
+                    return pipeline(accs, (), None, None)
                 bufs = [plgpu.SMEM((bk, bn), lhs_SK.dtype)] * n_accs  # converted tiles
-                if packed:  # this item's scale rows [0, K/32) (n_accs of them), by TMA
-                    bufs += [plgpu.SMEM((n_accs, K // 32, bn), jnp.int8),
+                if packed:  # this item's scale rows [0, K/32), gate and up: one TMA
+                    bufs += [plgpu.SMEM((K // 32, n_accs, bn), jnp.int8),
                              plgpu.Barrier(num_arrivals=1)]
 
                 def scoped(*bufs):
-                    wbufs, s_smem = bufs[:n_accs], None
-                    if packed:
+                    wbufs, s_smem, barrier = bufs[:n_accs], None, None
+                    if packed:  # waited for in step 0, behind the pipeline's first TMAs
                         s_smem, barrier = bufs[n_accs:]
-                        for c, off in enumerate(col_offsets):
-                            plgpu.copy_gmem_to_smem(
-                                scale_gmem.at[g, pl.ds(0, K // 32), pl.ds((n + off) * bn, bn)],
-                                s_smem.at[c], barrier)
-                            plgpu.barrier_wait(barrier)
-                    return pipeline(accs, wbufs, s_smem)
+                        plgpu.copy_gmem_to_smem(
+                            scale_gmem.at[g, pl.ds(0, K // 32), :, pl.ds(n * bn, bn)],
+                            s_smem, barrier)
+                    return pipeline(accs, wbufs, s_smem, barrier)
 
                 return pl.run_scoped(scoped, *bufs)
 
-            def pipeline(accs, wbufs, s_smem):
+            def pipeline(accs, wbufs, s_smem, s_barrier):
                 def step(idx, lhs_smem, *rhs_smems):
                     if packed:
+                        @pl.when(idx[0] == 0)
+                        def _():
+                            plgpu.barrier_wait(s_barrier)
+
                         rhs_smems = _decode_mxfp4_step(
                             rhs_smems, s_smem, wbufs, lhs_smem.dtype,
                             _mxfp4_step_row(idx[0], half, bk) // 32, half // 32)
@@ -473,7 +479,7 @@ def _decode_mxfp4_step(code_smems, s_smem, wbufs, dtype, s_lo, s_hi_offset: int)
     tile, which Mosaic GPU's layout inference accepts a broadcast scale row over) -> low
     nibbles times scale rows s_lo (tile rows [0, 32)) and s_lo + 1 ([32, 64)) into rows
     [0, 64), high nibbles times rows s_lo + s_hi_offset (K/64) and the one after into
-    rows [64, 128). s_smem [accumulators, K/32, bn]: the work item's e8m0 bytes; the
+    rows [64, 128). s_smem [K/32, accumulators, bn]: the work item's e8m0 bytes; the
     byte s is the float32 2^(s - 127) with s as its exponent field (s = 0, 2^-127, reads
     as 0: no checkpoint scale is that small)."""
     wgmma = plgpu.Layout.WGMMA
@@ -483,7 +489,7 @@ def _decode_mxfp4_step(code_smems, s_smem, wbufs, dtype, s_lo, s_hi_offset: int)
         top = jax.lax.broadcasted_iota(jnp.int32, b.shape, 0) < 32
 
         def scale_row(r, shape=b.shape, c=c):
-            s = plgpu.load(s_smem.at[c, r], layout=wgmma.reduce(0)).astype(jnp.int32) & 0xFF
+            s = plgpu.load(s_smem.at[r, c], layout=wgmma.reduce(0)).astype(jnp.int32) & 0xFF
             s = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
             return jax.lax.broadcast_in_dim(s, shape, [1])
 
