@@ -191,7 +191,8 @@ class ToolCallParser:
                 deltas.append(call)
 
     def _stream(self, body: str) -> list[dict]:
-        """A forced block's new deltas, from its text so far."""
+        """A streamed block's new deltas (forced, or auto once its arguments open an
+        object), from its text so far."""
         out = []
         if self._open is None:
             m = _HEAD.match(body)
