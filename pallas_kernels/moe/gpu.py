@@ -60,15 +60,17 @@ the e8m0 byte becomes the float32 exponent field, so scaling is exact) into one 
 nibble half a 64-row register tile whose two 32-row scale blocks are a select between
 two broadcast scale rows. A work item's K/32 scale rows (gate and up: the scales viewed
 as [G, k, 2, F]) come by one TMA issued before its K loop and waited for in step 0,
-behind the pipeline's first loads. lhs's columns are permuted to match (`mxfp4_column_order`: step k
-reads x columns r0 + [0, 64) and K/2 + r0 + [0, 64)), for x inside the row gather XLA
-already makes, for h as one more copy of h between the two kernels. When 64 does not
+behind the pipeline's first loads. lhs's columns are permuted to match
+(`mxfp4_column_order`: step k reads x columns r0 + [0, 64) and K/2 + r0 + [0, 64)), for x
+inside the row gather XLA already makes, for h as one more copy of h between the two
+kernels. When 64 does not
 divide K/2 (GPT-OSS-20B: 1440 = 22.5 x 64) the last step overlaps the one before and the
 lhs columns of its repeated byte rows are zeros, so the weights are never copied or
 padded. Needs K a multiple of 64 and at least 128. Mosaic GPU's layout inference (jax
 0.11.2) finds no layout for 32-row decoded register tiles (the first version of this
-path), hence the 64-row tiles; ptxas for an H200 at GPT-OSS-20B shapes: gate/up 227
-registers, down 162, no spills (BENCHMARKS.md, "MXFP4 in the Hopper MoE kernel").
+path), hence the 64-row tiles; ptxas for an H200 at GPT-OSS-20B shapes: gate/up 224
+registers, down 159, no spills, 140 / 102 KiB of shared memory (BENCHMARKS.md, "MXFP4
+in the Hopper MoE kernel (W4A16) lowers and compiles for the H200").
 
 Weights: rhs is [G, K, N]; the weight tile of a work item is `rhs.at[g]`, a ref slice
 in global memory with g = tile_group_M[m]. A stacked model's [L, E, ...] weights come
