@@ -33,12 +33,15 @@ def apply_bias(logits_SV, ids_SK, bias_SK):
 
 def apply_bitmask(logits_SV, bitmask_SW):
     """-inf where row s's bit for token v is 0; rows of all ones (-1) are unchanged.
-    Logit columns past the mask's 32 x W tokens are never allowed."""
-    W = bitmask_SW.shape[1]
-    v_V = jnp.arange(logits_SV.shape[1], dtype=jnp.int32)
-    words_SV = bitmask_SW[:, jnp.minimum(v_V // 32, W - 1)]
-    bits_SV = (words_SV >> (v_V % 32)[None, :]) & 1
-    return jnp.where((bits_SV != 0) & (v_V < 32 * W)[None, :], logits_SV, -jnp.inf)
+    Logit columns past the mask's 32 x W tokens are never allowed. The words' 32 bits
+    are spread along a new minor axis and flattened (no gather: XLA:TPU laid a gather of
+    the [V] word indices out as s32[V, S] with S padded to 128 lanes, a 98 MiB temporary
+    at GPT-OSS's V = 201,088 and S = 8; this form fuses into the select)."""
+    (S, V), W = logits_SV.shape, bitmask_SW.shape[1]
+    bits_SWB = (bitmask_SW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    bits_SV = bits_SWB.reshape(S, 32 * W)
+    bits_SV = bits_SV[:, :V] if 32 * W >= V else jnp.pad(bits_SV, ((0, 0), (0, V - 32 * W)))
+    return jnp.where(bits_SV != 0, logits_SV, -jnp.inf)
 
 
 def apply_penalties(logits_SV, counts_SV, prompt_SV, presence_S, frequency_S, repetition_S):
