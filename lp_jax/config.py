@@ -200,7 +200,8 @@ class ModelConfig:
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (gate, up, down, and biases if any) as stored: in
         the model dtype, or quantized with their scales (QuantScheme.stored_bytes: 1 B a
-        weight + float32 scales for int8 / fp8, 0.5 B + an e8m0 byte per 32 for MXFP4)."""
+        weight + float32 scales for int8 / fp8, 0.5 B + an e8m0 byte per 32 for MXFP4, its
+        scale rows padded to a multiple of 8)."""
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
         D, F = self.hidden_size, self.moe_intermediate_size
         bias = 2 * F + D if self.has_moe_bias else 0
