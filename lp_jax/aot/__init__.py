@@ -197,7 +197,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                                   sharding=replicated(mesh))
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
-                     counts_sharding=replicated(mesh))
+                     replicated=replicated(mesh))
     per_layer = 0
     if model_cfg.moe_layers:
         mlp = state["model"]["layers"]["mlp"]

@@ -191,7 +191,7 @@ class ModelRunner:
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), self._replicated)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
-                                       counts_sharding=self._replicated),
+                                       replicated=self._replicated),
                              donate_argnums=(1, 2, 4))
         self.programs: dict[int, jax.stages.Compiled] = {}
         # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows

@@ -147,11 +147,13 @@ def _score_prompt(model, x_ND, target_N):
             ids_CQK.reshape(C * Q, K)[:N])
 
 
-def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_sharding=None):
+def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=None):
     """step(state, kv_pages, hidden_RD, inputs, counts=None) -> (kv_pages, hidden_RD, out);
-    jit it with kv_pages, hidden_RD and counts donated; out["counts"] is the new counts, kept
-    in `counts_sharding` (else the vocab-sharded logits would reshard it, and the next call
-    would not match its program)."""
+    jit it with kv_pages, hidden_RD and counts donated. `replicated` (a mesh's replicated
+    sharding; None on one device) pins the vocabulary-wide arrays the host keeps
+    replicated: out["counts"], the new counts, and the bitmask input. Otherwise the
+    vocab-sharded logits would reshard them (sharding propagation runs back through the
+    mask's bits into the input), and the next call would not match its program."""
     R = spec.max_num_seqs
 
     def step(state, kv_pages, hidden_RD, inputs, counts=None):
@@ -191,6 +193,8 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_shar
                                          logits_SV)
             if "bitmask_SW" in s:
                 mask_SW = s["bitmask_SW"]
+                if replicated is not None:
+                    mask_SW = jax.lax.with_sharding_constraint(mask_SW, replicated)
                 logits_SV = jax.lax.cond(jnp.any(mask_SW != -1), apply_bitmask,
                                          lambda x, _: x, logits_SV, mask_SW)
             tokens_S = sample(logits_SV, s["temperature"], s["top_k"], s["top_p"], s["seed_S2"],
@@ -225,8 +229,8 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, counts_shar
                "prompt_logprob_N": prompt_lp[0], "prompt_top_logprob_NK": prompt_lp[1],
                "prompt_top_id_NK": prompt_lp[2]}
         if counts is not None:
-            out["counts"] = counts if counts_sharding is None else jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
+            out["counts"] = counts if replicated is None else jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, replicated), counts)
         return kv_pages, hidden_RD, out
 
     return step
