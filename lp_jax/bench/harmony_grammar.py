@@ -17,9 +17,7 @@ that has them.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import sys
 from pathlib import Path
 
 from lp_jax.bench import structured
@@ -29,24 +27,9 @@ MAX_TOKENS = 200  # the request's: the analysis may take about 100 of them
 
 def train_bpe(out_dir: Path) -> Path:
     """bench/structured.py's byte-level BPE, with harmony's markers as its specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from checkpoints.make_tiny import HARMONY_TOKENS
 
-    out = out_dir / "tokenizer.json"
-    if out.is_file():
-        return out
-    files = sorted(glob.glob(f"{sys.prefix}/lib/python3*/site-packages/**/*.py", recursive=True))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train(files, trainers.BpeTrainer(
-        vocab_size=151_643, min_frequency=2, show_progress=False,
-        special_tokens=list(HARMONY_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out))
-    return out
+    return structured.train_bpe(out_dir, special_tokens=HARMONY_TOKENS)
 
 
 def main(argv=None):

@@ -40,8 +40,12 @@ SPECS = {"json_schema": {"json": SCHEMA}, "json_object": {"json_object": True},
 QWEN3_VOCAB = 151_936
 
 
-def train_bpe(out_dir: Path) -> Path:
-    """A byte-level BPE of Qwen3's size on the local Python sources (tokenizers' trainer)."""
+QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_bpe(out_dir: Path, special_tokens=QWEN3_SPECIALS) -> Path:
+    """A byte-level BPE of Qwen3's size on the local Python sources (tokenizers' trainer),
+    with `special_tokens` as its specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out = out_dir / "tokenizer.json"
@@ -53,7 +57,7 @@ def train_bpe(out_dir: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.train(files, trainers.BpeTrainer(
         vocab_size=151_643, min_frequency=2, show_progress=False,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
