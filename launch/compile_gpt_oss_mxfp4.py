@@ -1,11 +1,11 @@
-"""GPT-OSS-20B's MXFP4 experts (W4A16, kept packed: quant.py's layout) through the TPU
-MoE kernels, compiled for a v6e with the real Mosaic compiler (libtpu, no TPU needed):
-the stacked int8 [2, 32, 1440, 5760] / [2, 32, 1440, 2880] bytes of two e2m1 codes
-with their e8m0 scales [2, 32, 90, 5760] / [2, 32, 90, 2880], biases and the clamped
-SwiGLU, traced layer; at 64 tokens (decode) and 2048 (a prefill chunk). Prints the
-compile time, the Mosaic calls, the temporaries against one layer's 4-bit experts, and
-the audit's dequantised-copy check (lp_jax/aot/audit.py: no 16/32-bit value shaped
-like one layer, or the stack, of the experts in their logical [.., 2880, 5760] /
+"""GPT-OSS-20B's MXFP4 experts (W4A16, kept packed: quant.py's layout) through the TPU MoE
+kernels, compiled for a v6e with the real Mosaic compiler (libtpu, no TPU needed): the
+stacked int8 [2, 32, 1440, 5760] / [2, 32, 1440, 2880] bytes of two e2m1 codes with their
+e8m0 scales [2, 32, 96, 5760] / [2, 32, 96, 2880] (K/32 = 90 rows, padded to 96), biases
+and the clamped SwiGLU, traced layer; at 64 tokens (decode) and 2048 (a prefill chunk).
+Prints the compile time, the Mosaic calls, the temporaries against one layer's 4-bit
+experts, and the audit's dequantised-copy check (lp_jax/aot/audit.py: no 16/32-bit value
+shaped like one layer, or the stack, of the experts in their logical [.., 2880, 5760] /
 [.., 2880, 2880] shapes, in the StableHLO or the optimized HLO). Then the same kernels at
 Qwen3-30B-A3B's expert shapes (D = 2048, F = 768, 128 experts, top-8, SiLU; no Qwen3
 checkpoint ships MXFP4, this checks that the tiles divide its 768 width: separate
