@@ -420,7 +420,7 @@ def _check_mxfp4_step(scheme, K: int, bk: int) -> None:
     if scheme.pack != 2 or scheme.block_k != 32 or scheme.block_n != 1:
         raise NotImplementedError(f"the gpu MoE kernel packs only MXFP4 (2 codes a byte, "
                                   f"32 x 1 scale blocks), got {scheme}")
-    if bk != MXFP4_BK or K % 64 or K < MXFP4_BK:
+    if bk != MXFP4_BK or not mxfp4_fits(K):
         raise ValueError(f"mxfp4 on the gpu kernel: K steps of {MXFP4_BK} rows over a K "
                          f"that is a multiple of 64 and at least {MXFP4_BK}; got bk={bk}, "
                          f"K={K}")
