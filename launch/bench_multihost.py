@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launch.multihost import free_port, process_env  # noqa: E402
+from lp_jax.bench.processes import free_port, process_env  # noqa: E402
 
 
 def worker(args) -> None:

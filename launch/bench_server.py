@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,27 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from lp_jax.bench.processes import free_port, wait_healthy  # noqa: E402
 from lp_jax.core.metrics import percentile  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit("server did not become healthy")
 
 
 async def load(url: str, n: int, concurrency: int, max_tokens: int, stream: bool) -> dict:

@@ -14,30 +14,18 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lp_jax.bench.processes import wait_healthy  # noqa: E402
+
+# The server's flags for both policies; POLICIES adds each one's own.
+SERVER_FLAGS = ["--max-model-len", "1152", "--max-num-seqs", "32"]
 POLICIES = {
-    "chunked": ["--scheduling", "chunked", "--max-num-batched-tokens", "512",
-                "--prefill-buckets", "512"],
-    "layered": ["--scheduling", "layered", "--max-num-batched-tokens", "2048",
-                "--prefill-buckets", "256,512,1024,2048"],
+    "chunked": ["--scheduling", "chunked", "--max-num-batched-tokens", "512"],
+    "layered": ["--scheduling", "layered", "--max-num-batched-tokens", "2048"],
 }
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lp-serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError("lp-serve did not become healthy")
 
 
 def main(argv=None):
@@ -52,13 +40,12 @@ def main(argv=None):
     results = {}
     for name, flags in POLICIES.items():
         cmd = [sys.executable, "-m", "lp_jax.serve", "--port", str(args.port),
-               "--max-model-len", "1152", "--max-num-seqs", "32", "--decode-buckets", "32",
-               *flags]
+               *SERVER_FLAGS, *flags]
         print("$", " ".join(cmd[1:]), flush=True)
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             t = time.time()
-            wait_healthy(url, server)
+            wait_healthy(url, server, timeout=600.0)
             print(f"[{name}] server healthy after {time.time() - t:.0f} s", flush=True)
             bench = [sys.executable, "-m", "lp_jax.bench", "--base-url", url,
                      "--workload", "sharegpt", "--max-prompt-len", "1024",

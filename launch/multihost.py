@@ -20,32 +20,17 @@ JAX finds the other hosts itself.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lp_jax.bench.processes import free_port, process_env  # noqa: E402
 
 DEMO = [sys.executable, "-m", "lp_jax.demo", "--mesh-shape", "2,4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_env(pid: int, n: int, port: int, cpu_devices: int | None) -> dict:
-    env = dict(os.environ, LP_NUM_PROCESSES=str(n), LP_PROCESS_ID=str(pid),
-               LP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
-    if cpu_devices:
-        env["JAX_PLATFORMS"] = "cpu"
-        inherited = [f for f in env.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join(
-            [f"--xla_force_host_platform_device_count={cpu_devices}", *inherited])
-    return env
 
 
 def _pump(proc: subprocess.Popen, prefix: str):

@@ -318,7 +318,7 @@ def rss_mb(pid: int) -> float:
 
 
 def main(argv=None) -> int:
-    from launch.bench_server import free_port, wait_healthy
+    from lp_jax.bench.processes import free_port, wait_healthy
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1000)

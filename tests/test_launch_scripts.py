@@ -30,3 +30,14 @@ def test_launch_script_imports(path):
     changed = {k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k)
                and (k.startswith(("LP_", "JAX_")) or k == "XLA_FLAGS")}
     assert not changed, f"{path.name} sets {sorted(changed)} on import"
+
+
+def test_bench_serving_passes_lp_serve_flags_it_accepts():
+    """bench_serving.py starts lp-serve as a subprocess, where a flag lp-serve dropped would
+    only show as a server that never becomes healthy."""
+    from lp_jax.serve import build_parser
+
+    bench = launch_module("bench_serving")
+    for name, flags in bench.POLICIES.items():
+        args = build_parser().parse_args(["--port", "1", *bench.SERVER_FLAGS, *flags])
+        assert args.scheduling == name

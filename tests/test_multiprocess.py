@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.multihost import free_port, process_env
+from lp_jax.bench.processes import free_port, process_env
 from lp_jax.executor import distributed
 from lp_jax.executor.plan_channel import StepCodec
 from lp_jax.executor.step import StepSpec, empty_inputs
