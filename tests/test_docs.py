@@ -119,3 +119,15 @@ def test_stale_references_are_caught():
 
 def test_history_pages_are_not_checked():
     assert not any("history" in p.parts for p in doc_pages())
+
+
+def test_every_launch_script_is_cited():
+    """launch/ keeps the studies the docs cite (or the Makefile runs); a probe nothing cites
+    belongs in git history, not in the tree a newcomer reads."""
+    cited = "\n".join(p.read_text(encoding="utf-8") for p in doc_pages())
+    cited += (ROOT / "Makefile").read_text(encoding="utf-8")
+    scripts = [p for p in (ROOT / "launch").iterdir()
+               if p.suffix in (".py", ".sh") and p.name != "__init__.py"]
+    assert len(scripts) > 10
+    uncited = sorted(p.name for p in scripts if f"launch/{p.name}" not in cited)
+    assert not uncited, f"launch/ scripts no page cites: {uncited}"
