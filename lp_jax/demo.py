@@ -3,7 +3,7 @@
 The default model is checkpoints/train_demo.py's: two MoE layers trained on 25 of
 Aesop's fables (Townsend's 1867 translation, shipped in checkpoints/data/) until it
 knows them by heart, trained the first time (400 steps, about 60 CPU-seconds) and cached
-in checkpoints/tiny/demo/. Its greedy continuation of a fable's first words is the
+in the user cache (lp_jax/paths.py). Its greedy continuation of a fable's first words is the
 fable, so readable text means the engine computes what the model learnt.
 
 Each policy (orca, chunked, layered, flowprefill) serves the same prompts greedily; the
@@ -45,8 +45,8 @@ def describe(model_dir: Path) -> str:
             f"loss {info['first_loss']:.2f} -> {info['final_loss']:.2f}): it recites them")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "lp-demo"):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help="model directory (default: the demo model, trained on first use)")
     parser.add_argument("--policies", default=",".join(POLICIES),

@@ -15,11 +15,15 @@ Time budget per test area (tests/README.md): new tests fit in it or buy time els
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The generated models (demo, tiny presets) live in the checkout's own cache, shared by
+# `make demo`, every test and the wheel test (lp_jax/paths.py).
+os.environ.setdefault("LP_JAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 
 _CACHE_ENV = "LP_TEST_COMPILATION_CACHE"
 _OWN_CACHE = None
