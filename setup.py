@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 NESTED = ("checkpoints", "pallas_kernels")
@@ -50,4 +51,13 @@ class BuildPyNested(build_py):
                 path.write_text(new, encoding="utf-8")
 
 
-setup(cmdclass={"build_py": BuildPyNested})
+class BdistWheelNested(bdist_wheel):
+    def egg2dist(self, egginfo_path, distinfo_path):
+        """The metadata's top-level names are the wheel's: lp_jax alone."""
+        super().egg2dist(egginfo_path, distinfo_path)
+        top = Path(distinfo_path) / "top_level.txt"
+        if top.exists():
+            top.write_text("lp_jax\n")
+
+
+setup(cmdclass={"build_py": BuildPyNested, "bdist_wheel": BdistWheelNested})

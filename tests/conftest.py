@@ -42,6 +42,7 @@ import pytest  # noqa: E402
 SLOWEST_FIRST = ("test_moe_kernels.py", "test_pallas_end_to_end.py",
                  "test_sharded_kernels.py", "test_quant_loading.py",
                  "test_attention_kernels.py", "test_gpu_validate.py", "test_gpt_oss.py",
+                 "test_wheel.py",
                  "test_moe_quant.py", "test_expert_dispatch.py", "test_tpu_compile.py",
                  "test_multiprocess.py", "test_kv_fp8.py", "test_aot.py",
                  "test_kernel_check.py", "test_programs.py", "test_engine.py",
