@@ -84,10 +84,18 @@ def _slo_classes(s: str) -> dict:
     return spec
 
 
+def _json(s: str):
+    """Inline JSON (vLLM's --speculative-config '{"method": ...}' shape)."""
+    try:
+        return json.loads(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected JSON, got {s[:200]!r}: {exc}") from None
+
+
 PARSERS = {"positive_int": _positive_int, "non_negative_int": _non_negative_int,
            "positive_float": _positive_float, "unit_interval": _unit_interval,
            "int_tuple": _int_tuple, "layer_groups": _layer_groups,
-           "existing_path": _existing_path, "slo_classes": _slo_classes}
+           "existing_path": _existing_path, "slo_classes": _slo_classes, "json": _json}
 
 
 @dataclasses.dataclass(frozen=True)

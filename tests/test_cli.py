@@ -108,12 +108,18 @@ def test_aot_keeps_its_compile_defaults_and_says_so(capsys):
     base = ["--platform", "cuda", "--preset", "qwen3-8b", "--out", "x"]
     args = aot_cli.build_parser().parse_args(base)
     assert (args.max_model_len, args.mesh_shape, args.scheduling) == (4096, None, "layered")
-    assert aot_cli._mesh(args) == (1, 1, 1)
+    cfg = aot_cli.aot_config(args)
+    assert (cfg.mesh_shape, cfg.max_model_len, cfg.max_num_seqs, cfg.token_buckets) == (
+        (1, 1, 1), 4096, 32, None)
     for spelling in ("--mesh", "--mesh-shape"):
         args = aot_cli.build_parser().parse_args(base + [spelling, "2,4", "--token-buckets",
                                                          "8,64", "--scheduler-cls", "orca"])
         assert aot_cli._mesh(args) == (1, 2, 4)
         assert (args.token_buckets, args.scheduling) == ((8, 64), "orca")
+    args = aot_cli.build_parser().parse_args(base + ["--kv-cache-dtype", "fp8", "-q", "int8",
+                                                     "--max-paused-prefills", "2"])
+    cfg = aot_cli.aot_config(args)
+    assert (cfg.kv_cache_dtype, cfg.quantization, cfg.max_paused_prefills) == ("fp8", "int8", 2)
     with pytest.raises(SystemExit):
         aot_cli.build_parser().parse_args(base + ["--help"])
     text = " ".join(capsys.readouterr().out.split())

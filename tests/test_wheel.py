@@ -2,8 +2,8 @@
 
 One test: `python -m build` makes the wheel; it is installed with --no-deps into a fresh
 venv that sees this environment's packages (JAX and the rest) but not the checkout; then,
-from a directory outside the repository, `LLM()` generates and `lp serve` answers the same
-completion. The venv's site-packages reaches this environment's through a .pth file of
+from a directory outside the repository, `lp serve` (LLMEngine behind the HTTP server)
+answers a completion. The venv's site-packages reaches this environment's through a .pth file of
 plain paths: `venv --system-site-packages` run from a venv would show the base
 interpreter's packages, not this venv's. The .pth files in those directories (an
 editable install of lp_jax among them) are not run, so the checkout stays unreachable.
@@ -31,20 +31,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The cache holds"
 
-GENERATE = """
+CHECKS = """
 import importlib.util, json, sys
 import lp_jax
-from lp_jax import LLM, SamplingParams
 from lp_jax.checkpoints import train_demo
 from lp_jax.paths import models_dir
 
 assert lp_jax.__file__.startswith(sys.prefix), lp_jax.__file__
 assert [n for n in ("checkpoints", "pallas_kernels") if importlib.util.find_spec(n)] == []
-llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
-          token_buckets=(68,), log=None)
-out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=8))[0]
-print(json.dumps({"text": out.text, "fables": len(train_demo.read_fables()),
-                  "stamp": train_demo._stamp(), "models": str(models_dir())}))
+print(json.dumps({"fables": len(train_demo.read_fables()), "stamp": train_demo._stamp(),
+                  "models": str(models_dir())}))
 """
 
 
@@ -105,36 +101,38 @@ def test_wheel_installs_and_serves_outside_the_repository(tmp_path, tiny_dir):
     here = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
     Path(site_dir, "outer_env.pth").write_text("\n".join(here) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # --ignore-installed: never touch the lp_jax this environment may hold (editable).
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                        "--ignore-installed",
                         str(wheel)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    r = subprocess.run([str(py), "-c", GENERATE, str(tiny_dir), PROMPT], cwd=outside, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-5000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["text"] and got["fables"] == len(train_demo.read_fables())
-    assert got["stamp"] == train_demo._stamp()  # the checkout's demo model is the wheel's
-    assert got["models"] == os.path.join(os.environ["LP_JAX_CACHE_DIR"], "models")
-
-    lp = venv / "bin" / "lp"
-    version = subprocess.run([str(lp), "--version"], cwd=outside, env=env,
-                             capture_output=True, text=True, timeout=120)
-    assert version.stdout.startswith("lp_jax "), version.stderr
-    port = _free_port()
+    lp, port = venv / "bin" / "lp", _free_port()
     proc = subprocess.Popen(
         [str(lp), "serve", "--model", str(tiny_dir), "--port", str(port),
          "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
          "--token-buckets", "68", "--disable-log-stats"],
         cwd=outside, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        r = subprocess.run([str(py), "-c", CHECKS], cwd=outside, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-5000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["fables"] == len(train_demo.read_fables())
+        assert got["stamp"] == train_demo._stamp()  # the checkout's demo model is the wheel's
+        assert got["models"] == os.path.join(os.environ["LP_JAX_CACHE_DIR"], "models")
+        version = subprocess.run([str(lp), "--version"], cwd=outside, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert version.stdout.startswith("lp_jax "), version.stderr
+
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(f"{base}/health", proc)
-        answer = _post(f"{base}/v1/completions", {"model": tiny_dir.name, "prompt": PROMPT,
-                                                   "max_tokens": 8, "temperature": 0})
-        assert answer["choices"][0]["text"] == got["text"]
+        answer = _post(f"{base}/v1/completions", {
+            "model": tiny_dir.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -78,16 +78,7 @@ def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
 
     try:
         model_cfg = load_config(args.preset or args.config)
-        cfg = AotConfig(
-            platform=args.platform, scheduling=args.scheduling,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-            kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
-            gpu=args.gpu, memory_fraction=args.memory_fraction,
-            dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
-            moe_dispatch=args.moe_dispatch, quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            token_buckets=args.token_buckets or None)
+        cfg = aot_config(args)
         summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,
                       keep_dumps=args.keep_dumps)
     except (ValueError, RuntimeError) as e:
@@ -100,6 +91,17 @@ def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
           + (f", {compiled} optimized HLO files (python -m lp_jax.roofline --aot {args.out})"
              if compiled else ""))
     return 1 if summary["violations"] else 0
+
+
+def aot_config(args) -> AotConfig:
+    """AotConfig from the parsed flags: the engine flags under their own names (AotConfig
+    names its fields as EngineConfig does), then the compile target's."""
+    from lp_jax.engine_args import engine_kwargs
+
+    engine = engine_kwargs(args, ENGINE_FLAGS) | {
+        "mesh_shape": _mesh(args), "token_buckets": args.token_buckets or None}
+    return AotConfig(platform=args.platform, topology=args.topology, gpu=args.gpu,
+                     memory_fraction=args.memory_fraction, **engine)
 
 
 def _mesh(args) -> tuple[int, int, int]:
