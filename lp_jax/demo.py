@@ -46,18 +46,16 @@ def describe(model_dir: Path) -> str:
 
 
 def main(argv=None, prog: str = "lp-demo"):
+    from lp_jax.engine_args import add_engine_args
+
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model directory (default: the demo model, trained on first use)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated scheduling policies to run and compare")
-    parser.add_argument("--mesh-shape", default=None,
-                        help="expert,tensor devices, e.g. 2,4 (several processes: see "
-                             "launch/multihost.py)")
-    parser.add_argument("--layer-groups", default="2",
-                        help='layered prefill: "paper", "pow2" or a group count (default 2)')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", action="append", default=None)
+    # Several processes: launch/multihost.py.
+    add_engine_args(parser.add_argument_group("engine (EngineConfig; docs/engine_args.md)"),
+                    only=("model", "mesh_shape", "layer_groups"), defaults={"layer_groups": 2})
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if bad := sorted(set(policies) - set(POLICIES)):
@@ -69,8 +67,7 @@ def main(argv=None, prog: str = "lp-demo"):
 
     model_dir = Path(args.model) if args.model else ensure_demo()
     print(describe(model_dir))
-    groups = int(args.layer_groups) if args.layer_groups.isdigit() else args.layer_groups
-    mesh = tuple(int(x) for x in args.mesh_shape.split(",")) if args.mesh_shape else None
+    groups, mesh = args.layer_groups, args.mesh_shape
     prompts = args.prompt or list(PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results: dict[str, list] = {}

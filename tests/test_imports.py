@@ -32,6 +32,7 @@ FLOORS = {
     "lp_jax.engine": 8, "lp_jax.aot": 8,
     "lp_jax.engine_args": 9,  # the engine flags, generated from EngineConfig
     "lp_jax.aot.__main__": 10,  # the AOT command line takes the engine flags
+    "lp_jax.engine.profile_latency": 10,  # a command line too
     "lp_jax.llm": 9, "lp_jax.server": 9,
     "lp_jax.serve": 10, "lp_jax.demo": 10,
     "lp_jax.bench": 11,  # benchmarks and the load generator use everything
