@@ -26,7 +26,14 @@ NESTED = ("checkpoints", "pallas_kernels")
 _IMPORT = re.compile(r"^(\s*(?:from|import)\s+)(" + "|".join(NESTED) + r")\b", re.M)
 
 
-def reroot_imports(source: str) -> str:
+# `import pallas_kernels.moe` binds the name `pallas_kernels`, which no re-rooting keeps.
+_BARE = re.compile(r"^\s*import\s+(?:" + "|".join(NESTED) + r")\b[\w.]*\s*(?:#.*)?$", re.M)
+
+
+def reroot_imports(source: str, name: str = "<source>") -> str:
+    if m := _BARE.search(source):
+        raise ValueError(f"{name}: {m.group().strip()!r} cannot be re-rooted for the wheel; "
+                         "write `from ... import ...` or `import ... as ...`")
     return _IMPORT.sub(r"\1lp_jax.\2", source)
 
 
@@ -46,7 +53,7 @@ class BuildPyNested(build_py):
                 shutil.move(src, dst)
         for path in (lib / "lp_jax").rglob("*.py"):
             text = path.read_text(encoding="utf-8")
-            new = reroot_imports(text)
+            new = reroot_imports(text, str(path))
             if new != text:
                 path.write_text(new, encoding="utf-8")
 

@@ -14,6 +14,7 @@ fables file, and a training stamp equal to the checkout's, so that a checkout an
 install sharing one cache directory share one trained model.
 """
 
+import ast
 import importlib.util
 import json
 import os
@@ -85,6 +86,14 @@ def test_wheel_installs_and_serves_outside_the_repository(tmp_path, tiny_dir):
     dist_info = wheel.name.split("-py3")[0] + ".dist-info"
     assert {n.split("/")[0] for n in names} == {"lp_jax", dist_info}
     assert zipfile.ZipFile(wheel).read(f"{dist_info}/top_level.txt") == b"lp_jax\n"
+    with zipfile.ZipFile(wheel) as z:
+        top = {n.name.split(".")[0] for f in names if f.endswith(".py")
+               for node in ast.walk(ast.parse(z.read(f))) if isinstance(node, ast.Import)
+               for n in node.names}
+        top |= {node.module.split(".")[0] for f in names if f.endswith(".py")
+                for node in ast.walk(ast.parse(z.read(f)))
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert not top & {"checkpoints", "pallas_kernels"}  # every import re-rooted
     for data in ("lp_jax/checkpoints/data/aesop_townsend.txt",
                  "lp_jax/checkpoints/configs/Qwen3-30B-A3B.json",
                  "lp_jax/sim/data/compiled/qwen_h200.json", "lp_jax/sim/data/splitwise_conv.csv",
