@@ -59,9 +59,9 @@ CUDA_HINT = ("install the CUDA compiler (no GPU needed): pip install -e '.[gpu-c
 GPU_TARGETS = ("h200", "h100")  # lp_jax/aot/gpu_targets/{gpu}.txtpb
 # lp_jax/aot/gpu_targets: beside this package in a source checkout, its parent in a wheel
 # (which installs pallas_kernels as lp_jax.pallas_kernels; lp_jax/paths.py).
-_TARGETS_DIR = next(d for d in (pathlib.Path(__file__).resolve().parents[1] / sub
-                                for sub in ("lp_jax/aot/gpu_targets", "aot/gpu_targets"))
-                    if d.is_dir())
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_TARGETS_DIR = next((d for d in (_ROOT / "lp_jax/aot/gpu_targets", _ROOT / "aot/gpu_targets")
+                     if d.is_dir()), _ROOT / "lp_jax/aot/gpu_targets")
 TPU_DEVICE_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}  # as libtpu names them
 
 

@@ -36,9 +36,14 @@ CHECKS = """
 import importlib.util, json, sys
 import lp_jax
 from lp_jax.checkpoints import train_demo
+from lp_jax.pallas_kernels.compile_targets import _TARGETS_DIR
 from lp_jax.paths import models_dir
+from lp_jax.roofline.model_shape import CONFIG_DIR
+from lp_jax.sim.workload import AZURE_CONV_CSV
 
 assert lp_jax.__file__.startswith(sys.prefix), lp_jax.__file__
+for d in (_TARGETS_DIR, CONFIG_DIR, AZURE_CONV_CSV):  # data the code finds beside itself
+    assert d.exists() and str(d).startswith(sys.prefix), d
 assert [n for n in ("checkpoints", "pallas_kernels") if importlib.util.find_spec(n)] == []
 print(json.dumps({"fables": len(train_demo.read_fables()), "stamp": train_demo._stamp(),
                   "models": str(models_dir())}))
