@@ -1,7 +1,7 @@
 """Engine flags, generated from EngineConfig's fields: each flag is written once.
 
 A field of EngineConfig whose metadata has a `help` is a flag; lp_jax/engine/config.py's
-`_arg` writes that metadata. The flag's spelling is --the-field-name (or the metadata's
+`engine_arg` writes that metadata. The flag's spelling is --the-field-name (or the metadata's
 `flags`), its type the metadata's `type` (a parser of PARSERS) or the default's type, a
 bool becomes --name / --no-name, and its default and help are the field's. A command
 takes all these flags (`lp serve`) or a subset (`lp aot`), and may override a default,

@@ -15,7 +15,7 @@ import pytest
 
 from lp_jax import cli, serve
 from lp_jax.aot import __main__ as aot_cli
-from lp_jax.engine.config import EngineConfig, _arg
+from lp_jax.engine.config import EngineConfig, engine_arg
 from lp_jax.engine_args import add_engine_args, engine_flags, engine_kwargs, markdown
 from lp_jax.paths import CACHE_ENV, cache_dir
 
@@ -87,7 +87,7 @@ def test_each_field_is_a_flag_or_python_only():
 def test_a_new_field_with_help_becomes_a_flag():
     @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
     class Wider(EngineConfig):
-        tensor_parallel_size: int = _arg(1, "devices a layer is split over",
+        tensor_parallel_size: int = engine_arg(1, "devices a layer is split over",
                                          type="positive_int")
         no_flag: int = 7
 

@@ -26,7 +26,7 @@ def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
     return min(policy_budget, max_model_len)
 
 
-def _arg(default=dataclasses.MISSING, help: str | None = None, *, factory=None,
+def engine_arg(default=dataclasses.MISSING, help: str | None = None, *, factory=None,
          **flag) -> dataclasses.Field:
     """A field whose `help` makes it a command-line flag (lp_jax/engine_args.py). `flag`
     holds the flag's other settings: `flags` (its spellings, default --the-field-name),
@@ -44,127 +44,128 @@ class EngineConfig:
     command that builds an engine (`lp serve`, and the subset `lp aot` compiles for):
     engine_args.py reads its name, type, default and help from here."""
 
-    model: str | None = _arg(
+    model: str | None = engine_arg(
         None, "Hugging Face model directory",
         default_help="the embedded fable model of checkpoints/train_demo.py")
     # A Policy subclass too, from Python; lp_jax/core/policies/base.py is the interface.
-    scheduling: str | type[Policy] = _arg(
+    scheduling: str | type[Policy] = engine_arg(
         "layered", "orca, chunked, layered, flowprefill (slack-aware EDF over the requests' "
         "TTFT deadlines, with preemptible prefill: --preemption-granularity), or your own "
         "Policy class as package.module:Class (docs/custom_policy.md)",
         flags=("--scheduling", "--scheduler-cls"), metavar="POLICY")
-    max_model_len: int | None = _arg(
+    max_model_len: int | None = engine_arg(
         None, "longest sequence, prompt and output", type="positive_int",
         default_help=f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN})")
-    max_num_seqs: int = _arg(32, "most requests running at once", type="positive_int")
-    max_num_batched_tokens: int | None = _arg(
+    max_num_seqs: int = engine_arg(32, "most requests running at once", type="positive_int")
+    max_num_batched_tokens: int | None = engine_arg(
         None, "prefill token budget of one step", type="positive_int",
         default_help="the policy's (orca: max_model_len, chunked: 512, layered and "
                      "flowprefill: 8192), capped at max_model_len")
-    layer_groups: str | int = _arg(
+    layer_groups: str | int = engine_arg(
         "paper", "'paper', 'pow2', 'adaptive' (with --tbt-slo-ms) or a fixed group count",
         type="layer_groups")
     # "adaptive": each iteration's span keeps the predicted step within tbt_slo_ms x
     # (1 - adaptive_margin), or the tightest running request's TBT SLO.
-    tbt_slo_ms: float | None = _arg(
+    tbt_slo_ms: float | None = engine_arg(
         None, "--layer-groups adaptive: keep each step within this TBT objective (ms)",
         type="positive_float", default_help="no limit")
-    adaptive_margin: float = _arg(
+    adaptive_margin: float = engine_arg(
         0.1, "--layer-groups adaptive: headroom under the TBT objective", type="unit_interval")
-    max_layer_groups: int = _arg(16, "most layer groups a prefill is split into",
+    max_layer_groups: int = engine_arg(16, "most layer groups a prefill is split into",
                                  type="positive_int")
-    preemption_granularity: str = _arg(
+    preemption_granularity: str = engine_arg(
         "operator", "where a flowprefill prefill may be paused",
         choices=("operator", "layer", "group"))
-    preemptible: bool = _arg(
+    preemptible: bool = engine_arg(
         False, "layered: a prefill batch may be preempted at its group boundaries")
-    slo_alpha: float = _arg(0.1, "SLO-aware batching's margin, alpha * the TTFT SLO",
+    slo_alpha: float = engine_arg(0.1, "SLO-aware batching's margin, alpha * the TTFT SLO",
                             type="unit_interval")
-    flowprefill_rules: str = _arg(
+    flowprefill_rules: str = engine_arg(
         "reference", "flowprefill's ranking and batching: the released FlowPrefill code's "
         "(reference) or lp_jax's earlier ones (SchedulerConfig)",
         choices=("reference", "lp_jax"))
     # Each paused batch holds max_num_batched_tokens rows of the hidden buffer
     # (Qwen3-30B-A3B at 8192 tokens: 32 MiB).
-    max_paused_prefills: int = _arg(
+    max_paused_prefills: int = engine_arg(
         8, "paused prefill batches whose hidden states stay on the device",
         type="non_negative_int")
-    flowprefill_lookahead: int = _arg(
+    flowprefill_lookahead: int = engine_arg(
         1, "flowprefill: segments of the running prefill one plan carries (one host plan, "
         "dispatch and commit); an urgent arrival waits for at most k + 1 segments",
         type="positive_int")
-    slo_classes: dict | str | None = _arg(
+    slo_classes: dict | str | None = engine_arg(
         None, "named SLO classes requests may give as slo_class: inline JSON or a JSON "
         'file, e.g. {"chat": {"ttft_ms": 250, "tbt_ms": 100}}', type="slo_classes",
         default_help="none")
-    latency_model: str | None = _arg(
+    latency_model: str | None = engine_arg(
         None, "fitted step-latency model (python -m lp_jax.engine.profile_latency)",
         type="existing_path", default_help="fitted online")
-    prefill_only: bool = _arg(
+    prefill_only: bool = engine_arg(
         False, "every request ends at its first token (disaggregated prefill)")
-    page_size: int = _arg(16, "KV page (block) size, in tokens", type="positive_int")
-    enable_prefix_caching: bool = _arg(
+    page_size: int = engine_arg(16, "KV page (block) size, in tokens", type="positive_int")
+    enable_prefix_caching: bool = engine_arg(
         True, "share the KV pages of equal prompt prefixes (block_manager.py)")
-    kv_pages: int | None = _arg(None, "KV pages per layer", type="positive_int",
+    kv_pages: int | None = engine_arg(None, "KV pages per layer", type="positive_int",
                                 default_help="from --kv-memory-fraction")
-    kv_memory_fraction: float = _arg(
+    kv_memory_fraction: float = engine_arg(
         0.5, "share of the free accelerator memory the KV pool takes, when --kv-pages is "
         "not given", type="positive_float")
-    load_format: str = _arg("auto", "how the weights are read",
+    load_format: str = engine_arg("auto", "how the weights are read",
                             choices=("auto", "safetensors", "dummy", "orbax"))
     # A dict of axis sizes too, from Python.
-    mesh_shape: tuple | dict | None = _arg(
+    mesh_shape: tuple | dict | None = engine_arg(
         None, "devices per mesh axis: 'expert,tensor' or 'data,expert,tensor'",
         type="int_tuple", default_help="one device")
-    dtype: str | None = _arg(None, "weights' and activations' dtype",
+    dtype: str | None = engine_arg(None, "weights' and activations' dtype",
                              default_help="the checkpoint's")
-    quantization: str | None = _arg(
+    quantization: str | None = engine_arg(
         None, "int8 / fp8: quantise a 16-bit checkpoint per channel at load (an HF FP8 "
         "checkpoint is detected from its config.json); mxfp4: keep GPT-OSS's MXFP4 experts "
         "in 4 bits", flags=("--quantization", "-q"), choices=REQUESTABLE,
         default_help="the checkpoint's format")
-    kv_cache_dtype: str = _arg(
+    kv_cache_dtype: str = engine_arg(
         "auto", "fp8 / fp8_e4m3: float8_e4m3fn KV pages with the checkpoint's k_scale / "
         "v_scale (else 1.0), half the bytes per page (lp_jax/models/kv_cache.py)",
         choices=KV_CACHE_DTYPES)
-    moe_backend: str = _arg("auto", "MoE kernel backend (lp_jax/backend_select.py)")
-    moe_dispatch: str = _arg(
+    moe_backend: str = engine_arg("auto", "MoE kernel backend (lp_jax/backend_select.py)")
+    moe_dispatch: str = engine_arg(
         "auto", "expert-parallel MoE communication: allreduce (every expert shard routes "
         "every token), all_to_all (rows go to their expert's shard and back), auto (fewer "
         "bytes per layer)", choices=("auto", "allreduce", "all_to_all"))
-    attention_backend: str = _arg("auto", "attention kernel backend (lp_jax/backend_select.py)")
-    backends: str = _arg(
+    attention_backend: str = engine_arg(
+        "auto", "attention kernel backend (lp_jax/backend_select.py)")
+    backends: str = engine_arg(
         "fallback", "start-up self-test of the Pallas kernels: fall back to a safe backend, "
         "fail, or skip it", choices=("fallback", "strict", "off"))
-    seed: int = _arg(0, "sampling seed")
-    token_buckets: tuple[int, ...] | None = _arg(
+    seed: int = engine_arg(0, "sampling seed")
+    token_buckets: tuple[int, ...] | None = engine_arg(
         None, "row counts to compile a step program for", type="int_tuple",
         default_help="1, 4, 16, 64, powers of two to 512, then x1.5 steps to the budget")
-    warmup: bool = _arg(True, "compile every program at start-up")
-    async_scheduling: bool = _arg(
+    warmup: bool = engine_arg(True, "compile every program at start-up")
+    async_scheduling: bool = engine_arg(
         True, "plan and dispatch the next step while a decode-only step runs; off: commit "
         "each step before planning the next")
     # A cache JAX already has (JAX_COMPILATION_CACHE_DIR, or an earlier engine in the
     # process) is kept.
-    compilation_cache_dir: str | None = _arg(
+    compilation_cache_dir: str | None = engine_arg(
         help="persistent XLA compilation cache; '' for none", factory=default_jax_cache_dir,
         default_help=f"${CACHE_ENV}/jax_cache, else $XDG_CACHE_HOME/lp_jax/jax_cache, else "
                      "~/.cache/lp_jax/jax_cache", empty_is_none=True, metavar="DIR")
     # One SPMD engine over several processes (distributed.py); process 0 leads
     # (plan_channel.py). All None: a TPU pod or SLURM job JAX detects, else one process.
-    num_processes: int | None = _arg(
+    num_processes: int | None = engine_arg(
         None, "processes (one per host) of one engine", type="positive_int",
         default_help="$LP_NUM_PROCESSES, a detected TPU pod or SLURM job, or 1")
-    process_id: int | None = _arg(None, "this process's rank", type="non_negative_int",
+    process_id: int | None = engine_arg(None, "this process's rank", type="non_negative_int",
                                   default_help="$LP_PROCESS_ID")
-    coordinator_address: str | None = _arg(None, "host:port of process 0",
+    coordinator_address: str | None = engine_arg(None, "host:port of process 0",
                                            default_help="$LP_COORDINATOR_ADDRESS")
-    plan_channel: str = _arg(
+    plan_channel: str = engine_arg(
         "host", "how the leader sends each step to the followers: host (TCP) or device "
         "(broadcast_one_to_all)", choices=("host", "device"))
-    follower_timeout_s: float = _arg(60.0, "a follower silent this long stops the leader",
+    follower_timeout_s: float = engine_arg(60.0, "a follower silent this long stops the leader",
                                      type="positive_float")
-    trace_path: str | None = _arg(
+    trace_path: str | None = engine_arg(
         None, "write the decision trace (one JSON line per plan and request event) here; "
         "python -m lp_jax.trace plot PATH draws it", flags=("--trace", "--trace-path"),
         metavar="PATH", default_help="none")
