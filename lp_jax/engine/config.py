@@ -104,7 +104,7 @@ class EngineConfig:
         False, "every request ends at its first token (disaggregated prefill)")
     page_size: int = engine_arg(16, "KV page (block) size, in tokens", type="positive_int")
     enable_prefix_caching: bool = engine_arg(
-        True, "share the KV pages of equal prompt prefixes (block_manager.py)")
+        True, "share the KV pages of equal prompt prefixes (lp_jax/core/block_manager.py)")
     kv_pages: int | None = engine_arg(None, "KV pages per layer", type="positive_int",
                                 default_help="from --kv-memory-fraction")
     kv_memory_fraction: float = engine_arg(
