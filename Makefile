@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # libtpu (the `tpu` extra) and the CUDA plugin with ptxas (`gpu-compile`) let the tests
 # compile for real TPUs and GPUs on this host.
 TEST_STAMP := $(VENV)/.installed-tpu-gpu
+# A checkout keeps its generated models and XLA cache in .cache/ (lp_jax/paths.py), so
+# that `make demo` and `make test` train the demo model once between them.
+export LP_JAX_CACHE_DIR ?= $(CURDIR)/.cache
 
 .PHONY: demo test lint venv clean
 

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lp_jax.paths import models_dir
+
 HERE = Path(__file__).resolve().parent
-DEFAULT_ROOT = HERE / "tiny"
 STAMP_FILE = ".make_tiny_stamp"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -592,10 +593,10 @@ def _stamp(preset: str, sharded: bool, seed: int) -> str:
 def ensure_tiny(out_dir: str | os.PathLike | None = None, preset: str = "tiny") -> Path:
     """Path to the preset's model directory, generating it first if absent or stale.
 
-    Defaults to checkpoints/tiny/<preset>/ (gitignored). The directory is built beside
+    Defaults to <lp_jax's cache>/models/<preset>/ (lp_jax/paths.py). The directory is built beside
     the target and renamed into place, so concurrent callers never see half a model.
     """
-    out = Path(out_dir) if out_dir is not None else DEFAULT_ROOT / preset
+    out = Path(out_dir) if out_dir is not None else models_dir() / preset
     stamp = out / STAMP_FILE
     want = _stamp(preset, False, 0)
     if stamp.exists() and stamp.read_text().strip() == want:
@@ -636,14 +637,14 @@ def weights_digest(model_dir: str | os.PathLike) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=sorted(ALL_PRESETS))
-    ap.add_argument("--out", help="target directory (default: checkpoints/tiny/<preset>)")
+    ap.add_argument("--out", help="target directory (default: <lp_jax's cache>/models/<preset>)")
     ap.add_argument("--sharded", action="store_true", help="two shards plus an index")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.out is None and not args.sharded and args.seed == 0:
         path = ensure_tiny(preset=args.preset)
     else:
-        out = args.out or DEFAULT_ROOT / args.preset
+        out = args.out or models_dir() / args.preset
         path = write_model_dir(out, args.preset, write_sharded=args.sharded, seed=args.seed)
     print(path)
 

@@ -34,7 +34,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from checkpoints import make_tiny
+from lp_jax.paths import models_dir
+
+from . import make_tiny
 
 BLOCK = 128
 E4M3_MAX, INT8_MAX = 448.0, 127.0
@@ -172,8 +174,8 @@ def _stamp(preset: str) -> str:
 
 
 def ensure_tiny_quant(preset: str = "tiny-fp8", out_dir=None) -> Path:
-    """checkpoints/tiny/<preset>/, made first if absent or stale (renamed into place)."""
-    out = Path(out_dir) if out_dir else make_tiny.DEFAULT_ROOT / preset
+    """<lp_jax's cache>/models/<preset>/, made first if absent or stale (renamed into place)."""
+    out = Path(out_dir) if out_dir else models_dir() / preset
     stamp = out / make_tiny.STAMP_FILE
     if stamp.exists() and stamp.read_text().strip() == _stamp(preset):
         return out
@@ -198,7 +200,7 @@ def ensure_tiny_quant(preset: str = "tiny-fp8", out_dir=None) -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-fp8", choices=QUANT_PRESETS)
-    ap.add_argument("--out", help="target directory (default: checkpoints/tiny/<preset>)")
+    ap.add_argument("--out", help="target directory (default: <lp_jax's cache>/models/<preset>)")
     args = ap.parse_args(argv)
     print(write_quant_dir(args.out, args.preset) if args.out else ensure_tiny_quant(args.preset))
 

@@ -37,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from checkpoints import make_tiny
+from lp_jax.paths import models_dir
+
+from . import make_tiny
 
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "data" / "aesop_townsend.txt"
 TEXT_TITLE = "Aesop's Fables, translated by George Fyler Townsend (1867)"
-DEFAULT_ROOT = make_tiny.DEFAULT_ROOT  # the model lands in <root>/demo
 STAMP_FILE = ".train_demo_stamp"
 INFO_FILE = "training.json"
 FABLE_SEPARATOR = "\n\n\n"  # two blank lines between fables in the text file
@@ -441,17 +442,17 @@ def _ensure(out: Path, log=print) -> Path:
 
 
 def ensure_demo(root: str | os.PathLike | None = None, *, log=print) -> Path:
-    """Path to the demo model, <root>/demo (default checkpoints/tiny/demo, gitignored),
+    """Path to the demo model, <root>/demo (default <lp_jax's cache>/models/demo),
     trained first (400 steps, about 60 CPU-seconds) if absent or stale."""
-    return _ensure(Path(root if root is not None else DEFAULT_ROOT) / "demo", log=log)
+    return _ensure(Path(root if root is not None else models_dir()) / "demo", log=log)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="model directory (default: checkpoints/tiny/demo)")
+    ap.add_argument("--out", help="model directory (default: <lp_jax's cache>/models/demo)")
     ap.add_argument("--force", action="store_true", help="retrain even if the cache is current")
     args = ap.parse_args(argv)
-    out = Path(args.out) if args.out else DEFAULT_ROOT / "demo"
+    out = Path(args.out) if args.out else models_dir() / "demo"
     if args.force and (out / STAMP_FILE).exists():
         shutil.rmtree(out)
     print(_ensure(out))

@@ -3,7 +3,7 @@
 The default model is checkpoints/train_demo.py's: two MoE layers trained on 25 of
 Aesop's fables (Townsend's 1867 translation, shipped in checkpoints/data/) until it
 knows them by heart, trained the first time (400 steps, about 60 CPU-seconds) and cached
-in checkpoints/tiny/demo/. Its greedy continuation of a fable's first words is the
+in the user cache (lp_jax/paths.py). Its greedy continuation of a fable's first words is the
 fable, so readable text means the engine computes what the model learnt.
 
 Each policy (orca, chunked, layered, flowprefill) serves the same prompts greedily; the
@@ -45,19 +45,17 @@ def describe(model_dir: Path) -> str:
             f"loss {info['first_loss']:.2f} -> {info['final_loss']:.2f}): it recites them")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model directory (default: the demo model, trained on first use)")
+def main(argv=None, prog: str = "lp-demo"):
+    from lp_jax.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated scheduling policies to run and compare")
-    parser.add_argument("--mesh-shape", default=None,
-                        help="expert,tensor devices, e.g. 2,4 (several processes: see "
-                             "launch/multihost.py)")
-    parser.add_argument("--layer-groups", default="2",
-                        help='layered prefill: "paper", "pow2" or a group count (default 2)')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", action="append", default=None)
+    # Several processes: launch/multihost.py.
+    add_engine_args(parser.add_argument_group("engine (EngineConfig; docs/engine_args.md)"),
+                    only=("model", "mesh_shape", "layer_groups"), defaults={"layer_groups": 2})
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if bad := sorted(set(policies) - set(POLICIES)):
@@ -69,8 +67,7 @@ def main(argv=None):
 
     model_dir = Path(args.model) if args.model else ensure_demo()
     print(describe(model_dir))
-    groups = int(args.layer_groups) if args.layer_groups.isdigit() else args.layer_groups
-    mesh = tuple(int(x) for x in args.mesh_shape.split(",")) if args.mesh_shape else None
+    groups, mesh = args.layer_groups, args.mesh_shape
     prompts = args.prompt or list(PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results: dict[str, list] = {}

@@ -57,7 +57,11 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 CUDA_HINT = ("install the CUDA compiler (no GPU needed): pip install -e '.[gpu-compile]' "
              "(jax-cuda13-plugin, jax-cuda13-pjrt 0.11.2 and nvidia-cuda-nvcc 13.0)")
 GPU_TARGETS = ("h200", "h100")  # lp_jax/aot/gpu_targets/{gpu}.txtpb
-_TARGETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "lp_jax" / "aot" / "gpu_targets"
+# lp_jax/aot/gpu_targets: beside this package in a source checkout, its parent in a wheel
+# (which installs pallas_kernels as lp_jax.pallas_kernels; lp_jax/paths.py).
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_TARGETS_DIR = next((d for d in (_ROOT / "lp_jax/aot/gpu_targets", _ROOT / "aot/gpu_targets")
+                     if d.is_dir()), _ROOT / "lp_jax/aot/gpu_targets")
 TPU_DEVICE_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}  # as libtpu names them
 
 

@@ -15,11 +15,15 @@ Time budget per test area (tests/README.md): new tests fit in it or buy time els
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The generated models (demo, tiny presets) live in the checkout's own cache, shared by
+# `make demo`, every test and the wheel test (lp_jax/paths.py).
+os.environ.setdefault("LP_JAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 
 _CACHE_ENV = "LP_TEST_COMPILATION_CACHE"
 _OWN_CACHE = None
@@ -38,6 +42,7 @@ import pytest  # noqa: E402
 SLOWEST_FIRST = ("test_moe_kernels.py", "test_pallas_end_to_end.py",
                  "test_sharded_kernels.py", "test_quant_loading.py",
                  "test_attention_kernels.py", "test_gpu_validate.py", "test_gpt_oss.py",
+                 "test_wheel.py",
                  "test_moe_quant.py", "test_expert_dispatch.py", "test_tpu_compile.py",
                  "test_multiprocess.py", "test_kv_fp8.py", "test_aot.py",
                  "test_kernel_check.py", "test_programs.py", "test_engine.py",

@@ -21,6 +21,7 @@ FLOORS = {
     "lp_jax.quant": 1,  # weight formats: pallas_kernels' schemes, HF quantization_config
     "lp_jax.config": 2, "lp_jax.sharding": 2, "lp_jax.safetensors_io": 2,
     "lp_jax.progress": 2, "lp_jax.backend_select": 2, "lp_jax.version": 2,
+    "lp_jax.paths": 2,  # where the package's files and the user cache are
     "lp_jax.structured": 2,  # grammar specs (core's SamplingParams holds one), llguidance
     "lp_jax.core": 3,  # the pure-Python scheduling core
     "lp_jax.trace": 4,  # the decision trace: written by the engine and the simulator
@@ -29,9 +30,13 @@ FLOORS = {
     "lp_jax.loader": 6, "lp_jax.roofline": 6, "checkpoints": 6,
     "lp_jax.executor": 7, "lp_jax.sim": 7,
     "lp_jax.engine": 8, "lp_jax.aot": 8,
+    "lp_jax.engine_args": 9,  # the engine flags, generated from EngineConfig
+    "lp_jax.aot.__main__": 10,  # the AOT command line takes the engine flags
+    "lp_jax.engine.profile_latency": 10,  # a command line too
     "lp_jax.llm": 9, "lp_jax.server": 9,
     "lp_jax.serve": 10, "lp_jax.demo": 10,
     "lp_jax.bench": 11,  # benchmarks and the load generator use everything
+    "lp_jax.cli": 12,  # `lp`: every command
     "lp_jax": 12,  # the package's face: LLM and SamplingParams, lazily
 }
 

@@ -9,6 +9,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from checkpoints import make_tiny
+from lp_jax.paths import models_dir
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 PRESETS = sorted(make_tiny.PRESETS)
@@ -34,7 +35,7 @@ def test_two_runs_write_identical_bytes(tmp_path, sharded):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_model_dir_has_hf_layout(preset):
     d = make_tiny.ensure_tiny(preset=preset)
-    assert d == make_tiny.DEFAULT_ROOT / preset
+    assert d == models_dir() / preset
     assert FILES | {"model.safetensors"} <= {p.name for p in d.iterdir()}
     cfg = json.loads((d / "config.json").read_text())
     assert cfg == make_tiny.build_config(preset)

@@ -53,13 +53,14 @@ from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, kv_dtype, packs_kv
+from lp_jax.paths import bundled
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
 from pallas_kernels.quant import stored_bytes
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
+CONFIG_DIR = bundled("checkpoints") / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
            "qwen3-8b": "Qwen3-8B.json", "gpt-oss-20b": "gpt-oss-20b.json"}
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
-from lp_jax.core.policies import POLICIES
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 
@@ -34,27 +33,26 @@ def _host_backend_cpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-def main(argv=None) -> int:
-    _host_backend_cpu()
-    ap = argparse.ArgumentParser(prog="python -m lp_jax.aot", description=__doc__.split("\n")[0])
+# The engine flags that shape the programs, as `lp serve` spells them (docs/engine_args.md).
+ENGINE_FLAGS = ("scheduling", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "page_size", "kv_pages", "mesh_shape", "max_paused_prefills", "dtype",
+                "quantization", "kv_cache_dtype", "moe_dispatch", "token_buckets")
+# Compile-only defaults: a 4,096-token context and a mesh over the whole slice keep the
+# documented commands within one chip's memory for the big presets.
+DEFAULTS = {"max_model_len": 4096}
+DEFAULT_HELP = {"mesh_shape": "every device of the TPU slice on the expert axis, one device "
+                              "for cuda",
+                "kv_pages": "max-num-seqs full-length sequences"}
+
+
+def build_parser(prog: str = "python -m lp_jax.aot") -> argparse.ArgumentParser:
+    from lp_jax.engine_args import add_engine_args
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--platform", choices=("tpu", "cuda"), required=True)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS))
     src.add_argument("--config", help="a config.json, or a directory holding one")
-    ap.add_argument("--scheduling", "--scheduler-cls", default="layered",
-                    help=f"{', '.join(sorted(POLICIES))}, or a Policy class as "
-                         "package.module:Class (its bucket rules shape the programs)")
-    ap.add_argument("--max-paused-prefills", type=int, default=8,
-                    help="flowprefill: paused batches whose hidden rows the programs hold")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kv-pages", type=int, default=None,
-                    help="pages per layer (default: max-num-seqs full-length sequences)")
-    ap.add_argument("--mesh", default=None,
-                    help="data,expert,tensor (or expert,tensor); default: every device of "
-                         "the TPU slice on the expert axis, one device for cuda")
     ap.add_argument("--topology", default="v6e:2x4", help="TPU slice, e.g. v6e:2x4, v5e:4x4")
     ap.add_argument("--gpu", default="h200", choices=GPU_TARGETS,
                     help="cuda: the GPU's target config (default h200)")
@@ -67,33 +65,20 @@ def main(argv=None) -> int:
                     help="cuda: keep the compilers' dumps (OUT/dumps/program_N)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="programs compiled at once (default: the host's cores)")
-    ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
-    ap.add_argument("--quantization", default=None, choices=("int8", "fp8", "mxfp4"),
-                    help="int8 / fp8 per channel, or mxfp4 (GPT-OSS's experts in 4 bits); "
-                         "default: the checkpoint's format")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"),
-                    help="fp8 / fp8_e4m3: float8_e4m3fn KV pages, half the KV pool's bytes "
-                         "(default: auto, the model's dtype)")
-    ap.add_argument("--moe-dispatch", default="auto", choices=("auto", "allreduce", "all_to_all"),
-                    help="expert-parallel MoE communication (default: auto)")
-    ap.add_argument("--token-buckets", default=None,
-                    help="comma-separated row buckets (default: the engine's)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    add_engine_args(ap.add_argument_group("engine (EngineConfig; docs/engine_args.md)"),
+                    only=ENGINE_FLAGS, defaults=DEFAULTS, default_help=DEFAULT_HELP,
+                    extra_spellings={"mesh_shape": ("--mesh",)})
+    return ap
+
+
+def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
+    _host_backend_cpu()
+    args = build_parser(prog).parse_args(argv)
 
     try:
         model_cfg = load_config(args.preset or args.config)
-        cfg = AotConfig(
-            platform=args.platform, scheduling=args.scheduling,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-            kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
-            gpu=args.gpu, memory_fraction=args.memory_fraction,
-            dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
-            moe_dispatch=args.moe_dispatch, quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            token_buckets=(tuple(int(b) for b in args.token_buckets.split(","))
-                           if args.token_buckets else None))
+        cfg = aot_config(args)
         summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,
                       keep_dumps=args.keep_dumps)
     except (ValueError, RuntimeError) as e:
@@ -108,9 +93,20 @@ def main(argv=None) -> int:
     return 1 if summary["violations"] else 0
 
 
+def aot_config(args) -> AotConfig:
+    """AotConfig from the parsed flags: the engine flags under their own names (AotConfig
+    names its fields as EngineConfig does), then the compile target's."""
+    from lp_jax.engine_args import engine_kwargs
+
+    engine = engine_kwargs(args, ENGINE_FLAGS) | {
+        "mesh_shape": _mesh(args), "token_buckets": args.token_buckets or None}
+    return AotConfig(platform=args.platform, topology=args.topology, gpu=args.gpu,
+                     memory_fraction=args.memory_fraction, **engine)
+
+
 def _mesh(args) -> tuple[int, int, int]:
-    if args.mesh:
-        dims = tuple(int(d) for d in args.mesh.split(","))
+    if args.mesh_shape:
+        dims = tuple(args.mesh_shape)
         return dims if len(dims) == 3 else (1, *dims)
     if args.platform == "cuda":
         return (1, 1, 1)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from lp_jax.config import resolve_kv_cache_dtype
+from lp_jax.config import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
+from lp_jax.paths import CACHE_ENV, default_jax_cache_dir
 from lp_jax.quant import REQUESTABLE
 
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
 
 
@@ -27,88 +26,152 @@ def default_prefill_budget(policy_budget: int, max_model_len: int) -> int:
     return min(policy_budget, max_model_len)
 
 
+def engine_arg(default=dataclasses.MISSING, help: str | None = None, *, factory=None,
+         **flag) -> dataclasses.Field:
+    """A field whose `help` makes it a command-line flag (lp_jax/engine_args.py). `flag`
+    holds the flag's other settings: `flags` (its spellings, default --the-field-name),
+    `type` (a parser named in engine_args.PARSERS, default from the default's type),
+    `choices`, `metavar`, `default_help` (the default, said in words)."""
+    meta = {} if help is None else {"help": help, **flag}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face directory; None: the embedded fable model
-    # "orca", "chunked", "layered", "flowprefill", a Policy subclass, or the dotted path
-    # of one ("package.module:Class"); lp_jax/core/policies/base.py is the interface.
-    scheduling: str | type[Policy] = "layered"
-    max_model_len: int | None = None  # None: min(max_position_embeddings, 8192)
-    max_num_seqs: int = 32
-    # None: the policy's default, capped at max_model_len (default_prefill_budget)
-    max_num_batched_tokens: int | None = None
-    layer_groups: str | int = "paper"  # "paper", "pow2", "adaptive" or a fixed group count
+    """The engine's arguments. A field with help metadata is also a flag of every
+    command that builds an engine (`lp serve`, and the subset `lp aot` compiles for):
+    engine_args.py reads its name, type, default and help from here."""
+
+    model: str | None = engine_arg(
+        None, "Hugging Face model directory",
+        default_help="the embedded fable model of checkpoints/train_demo.py")
+    # A Policy subclass too, from Python; lp_jax/core/policies/base.py is the interface.
+    scheduling: str | type[Policy] = engine_arg(
+        "layered", "orca, chunked, layered, flowprefill (slack-aware EDF over the requests' "
+        "TTFT deadlines, with preemptible prefill: --preemption-granularity), or your own "
+        "Policy class as package.module:Class (docs/custom_policy.md)",
+        flags=("--scheduling", "--scheduler-cls"), metavar="POLICY")
+    max_model_len: int | None = engine_arg(
+        None, "longest sequence, prompt and output", type="positive_int",
+        default_help=f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN})")
+    max_num_seqs: int = engine_arg(32, "most requests running at once", type="positive_int")
+    max_num_batched_tokens: int | None = engine_arg(
+        None, "prefill token budget of one step", type="positive_int",
+        default_help="the policy's (orca: max_model_len, chunked: 512, layered and "
+                     "flowprefill: 8192), capped at max_model_len")
+    layer_groups: str | int = engine_arg(
+        "paper", "'paper', 'pow2', 'adaptive' (with --tbt-slo-ms) or a fixed group count",
+        type="layer_groups")
     # "adaptive": each iteration's span keeps the predicted step within tbt_slo_ms x
-    # (1 - adaptive_margin) (or the tightest running request's TBT SLO); None: no limit.
-    tbt_slo_ms: float | None = None
-    adaptive_margin: float = 0.1
-    max_layer_groups: int = 16
-    # FlowPrefill (flowprefill.py): where a prefill may be paused ("operator", "layer" or
-    # "group"); `preemptible` makes a layered batch preemptible at its group boundaries.
-    preemption_granularity: str = "operator"
-    preemptible: bool = False
-    slo_alpha: float = 0.1  # SLO-aware batching's margin: alpha * the TTFT SLO
-    # "reference": the released FlowPrefill code's rules; "lp_jax": this project's earlier
-    # ones (SchedulerConfig, lp_jax/core/policies/flowprefill.py).
-    flowprefill_rules: str = "reference"
-    # Paused batches whose hidden states stay on device, each in max_num_batched_tokens
-    # rows of the hidden buffer (Qwen3-30B-A3B at 8192 tokens: 32 MiB each).
-    max_paused_prefills: int = 8
-    # FlowPrefill segments dispatched ahead, k: a plan carries up to k of the running
-    # batch's segments as one call (one host plan, dispatch and commit), at most k + 1
-    # outstanding; an urgent arrival waits for up to k + 1 segments (flowprefill.py).
-    flowprefill_lookahead: int = 1
-    slo_classes: dict | str | None = None  # {name: {"ttft_ms", "tbt_ms"}}, JSON, or a path
-    latency_model: str | None = None  # a fitted estimator (python -m lp_jax.engine.profile_latency)
-    prefill_only: bool = False  # every request ends at its first token (disaggregated prefill)
-    page_size: int = 16
-    # Share the KV pages of equal prompt prefixes between requests (block_manager.py), on
-    # by default as in vLLM v1.
-    enable_prefix_caching: bool = True
-    kv_pages: int | None = None  # logical pages (per layer); None: from kv_memory_fraction
-    kv_memory_fraction: float = 0.5  # of free accelerator memory, when kv_pages is None
-    load_format: str = "auto"  # "auto", "safetensors", "dummy", "orbax"
-    mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
-    dtype: str | None = None  # None: the checkpoint's dtype
-    # Weight format (lp_jax/quant): None serves the checkpoint's (16-bit, or the FP8 its
-    # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load;
-    # "mxfp4" keeps GPT-OSS's MXFP4 experts in 4 bits (else dequantised to 16 at load).
-    quantization: str | None = None
-    # The KV pool's format, vLLM's values: "auto" (the model's dtype) or "fp8" / "fp8_e4m3"
-    # (float8_e4m3fn pages with the checkpoint's per-layer k_scale / v_scale, else 1.0;
-    # half the bytes per page, so twice the default pages; lp_jax/models/kv_cache.py).
-    kv_cache_dtype: str = "auto"
-    moe_backend: str = "auto"
-    # Expert-parallel MoE (mesh "expert" axis > 1): "allreduce" (every expert shard routes
-    # every token, partial outputs summed), "all_to_all" (rows sent to their expert's
-    # shard and back), "auto" (the fewer communication bytes per layer; sharded_kernels).
-    moe_dispatch: str = "auto"
-    attention_backend: str = "auto"
-    # Start-up self-test of the selected Pallas kernels (kernel_check.py): "fallback" serves
-    # a failing op with its safe backend, "strict" raises, "off" skips the test.
-    backends: str = "fallback"
-    seed: int = 0
-    # Row counts the step is compiled for, one program each; None: step.default_token_buckets.
-    token_buckets: tuple[int, ...] | None = None
-    warmup: bool = True  # compile every program at start-up
-    # Plan and dispatch the next step while a decode-only step runs (llm_engine.py).
-    async_scheduling: bool = True
-    # JAX's persistent compilation cache; None: none of lp_jax's own. A cache JAX already
-    # has (JAX_COMPILATION_CACHE_DIR, or an earlier engine in the process) is kept.
-    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
-    # Several processes, one SPMD engine (distributed.py): all None reads LP_NUM_PROCESSES /
-    # LP_PROCESS_ID / LP_COORDINATOR_ADDRESS, else a TPU pod or SLURM job JAX detects,
-    # else one process. Process 0 leads; see plan_channel.py.
-    num_processes: int | None = None
-    process_id: int | None = None
-    coordinator_address: str | None = None
-    plan_channel: str = "host"  # "host" (TCP) or "device" (broadcast_one_to_all)
-    follower_timeout_s: float = 60.0  # a follower silent this long ends the leader
-    # The decision trace (lp_jax/trace/writer.py): one JSON line per plan and request
-    # event, written here; `python -m lp_jax.trace plot` draws it.
-    trace_path: str | None = None
+    # (1 - adaptive_margin), or the tightest running request's TBT SLO.
+    tbt_slo_ms: float | None = engine_arg(
+        None, "--layer-groups adaptive: keep each step within this TBT objective (ms)",
+        type="positive_float", default_help="no limit")
+    adaptive_margin: float = engine_arg(
+        0.1, "--layer-groups adaptive: headroom under the TBT objective", type="unit_interval")
+    max_layer_groups: int = engine_arg(16, "most layer groups a prefill is split into",
+                                 type="positive_int")
+    preemption_granularity: str = engine_arg(
+        "operator", "where a flowprefill prefill may be paused",
+        choices=("operator", "layer", "group"))
+    preemptible: bool = engine_arg(
+        False, "layered: a prefill batch may be preempted at its group boundaries")
+    slo_alpha: float = engine_arg(0.1, "SLO-aware batching's margin, alpha * the TTFT SLO",
+                            type="unit_interval")
+    flowprefill_rules: str = engine_arg(
+        "reference", "flowprefill's ranking and batching: the released FlowPrefill code's "
+        "(reference) or lp_jax's earlier ones (SchedulerConfig)",
+        choices=("reference", "lp_jax"))
+    # Each paused batch holds max_num_batched_tokens rows of the hidden buffer
+    # (Qwen3-30B-A3B at 8192 tokens: 32 MiB).
+    max_paused_prefills: int = engine_arg(
+        8, "paused prefill batches whose hidden states stay on the device",
+        type="non_negative_int")
+    flowprefill_lookahead: int = engine_arg(
+        1, "flowprefill: segments of the running prefill one plan carries (one host plan, "
+        "dispatch and commit); an urgent arrival waits for at most k + 1 segments",
+        type="positive_int")
+    slo_classes: dict | str | None = engine_arg(
+        None, "named SLO classes requests may give as slo_class: inline JSON or a JSON "
+        'file, e.g. {"chat": {"ttft_ms": 250, "tbt_ms": 100}}', type="slo_classes",
+        default_help="none")
+    latency_model: str | None = engine_arg(
+        None, "fitted step-latency model (python -m lp_jax.engine.profile_latency)",
+        type="existing_path", default_help="fitted online")
+    prefill_only: bool = engine_arg(
+        False, "every request ends at its first token (disaggregated prefill)")
+    page_size: int = engine_arg(16, "KV page (block) size, in tokens", type="positive_int")
+    enable_prefix_caching: bool = engine_arg(
+        True, "share the KV pages of equal prompt prefixes (lp_jax/core/block_manager.py)")
+    kv_pages: int | None = engine_arg(None, "KV pages per layer", type="positive_int",
+                                default_help="from --kv-memory-fraction")
+    kv_memory_fraction: float = engine_arg(
+        0.5, "share of the free accelerator memory the KV pool takes, when --kv-pages is "
+        "not given", type="positive_float")
+    load_format: str = engine_arg("auto", "how the weights are read",
+                            choices=("auto", "safetensors", "dummy", "orbax"))
+    # A dict of axis sizes too, from Python.
+    mesh_shape: tuple | dict | None = engine_arg(
+        None, "devices per mesh axis: 'expert,tensor' or 'data,expert,tensor'",
+        type="int_tuple", default_help="one device")
+    dtype: str | None = engine_arg(None, "weights' and activations' dtype",
+                             default_help="the checkpoint's")
+    quantization: str | None = engine_arg(
+        None, "int8 / fp8: quantise a 16-bit checkpoint per channel at load (an HF FP8 "
+        "checkpoint is detected from its config.json); mxfp4: keep GPT-OSS's MXFP4 experts "
+        "in 4 bits", flags=("--quantization", "-q"), choices=REQUESTABLE,
+        default_help="the checkpoint's format")
+    kv_cache_dtype: str = engine_arg(
+        "auto", "fp8 / fp8_e4m3: float8_e4m3fn KV pages with the checkpoint's k_scale / "
+        "v_scale (else 1.0), half the bytes per page (lp_jax/models/kv_cache.py)",
+        choices=KV_CACHE_DTYPES)
+    moe_backend: str = engine_arg("auto", "MoE kernel backend (lp_jax/backend_select.py)")
+    moe_dispatch: str = engine_arg(
+        "auto", "expert-parallel MoE communication: allreduce (every expert shard routes "
+        "every token), all_to_all (rows go to their expert's shard and back), auto (fewer "
+        "bytes per layer)", choices=("auto", "allreduce", "all_to_all"))
+    attention_backend: str = engine_arg(
+        "auto", "attention kernel backend (lp_jax/backend_select.py)")
+    backends: str = engine_arg(
+        "fallback", "start-up self-test of the Pallas kernels: fall back to a safe backend, "
+        "fail, or skip it", choices=("fallback", "strict", "off"))
+    seed: int = engine_arg(0, "sampling seed")
+    token_buckets: tuple[int, ...] | None = engine_arg(
+        None, "row counts to compile a step program for", type="int_tuple",
+        default_help="1, 4, 16, 64, powers of two to 512, then x1.5 steps to the budget")
+    warmup: bool = engine_arg(True, "compile every program at start-up")
+    async_scheduling: bool = engine_arg(
+        True, "plan and dispatch the next step while a decode-only step runs; off: commit "
+        "each step before planning the next")
+    # A cache JAX already has (JAX_COMPILATION_CACHE_DIR, or an earlier engine in the
+    # process) is kept.
+    compilation_cache_dir: str | None = engine_arg(
+        help="persistent XLA compilation cache; '' for none", factory=default_jax_cache_dir,
+        default_help=f"${CACHE_ENV}/jax_cache, else $XDG_CACHE_HOME/lp_jax/jax_cache, else "
+                     "~/.cache/lp_jax/jax_cache", empty_is_none=True, metavar="DIR")
+    # One SPMD engine over several processes (distributed.py); process 0 leads
+    # (plan_channel.py). All None: a TPU pod or SLURM job JAX detects, else one process.
+    num_processes: int | None = engine_arg(
+        None, "processes (one per host) of one engine", type="positive_int",
+        default_help="$LP_NUM_PROCESSES, a detected TPU pod or SLURM job, or 1")
+    process_id: int | None = engine_arg(None, "this process's rank", type="non_negative_int",
+                                  default_help="$LP_PROCESS_ID")
+    coordinator_address: str | None = engine_arg(None, "host:port of process 0",
+                                           default_help="$LP_COORDINATOR_ADDRESS")
+    plan_channel: str = engine_arg(
+        "host", "how the leader sends each step to the followers: host (TCP) or device "
+        "(broadcast_one_to_all)", choices=("host", "device"))
+    follower_timeout_s: float = engine_arg(60.0, "a follower silent this long stops the leader",
+                                     type="positive_float")
+    trace_path: str | None = engine_arg(
+        None, "write the decision trace (one JSON line per plan and request event) here; "
+        "python -m lp_jax.trace plot PATH draws it", flags=("--trace", "--trace-path"),
+        metavar="PATH", default_help="none")
     # Scheduler time advanced by the latency estimator's predicted step times instead of
     # wall time (core/clock.py): arrivals, deadlines and metrics on it, reproducible.
+    # From Python only (tests and the simulator).
     virtual_clock: bool = False
 
     def __post_init__(self):

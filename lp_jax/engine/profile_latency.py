@@ -48,26 +48,24 @@ def profile_engine(engine, *, output_tokens: int = 8, seed: int = 0) -> LatencyM
 
 
 def main(argv=None) -> None:
+    from lp_jax.engine_args import add_engine_args, engine_kwargs
+
     p = argparse.ArgumentParser(
         prog="python -m lp_jax.engine.profile_latency",
         description="Profile the engine's step latency and write a fitted estimator "
                     "(EngineConfig.latency_model / lp-serve --latency-model).")
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: tiny)")
-    p.add_argument("--scheduling", default="flowprefill")
-    p.add_argument("--preemption-granularity", default="operator")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--load-format", default="auto")
     p.add_argument("--output-tokens", type=int, default=8, help="decode steps per request")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--waves-seed", "--seed", dest="waves_seed", type=int, default=0,
+                   help="seed of the prompt waves")
+    names = add_engine_args(
+        p.add_argument_group("engine (EngineConfig; docs/engine_args.md)"),
+        only=("model", "scheduling", "preemption_granularity", "max_model_len",
+              "max_num_batched_tokens", "max_num_seqs", "load_format"),
+        defaults={"scheduling": "flowprefill"})
     args = p.parse_args(argv)
-    engine = LLMEngine(EngineConfig(
-        model=args.model, scheduling=args.scheduling, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        load_format=args.load_format, preemption_granularity=args.preemption_granularity))
-    model = profile_engine(engine, output_tokens=args.output_tokens, seed=args.seed)
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args, names)))
+    model = profile_engine(engine, output_tokens=args.output_tokens, seed=args.waves_seed)
     model.save(args.out)
     print(json.dumps({"out": args.out, **model.error(),
                       "coef": dict(zip(FEATURES, model.to_dict()["coef"], strict=True))},

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lp_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from lp_jax.paths import bundled
 from lp_jax.roofline.formats import KV_FORMATS, WEIGHT_FORMATS, WeightFormat
 
 _DTYPE_BYTES = {
@@ -55,7 +56,7 @@ _DTYPE_BYTES = {
     "int8": 1,
 }
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "configs"
+CONFIG_DIR = bundled("checkpoints") / "configs"
 # The engine's quantization methods (lp_jax/quant/config.py) as roofline weight formats.
 _ENGINE_FORMATS = {"int8": "int8", "fp8": "fp8", "fp8_block": "fp8_block", "mxfp4": "fp4"}
 
