@@ -1,4 +1,5 @@
-"""A stand-in engine with LLMEngine's interface, for tests and for timing the HTTP layer.
+"""A stand-in engine for tests and for timing the HTTP layer: it implements the server's
+view of an engine (core/served.py's ServedEngine), as LLMEngine does.
 
 It imports no JAX. Each `step()` admits waiting requests (up to `max_num_seqs`, if their
 pages fit) and gives every running request one token, so it "generates" as fast as the
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 
 from lp_jax.core.metrics import RequestMetrics
 from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.served import EngineLimits, QueueState
 from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 
 
@@ -83,7 +85,8 @@ class MockEngine:
         self._done: list[_Seq] = []
         self._stats = {"iterations": 0, "iterations_decode": 0, "iterations_prefill": 0,
                        "iterations_hybrid": 0, "iterations_idle": 0, "prefill_tokens": 0,
-                       "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+                       "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0,
+                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def _sched_stats(self) -> dict:
         return dict(self._stats)
@@ -128,6 +131,16 @@ class MockEngine:
                     self._stats["aborted"] += 1
                     return True
         return False
+
+    @property
+    def limits(self) -> EngineLimits:
+        cfg = self.scheduler.config
+        return EngineLimits(cfg.max_model_len, cfg.max_num_seqs, self.model_config.vocab_size)
+
+    def queue_state(self) -> QueueState:
+        sched = self.scheduler
+        return QueueState(len(sched.running), frozenset(s.seq_id for s in sched.waiting),
+                          self._stats["iterations_idle"])
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._done)
