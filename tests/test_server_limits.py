@@ -244,3 +244,17 @@ def test_server_uses_only_the_served_engine_interface(tiny_dir):
             assert request(st_.port, method, path, {}, headers=auth)[0] == 200, path
         time.sleep(0.1)  # a stats line (limits, queue state and stats only)
         assert st_.server.engine_loop.healthy and engine.free_pages == engine.num_pages
+
+
+# ------------------------------------------------------------------ the probe
+def test_probe_short_finds_nothing(mock_server):
+    """lp-bench --probe's CI version: every battery case gets its documented status, no
+    5xx, no hang, every checked answer complete, the gauges back at 0."""
+    from lp_jax.bench.probe import run_probe
+
+    lines = []
+    r = run_probe(mock_server.url, short=True, log=lines.append)
+    assert r["findings"] == [], lines
+    assert set(r["phases"]) == {"battery", "gzip bombs", "amplification", "oversized bodies",
+                                "overload", "load with cuts", "soak"}
+    assert r["battery_cases"] >= 40 and not any(r["gauges_end"].values())

@@ -201,7 +201,10 @@ class OpenAIServer:
         try:
             return await handler(request)
         except APIError as err:
-            return error_response(err)
+            resp = error_response(err)
+            if err.status in (408, 413, 415):  # the body is unread: aiohttp would read it
+                resp.force_close()            # to its end after the answer
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -240,12 +243,9 @@ class OpenAIServer:
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding not in ("", "identity"):
             self.metrics.rejected.inc(reason="invalid")
-            resp = error_response(APIError(
-                415, f"Content-Encoding '{encoding[:40]}' is not accepted: send the body "
-                "uncompressed (identity)", param="Content-Encoding",
-                code="unsupported_content_encoding"))
-            resp.force_close()  # else aiohttp would read the unread body to its end
-            return resp
+            raise APIError(415, f"Content-Encoding '{encoding[:40]}' is not accepted: send "
+                           "the body uncompressed (identity)", param="Content-Encoding",
+                           code="unsupported_content_encoding")
         return await handler(request)
 
     # ------------------------------------------------------------- endpoints
