@@ -342,7 +342,7 @@ def test_abort_counted_when_client_leaves_before_submission(tiny_dir):
             async with aiohttp.ClientSession() as s:
                 url = f"{st_.url}/v1/completions"
                 first = asyncio.create_task(s.post(url, json={"prompt": "a", "max_tokens": 2}))
-                while not eng.scheduler.running:
+                while not eng.running:
                     await asyncio.sleep(0.01)
                 second = asyncio.create_task(s.post(url, json={"prompt": "b", "max_tokens": 2}))
                 while st_.server.engine_loop.num_unadmitted < 2:  # the first counts until

@@ -82,7 +82,7 @@ def test_waiting_limit_counts_sequences():
         ids = [1, 2, 3]
         with pytest.raises(NeverFitsError, match="can never be admitted"):
             await loop_.add([(ids, _params())] * 7)
-        assert len(engine.scheduler.waiting) == 0  # refused before the engine saw it
+        assert len(engine.waiting) == 0  # refused before the engine saw it
         await loop_.add([(ids, _params(n=2))] * 2 + [(ids, _params())])
         assert loop_.num_waiting == 1
         with pytest.raises(OverloadedError, match="adds 2"):

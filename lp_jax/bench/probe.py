@@ -169,9 +169,14 @@ class Probe:
         self.soak_s, self.attack_copies = soak_s, attack_copies
         self.findings: list[str] = []
         self.phases: dict[str, dict] = {}
+        self.outcomes: dict[str, int] = {}  # load requests by kind and outcome: "plain ok"
         self.rss: list[float] = []
 
     # ------------------------------------------------------------------ helpers
+    def _count(self, kind: str, outcome: str) -> None:
+        key = f"{kind} {outcome}"
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
     def find(self, what: str) -> None:
         self.findings.append(what)
         self.log(f"FINDING: {what}")
@@ -232,8 +237,9 @@ class Probe:
 
         mon = asyncio.create_task(monitor())
         t0 = time.perf_counter()
+        sent = None
         try:
-            await work()
+            sent = await work()
         finally:
             done.set()
             await mon
@@ -241,6 +247,8 @@ class Probe:
             self.find(f"{name}: /health failed {failures} times")
         self.phases[name] = {"seconds": round(time.perf_counter() - t0, 2),
                              "worst_health_ms": round(worst * 1e3, 1)}
+        if isinstance(sent, int):
+            self.phases[name]["requests"] = sent
         self.log(f"{name}: {self.phases[name]}")
 
     # -------------------------------------------------------------------- phases
@@ -283,6 +291,7 @@ class Probe:
                 if r.status >= 500:
                     self.find(f"load {kind} {i}: HTTP {r.status}")
                 r.close()
+            self._count(kind, "left")
             return
         async with asyncio.timeout(self.timeout_s):
             async with s.post(url, data=_j(body), headers=hdrs) as r:
@@ -291,6 +300,7 @@ class Probe:
                     return
                 if kind == "cut-stream":
                     await r.content.readuntil(b"\n\n")
+                    self._count(kind, "left")
                     return  # leaves: the server must abort the request
                 data = await r.read()
         if body["stream"]:
@@ -303,6 +313,8 @@ class Probe:
             usage = json.loads(data).get("usage") or {}
         if usage.get("completion_tokens") != k:
             self.find(f"load {kind} {i}: {usage.get('completion_tokens')} tokens, asked {k}")
+        else:
+            self._count(kind, "ok")
 
     async def _load(self, s, model: str, requests: int | None = None,
                     until: float | None = None) -> int:
@@ -395,6 +407,7 @@ class Probe:
                 "short": self.short, "concurrency": self.concurrency,
                 "requests": self.requests, "soak_s": self.soak_s,
                 "battery_cases": len(cases), "phases": self.phases, "gauges_end": gauges,
+                "load_outcomes": dict(sorted(self.outcomes.items())),
                 "rss_mb": {"before": rss_before, "peak": max(self.rss, default=None),
                            "after": rss_after},
                 "findings": self.findings}
@@ -404,13 +417,16 @@ def markdown(r: dict) -> str:
     lines = [f"probe of {r['url']} ({r['model']}, max_model_len {r['max_model_len']}): "
              f"{r['battery_cases']} battery cases, load of {r['requests']} requests at "
              f"concurrency {r['concurrency']}, soak {r['soak_s']:g} s",
-             "", "| phase | seconds | worst /health ms |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {p['seconds']} | {p.get('worst_health_ms', '-')} |"
-              for name, p in r["phases"].items()]
+             "", "| phase | seconds | requests | worst /health ms |",
+             "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {p['seconds']} | {p.get('requests', '-')} | "
+              f"{p.get('worst_health_ms', '-')} |" for name, p in r["phases"].items()]
     rss = r["rss_mb"]
     if rss["before"] is not None:
         lines.append(f"\nserver RSS MB: before {rss['before']:.0f}, peak {rss['peak']:.0f}, "
                      f"after {rss['after']:.0f}")
+    lines.append("load requests: " + ", ".join(f"{k} {v}"
+                                               for k, v in r["load_outcomes"].items()))
     lines.append("gauges at the end: " + ", ".join(f"{k} {v:g}"
                                                    for k, v in r["gauges_end"].items()))
     lines.append("findings: " + ("; ".join(r["findings"]) or "none"))
