@@ -348,20 +348,28 @@ class Probe:
                 return g
             await asyncio.sleep(0.2)
 
-    async def _drain(self, s, model: str) -> None:
-        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 32, "ignore_eos": True,
-                "stream": True}
+    async def _drain(self, s, model: str, max_model_len: int) -> None:
+        """SIGTERM once 4 long streams have their first token: each must still end with
+        [DONE] (the drain lets it finish), and the process must exit."""
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": min(256, max_model_len - 4),
+                "ignore_eos": True, "stream": True}
         hdrs = {**JSON, **self.auth}
+        started = asyncio.Semaphore(0)
 
         async def stream():
             async with s.post(self.url + "/v1/completions", data=_j(body), headers=hdrs) as r:
-                data = await r.read()
-                return r.status, data.endswith(b"data: [DONE]\n\n")
+                first = await r.content.readuntil(b"\n\n")
+                started.release()
+                rest = await r.read()
+                return r.status, (first + rest).endswith(b"data: [DONE]\n\n")
 
         tasks = [asyncio.create_task(stream()) for _ in range(4)]
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(self.timeout_s):
+            for _ in tasks:
+                await started.acquire()
         t0 = time.perf_counter()
         os.kill(self.pid, signal.SIGTERM)
+        in_flight = sum(not t.done() for t in tasks)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if r != (200, True):
@@ -370,7 +378,8 @@ class Probe:
             await asyncio.sleep(0.05)
         if Path(f"/proc/{self.pid}").exists():
             self.find("drain: the server still runs 60 s after SIGTERM")
-        self.phases["drain"] = {"seconds": round(time.perf_counter() - t0, 2)}
+        self.phases["drain"] = {"seconds": round(time.perf_counter() - t0, 2),
+                                "requests": in_flight}
 
     # ----------------------------------------------------------------------- run
     async def run(self) -> dict:
@@ -402,7 +411,7 @@ class Probe:
                     self.find(f"end: {name} is {v:g}, not 0")
             rss_after = self._sample_rss()
             if self.drain and self.pid:
-                await self._drain(s, model)
+                await self._drain(s, model, max_model_len)
         return {"url": self.url, "model": model, "max_model_len": max_model_len,
                 "short": self.short, "concurrency": self.concurrency,
                 "requests": self.requests, "soak_s": self.soak_s,
