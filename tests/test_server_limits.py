@@ -184,6 +184,7 @@ def test_api_key_guards_every_route_but_the_public_ones(tiny_dir):
                 assert status == 401, path
                 assert path in keyed_paths() and path in help_text
         assert {p for _, p in routes} - PUBLIC_PATHS == set(keyed_paths())
+        assert request(st_.port, "HEAD", "/health")[0] == 200
 
 
 # ------------------------------------------------------------------ the stats line

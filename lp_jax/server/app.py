@@ -184,7 +184,10 @@ class OpenAIServer:
         for method, path, handler in ROUTES:
             handler = (getattr(self, handler) if isinstance(handler, str)
                        else functools.partial(handler, self))
-            app.router.add_route(method, path, handler)
+            if method == "GET":  # with HEAD, as aiohttp's add_get (load balancers use it)
+                app.router.add_get(path, handler)
+            else:
+                app.router.add_route(method, path, handler)
         app[SERVER_KEY] = self
         return app
 
