@@ -263,3 +263,20 @@ def test_probe_short_finds_nothing(mock_server):
     assert set(r["phases"]) == {"battery", "gzip bombs", "amplification", "oversized bodies",
                                 "overload", "load with cuts", "soak"}
     assert r["battery_cases"] >= 40 and not any(r["gauges_end"].values())
+
+
+def test_probe_reports_what_it_does_not_expect(mock_server):
+    """The probe is no rubber stamp: an answer other than the expected status is a finding."""
+    from lp_jax.bench.probe import Case, Probe
+
+    probe = Probe(mock_server.url, short=True, log=lambda _: None)
+
+    async def check():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            return await probe._check(s, Case("a 404", "/nothing", b"", (200,),
+                                              method="GET"), "self-test:")
+
+    assert asyncio.run(check()) == 404
+    assert probe.findings and "HTTP 404 (expected 200)" in probe.findings[0]
