@@ -87,15 +87,15 @@ are a 400 naming the field.
 
 Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}`, aiohttp's own
 400s for a malformed request line or header included: 400 for malformed JSON and bad fields,
-401 for a missing or wrong API key (`--api-key` or the `LP_API_KEY` environment variable;
-/v1 routes, the three above and, unless `--metrics-public`, /metrics need it; the scheme
-`Bearer` in any case), 404 for an unknown model or path, 408 for a body that does not arrive within
-`--read-timeout`, 413 for a body larger than a prompt of `max_model_len` tokens can use
-(see app.py), 415 for a compressed body, 503 with `Retry-After` when the request's
-sequences would take those waiting beyond the free slots past `--max-waiting` or the server
-is draining (a request of more sequences than `--max-num-seqs` + `--max-waiting` is a 400:
-no retry could succeed), and 500 when the engine has failed. A stream that
-fails after its first chunk ends with an error event and `[DONE]`.
+401 for a missing or wrong API key (`--api-key` or the `LP_API_KEY` environment variable; on
+the routes above that need it; the scheme `Bearer` in any case), 404 for an unknown model or
+path, 408 for a body that does not arrive within `--read-timeout`, 413 for a body larger
+than a prompt of `max_model_len` tokens can use (see app.py), 415 for a compressed body, 503
+with `Retry-After` when the request's sequences would take those waiting beyond the free
+slots past `--max-waiting` or the server is draining (a request of more sequences than
+`--max-num-seqs` + `--max-waiting` is a 400: no retry could succeed), and 500 when the
+engine has failed. A stream that fails after its first chunk ends with an error event and
+`[DONE]`.
 
 Shutdown: on SIGTERM the server refuses new requests (503), gives those in flight
 `--shutdown-grace` seconds to finish, aborts the rest, and exits 0.
