@@ -76,22 +76,36 @@ def build_parser(prog: str = "lp-serve") -> argparse.ArgumentParser:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from lp_jax.server.protocol import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    from lp_jax.server.app import keyed_paths
+    from lp_jax.server.protocol import (
+        DEFAULT_MAX_LOGPROB_ENTRIES,
+        DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+        DEFAULT_MAX_REQUEST_SEQS,
+    )
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; "
-                        "the LP_API_KEY environment variable keeps it out of the process list")
+                   help="require 'Authorization: Bearer KEY' on "
+                        f"{', '.join(keyed_paths())} (/metrics not with --metrics-public); "
+                        "the LP_API_KEY environment variable keeps it out of the process "
+                        "list; an empty key stops start-up")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use [default: the --model directory's name, "
                         "or 'tiny']")
     s.add_argument("--max-waiting", type=_positive_int, default=None,
-                   help="requests allowed to wait beyond the free slots (--max-num-seqs); "
-                        "beyond it: 503 + Retry-After")
+                   help="sequences (a request's prompts x n) allowed to wait beyond the "
+                        "free slots (--max-num-seqs); beyond it: 503 + Retry-After; a request "
+                        "of more than --max-num-seqs + this many sequences: 400")
+    s.add_argument("--max-request-seqs", type=_positive_int, default=DEFAULT_MAX_REQUEST_SEQS,
+                   help="most sequences (prompts x n) one request may run; beyond: 400")
+    s.add_argument("--max-logprob-entries", type=_positive_int,
+                   default=DEFAULT_MAX_LOGPROB_ENTRIES,
+                   help="most log-probability entries one response may carry: prompt entries "
+                        "plus max_tokens x n x (logprobs + 1) over its prompts; beyond: 400")
     s.add_argument("--max-n", type=_positive_int, default=16,
                    help="most choices per prompt a request may ask for ('n'); beyond: 400")
     s.add_argument("--max-prompt-logprob-entries", type=_positive_int,
@@ -146,6 +160,10 @@ def build_engine(args, log=print):
 
 def main(argv=None, prog: str = "lp-serve") -> None:
     args = build_parser(prog).parse_args(argv)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LP_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise SystemExit(f"{prog}: the API key is empty (--api-key or LP_API_KEY): that "
+                         "would turn authentication off; give a key, or unset it")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("lp_jax.serve")
@@ -163,7 +181,8 @@ def main(argv=None, prog: str = "lp-serve") -> None:
 
     names = args.served_model_name or [Path(args.model).name if args.model else "tiny"]
     server = OpenAIServer(engine, served_model_names=names,
-                          api_key=args.api_key or os.environ.get("LP_API_KEY"),
+                          api_key=api_key, max_request_seqs=args.max_request_seqs,
+                          max_logprob_entries=args.max_logprob_entries,
                           max_waiting=args.max_waiting, metrics_public=args.metrics_public,
                           read_timeout=args.read_timeout, max_n=args.max_n,
                           max_prompt_logprob_entries=args.max_prompt_logprob_entries,

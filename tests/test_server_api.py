@@ -482,3 +482,18 @@ def test_stats_line_while_serving(client, caplog):
             break
         time.sleep(0.05)
     assert found and any(float(m.group(2)) > 0 for m in found), caplog.text[-2000:]
+
+
+def test_llm_engine_is_a_served_engine(server):
+    """LLMEngine implements the server's view of an engine (core/served.py), with the
+    limits and queue state the server reads."""
+    from lp_jax.core.served import ServedEngine
+
+    engine = server.server.engine
+    assert isinstance(engine, ServedEngine)
+    limits = engine.limits
+    assert (limits.max_model_len, limits.max_num_seqs) == (
+        engine.scheduler.config.max_model_len, engine.scheduler.config.max_num_seqs)
+    assert limits.vocab_size == engine.model_config.vocab_size
+    state = server.engine_call(lambda e: e.queue_state())
+    assert (state.running, state.waiting) == (0, 0) and state.idle_steps >= 0

@@ -117,8 +117,14 @@ def test_prompt_of_max_model_len_widest_tokens_passes(tiny_dir):
         # ensure_ascii: the widest way to write it (each non-ASCII byte as a \u escape)
         raw = json.dumps({"prompt": widest * 2048}).encode()
         status, _, data = post(st_, None, raw=raw)
+        # Read and tokenized (no 413): a full context leaves no room for an output token.
+        err = error_of(status, data, 400)
+        assert "maximum context length is 2048" in err["message"]
+        assert "the prompt has 2048" in err["message"] and err["param"] == "prompt"
+        raw = json.dumps({"prompt": widest * 2047}).encode()
+        status, _, data = post(st_, None, raw=raw)
         assert status == 200, data[:300]
-        assert json.loads(data)["usage"]["prompt_tokens"] == 2048
+        assert json.loads(data)["usage"]["prompt_tokens"] == 2047
 
 
 def test_oversized_prompt_refused_before_tokenizing(tiny_dir):
@@ -336,7 +342,7 @@ def test_abort_counted_when_client_leaves_before_submission(tiny_dir):
             async with aiohttp.ClientSession() as s:
                 url = f"{st_.url}/v1/completions"
                 first = asyncio.create_task(s.post(url, json={"prompt": "a", "max_tokens": 2}))
-                while not eng.scheduler.running:
+                while not eng.running:
                     await asyncio.sleep(0.01)
                 second = asyncio.create_task(s.post(url, json={"prompt": "b", "max_tokens": 2}))
                 while st_.server.engine_loop.num_unadmitted < 2:  # the first counts until

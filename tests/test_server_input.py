@@ -135,7 +135,7 @@ class ScoringMock(MockEngine):
         k = seq.params.prompt_logprobs
         if k is not None:
             if not hasattr(seq, "prompt_lps"):
-                v = self.model_config.vocab_size
+                v = self.limits.vocab_size
                 seq.prompt_lps = [None] + [
                     {t: -1.5, **{(t + 1 + j) % v: -2.0 - j for j in range(k)}}
                     for t in seq.prompt[1:]]

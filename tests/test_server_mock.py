@@ -231,7 +231,7 @@ def test_503_when_waiting_queue_full(tiny_dir):
 
         asyncio.run(scenario())
         for _ in range(200):
-            if st_.server.engine_loop.num_unadmitted == 0 and not eng.scheduler.waiting:
+            if st_.server.engine_loop.num_unadmitted == 0 and not eng.waiting:
                 break
             time.sleep(0.01)
         assert st_.server.engine_loop.num_unadmitted == 0

@@ -11,6 +11,10 @@ writes results.json, summary.png and TensorBoard scalars (tb/) to --output-dir.
 sends FlowPrefill's mix of task classes, each request with its own TTFT objective, and
 reports attainment per class.
 
+    lp-bench --probe --base-url http://127.0.0.1:8000 --probe-pid PID --output-dir runs/probe
+
+probes a running server's reliability (probe.py): exit status 1 on any finding.
+
     lp-bench --workload multi-turn --turns 4 --system-len 1024 --prompt-len 64 \
         --output-len 64 --turn-gap 2 --request-rate 0.5 --scrape-metrics
 
@@ -162,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of a system prompt every conversation opens with")
     c.add_argument("--turn-gap", type=float, default=1.0,
                    help="seconds between a conversation's turns (open loop)")
+    q = p.add_argument_group("reliability probe (lp_jax/bench/probe.py)")
+    q.add_argument("--probe", action="store_true",
+                   help="probe --base-url instead: bad inputs, compressed and oversized "
+                        "bodies, amplification, load with cut clients, overload, a soak "
+                        "(and a drain); exit 1 on any 5xx, hang, lost request or gauge left "
+                        "nonzero. Uses --api-key, --num-requests (400), --max-concurrency "
+                        "(48), --output-dir")
+    q.add_argument("--probe-pid", type=int, default=None,
+                   help="the server's pid (same machine): its RSS, and --probe-drain")
+    q.add_argument("--probe-soak-s", type=float, default=240.0, help="seconds of soak")
+    q.add_argument("--probe-short", action="store_true",
+                   help="the CI version: a few seconds")
+    q.add_argument("--probe-drain", action="store_true",
+                   help="end by SIGTERM to --probe-pid while streams run (stops the server)")
     r = p.add_argument_group("run and results")
     r.add_argument("--ttft-slo", type=float, default=1.0, help="seconds")
     r.add_argument("--itl-slo", type=float, default=0.1, help="max inter-token latency, s")
@@ -333,6 +351,10 @@ def write_outputs(results: dict, output_dir) -> dict[str, str]:
 def run_cli(argv=None) -> dict:
     """Parses `argv`, runs the benchmark, writes the outputs; returns the results."""
     args = build_parser().parse_args(argv)
+    if args.probe:
+        from lp_jax.bench import probe
+
+        return probe.main(args)
     results = asyncio.run(run(args))
     if args.output_dir:
         paths = write_outputs(results, args.output_dir)

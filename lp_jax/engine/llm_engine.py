@@ -38,6 +38,7 @@ from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import Sequence
+from lp_jax.core.served import EngineLimits, QueueState
 from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 from lp_jax.engine.config import EngineConfig, default_max_model_len
 from lp_jax.engine.outputs import RequestOutput
@@ -358,6 +359,20 @@ class LLMEngine:
         """Forgets every cached KV page, as vLLM's: only while no request holds a page
         (none running, none in flight); returns whether it did."""
         return self.scheduler.reset_prefix_cache()
+
+    @property
+    def limits(self) -> EngineLimits:
+        """What the engine can ever take (core/served.py: the server's view of it)."""
+        cfg = self.scheduler.config
+        return EngineLimits(cfg.max_model_len, cfg.max_num_seqs, self.model_config.vocab_size)
+
+    def queue_state(self) -> QueueState:
+        """Admitted and waiting sequences (held samples count as waiting) and idle steps."""
+        s = self.scheduler
+        waiting = {seq.seq_id for seq in s.waiting}
+        waiting.update(seq.seq_id for _, seq in s.held)
+        return QueueState(len(s.running) + len(s.prefilling), frozenset(waiting),
+                          s.stats()["iterations_idle"])
 
     def has_unfinished(self) -> bool:
         """True while a request is live, a step is in flight, or an abort is unreported."""

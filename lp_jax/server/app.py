@@ -13,12 +13,17 @@ Limits that keep one client from stalling the others:
   its previous response; aiohttp's keep-alive timer), and the body within `read_timeout`
   of the headers (408);
 - aiohttp's own 4xx (a malformed request line, an oversized header, found before any route
-  runs) get OpenAI error bodies from `_Protocol`.
+  runs) get OpenAI error bodies from `_Protocol`;
+- bodies are never decompressed: a request with a `Content-Encoding` other than identity
+  is a 415 naming it, its body unread, the connection closed. Accepting compression would
+  let a 1 MB body inflate to a GiB on the event loop (a bomb), and OpenAI's clients send
+  plain JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -45,9 +50,29 @@ READ_TIMEOUT_S = 60.0
 # After a drain, handlers still running are cancelled this long into the runner's cleanup.
 _CLEANUP_TIMEOUT_S = 1.0
 SERVER_KEY = web.AppKey("lp_server", object)
-# Besides /v1: the routes that need the API key when one is set (/health, /ping, /version
-# stay public, for load balancers).
-KEYED_PATHS = ("/reset_prefix_cache", "/tokenize", "/detokenize")
+# (method, path, handler): the handler is an OpenAIServer method's name, or a function of
+# vllm_routes taking the server first. Every route needs the API key when one is set but
+# the PUBLIC_PATHS (for load balancers) and, with `metrics_public`, /metrics.
+ROUTES = (
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+    ("GET", "/v1/models", "models"),
+    ("GET", "/health", "health"),
+    ("GET", "/metrics", "prometheus"),
+    ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+    ("GET", "/version", vllm_routes.version),
+    ("GET", "/ping", "health"),
+    ("POST", "/ping", "health"),
+    ("POST", "/tokenize", vllm_routes.tokenize),
+    ("POST", "/detokenize", vllm_routes.detokenize),
+)
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+
+
+def keyed_paths(*, metrics_public: bool = False) -> list[str]:
+    """The paths the API key guards, in ROUTES' order (lp-serve --help lists them)."""
+    public = PUBLIC_PATHS | ({"/metrics"} if metrics_public else set())
+    return list(dict.fromkeys(path for _, path, _ in ROUTES if path not in public))
 
 
 def error_response(err: APIError) -> web.Response:
@@ -69,25 +94,29 @@ def max_token_bytes(tokenizer, vocab_size: int) -> int:
 
 
 class OpenAIServer:
-    """Wraps an engine (LLMEngine or anything with its interface) in the HTTP API.
+    """Wraps an engine (core/served.py's ServedEngine: LLMEngine, MockEngine) in the HTTP API.
 
     The engine is used only from the engine thread (see engine_loop.py). `start()` the
     engine loop, then serve `make_runner()` with aiohttp, or use `ServerThread` or `serve`.
-    `api_key` guards /v1, /tokenize, /detokenize, /reset_prefix_cache and, unless
-    `metrics_public`, /metrics. `max_prompt_logprob_entries` caps a request's scored prompt
-    entries (see `protocol.prompt_logprob_entries`); `chat_template` (Jinja source) replaces
-    the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
+    `api_key` guards every route but PUBLIC_PATHS and, with `metrics_public`, /metrics
+    (`keyed_paths`); an empty key is a ValueError (it would turn authentication off).
+    `max_prompt_logprob_entries` caps a request's scored prompt entries (see
+    `protocol.prompt_logprob_entries`), `max_logprob_entries` its prompt and output entries
+    together, `max_request_seqs` its sequences (prompts x n); `chat_template` (Jinja source)
+    replaces the model directory's; `vllm_metric_names` also exposes the `vllm:` names of
     metrics.VLLM_NAMES; `log_stats_s` logs vLLM's stats line that often while requests run
     (lp-serve: every 10 s; None: never); `reasoning_parser` ("qwen3", or None) splits chat
     answers into reasoning and content (reasoning.py). A model whose tokenizer has GPT-OSS
-    harmony's markers as special tokens gets its chat answers parsed as harmony from
-    their token ids, whatever `reasoning_parser` says (harmony.py).
+    harmony's markers as special tokens gets its chat answers parsed as harmony from their
+    token ids, whatever `reasoning_parser` says (harmony.py).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
                  max_waiting: int | None = None, metrics_public: bool = False,
                  read_timeout: float = READ_TIMEOUT_S, max_n: int = protocol.DEFAULT_MAX_N,
                  max_prompt_logprob_entries: int = protocol.DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+                 max_logprob_entries: int = protocol.DEFAULT_MAX_LOGPROB_ENTRIES,
+                 max_request_seqs: int = protocol.DEFAULT_MAX_REQUEST_SEQS,
                  chat_template: str | None = None, vllm_metric_names: bool = False,
                  log_stats_s: float | None = None, reasoning_parser: str | None = None):
         if reasoning_parser not in (None, *PARSERS):
@@ -97,19 +126,25 @@ class OpenAIServer:
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
         self.max_prompt_logprob_entries = max_prompt_logprob_entries
+        self.max_logprob_entries = max_logprob_entries
+        self.max_request_seqs = max_request_seqs
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key is empty: that would turn authentication off; "
+                             "give a key, or none (no --api-key, LP_API_KEY unset)")
         model_dir = getattr(engine, "model_dir", None)
         # The default name is the directory's, never its path: /v1/models is public.
         self.served_model_names = list(served_model_names or [])
         if not self.served_model_names:
             self.served_model_names = [Path(model_dir).name if model_dir else "lp-jax"]
         self.model_name = self.served_model_names[0]
-        self._api_key = api_key.encode() if api_key else None
+        self._api_key = api_key.encode() if api_key is not None else None
         self.metrics_public = metrics_public
         self.read_timeout = read_timeout
         self.tokenizer = engine.tokenizer
         self.harmony = harmony_tokens(self.tokenizer)  # None: not a harmony model
-        self.vocab_size = engine.model_config.vocab_size
-        self.max_model_len = engine.scheduler.config.max_model_len
+        limits = engine.limits
+        self.vocab_size = limits.vocab_size
+        self.max_model_len = limits.max_model_len
         self.max_prompt_bytes = self.max_model_len * max_token_bytes(self.tokenizer,
                                                                      self.vocab_size)
         self.max_body_bytes = self.max_prompt_bytes + BODY_ROOM_BYTES
@@ -144,14 +179,15 @@ class OpenAIServer:
     # ------------------------------------------------------------------- app
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[self._error_middleware, self._auth_middleware])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        vllm_routes.add_routes(app, self)
+                              middlewares=[self._error_middleware, self._auth_middleware,
+                                           self._encoding_middleware])
+        for method, path, handler in ROUTES:
+            handler = (getattr(self, handler) if isinstance(handler, str)
+                       else functools.partial(handler, self))
+            if method == "GET":  # with HEAD, as aiohttp's add_get (load balancers use it)
+                app.router.add_get(path, handler)
+            else:
+                app.router.add_route(method, path, handler)
         app[SERVER_KEY] = self
         return app
 
@@ -159,7 +195,7 @@ class OpenAIServer:
         """An aiohttp runner for `make_app()`. The handler of a closed connection is cancelled
         (which aborts its request); the keep-alive timer is the header read timeout."""
         kwargs = {} if access_log else {"access_log": None}
-        return _Runner(self.make_app(), handler_cancellation=True,
+        return _Runner(self.make_app(), handler_cancellation=True, auto_decompress=False,
                        keepalive_timeout=self.read_timeout,
                        shutdown_timeout=_CLEANUP_TIMEOUT_S, **kwargs)
 
@@ -168,7 +204,10 @@ class OpenAIServer:
         try:
             return await handler(request)
         except APIError as err:
-            return error_response(err)
+            resp = error_response(err)
+            if err.status in (408, 413, 415):  # the body is unread: aiohttp would read it
+                resp.force_close()            # to its end after the answer
+            return resp
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -197,9 +236,20 @@ class OpenAIServer:
 
     def _needs_key(self, request) -> bool:
         resource = request.match_info.route.resource
-        path = resource.canonical if resource is not None else request.path
-        return (path.startswith("/v1") or path in KEYED_PATHS
-                or (path == "/metrics" and not self.metrics_public))
+        if resource is None:  # no such route: a 404, except under /v1 (OpenAI's 401)
+            return request.path.startswith("/v1")
+        path = resource.canonical
+        return path not in PUBLIC_PATHS and not (path == "/metrics" and self.metrics_public)
+
+    @web.middleware
+    async def _encoding_middleware(self, request, handler):
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            self.metrics.rejected.inc(reason="invalid")
+            raise APIError(415, f"Content-Encoding '{encoding[:40]}' is not accepted: send "
+                           "the body uncompressed (identity)", param="Content-Encoding",
+                           code="unsupported_content_encoding")
+        return await handler(request)
 
     # ------------------------------------------------------------- endpoints
     async def health(self, request) -> web.Response:

@@ -1,10 +1,12 @@
 """The engine thread: the only thread that touches the engine.
 
-HTTP handlers live on an asyncio event loop. They never call the engine: they put commands
-(add, abort, call) on a deque guarded by a condition variable and await the answer. The
-engine thread takes all pending commands, runs one `engine.step()` if there is work, and
-hands each request's new tokens to its asyncio queue with `loop.call_soon_threadsafe`,
-batched per step. With no work it sleeps on the condition until a command arrives.
+The engine is seen only through core/served.py's `ServedEngine` (limits, queue state, add,
+abort, step, stats). HTTP handlers live on an asyncio event loop. They never call the
+engine: they put commands (add, abort, call) on a deque guarded by a condition variable and
+await the answer. The engine thread takes all pending commands, runs one `engine.step()` if
+there is work, and hands each request's new tokens to its asyncio queue with
+`loop.call_soon_threadsafe`, batched per step. With no work it sleeps on the condition until
+a command arrives.
 
     handler --add/abort/call--> deque + Condition --> engine thread --step()--> engine
     handler <--Delta per step-- asyncio.Queue <--call_soon_threadsafe-- engine thread
@@ -36,7 +38,12 @@ class EngineDeadError(RuntimeError):
 
 
 class OverloadedError(RuntimeError):
-    """More than `max_waiting` requests would wait for a free slot."""
+    """More than `max_waiting` sequences would wait for a free slot."""
+
+
+class NeverFitsError(ValueError):
+    """A request of more sequences than the engine's slots and `max_waiting` together: no
+    server state, idle included, could take it, so retrying cannot help (a 400)."""
 
 
 @dataclass(slots=True)
@@ -99,9 +106,12 @@ class _Sink:
 class EngineLoop:
     """Runs `engine` on a dedicated thread; see the module docstring.
 
-    `max_waiting` bounds the requests that really wait: submitted, not yet admitted by the
-    scheduler, beyond the free slots (`max_num_seqs` less the admitted requests, as of the
-    last step). None: unbounded. Beyond it `add` raises OverloadedError. `metrics` (a
+    `max_waiting` bounds the sequences (engine requests: a request's prompts x n) that
+    really wait: added, not yet admitted by the scheduler, beyond the free slots
+    (`max_num_seqs` less the admitted sequences, as of the last step). None: unbounded.
+    `add` takes a request's sequences all or none: OverloadedError if they would take the
+    waiting count past `max_waiting` now, NeverFitsError if they are more than
+    `max_num_seqs + max_waiting` (what an idle server takes). `metrics` (a
     ServerMetrics) gets the queue-time histogram and the prompt token counter. Generated
     tokens are counted by the handlers, as they take them: tokens that reach a request's
     queue after its client left are never its tokens, in the counter as in its histogram.
@@ -122,7 +132,7 @@ class EngineLoop:
         self._sinks: dict[int, _Sink] = {}
         self._unscheduled: dict[int, float] = {}  # request id -> arrival time
         self._unadmitted = 0  # add commands queued + requests not yet admitted
-        self._max_num_seqs = engine.scheduler.config.max_num_seqs
+        self._max_num_seqs = engine.limits.max_num_seqs
         self._free_slots = self._max_num_seqs  # updated with _unadmitted, after each step
         self._dead = False
         self._stopping = False
@@ -142,8 +152,14 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Requests that wait beyond the free slots; `max_waiting` bounds this."""
+        """Sequences that wait beyond the free slots; `max_waiting` bounds this."""
         return max(0, self._unadmitted - self._free_slots)
+
+    @property
+    def max_request_seqs(self) -> int | None:
+        """The most sequences one request may have: what an idle server admits at once
+        (`max_num_seqs` + `max_waiting`); None: no bound here."""
+        return None if self.max_waiting is None else self._max_num_seqs + self.max_waiting
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -165,33 +181,46 @@ class EngineLoop:
             self._cv.notify()
 
     # ------------------------------------------------------------ event loop
-    async def add(self, prompt_token_ids: list[int], sampling_params, *, priority: int = 0,
-                  arrival_time: float | None = None, slo=None,
-                  queue: asyncio.Queue | None = None) -> list[RequestHandle]:
-        """Queue a request: one engine request per sample (`sampling_params.samples()`,
-        added together, the later ones after the first's prefill), one handle each.
-        Raises ValueError (bad request), OverloadedError, EngineDeadError.
+    async def add(self, prompts, *, priority: int = 0, arrival_time: float | None = None,
+                  slo=None, queue: asyncio.Queue | None = None) -> list[list[RequestHandle]]:
+        """Queue one HTTP request's prompts, all or none: `prompts` is a list of
+        (prompt token ids, SamplingParams); each prompt runs as one engine request per
+        sample (`sampling_params.samples()`, the later ones after the first's prefill).
+        Returns each prompt's handles, one per sample. Raises ValueError (a bad request,
+        NeverFitsError included), OverloadedError, EngineDeadError.
         `slo`: anything `engine.add_request(slo=...)` takes; None: best-effort.
         `queue`: where the handles' deltas go (several requests may share one; read it
         instead of iterating the handles); default: a queue per handle."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        samples = sampling_params.samples()
-        handles = [RequestHandle(self, len(prompt_token_ids), queue) for _ in samples]
+        work = [(ids, params.samples()) for ids, params in prompts]
+        handles = [[RequestHandle(self, len(ids), queue) for _ in samples]
+                   for ids, samples in work]
+        num_seqs = sum(len(samples) for _, samples in work)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
+        limit = self.max_request_seqs
+        if limit is not None and num_seqs > limit:
+            raise NeverFitsError(
+                f"this request has {num_seqs} sequences (prompts x n); this server runs "
+                f"{self._max_num_seqs} at once and lets {self.max_waiting} more wait "
+                f"(--max-num-seqs + --max-waiting = {limit}), so it can never be admitted; "
+                "send fewer prompts or a smaller n")
         with self._cv:
             if self._dead or self._stopping:
                 raise EngineDeadError(self.error or "the engine is not running")
-            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-                raise OverloadedError(f"{self.num_waiting} requests are waiting for a free "
-                                      f"slot (limit {self.max_waiting})")
-            self._unadmitted += len(samples)
-            self._cmds.append(("add", (prompt_token_ids, samples, priority, arrival,
-                                       slo, loop, fut, handles)))
+            if self.max_waiting is not None:
+                after = max(0, self._unadmitted + num_seqs - self._free_slots)
+                if after > self.max_waiting:
+                    raise OverloadedError(
+                        f"{self.num_waiting} sequences wait for a free slot and this "
+                        f"request adds {num_seqs} (limit {self.max_waiting} waiting)")
+            self._unadmitted += num_seqs
+            self._cmds.append(("add", (work, priority, arrival, slo, loop, fut, handles)))
             self._cv.notify()
         ids = await fut  # cancelled: _resolve aborts the requests
-        for handle, rid in zip(handles, ids, strict=True):
-            handle.request_id = rid
+        for prompt_handles, prompt_ids in zip(handles, ids, strict=True):
+            for handle, rid in zip(prompt_handles, prompt_ids, strict=True):
+                handle.request_id = rid
         return handles
 
     async def call(self, fn, timeout: float | None = None):
@@ -218,9 +247,11 @@ class EngineLoop:
                 with self._cv:
                     while not self._cmds and not self._stopping and not engine.has_unfinished():
                         self._refresh_stats()
-                        if self._active:  # the last line of a busy spell
-                            self._log_stats(time.monotonic())
-                        self._cv.wait()
+                        wait_s = self._stats_due(time.monotonic())
+                        if wait_s is not None and wait_s <= 0:  # a busy spell's last line,
+                            self._log_stats(time.monotonic())  # one interval after the last
+                            continue
+                        self._cv.wait(wait_s)
                     if self._stopping:
                         break
                     if empty_steps > 64 and not self._cmds:
@@ -234,20 +265,20 @@ class EngineLoop:
                     continue
                 t0 = time.perf_counter()
                 outputs = engine.step()
+                state = engine.queue_state()
                 if outputs:
                     empty_steps = 0
                 else:  # only idle iterations count: a long chunked prefill is progress
-                    idle = engine.scheduler.stats().get("iterations_idle", 0)
-                    empty_steps = empty_steps + 1 if idle != last_idle else 0
-                    last_idle = idle
-                self._note_admissions(t0)
+                    empty_steps = empty_steps + 1 if state.idle_steps != last_idle else 0
+                last_idle = state.idle_steps
+                self._note_admissions(t0, state)
                 self._dispatch(outputs)
                 self._active = True
-                if self._stats_line is not None:
-                    now = time.monotonic()
-                    if now - self._stats_at >= self.log_stats_s:
-                        self._refresh_stats()
-                        self._log_stats(now)
+                now = time.monotonic()
+                wait_s = self._stats_due(now)
+                if wait_s is not None and wait_s <= 0:
+                    self._refresh_stats(state)
+                    self._log_stats(now)
             self._fail(EngineDeadError("the server is shutting down"))
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine
             log.error("engine thread crashed:\n%s", traceback.format_exc())
@@ -256,29 +287,34 @@ class EngineLoop:
     def _apply(self, cmd) -> None:
         kind, payload = cmd
         if kind == "add":
-            ids, samples, priority, arrival, slo, loop, fut, handles = payload
+            work, priority, arrival, slo, loop, fut, handles = payload
             kwargs = {} if slo is None else {"slo": slo}  # engines without SLOs take none
-            rids = []
+            ids_per_prompt = []
             try:
-                for i, params in enumerate(samples):
-                    extra = {"prefill_after": rids[0], "index": i} if rids else {}
-                    rids.append(self.engine.add_request(ids, params, priority=priority,
-                                                        arrival_time=arrival, **kwargs,
-                                                        **extra))
+                for ids, samples in work:
+                    rids = []
+                    ids_per_prompt.append(rids)
+                    for i, params in enumerate(samples):
+                        extra = {"prefill_after": rids[0], "index": i} if rids else {}
+                        rids.append(self.engine.add_request(ids, params, priority=priority,
+                                                            arrival_time=arrival, **kwargs,
+                                                            **extra))
             except Exception as exc:  # noqa: BLE001 - ValueError is a bad request
-                for rid in rids:  # all samples or none
-                    self.engine.abort(rid)
+                for rids in ids_per_prompt:  # every prompt's samples or none
+                    for rid in rids:
+                        self.engine.abort(rid)
                 with self._cv:
-                    self._unadmitted -= len(samples)
+                    self._unadmitted -= sum(len(samples) for _, samples in work)
                 if not isinstance(exc, ValueError):
                     log.error("add_request failed:\n%s", traceback.format_exc())
                     exc = RuntimeError(f"internal error: {type(exc).__name__}: {exc}")
                 loop.call_soon_threadsafe(_resolve, fut, None, exc, self)
                 return
-            for rid, handle in zip(rids, handles, strict=True):
-                self._sinks[rid] = _Sink(loop, handle)
-                self._unscheduled[rid] = arrival
-            loop.call_soon_threadsafe(_resolve, fut, rids, None, self)
+            for rids, prompt_handles in zip(ids_per_prompt, handles, strict=True):
+                for rid, handle in zip(rids, prompt_handles, strict=True):
+                    self._sinks[rid] = _Sink(loop, handle)
+                    self._unscheduled[rid] = arrival
+            loop.call_soon_threadsafe(_resolve, fut, ids_per_prompt, None, self)
         elif kind == "abort":
             rid = payload
             self._sinks.pop(rid, None)
@@ -294,24 +330,19 @@ class EngineLoop:
                 result, exc = None, e
             loop.call_soon_threadsafe(_resolve, fut, result, exc, None)
 
-    def _note_admissions(self, step_start: float) -> None:
+    def _note_admissions(self, step_start: float, state) -> None:
         """Requests that left the waiting queue in the last step were admitted at its start.
         The admitted count and the free slots change together, under the lock, so `add`
         never sees one updated without the other."""
-        sched = self.engine.scheduler
-        done = []
-        if self._unscheduled:  # held samples (scheduler.held) wait outside the queue
-            waiting = {s.seq_id for s in sched.waiting}
-            waiting.update(s.seq_id for _, s in getattr(sched, "held", ()))
-            done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
+        waiting = state.waiting_ids
+        done = [(rid, t) for rid, t in self._unscheduled.items() if rid not in waiting]
         for rid, arrival in done:
             del self._unscheduled[rid]
             if self.metrics is not None:
                 self.metrics.queue.observe(max(0.0, step_start - arrival))
-        admitted = len(sched.running) + len(sched.prefilling)
         with self._cv:
             self._unadmitted -= len(done)
-            self._free_slots = max(0, self._max_num_seqs - admitted)
+            self._free_slots = max(0, self._max_num_seqs - state.running)
 
     def _dispatch(self, outputs) -> None:
         by_loop: dict[object, list] = {}
@@ -339,12 +370,20 @@ class EngineLoop:
             except RuntimeError:  # that event loop is closed: its requests are gone
                 pass
 
-    def _refresh_stats(self) -> None:
-        sched = self.engine.scheduler
-        self.last_counts = (len(sched.running) + len(sched.prefilling), len(sched.waiting))
+    def _refresh_stats(self, state=None) -> None:
+        state = state or self.engine.queue_state()
+        self.last_counts = (state.running, state.waiting)
         self.last_stats = self.engine.stats()
         with self._cv:  # idle: aborts may have freed slots since the last step
             self._free_slots = max(0, self._max_num_seqs - self.last_counts[0])
+
+    def _stats_due(self, now: float) -> float | None:
+        """Seconds until the next stats line is due (<= 0: now); None: no line pending
+        (logging off, or no step since the last line). A line covers an interval: at most
+        one per `log_stats_s`, however many busy spells it held."""
+        if self._stats_line is None or not self._active:
+            return None
+        return self._stats_at + self.log_stats_s - now
 
     def _log_stats(self, now: float) -> None:
         """Engine thread: the stats line from `last_stats` (refreshed by the caller)."""
@@ -392,8 +431,9 @@ def _resolve(fut: asyncio.Future, result, exc, engine_loop: EngineLoop | None) -
     """On the event loop: complete `fut`, or abort the new request if nobody waits for it."""
     if fut.cancelled():
         if engine_loop is not None and exc is None and result is not None:
-            for rid in result:  # the request ids an add made
-                engine_loop.abort(rid)
+            for rids in result:  # the request ids an add made, per prompt
+                for rid in rids:
+                    engine_loop.abort(rid)
         return
     if exc is not None:
         fut.set_exception(exc)

@@ -1,4 +1,5 @@
-"""A stand-in engine with LLMEngine's interface, for tests and for timing the HTTP layer.
+"""A stand-in engine for tests and for timing the HTTP layer: it implements the server's
+view of an engine (core/served.py's ServedEngine), as LLMEngine does.
 
 It imports no JAX. Each `step()` admits waiting requests (up to `max_num_seqs`, if their
 pages fit) and gives every running request one token, so it "generates" as fast as the
@@ -16,10 +17,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 from lp_jax.core.metrics import RequestMetrics
 from lp_jax.core.sampling_params import SamplingParams
+from lp_jax.core.served import EngineLimits, QueueState
 from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
 
 
@@ -62,8 +63,8 @@ class MockEngine:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-        self.model_config = SimpleNamespace(vocab_size=vocab_size, eos_token_id=eos_token_id,
-                                            max_position_embeddings=max_model_len)
+        self.limits = EngineLimits(max_model_len, max_num_seqs, vocab_size)
+        self.eos_token_id = eos_token_id
         self.page_size = page_size
         self.num_pages = num_pages or max_num_seqs * math.ceil(max_model_len / page_size)
         self.free_pages = self.num_pages
@@ -72,21 +73,16 @@ class MockEngine:
         self.fail_at_step = fail_at_step
         # Output tokens: printable single-byte tokens by default, never eos.
         self.token_fn = token_fn or (lambda seq_id, i: 65 + (seq_id + i) % 26)
-        self.scheduler = SimpleNamespace(
-            waiting=[], running=[], prefilling=[],
-            config=SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
-            stats=self._sched_stats,
-        )
+        self.waiting: list[_Seq] = []  # FCFS by (priority, arrival)
+        self.running: list[_Seq] = []
         self.slo_classes = parse_slo_classes(slo_classes or {})
         self.slo_tracker = SLOTracker()
         self._next_id = 0
         self._done: list[_Seq] = []
         self._stats = {"iterations": 0, "iterations_decode": 0, "iterations_prefill": 0,
                        "iterations_hybrid": 0, "iterations_idle": 0, "prefill_tokens": 0,
-                       "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
-
-    def _sched_stats(self) -> dict:
-        return dict(self._stats)
+                       "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0,
+                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def add_request(self, prompt, sampling_params=None, *, priority=0, arrival_time=None,
                     slo=None, prefill_after=None, index=0) -> int:
@@ -100,9 +96,9 @@ class MockEngine:
         prompt = list(prompt)
         if not prompt:
             raise ValueError("empty prompt")
-        if len(prompt) > self.scheduler.config.max_model_len:
+        if len(prompt) > self.limits.max_model_len:
             raise ValueError("prompt longer than max_model_len")
-        if any(not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < self.limits.vocab_size
                for t in prompt):
             raise ValueError("token id out of range")
         params = sampling_params or SamplingParams()
@@ -111,8 +107,8 @@ class MockEngine:
         seq = _Seq(self._next_id, prompt, params, priority,
                    time.perf_counter() if arrival_time is None else arrival_time, slo=slo)
         self._next_id += 1
-        self.scheduler.waiting.append(seq)
-        self.scheduler.waiting.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
         return seq.seq_id
 
     def resolve_slo(self, slo) -> SLO | None:
@@ -120,7 +116,7 @@ class MockEngine:
         return request_slo(self.slo_classes, slo)
 
     def abort(self, request_id: int) -> bool:
-        for queue in (self.scheduler.waiting, self.scheduler.running):
+        for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.seq_id == request_id:
                     queue.remove(seq)
@@ -129,8 +125,12 @@ class MockEngine:
                     return True
         return False
 
+    def queue_state(self) -> QueueState:
+        return QueueState(len(self.running), frozenset(s.seq_id for s in self.waiting),
+                          self._stats["iterations_idle"])
+
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._done)
+        return bool(self.waiting or self.running or self._done)
 
     def reset_prefix_cache(self) -> bool:
         """As LLMEngine's; there is no cache, so only whether no request holds pages."""
@@ -152,38 +152,37 @@ class MockEngine:
             raise RuntimeError("mock engine failure")
         if self.step_delay:
             time.sleep(self.step_delay)
-        sched = self.scheduler
         outputs = [self._output(s, []) for s in self._done]  # aborted since the last step
         self._done = []
         if not self.progress:
             self._stats["iterations"] += 1
             self._stats["iterations_idle"] += 1
             return outputs
-        while sched.waiting and len(sched.running) < sched.config.max_num_seqs:
-            seq = sched.waiting[0]
+        while self.waiting and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
             need = math.ceil((len(seq.prompt) + seq.params.max_tokens) / self.page_size)
             if need > self.free_pages:
                 break
-            sched.waiting.pop(0)
+            self.waiting.pop(0)
             seq.pages = need
             self.free_pages -= need
-            sched.running.append(seq)
+            self.running.append(seq)
             self._stats["prefill_tokens"] += len(seq.prompt)
         now = time.perf_counter()
-        for seq in list(sched.running):
+        for seq in list(self.running):
             tok = self.token_fn(seq.seq_id, len(seq.out))
             seq.out.append(tok)
             seq.times.append(now)
             p = seq.params
             reason = None
             if tok in p.stop_token_ids or (not p.ignore_eos
-                                           and tok == self.model_config.eos_token_id):
+                                           and tok == self.eos_token_id):
                 reason = "stop"
             elif (len(seq.out) >= p.max_tokens
-                  or len(seq.prompt) + len(seq.out) >= sched.config.max_model_len):
+                  or len(seq.prompt) + len(seq.out) >= self.limits.max_model_len):
                 reason = "length"
             if reason:
-                sched.running.remove(seq)
+                self.running.remove(seq)
                 self.free_pages += seq.pages
                 seq.pages = 0
                 seq.finish_reason = reason
@@ -192,7 +191,7 @@ class MockEngine:
                 self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
             outputs.append(self._output(seq, [tok]))
         self._stats["iterations"] += 1
-        self._stats["iterations_decode" if sched.running or outputs else "iterations_idle"] += 1
+        self._stats["iterations_decode" if self.running or outputs else "iterations_idle"] += 1
         self._stats["decode_tokens"] += len(outputs)
         return outputs
 

@@ -42,6 +42,16 @@ MAX_BATCH_PROMPTS = 256  # prompts in one /v1/completions request
 # `max_prompt_logprob_entries` sets it. 200,000 is a 9,500-token prompt with 20
 # alternatives, about 12 MB of JSON; 256 prompts of 500 tokens with 20 are 2.7 million.
 DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 200_000
+# Sequences one request may run (its prompts x n); the server's `max_request_seqs` sets
+# it. 256 lets any batch of single samples through (MAX_BATCH_PROMPTS) and n = 16 on 16
+# prompts; each sequence is a full output in the response, and those past the engine's
+# slots only wait.
+DEFAULT_MAX_REQUEST_SEQS = 256
+# Log-probability entries one response may carry, prompt and generated together
+# (`logprob_entries`); the server's `max_logprob_entries` sets it. 400,000 is the scored
+# prompt's cap and as much again for the output, about 24 MB of JSON: 16 samples of 1,100
+# tokens with 20 alternatives each, or 256 short answers of 70 tokens.
+DEFAULT_MAX_LOGPROB_ENTRIES = 400_000
 
 
 class APIError(Exception):
@@ -245,6 +255,14 @@ def prompt_logprob_entries(req: GenerationRequest, prompt_lens: list[int]) -> in
     alternatives (k: `prompt_logprobs`, or `logprobs` with `echo`). 0 if none is scored."""
     k = req.scored_prompt()
     return 0 if k is None else sum(prompt_lens) * req.n * (k + 1)
+
+
+def output_logprob_entries(req: GenerationRequest, max_tokens: list[int]) -> int:
+    """Log-probability entries a request's outputs may hold at most: for each sample of
+    each prompt, a row per generated token (up to that prompt's `max_tokens`) of the token
+    and its `k` top alternatives (k: `logprobs` / chat's `top_logprobs`). 0 if none."""
+    k = req.logprobs
+    return 0 if k is None else sum(max_tokens) * req.n * (k + 1)
 
 
 def parse_slo_fields(body: dict) -> dict | None:

@@ -1,6 +1,9 @@
 """From a generation request's body to queued engine requests: parse it, check the model
-and the SLO fields, tokenize every prompt on a worker thread, check the limits (n, prompt
-bytes, context length, scored prompt entries) and queue each prompt's samples, all or none.
+and the SLO fields, tokenize every prompt on a worker thread, check the limits (n, sequences,
+prompt bytes, context length, log-probability entries) and queue every prompt's samples,
+all or none. The count limits are checked before any tokenizing where the count is known
+(n, sequences) and before anything is queued otherwise, so that a request too big to answer
+costs no engine work.
 
 Every refusal is an `APIError` (a 400 naming the field, a 503 when overloaded), counted in
 `server.metrics.rejected` by reason. The functions take the `OpenAIServer` they answer for
@@ -16,7 +19,7 @@ import time
 from lp_jax.server import harmony, protocol, reasoning, tools
 from lp_jax.server.chat import ChatTemplateError
 from lp_jax.server.choice import Choice
-from lp_jax.server.engine_loop import EngineDeadError, OverloadedError
+from lp_jax.server.engine_loop import EngineDeadError, NeverFitsError, OverloadedError
 from lp_jax.server.protocol import APIError
 
 RETRY_AFTER_S = 1
@@ -86,7 +89,11 @@ def _budget(server, req, n_prompt: int) -> int:
         raise protocol.bad(f"this model's maximum context length is {limit} tokens; the "
                            f"prompt has {n_prompt}", "prompt")
     if req.max_tokens is None:
-        return max(1, limit - n_prompt)
+        if n_prompt >= limit:  # no room for one output token
+            raise protocol.bad(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{n_prompt}, which leaves no room for a completion token", "prompt")
+        return limit - n_prompt
     if n_prompt + req.max_tokens > limit:
         raise protocol.bad(
             f"this model's maximum context length is {limit} tokens; you requested "
@@ -103,6 +110,7 @@ async def submit(server, req) -> list[Choice]:
         if req.n > server.max_n:
             raise protocol.bad(f"'n' must be at most {server.max_n} (this server's --max-n), "
                                f"got {req.n}", "n")
+        _check_sequences(server, req)
         if req.prompt_bytes > server.max_prompt_bytes:
             raise protocol.bad(
                 f"the prompt has {req.prompt_bytes} bytes, more than {server.max_model_len} "
@@ -112,25 +120,18 @@ async def submit(server, req) -> list[Choice]:
         ids_list = await asyncio.to_thread(
             lambda: [_tokenize(server, req, p) for p in prompts])
         _check_prompt_logprobs(server, req, ids_list)
-        params = [req.sampling_params(_budget(server, req, len(ids)), server.vocab_size)
-                  for ids in ids_list]
+        budgets = [_budget(server, req, len(ids)) for ids in ids_list]
+        _check_logprobs(server, req, ids_list, budgets)
+        params = [req.sampling_params(b, server.vocab_size) for b in budgets]
         if req.kind == "chat" and req.structured is not None:
             params = [dataclasses.replace(p, structured_outputs=_chat_format(
                 server, req, ids_list[0], p.max_tokens)) for p in params]
         # Queued together (one engine iteration takes them all); all or none. Every
         # choice's deltas go to one queue, in the order the engine made them.
         queue = asyncio.Queue()
-        added = await asyncio.gather(
-            *(server.engine_loop.add(ids, p, priority=req.priority, arrival_time=arrival,
-                                   slo=req.slo, queue=queue)
-              for ids, p in zip(ids_list, params, strict=True)),
-            return_exceptions=True)
-        failed = [a for a in added if isinstance(a, BaseException)]
-        if failed:
-            for handles in added:
-                for h in () if isinstance(handles, BaseException) else handles:
-                    h.abort()
-            raise failed[0]
+        added = await server.engine_loop.add(list(zip(ids_list, params, strict=True)),
+                                             priority=req.priority, arrival_time=arrival,
+                                             slo=req.slo, queue=queue)
         choices = []
         for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
             for handle in handles:
@@ -141,6 +142,9 @@ async def submit(server, req) -> list[Choice]:
     except APIError:
         server.metrics.rejected.inc(reason="invalid")
         raise
+    except NeverFitsError as exc:
+        server.metrics.rejected.inc(reason="invalid")
+        raise protocol.bad(str(exc), "n" if req.n > 1 else "prompt") from None
     except ValueError as exc:  # the engine's own validation (a grammar that does not
         server.metrics.rejected.inc(reason="invalid")  # compile names its field)
         msg = str(exc)
@@ -174,6 +178,39 @@ def _chat_format(server, req, ids: list[int], max_tokens: int):
         tail = server.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         return reasoning.grammar_after(spec, server.tokenizer, tail)
     return spec
+
+
+def _check_sequences(server, req) -> None:
+    """A 400 for a request of more sequences (prompts x n) than `max_request_seqs`, or
+    than an idle server admits at once (`--max-num-seqs` + `--max-waiting`): retrying such
+    a request can never succeed, so it is no 503."""
+    num_prompts = len(req.prompts) if req.kind == "completion" else 1
+    seqs = num_prompts * req.n
+    limit, flag = server.max_request_seqs, "--max-request-seqs"
+    idle = server.engine_loop.max_request_seqs
+    if idle is not None and idle < limit:
+        limit, flag = idle, "--max-num-seqs + --max-waiting, what an idle server admits"
+    if seqs > limit:
+        raise protocol.bad(
+            f"this request runs {seqs} sequences ({num_prompts} prompts x n = {req.n}), more "
+            f"than this server's limit of {limit} ({flag}); send fewer prompts or a "
+            "smaller n", "n" if req.n > 1 else "prompt")
+
+
+def _check_logprobs(server, req, ids_list: list[list[int]], budgets: list[int]) -> None:
+    """A 400 for a request whose log-probabilities, prompt and output together, could
+    hold more than `max_logprob_entries` entries (every sample running to its
+    `max_tokens`), before anything is queued."""
+    prompt = protocol.prompt_logprob_entries(req, [len(ids) for ids in ids_list])
+    output = protocol.output_logprob_entries(req, budgets)
+    if prompt + output > server.max_logprob_entries:
+        raise protocol.bad(
+            f"this request may return {prompt + output} log-probability entries ({prompt} "
+            f"for its prompts; {output} for its outputs: {sum(budgets)} max_tokens over its "
+            f"prompts x n = {req.n} x {(req.logprobs or 0) + 1} entries per token), more "
+            f"than this server's limit of {server.max_logprob_entries} (lp-serve "
+            "--max-logprob-entries); lower max_tokens, n or the alternatives asked for",
+            "logprobs" if output else "prompt_logprobs")
 
 
 def _check_prompt_logprobs(server, req, ids_list: list[list[int]]) -> None:

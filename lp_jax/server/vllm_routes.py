@@ -24,7 +24,6 @@ tokenizer routes run the tokenizer on a worker thread and need the API key when 
 from __future__ import annotations
 
 import asyncio
-import functools
 
 from aiohttp import web
 
@@ -32,16 +31,7 @@ from lp_jax.server import protocol, tools
 from lp_jax.server.chat import ChatTemplateError
 
 
-def add_routes(app: web.Application, server) -> None:
-    """Registers the routes on `app`, answered by `server` (an OpenAIServer)."""
-    app.router.add_get("/version", version)
-    app.router.add_get("/ping", server.health)
-    app.router.add_post("/ping", server.health)
-    app.router.add_post("/tokenize", functools.partial(tokenize, server))
-    app.router.add_post("/detokenize", functools.partial(detokenize, server))
-
-
-async def version(request) -> web.Response:
+async def version(server, request) -> web.Response:
     from lp_jax.version import lp_jax_version
 
     return web.json_response({"version": lp_jax_version()})
