@@ -176,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--load-format", choices=("auto", "safetensors", "dummy", "orbax"),
                    default="auto")
     e.add_argument("--mesh-shape", type=_int_tuple, default=None,
-                   help="'expert,tensor' or 'data,expert,tensor'")
+                   help="'expert,tensor' or 'data,expert,tensor' (an explicit layout)")
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="attention, vocabulary and dense MLPs split over this many chips; "
+                        "for a slice of C chips, C (docs/parallelism.md) [default: 1]")
+    e.add_argument("--data-parallel-size", type=int, default=1,
+                   help="only 1 is served yet (replicas: one lp-serve each) [default: 1]")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split the experts over the tensor-parallel chips (an MoE model "
+                        "with --tensor-parallel-size above 1 needs it)")
     e.add_argument("--dtype", default=None)
     e.add_argument("--quantization", "-q", choices=("int8", "fp8", "mxfp4"), default=None,
                    help="int8 / fp8: quantise a 16-bit checkpoint per channel at load (an HF "
@@ -250,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "max_num_batched_tokens", "layer_groups", "max_layer_groups", "page_size",
                 "enable_prefix_caching", "kv_pages", "kv_memory_fraction", "load_format",
-                "mesh_shape", "dtype", "quantization", "kv_cache_dtype", "moe_backend",
-                "attention_backend",
+                "mesh_shape", "tensor_parallel_size", "data_parallel_size",
+                "enable_expert_parallel", "dtype", "quantization", "kv_cache_dtype",
+                "moe_backend", "attention_backend",
                 "backends", "seed",
                 "token_buckets", "warmup",
                 "async_scheduling", "preemption_granularity", "preemptible", "slo_alpha",

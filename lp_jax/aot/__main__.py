@@ -4,6 +4,8 @@
         --out runs/aot/h200            # --gpu h100; exports only if the CUDA plugin is absent
     python -m lp_jax.aot --platform tpu --topology v6e:2x4 --mesh 1,8,1 \\
         --preset qwen3-30b-a3b --out runs/aot/v6e-8
+    python -m lp_jax.aot --platform tpu --topology v6e:2x4 --tensor-parallel-size 8 \\
+        --enable-expert-parallel --preset qwen3-30b-a3b --out runs/aot/v6e-8-tp8
 
 No weights are needed: a preset (checkpoints/configs/) or a config.json, plus the engine
 arguments that shape the programs. Exits 1 on an audit violation, 2 on a configuration
@@ -20,6 +22,7 @@ from pathlib import Path
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
 from lp_jax.core.policies import POLICIES
+from lp_jax.sharding import MESH_AXES, parallel_mesh_shape
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 
@@ -55,6 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", default=None,
                     help="data,expert,tensor (or expert,tensor); default: every device of "
                          "the TPU slice on the expert axis, one device for cuda")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM's: attention heads, vocabulary and dense MLPs split over this "
+                         "many chips (mesh 1,1,T); with --enable-expert-parallel the experts "
+                         "split over the same chips. For a slice of C chips: T = C. KV heads "
+                         "fewer than T are kept T/K times, one per chip (docs/parallelism.md)")
+    ap.add_argument("--data-parallel-size", type=int, default=1,
+                    help="vLLM's; only 1 is compiled yet (replicas: one compile each)")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="vLLM's: split the experts over the tensor-parallel chips (needed "
+                         "for an MoE model with --tensor-parallel-size above 1)")
     ap.add_argument("--topology", default="v6e:2x4", help="TPU slice, e.g. v6e:2x4, v5e:4x4")
     ap.add_argument("--gpu", default="h200", choices=GPU_TARGETS,
                     help="cuda: the GPU's target config (default h200)")
@@ -87,7 +100,7 @@ def main(argv=None) -> int:
             platform=args.platform, scheduling=args.scheduling,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-            kv_pages=args.kv_pages, mesh_shape=_mesh(args), topology=args.topology,
+            kv_pages=args.kv_pages, mesh_shape=_mesh(args, model_cfg), topology=args.topology,
             gpu=args.gpu, memory_fraction=args.memory_fraction,
             dtype=args.dtype, max_paused_prefills=args.max_paused_prefills,
             moe_dispatch=args.moe_dispatch, quantization=args.quantization,
@@ -108,10 +121,17 @@ def main(argv=None) -> int:
     return 1 if summary["violations"] else 0
 
 
-def _mesh(args) -> tuple[int, int, int]:
-    if args.mesh:
-        dims = tuple(int(d) for d in args.mesh.split(","))
-        return dims if len(dims) == 3 else (1, *dims)
+def _mesh(args, model_cfg) -> tuple[int, int, int]:
+    sized = (args.tensor_parallel_size, args.data_parallel_size,
+             args.enable_expert_parallel) != (1, 1, False)
+    if args.mesh or sized:
+        mesh = args.mesh and tuple(int(d) for d in args.mesh.split(","))
+        shape = parallel_mesh_shape(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel, mesh_shape=mesh or None,
+            has_experts=model_cfg.num_experts > 0)
+        return tuple(shape[a] for a in MESH_AXES)
     if args.platform == "cuda":
         return (1, 1, 1)
     from pallas_kernels.compile_targets import tpu_topology_devices

@@ -9,6 +9,7 @@ from lp_jax.config import resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
 from lp_jax.quant import REQUESTABLE
+from lp_jax.sharding import parallel_mesh_shape
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
@@ -69,6 +70,13 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5  # of free accelerator memory, when kv_pages is None
     load_format: str = "auto"  # "auto", "safetensors", "dummy", "orbax"
     mesh_shape: tuple | dict | None = None  # (expert, tensor) or (data, expert, tensor)
+    # vLLM's parallel sizes, mapped onto the mesh (sharding.parallel_mesh_shape): attention,
+    # vocabulary and dense MLPs split over tensor_parallel_size chips; enable_expert_parallel
+    # splits the experts over the same chips (needed for an MoE model with TP > 1).
+    # data_parallel_size > 1 is refused (not served yet). Not combined with mesh_shape.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     dtype: str | None = None  # None: the checkpoint's dtype
     # Weight format (lp_jax/quant): None serves the checkpoint's (16-bit, or the FP8 its
     # config.json declares); "int8" / "fp8" quantise a 16-bit checkpoint per channel at load;
@@ -134,6 +142,7 @@ class EngineConfig:
                              f"{self.quantization!r} (a quantized checkpoint is detected "
                              "from its config.json)")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
+        parallel_mesh_shape(**self.parallel_sizes(), has_experts=False)  # raises on a conflict
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:
@@ -165,6 +174,13 @@ class EngineConfig:
             cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_prefill_budget(
                 cfg.max_num_batched_tokens, max_model_len))
         return cfg
+
+    def parallel_sizes(self) -> dict:
+        """The layout arguments of `sharding.parallel_mesh_shape`."""
+        return dict(tensor_parallel_size=self.tensor_parallel_size,
+                    data_parallel_size=self.data_parallel_size,
+                    enable_expert_parallel=self.enable_expert_parallel,
+                    mesh_shape=self.mesh_shape)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
