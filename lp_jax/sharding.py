@@ -76,11 +76,12 @@ def parse_mesh_shape(shape) -> dict[str, int]:
 
 
 def mesh_axes(logical: str | None, mesh) -> str | tuple[str, ...] | None:
-    """The mesh axes LOGICAL_RULES maps `logical` to, keeping those of size above 1: one
-    axis name, a tuple of several, or None (nothing to split over)."""
+    """The mesh axes LOGICAL_RULES maps `logical` to, keeping those of size above 1 (a
+    mesh without an axis, e.g. a one-axis ("expert",) mesh, has it of size 1): one axis
+    name, a tuple of several, or None (nothing to split over)."""
     rule = LOGICAL_RULES.get(logical) if logical is not None else None
     names = () if rule is None else (rule,) if isinstance(rule, str) else rule
-    names = tuple(a for a in names if mesh.shape[a] > 1)
+    names = tuple(a for a in names if dict(mesh.shape).get(a, 1) > 1)  # absent: size 1
     return None if not names else names[0] if len(names) == 1 else names
 
 

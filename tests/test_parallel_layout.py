@@ -8,13 +8,18 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
-from lp_jax.aot import load_config
+from lp_jax.aot import AotConfig, build, load_config
 from lp_jax.engine.config import EngineConfig
 from lp_jax.loader import load_model
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_page_bytes
 from lp_jax.models.simple import greedy_generate
+from lp_jax.roofline.hardware import get_hardware
+from lp_jax.roofline.layout import chip_layout, sim_parallelism
+from lp_jax.roofline.model_shape import QWEN3_30B_A3B
 from lp_jax.sharding import kv_head_replicas, make_mesh, parallel_mesh_shape, partition_spec
+from lp_jax.sim.simulator import SimConfig, derive_num_pages
+from pallas_kernels import compile_targets
 
 EXPERTS = ("layers", "experts", "embed", "expert_mlp")
 KV = ("kv_pages", None, "kv_combined_heads", None)
@@ -64,6 +69,35 @@ def test_vllm_parallel_sizes_map_onto_the_mesh():
         EngineConfig(mesh_shape=(1, 8), tensor_parallel_size=8)
     with pytest.raises(ValueError, match="positive int"):
         EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
+def test_tp8_with_experts_holds_a_quarter_of_the_kv_a_chip():
+    """Qwen3-30B-A3B on v6e 2x4 (abstract build, nothing compiled): TP 8 with the experts on
+    the same chips holds a quarter of (1, 8, 1)'s KV bytes a chip for the same pool, and
+    the roofline's layout gives the build's weight and KV bytes."""
+    cfg, aot = load_config("qwen3-30b-a3b"), dict(platform="tpu", topology="v6e:2x4")
+    builds = {mesh: build(cfg, AotConfig(mesh_shape=mesh, **aot))
+              for mesh in ((1, 8, 1), (1, 1, 8))}
+    assert builds[(1, 1, 8)].kv_bytes_per_device * 4 == builds[(1, 8, 1)].kv_bytes_per_device
+    for mesh, b in builds.items():
+        layout = chip_layout(QWEN3_30B_A3B, mesh)
+        tokens = b.args[1].shape[0] // cfg.num_hidden_layers * b.args[1].shape[1]
+        assert b.kv_bytes_per_device == tokens * layout.kv_bytes_per_token
+        assert b.weight_bytes_per_device == pytest.approx(layout.weight_bytes, rel=0.01)
+
+
+def test_the_simulator_sees_the_layouts_kv_room():
+    hw = get_hardware("TPU v6e")
+    sim = SimConfig(shape=QWEN3_30B_A3B, hardware=hw, **sim_parallelism((1, 1, 8)))
+    layout = chip_layout(QWEN3_30B_A3B, (1, 1, 8))
+    # The simulator splits every weight t ways; the engine keeps the router whole (22 MB).
+    assert derive_num_pages(sim) * sim.page_size == pytest.approx(
+        layout.kv_tokens(hw.hbm_bytes), rel=1e-2)
+    assert layout.kv_tokens(hw.hbm_bytes) > 4 * chip_layout(QWEN3_30B_A3B, (1, 8, 1)).kv_tokens(
+        hw.hbm_bytes)
+    with pytest.raises(ValueError, match="expresses lp_jax's"):
+        sim_parallelism((1, 8, 1))
 
 
 @pytest.fixture(scope="module")
