@@ -71,6 +71,20 @@ def test_vllm_parallel_sizes_map_onto_the_mesh():
         EngineConfig(tensor_parallel_size=0)
 
 
+def test_aot_and_lp_serve_take_vllms_flags(capsys):
+    from lp_jax.aot.__main__ import main
+    from lp_jax.serve import build_parser, engine_config
+
+    args = ["--platform", "tpu", "--preset", "qwen3-30b-a3b", "--out", "/tmp/unused"]
+    assert main([*args, "--tensor-parallel-size", "8"]) == 2  # refused before compiling
+    assert "needs enable_expert_parallel" in capsys.readouterr().err
+    assert main([*args, "--mesh", "1,8,1", "--enable-expert-parallel"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err
+    cfg = engine_config(build_parser().parse_args(
+        ["--tensor-parallel-size", "8", "--enable-expert-parallel"]))
+    assert (cfg.tensor_parallel_size, cfg.enable_expert_parallel) == (8, True)
+
+
 @pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
 def test_tp8_with_experts_holds_a_quarter_of_the_kv_a_chip():
     """Qwen3-30B-A3B on v6e 2x4 (abstract build, nothing compiled): TP 8 with the experts on
