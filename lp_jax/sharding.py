@@ -92,11 +92,16 @@ def axes_size(axes: str | tuple[str, ...] | None, mesh) -> int:
 
 
 def axis_dividing(logical: str, size: int, mesh) -> str | tuple[str, ...] | None:
-    """`mesh_axes(logical)` if they split `size` into whole SHARD_UNITS groups; else None
-    (the dimension is replicated)."""
+    """`mesh_axes(logical)` if they split `size` into whole SHARD_UNITS groups, else the
+    first of them alone that does (E = 12 experts on (1, 2, 4): "expert"); None when
+    none does (the dimension is replicated)."""
     axes = mesh_axes(logical, mesh)
     unit = SHARD_UNITS.get(logical, 1)
-    return axes if axes is not None and size % (axes_size(axes, mesh) * unit) == 0 else None
+    several = () if axes is None or isinstance(axes, str) else axes
+    for candidate in (axes, *several):
+        if candidate is not None and size % (axes_size(candidate, mesh) * unit) == 0:
+            return candidate
+    return None
 
 
 def kv_head_replicas(num_kv_heads: int, num_q_heads: int, mesh) -> int:

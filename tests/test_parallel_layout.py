@@ -34,7 +34,9 @@ def test_experts_split_over_every_chip_attention_over_tensor():
     assert partition_spec(EXPERTS, (4, 16, 64, 64), ep8) == P(None, "expert", None, None)
     assert partition_spec(EXPERTS, (4, 16, 64, 64), both) == P(
         None, ("expert", "tensor"), None, None)
-    assert partition_spec(EXPERTS, (4, 12, 64, 64), both) == P(None, None, None, None)
+    # 12 experts do not split 8 ways: the first axis alone that divides them.
+    assert partition_spec(EXPERTS, (4, 12, 64, 64), both) == P(None, "expert", None, None)
+    assert partition_spec(EXPERTS, (4, 9, 64, 64), both) == P(None, None, None, None)
     # Attention's heads and the vocabulary split over "tensor" only.
     assert partition_spec(("embed", "q_heads"), (64, 256), both) == P(None, "tensor")
     assert partition_spec(("vocab", "embed"), (512, 64), ep8) == P(None, None)

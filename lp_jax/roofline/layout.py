@@ -61,9 +61,15 @@ def _split(size: int, ways: int) -> float:
     return size / ways if size % ways == 0 else float(size)
 
 
+def _expert_ways(shape: ModelShape, mesh: tuple[int, int, int]) -> int:
+    """Chips the experts split over: e t if that divides E, else e or t alone that does
+    (`sharding.axis_dividing`), else 1."""
+    _, e, t = mesh
+    return next((n for n in (e * t, e, t) if shape.num_experts % n == 0), 1)
+
+
 def chip_layout(shape: ModelShape, mesh: tuple[int, int, int]) -> ChipLayout:
     _, e, t = mesh
-    n = e * t
     d, b = shape.hidden_size, shape.dtype_bytes
     K, N = shape.num_kv_heads, shape.num_q_heads
     replicas = t // K if t > K and t % K == 0 and N % t == 0 else 1
@@ -71,8 +77,7 @@ def chip_layout(shape: ModelShape, mesh: tuple[int, int, int]) -> ChipLayout:
     vocab = _split(shape.vocab_size, t)
     embed = vocab * d * b * (1 if shape.tie_word_embeddings else 2)
     attention = shape.num_layers * shape.attention_weight_bytes / t
-    experts = shape.num_moe_layers * shape.expert_bytes_per_layer * (
-        1 / n if shape.num_experts % n == 0 else 1)
+    experts = shape.num_moe_layers * shape.expert_bytes_per_layer / _expert_ways(shape, mesh)
     dense = shape.dense_layers_count * shape.dense_mlp_bytes / t
     router = shape.num_moe_layers * d * shape.num_experts * b
     kv_token = shape.num_layers * 2 * heads * shape.head_dim * shape.kv_itemsize
@@ -89,7 +94,7 @@ def link_bytes_per_layer(shape: ModelShape, mesh: tuple[int, int, int], rows: in
     the MoE dispatch asked ("auto": `ep_comm.choose_dispatch`'s pick). `reduce_bytes`: the
     all-reduce's element width (TPU reduces in the activation dtype; None: that)."""
     _, e, t = mesh
-    n = e * t if shape.num_experts % (e * t) == 0 else 1
+    n = _expert_ways(shape, mesh)
     d, b = shape.hidden_size, shape.dtype_bytes
     attention = 2.0 * (t - 1) / t * rows * d * b
     if n == 1:
