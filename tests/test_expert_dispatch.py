@@ -263,11 +263,15 @@ def _collective_shapes(hlo: str, op: str) -> list[str]:
     return re.findall(rf"= \(?(\w+\[[\d,]*\])[^=\n]*? {op}(?:-start)?\(", hlo)
 
 
+EXPERT_GROUPS = ("{'expert'}", "{'tensor'}", "{'expert','tensor'}")  # the experts' axes
+
+
 def _moe_all_to_alls(hlo: str) -> list[str]:
-    """The all-to-alls over the "expert" axis that the program asked for (GSPMD adds its
-    own to reshard, e.g. around attention's head split; it marks those)."""
+    """The all-to-alls over the experts' mesh axes that the program asked for (GSPMD
+    adds its own to reshard, e.g. around attention's head split; it marks those)."""
     return [line for line in hlo.splitlines() if " all-to-all(" in line
-            and "{'expert'}" in line and 'is_spmd_generated="true"' not in line]
+            and any(g in line for g in EXPERT_GROUPS)
+            and 'is_spmd_generated="true"' not in line]
 
 
 def _program(mesh, T, top_k=A, **scheme):
@@ -308,8 +312,11 @@ def test_auto_runs_what_ep_comm_chooses(T, top_k):
     want = choose_dispatch(T, D, top_k, 8, act_bytes=4, transport="capacity")
     text = _program(mesh, T, dispatch="auto", top_k=top_k).as_text()
     assert ("all_to_all" in text) == (want == "all_to_all"), want
-    # ep == 1 (no expert axis; or it does not divide E = 8): no dispatch.
-    for no_ep in (make_mesh(tensor=8), make_mesh(expert=3)):
+    # The tensor axis carries expert parallelism too (attention's chips hold experts).
+    assert resolve_moe_dispatch(make_mesh(tensor=8), "auto", x_TD, w_gate_up, top_k) == (
+        resolve_moe_dispatch(mesh, "auto", x_TD, w_gate_up, top_k))
+    # ep == 1 (only the data axis; or the axes do not divide E = 8): no dispatch.
+    for no_ep in (make_mesh(data=8), make_mesh(expert=3)):
         assert resolve_moe_dispatch(no_ep, "auto", x_TD, w_gate_up, top_k) == "allreduce"
         assert resolve_moe_dispatch(no_ep, "all_to_all", x_TD, w_gate_up, top_k) == "allreduce"
 

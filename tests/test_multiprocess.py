@@ -1,7 +1,8 @@
 """One engine over two processes (jax.distributed, gloo, 4 host devices each): the
 leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 
-* LLM on a (2, 4) expert x tensor mesh spanning both processes gives the Hugging Face
+* LLM on a (2, 4) expert x tensor mesh spanning both processes (tensor-parallel attention
+  with more devices than KV heads, the experts over all 8 devices) gives the Hugging Face
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
   plan channel) and layered (device broadcast); the leader's shutdown ends the follower
   (exit 0), and no program compiles while serving.
@@ -58,6 +59,9 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
     for policy, transport in (("chunked", "host"), ("layered", "device")):
         assert results[policy]["tokens"] == GOLDEN_TOKENS, policy
         assert results[policy]["compilations_after_warmup"] == 0
+        # 2 KV heads on 4 tensor devices: each kept twice, one per device.
+        assert results[policy]["layout"] == {"kv_heads": 4, "kv_heads_per_device": 1,
+                                             "expert_devices": 8}
         channel = results[policy]["plan_channel"]
         assert channel["transport"] == transport and channel["steps_sent"] >= NEW_TOKENS
     assert "leader of 2 processes (8 devices)" in logs[0]

@@ -52,11 +52,17 @@ from lp_jax.core.programs import hidden_rows, step_buckets
 from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import KV_CACHE_AXES, kv_cache_shape, kv_dtype, packs_kv
+from lp_jax.models.kv_cache import (
+    KV_CACHE_AXES,
+    kv_cache_shape,
+    kv_dtype,
+    packs_kv,
+    pool_kv_heads,
+)
 from lp_jax.paths import bundled
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
-from lp_jax.sharding import make_mesh, named_sharding, replicated
+from lp_jax.sharding import kv_head_replicas, make_mesh, named_sharding, replicated
 from pallas_kernels.compile_targets import GPU_TARGETS
 from pallas_kernels.quant import stored_bytes
 
@@ -186,7 +192,9 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
         abstract_state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
     weight_bytes = sum(_shard_bytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state))
     kernel = "tpu" if cfg.platform == "tpu" else "gpu"
-    kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel))
+    kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel),
+                              replicas=kv_head_replicas(model_cfg.num_key_value_heads,
+                                                        model_cfg.num_attention_heads, mesh))
     kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
     kv = jax.ShapeDtypeStruct(kv_shape, kv_dtype(model_cfg, dtype), sharding=kv_sharding)
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
@@ -359,6 +367,9 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
     if (out_dir / "dumps").is_dir() and not keep_dumps:
         shutil.rmtree(out_dir / "dumps", ignore_errors=True)
     violations = [f"program {p['rows']}: {v}" for p in programs for v in p["violations"]]
+    plan = hbm_plan(b, programs, chip(cfg)[1])
+    for line in describe_hbm_plan(plan):
+        log(line)
     summary = {
         "config": dataclasses.asdict(cfg), "model": model_cfg.model_type, "mode": mode,
         "target": chip(cfg)[0], "hbm_bytes": chip(cfg)[1],
@@ -366,6 +377,8 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
         "devices": b.mesh.devices.size, "hosts": hosts,
         "weight_bytes_per_device": b.weight_bytes_per_device,
         "kv_bytes_per_device": b.kv_bytes_per_device,
+        "kv_tokens": plan["kv_tokens"], "kv_head_replicas": plan["kv_head_replicas"],
+        "hbm_plan": plan,
         "layer_expert_bytes_per_device": b.layer_expert_bytes_per_device,
         "model_shape": dataclasses.asdict(  # what lp_jax.roofline --aot costs against
             ModelShape.from_model_config(model_cfg, model_cfg.model_type)),
@@ -375,6 +388,37 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
         summary["our_kernels"] = our_kernels(programs)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def hbm_plan(b: Build, programs: list[dict], hbm_bytes: int | None) -> dict:
+    """One chip's HBM: weights, KV pool and the largest program's temporaries (compiled
+    programs only), beside the chip's HBM, and the KV the whole slice holds: `kv_tokens`,
+    pages x page size (the pool is one array; its pages are not split over chips, its
+    heads are, so every chip holds all kv_tokens' share of its heads)."""
+    kv = b.args[1]
+    pages_per_layer = kv.shape[0] // b.model_config.num_hidden_layers
+    temps = [p["memory"]["temp"] for p in programs if "memory" in p]
+    plan = {"weights": b.weight_bytes_per_device, "kv_pool": b.kv_bytes_per_device,
+            "max_temp": max(temps) if temps else None, "hbm": hbm_bytes,
+            "kv_tokens": pages_per_layer * kv.shape[1],
+            "kv_head_replicas": pool_kv_heads(kv, b.model_config.head_dim)
+            // b.model_config.num_key_value_heads,
+            "kv_shard_shape": list(kv.sharding.shard_shape(kv.shape))}
+    plan["total"] = plan["weights"] + plan["kv_pool"] + (plan["max_temp"] or 0)
+    return plan
+
+
+def describe_hbm_plan(plan: dict) -> list[str]:
+    """The per-chip HBM plan as printed lines."""
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    temp = "n/a (not compiled)" if plan["max_temp"] is None else gb(plan["max_temp"])
+    lines = [f"per-chip HBM plan: weights {gb(plan['weights'])} + KV pool "
+             f"{gb(plan['kv_pool'])} (shard {plan['kv_shard_shape']}, "
+             f"{plan['kv_head_replicas']} cop{'y' if plan['kv_head_replicas'] == 1 else 'ies'}"
+             f" of each KV head) + largest temporaries {temp} = {gb(plan['total'])}"
+             + (f" of {gb(plan['hbm'])}" if plan["hbm"] else "")]
+    lines.append(f"KV the slice holds: {plan['kv_tokens']:,} tokens")
+    return lines
 
 
 def _cost_analysis(compiled) -> dict | None:

@@ -4,6 +4,8 @@
         --out runs/aot/h200            # --gpu h100; exports only if the CUDA plugin is absent
     python -m lp_jax.aot --platform tpu --topology v6e:2x4 --mesh 1,8,1 \\
         --preset qwen3-30b-a3b --out runs/aot/v6e-8
+    python -m lp_jax.aot --platform tpu --topology v6e:2x4 --tensor-parallel-size 8 \\
+        --enable-expert-parallel --preset qwen3-30b-a3b --out runs/aot/v6e-8-tp8
 
 No weights are needed: a preset (checkpoints/configs/) or a config.json, plus the engine
 arguments that shape the programs. Exits 1 on an audit violation, 2 on a configuration
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from lp_jax.aot import PRESETS, AotConfig, load_config, run
 from lp_jax.aot.audit import describe
+from lp_jax.sharding import MESH_AXES, parallel_mesh_shape
 from pallas_kernels.compile_targets import GPU_TARGETS
 
 
@@ -37,6 +40,8 @@ def _host_backend_cpu() -> None:
 ENGINE_FLAGS = ("scheduling", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "page_size", "kv_pages", "mesh_shape", "max_paused_prefills", "dtype",
                 "quantization", "kv_cache_dtype", "moe_dispatch", "token_buckets")
+# vLLM's parallel sizes: they choose the mesh (_mesh), not AotConfig fields of their own.
+LAYOUT_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
 # Compile-only defaults: a 4,096-token context and a mesh over the whole slice keep the
 # documented commands within one chip's memory for the big presets.
 DEFAULTS = {"max_model_len": 4096}
@@ -67,7 +72,7 @@ def build_parser(prog: str = "python -m lp_jax.aot") -> argparse.ArgumentParser:
                     help="programs compiled at once (default: the host's cores)")
     ap.add_argument("--out", required=True)
     add_engine_args(ap.add_argument_group("engine (EngineConfig; docs/engine_args.md)"),
-                    only=ENGINE_FLAGS, defaults=DEFAULTS, default_help=DEFAULT_HELP,
+                    only=ENGINE_FLAGS + LAYOUT_FLAGS, defaults=DEFAULTS, default_help=DEFAULT_HELP,
                     extra_spellings={"mesh_shape": ("--mesh",)})
     return ap
 
@@ -78,7 +83,7 @@ def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
 
     try:
         model_cfg = load_config(args.preset or args.config)
-        cfg = aot_config(args)
+        cfg = aot_config(args, model_cfg)
         summary = run(model_cfg, cfg, Path(args.out), jobs=args.jobs,
                       keep_dumps=args.keep_dumps)
     except (ValueError, RuntimeError) as e:
@@ -93,21 +98,30 @@ def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
     return 1 if summary["violations"] else 0
 
 
-def aot_config(args) -> AotConfig:
+def aot_config(args, model_cfg) -> AotConfig:
     """AotConfig from the parsed flags: the engine flags under their own names (AotConfig
     names its fields as EngineConfig does), then the compile target's."""
     from lp_jax.engine_args import engine_kwargs
 
     engine = engine_kwargs(args, ENGINE_FLAGS) | {
-        "mesh_shape": _mesh(args), "token_buckets": args.token_buckets or None}
+        "mesh_shape": _mesh(args, model_cfg), "token_buckets": args.token_buckets or None}
     return AotConfig(platform=args.platform, topology=args.topology, gpu=args.gpu,
                      memory_fraction=args.memory_fraction, **engine)
 
 
-def _mesh(args) -> tuple[int, int, int]:
-    if args.mesh_shape:
-        dims = tuple(args.mesh_shape)
-        return dims if len(dims) == 3 else (1, *dims)
+def _mesh(args, model_cfg) -> tuple[int, int, int]:
+    """--mesh / --mesh-shape, or vLLM's parallel sizes mapped onto the mesh
+    (sharding.parallel_mesh_shape), else the compile target's default."""
+    sized = (args.tensor_parallel_size, args.data_parallel_size,
+             args.enable_expert_parallel) != (1, 1, False)
+    if args.mesh_shape or sized:
+        shape = parallel_mesh_shape(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            mesh_shape=tuple(args.mesh_shape) if args.mesh_shape else None,
+            has_experts=model_cfg.num_experts > 0)
+        return tuple(shape[a] for a in MESH_AXES)
     if args.platform == "cuda":
         return (1, 1, 1)
     from pallas_kernels.compile_targets import tpu_topology_devices

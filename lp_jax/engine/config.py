@@ -9,6 +9,7 @@ from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
 from lp_jax.paths import CACHE_ENV, default_jax_cache_dir
 from lp_jax.quant import REQUESTABLE
+from lp_jax.sharding import parallel_mesh_shape
 
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
 
@@ -116,6 +117,16 @@ class EngineConfig:
     mesh_shape: tuple | dict | None = engine_arg(
         None, "devices per mesh axis: 'expert,tensor' or 'data,expert,tensor'",
         type="int_tuple", default_help="one device")
+    # vLLM's parallel sizes, mapped onto the mesh (sharding.parallel_mesh_shape).
+    tensor_parallel_size: int = engine_arg(
+        1, "chips that attention heads, the vocabulary and dense MLPs split over; an MoE "
+        "model with more than 1 also needs --enable-expert-parallel (not with --mesh-shape)",
+        type="positive_int")
+    data_parallel_size: int = engine_arg(
+        1, "data-parallel replicas; more than 1 is refused (not served yet)",
+        type="positive_int")
+    enable_expert_parallel: bool = engine_arg(
+        False, "split the experts over the tensor-parallel chips (EP = TP, as vLLM's flag)")
     dtype: str | None = engine_arg(None, "weights' and activations' dtype",
                              default_help="the checkpoint's")
     quantization: str | None = engine_arg(
@@ -197,6 +208,7 @@ class EngineConfig:
                              f"{self.quantization!r} (a quantized checkpoint is detected "
                              "from its config.json)")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
+        parallel_mesh_shape(**self.parallel_sizes(), has_experts=False)  # raises on a conflict
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:
@@ -228,6 +240,13 @@ class EngineConfig:
             cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_prefill_budget(
                 cfg.max_num_batched_tokens, max_model_len))
         return cfg
+
+    def parallel_sizes(self) -> dict:
+        """The layout arguments of `sharding.parallel_mesh_shape`."""
+        return dict(tensor_parallel_size=self.tensor_parallel_size,
+                    data_parallel_size=self.data_parallel_size,
+                    enable_expert_parallel=self.enable_expert_parallel,
+                    mesh_shape=self.mesh_shape)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -54,7 +54,7 @@ from lp_jax.executor.plan_channel import (
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_page_bytes, read_kv_scales
 from lp_jax.quant import resolve as resolve_quantization
-from lp_jax.sharding import make_mesh, parse_mesh_shape
+from lp_jax.sharding import make_mesh, parallel_mesh_shape
 from lp_jax.trace.writer import TraceWriter
 from pallas_kernels import attention
 
@@ -168,7 +168,8 @@ class LLMEngine:
         # the mesh then spans every process's devices.
         self.process = distributed.initialize(config.num_processes, config.process_id,
                                               config.coordinator_address)
-        self.mesh = make_mesh(**parse_mesh_shape(config.mesh_shape))
+        self.mesh = make_mesh(**parallel_mesh_shape(**config.parallel_sizes(),
+                                                    has_experts=model_cfg.num_experts > 0))
         model = load_model(self.model_dir, config=model_cfg, load_format=config.load_format,
                            mesh=self.mesh, dtype=config.dtype)
         self._compiles_loaded = compile_guard.compilations()
@@ -284,7 +285,8 @@ class LLMEngine:
         limit = stats.get("bytes_limit")
         if limit:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
-            page_bytes = kv_page_bytes(cfg, S, model.dtype)  # an FP8 page: half of bf16's
+            # An FP8 page: half of bf16's; a device holds its share of the heads.
+            page_bytes = kv_page_bytes(cfg, S, model.dtype, self.mesh)
             want = min(want, int(free // page_bytes))
         return max(want, 1)
 

@@ -63,7 +63,7 @@ from lp_jax.models.kv_cache import KV_CACHE_AXES, init_kv_cache, kv_cache_shape,
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
-from lp_jax.sharding import named_sharding, replicated
+from lp_jax.sharding import kv_head_replicas, named_sharding, replicated
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,8 +182,10 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)
-        kv_shape = kv_cache_shape(cfg, num_pages, page_size, packed=packed)
+        replicas = kv_head_replicas(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
+        kv_shape = kv_cache_shape(cfg, num_pages, page_size, packed=packed, replicas=replicas)
         self.kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype, packed=packed,
+                                      replicas=replicas,
                                       sharding=named_sharding(KV_CACHE_AXES, kv_shape, mesh))
         self._replicated = replicated(mesh)
         self.hidden_RD = jax.device_put(

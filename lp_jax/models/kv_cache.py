@@ -5,6 +5,14 @@ KV head k sit at J = 2k, 2k + 1. A model's attention half offsets the logical pa
 by its layer's first page (`StackedCausalLM._attention`), so the page table is the same
 for every layer. `packs_kv` says when the pool takes the packed [.., S, K, 2H] form.
 
+Tensor-parallel attention splits the J axis over the heads' devices, one whole (K, V)
+pair or more per device. With more devices t than KV heads K the pool keeps r = t / K
+copies of each head (`sharding.kv_head_replicas`): it holds K r heads, copy j of head k
+at k r + j, so that query head n still reads head n // G of the copied pool (G = N /
+(K r)) and each device stores only the head its query heads read: 1 / t of an
+unreplicated pool per device instead of all of it. The model writes whatever heads the
+pool has (`repeat_to_pool`); which r is a layout choice, made where the pool is built.
+
 FP8 KV cache (cfg.kv_cache_dtype "fp8", vLLM's fp8 / fp8_e4m3): the pool is
 float8_e4m3fn, one byte a value, so a page takes half a bf16 page's bytes and the
 engine's default page count (sized from free memory, `kv_page_bytes`) doubles. Each
@@ -25,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
+from lp_jax.sharding import axes_size, axis_dividing, kv_head_replicas
 from pallas_kernels import attention
 
 KV_CACHE_AXES = ("kv_pages", None, "kv_combined_heads", None)  # logical axes of the pool
@@ -46,10 +55,34 @@ def kv_dtype(cfg: ModelConfig, dtype=None):
     return jnp.dtype(dtype or cfg.dtype)
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None) -> int:
-    """Bytes of one logical page over all layers (K and V of every KV head)."""
-    return (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
-            * kv_dtype(cfg, dtype).itemsize)
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None) -> int:
+    """Bytes of one logical page over all layers (K and V of every KV head); with `mesh`,
+    the bytes one device holds of it (the pool's heads split, or replicated, over the
+    mesh as `sharding.LOGICAL_RULES` lays them out)."""
+    whole = (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
+             * kv_dtype(cfg, dtype).itemsize)
+    if mesh is None:
+        return whole
+    r = kv_head_replicas(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
+    J = 2 * cfg.num_key_value_heads * r
+    shards = axes_size(axis_dividing("kv_combined_heads", J, mesh), mesh)
+    return whole * r // shards
+
+
+def pool_kv_heads(kv_pages_PSJH: jax.Array, head_dim: int) -> int:
+    """The KV heads the pool holds: J / 2, or J of the packed [P, S, K, 2H] form."""
+    J, X = kv_pages_PSJH.shape[2:]
+    return J if X == 2 * head_dim else J // 2
+
+
+def repeat_to_pool(k_TKH: jax.Array, v_TKH: jax.Array, kv_pages_PSJH: jax.Array):
+    """k_TKH and v_TKH with each head repeated to the pool's K r heads (copy j of head k
+    at k r + j); unchanged when the pool holds K."""
+    K, H = k_TKH.shape[1:]
+    r = pool_kv_heads(kv_pages_PSJH, H) // K
+    if r == 1:
+        return k_TKH, v_TKH
+    return jnp.repeat(k_TKH, r, axis=1), jnp.repeat(v_TKH, r, axis=1)
 
 
 def layer_kv_scales(cfg: ModelConfig, i) -> dict:
@@ -101,18 +134,19 @@ def read_kv_scales(model_dir: str | Path | None, cfg: ModelConfig) -> tuple:
 
 
 def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
-                   packed: bool = False) -> tuple[int, int, int, int]:
-    """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`)."""
-    K, H = cfg.num_key_value_heads, cfg.head_dim
+                   packed: bool = False, replicas: int = 1) -> tuple[int, int, int, int]:
+    """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`); with
+    `replicas` r (`sharding.kv_head_replicas`), K r heads in place of K."""
+    K, H = cfg.num_key_value_heads * replicas, cfg.head_dim
     heads = (K, 2 * H) if packed else (2 * K, H)
     return (cfg.num_hidden_layers * pages_per_layer, page_size, *heads)
 
 
 def init_kv_cache(cfg: ModelConfig, pages_per_layer: int, page_size: int, dtype=None,
-                  sharding=None, *, packed: bool = False) -> jax.Array:
+                  sharding=None, *, packed: bool = False, replicas: int = 1) -> jax.Array:
     """The shared KV pool kv_pages_PSJH (`kv_cache_shape`), zeroed; e4m3 for an FP8
     cache (`kv_dtype`), else `dtype` (default cfg.dtype)."""
-    shape = kv_cache_shape(cfg, pages_per_layer, page_size, packed=packed)
+    shape = kv_cache_shape(cfg, pages_per_layer, page_size, packed=packed, replicas=replicas)
     dtype = kv_dtype(cfg, dtype)
     if sharding is None:
         return jnp.zeros(shape, dtype)

@@ -25,12 +25,15 @@ the runner give the operands, and entering the shard_map moves no data:
   consistent: K and V of KV head k sit at J = 2k, 2k + 1 and query head n reads KV
   head n // G, so shard d holds query heads [d N/t, (d+1) N/t) and exactly the KV
   heads they read. A kernel needs whole (K, V) pairs, so heads are split only when
-  t divides K; otherwise the kernel runs replicated. Page tables and lengths are
+  t divides the pool's KV heads; otherwise the kernel runs replicated. With more
+  devices than KV heads the pool holds t / K copies of each (`kv_cache.py`), so t
+  divides them and each shard holds one. Page tables and lengths are
   replicated. `write_kv` stays under GSPMD: its scatter keeps the pool's sharding.
 * MoE: expert weights [E, D, 2F] / [E, F, D], or the stacked [L, E, D, 2F] /
-  [L, E, F, D] with a layer index, split over "expert" on their E axis (when it
-  divides E; otherwise replicated), and GPT-OSS's expert biases [(L,) E, 2F] /
-  [(L,) E, D] with them; tokens replicated ("allreduce") or split over "expert"
+  [L, E, F, D] with a layer index, split over the experts' mesh axes ("expert" and
+  "tensor", `sharding.mesh_axes`) on their E axis (when they divide E; otherwise
+  replicated), and GPT-OSS's expert biases [(L,) E, 2F] / [(L,) E, D] with them;
+  tokens replicated ("allreduce") or split over the same axes
   ("all_to_all"); see `sharded_moe_ffn`. `model_moe_ffn` is the models' one entry:
   it picks the mesh and the scheme for a layer.
 
@@ -55,7 +58,7 @@ from lp_jax.models.expert_dispatch import (
     mesh_platform,
     resolve_dispatch,
 )
-from lp_jax.sharding import LOGICAL_RULES
+from lp_jax.sharding import axes_size, axis_dividing
 from pallas_kernels import attention, moe
 from pallas_kernels.moe.ref import SILU, MoEActivation, check_bias, combine, moe_stats, route
 
@@ -82,31 +85,24 @@ def resolve_moe_dispatch(mesh, dispatch: str, x_TD, w_gate_up, top_k: int,
     """"allreduce" or "all_to_all": the scheme `sharded_moe_ffn(mesh, ...)` runs for
     `dispatch` on these operands ("auto" asks `expert_dispatch.resolve_dispatch`).
     "allreduce" when mesh is None or the expert axis does not split the experts."""
-    experts = None if mesh is None else _axis_dividing("experts", w_gate_up.shape[-3], mesh)
+    experts = None if mesh is None else axis_dividing("experts", w_gate_up.shape[-3], mesh)
     act_bytes = jnp.dtype(x_TD.dtype).itemsize
     # The allreduce path psums float32 partials, but TPU's compiler moves the cast to the
     # activation dtype ahead of the all-reduce (compiled HLO, launch/bench_ep_comm.py).
     tpu = mesh is not None and mesh_platform(mesh) == "tpu"
     return resolve_dispatch(
-        dispatch, ep=1 if experts is None else mesh.shape[experts], tokens=x_TD.shape[0],
+        dispatch, ep=1 if experts is None else axes_size(experts, mesh), tokens=x_TD.shape[0],
         hidden=x_TD.shape[1], top_k=top_k, act_bytes=act_bytes,
         transport=transport or (default_transport(mesh) if mesh is not None else "ragged"),
         reduce_bytes=act_bytes if tpu else 4)
-
-
-def _axis_dividing(logical: str, size: int, mesh) -> str | None:
-    """The mesh axis LOGICAL_RULES maps `logical` to, if it divides `size`; else None."""
-    axis = LOGICAL_RULES[logical]
-    return axis if axis is not None and size % mesh.shape[axis] == 0 else None
 
 
 # ------------------------------------------------------------------ attention
 def _head_specs(mesh, q_xNH, kv_pages_PSJH: jax.Array) -> tuple[P, P]:
     """(spec of q and of the output, spec of the KV pool): both split over the KV heads
     (dim 2 of the pool: 2K interleaved, or K in the packed [P, S, K, 2H] form)."""
-    K = kv_pages_PSJH.shape[2] if attention.is_packed(q_xNH, kv_pages_PSJH) else (
-        kv_pages_PSJH.shape[2] // 2)
-    heads = _axis_dividing("kv_combined_heads", K, mesh)
+    J = kv_pages_PSJH.shape[2] * (2 if attention.is_packed(q_xNH, kv_pages_PSJH) else 1)
+    heads = axis_dividing("kv_combined_heads", J, mesh)
     return P(None, heads, None), P(None, None, heads, None)
 
 
@@ -173,7 +169,7 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     dispatch; the xla backends under allreduce stay under GSPMD.
 
     Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant), as
-    in moe_ffn; on a mesh they split over "expert" with the weights, under either
+    in moe_ffn; on a mesh they split over the experts' axes with the weights, under either
     dispatch."""
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
@@ -228,7 +224,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
                     dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
                     biases=None, activation: MoEActivation = SILU, scales=None, scheme=None):
-    """`moe.moe_ffn` with the experts split over the "expert" axis of `mesh` (called
+    """`moe.moe_ffn` with the experts split over the experts' mesh axes (called
     directly when `mesh` is None).
 
     Weights as in moe_ffn: [E, D, 2F] / [E, F, D] with layer=None, or the stacked
@@ -244,12 +240,12 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     once, summed over the expert shards: what one device holding them all would read).
 
     `dispatch` (see `expert_dispatch`, and `resolve_moe_dispatch` for "auto"):
-    * "allreduce": tokens (and router logits) are replicated over "expert": every
+    * "allreduce": tokens (and router logits) are replicated over those axes: every
       device routes all T tokens, runs its local experts on the rows routed to them
       (`_local_experts_moe`) and the partial outputs are psum'ed (T x D float32).
     * "all_to_all": each device routes T / ep of the tokens and sends each (token,
       slot) row only to the device owning its expert (`expert_dispatch.all_to_all_moe`);
-      the outputs come back, are combined, and all_gather'ed over "expert".
+      the outputs come back, are combined, and all_gather'ed over the axes.
     With ep == 1 (the axis is absent or does not divide E) both are the same: the
     kernel runs on whole experts on every device, with no collective.
     `capacity_factor` sizes the CPU transport's rounds; `_transport` ("ragged",
@@ -264,7 +260,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
                            token_mask_T=token_mask_T, interpret=interpret, biases=biases,
                            activation=activation, scales=scales or None, scheme=scheme)
     T = x_TD.shape[0]
-    experts = _axis_dividing("experts", w_gate_up.shape[-3], mesh)
+    experts = axis_dividing("experts", w_gate_up.shape[-3], mesh)
     transport = _transport or default_transport(mesh)
     dispatch = resolve_moe_dispatch(mesh, dispatch, x_TD, w_gate_up, top_k, transport)
     if token_mask_T is None:
@@ -314,7 +310,7 @@ def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, spl
     split_args: the weights, then the `nb` biases and the scales, if any, split over
     `experts` (scales and biases stay with their experts; only rows travel)."""
     T = x_TD.shape[0]
-    pad = -T % mesh.shape[experts]
+    pad = -T % axes_size(experts, mesh)
     x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
     logits_TE_pad = jnp.pad(router_logits_TE, ((0, pad), (0, 0)))
     mask_T_pad = jnp.pad(token_mask_T.astype(bool), (0, pad))  # the pad sends nothing

@@ -24,7 +24,7 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import layer_kv_scales
+from lp_jax.models.kv_cache import layer_kv_scales, repeat_to_pool
 from lp_jax.models.layers import param, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.sharded_kernels import (
@@ -127,6 +127,7 @@ class StackedCausalLM(nnx.Module):
         # operand fusion, GPU dynamic-slice fusion); `python -m lp_jax.aot` audits it.
         h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
         q_TNH, k_TKH, v_TKH = self._qkv(i, h_TD, meta.positions_T)
+        k_TKH, v_TKH = repeat_to_pool(k_TKH, v_TKH, kv_pages_PSJH)  # a pool of K r heads
 
         # Logical pages -> this layer's physical pages in the shared pool.
         P_total, S = kv_pages_PSJH.shape[:2]
