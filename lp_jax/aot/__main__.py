@@ -98,10 +98,14 @@ def main(argv=None, prog: str = "python -m lp_jax.aot") -> int:
     return 1 if summary["violations"] else 0
 
 
-def aot_config(args, model_cfg) -> AotConfig:
+def aot_config(args, model_cfg=None) -> AotConfig:
     """AotConfig from the parsed flags: the engine flags under their own names (AotConfig
-    names its fields as EngineConfig does), then the compile target's."""
+    names its fields as EngineConfig does), then the compile target's. `model_cfg` (read
+    from --preset / --config when not given) says whether the model has experts."""
     from lp_jax.engine_args import engine_kwargs
+
+    if model_cfg is None:
+        model_cfg = load_config(args.preset or args.config)
 
     engine = engine_kwargs(args, ENGINE_FLAGS) | {
         "mesh_shape": _mesh(args, model_cfg), "token_buckets": args.token_buckets or None}
@@ -109,12 +113,14 @@ def aot_config(args, model_cfg) -> AotConfig:
                      memory_fraction=args.memory_fraction, **engine)
 
 
-def _mesh(args, model_cfg) -> tuple[int, int, int]:
+def _mesh(args, model_cfg=None) -> tuple[int, int, int]:
     """--mesh / --mesh-shape, or vLLM's parallel sizes mapped onto the mesh
     (sharding.parallel_mesh_shape), else the compile target's default."""
     sized = (args.tensor_parallel_size, args.data_parallel_size,
              args.enable_expert_parallel) != (1, 1, False)
     if args.mesh_shape or sized:
+        if model_cfg is None:
+            model_cfg = load_config(args.preset or args.config)
         shape = parallel_mesh_shape(
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size,
