@@ -56,8 +56,7 @@ _REST_CLASSES = ("dense matmuls", "other", "collectives", "logits/sampling")
 _ANALYTIC_REST = ("dense matmuls", "other", "collectives")
 # Shape fields that must agree between the AOT run's model and the simulated one.
 _SHAPE_KEYS = ("hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
-               "vocab_size", "num_experts", "top_k", "expert_width", "dense_width",
-               "shared_width")
+               "vocab_size", "num_experts", "top_k", "expert_width", "dense_width")
 
 
 @dataclass(frozen=True, slots=True)
