@@ -80,13 +80,28 @@ ENGINES = {  # one row bucket each, as tests/test_gpt_oss.py's
 }
 
 
+@pytest.fixture(scope="module")
+def glm_engines():
+    """policy -> an engine on tiny-glm-groups, built on first use, shut down at the end."""
+    built = {}
+
+    def get(policy):
+        if policy not in built:
+            built[policy] = LLM(str(ensure_tiny(preset="tiny-glm-groups")), max_num_seqs=4,
+                                max_model_len=80, log=None, **ENGINES[policy])
+        return built[policy]
+
+    yield get
+    for llm in built.values():
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("policy", list(ENGINES))
-def test_engine_policies_match_golden_greedy(policy):
+def test_engine_policies_match_golden_greedy(policy, glm_engines):
     """32 greedy tokens per prompt equal to transformers' under each policy, prefills
     beside decodes; one program per row bucket (dense and MoE layers share it)."""
     golden = np.load(GOLDEN.format("tiny-glm-groups"))
-    llm = LLM(str(ensure_tiny(preset="tiny-glm-groups")), max_num_seqs=4, max_model_len=80,
-              log=None, **ENGINES[policy])
+    llm = glm_engines(policy)
     eng, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     ids, outs, step = {}, {}, 0
     while len(outs) < 3:
@@ -99,7 +114,29 @@ def test_engine_policies_match_golden_greedy(policy):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()
     assert stats["programs"] == 1 and stats["compilations_after_warmup"] == 0, stats
-    llm.shutdown()
+
+
+def test_logprobs_prefix_cache_and_structured_outputs(glm_engines):
+    """On the chunked engine: sampled log-probabilities equal transformers' log-softmax
+    (1e-4), a repeated prompt hits the prefix cache and still gives transformers' token,
+    and a regex-constrained answer matches its regex."""
+    golden = np.load(GOLDEN.format("tiny-glm-groups"))
+    llm = glm_engines("chunked")
+    prompt = golden["prompt_2"].tolist()
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=3))[0]
+    assert out.token_ids == golden["greedy_2"][:4].tolist()
+    for s, d in enumerate(out.logprobs):
+        assert abs(d[out.token_ids[s]] - golden["greedy_logprobs_2"][s]) < 1e-4
+    hits = llm.stats()["prefix_cache_hits"]
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0, max_tokens=1))[0]
+    assert llm.stats()["prefix_cache_hits"] > hits
+    assert again.token_ids == golden["greedy_2"][:1].tolist()
+    regex = llm.generate(["The answer is"], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs={"regex": "(yes|no)\\."}))[0]
+    assert regex.text in ("yes.", "no."), regex.text
+    assert llm.stats()["compilations_after_warmup"] == 0
 
 
 def test_expert_parallel_matches_transformers():
