@@ -7,7 +7,9 @@ sigmoid routing with a correction bias, scaling 2.5, one MTP layer in the checkp
 and "tiny-glm-groups" (no QK norm, 16 experts in 4 groups of which 2 are eligible,
 top-4). Prompt logits within 1e-4 and greedy tokens identical, through the model
 (`greedy_generate`) and through the engine under orca, chunked and layered, each with
-one program (the dense first layer shares the loop body through `lax.cond`).
+one program (the dense first layer shares the loop body through `lax.cond`); expert
+parallelism; logprobs, prefix caching and structured outputs; int8 at load and the HF
+FP8 checkpoint format against the float model holding the dequantised weights.
 """
 
 import json
@@ -178,4 +180,44 @@ def test_quantized_at_load():
     prompt = np.load(GOLDEN.format("tiny-glm"))["prompt_1"].tolist()
     _, logits = greedy_generate(model, prompt, 1, return_prompt_logits=True)
     _, want = greedy_generate(oracle, prompt, 1, return_prompt_logits=True)
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3)
+
+
+def test_hf_fp8_block_checkpoint(tmp_path):
+    """GLM-4.5's published FP8 format (HF fine-grained e4m3, 128 x 128 weight_scale_inv):
+    a tiny-glm with 128-wide experts whose attention, dense, routed and shared expert
+    projections make_tiny_quant's numpy quantiser converted (router and o_proj kept, as
+    modules_to_not_convert says) computes what the float32 model holding the dequantised
+    weights computes."""
+    from checkpoints import make_tiny
+    from checkpoints import make_tiny_quant as mtq
+
+    cfg = {**make_tiny.build_config("tiny-glm"), "moe_intermediate_size": 128,
+           "intermediate_size": 256}
+    qc = mtq.quantization_config({**cfg, "num_experts": cfg["n_routed_experts"]})
+    fp8, dequant = {}, {}
+    for name, w in make_tiny.make_weights(cfg).items():
+        module = name.removesuffix(".weight")
+        if (w.ndim == 2 and name.endswith("_proj.weight") and "eh_proj" not in name
+                and module not in qc["modules_to_not_convert"]):
+            q, s = mtq.quantize_fp8_blocks(w, np.float32)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            dequant[name] = mtq.dequantize_fp8_blocks(q, s)
+        else:
+            fp8[name] = dequant[name] = w
+    src = ensure_tiny(preset="tiny-glm")
+    dirs = {}
+    for kind, tensors, config in (("fp8", fp8, {**cfg, "quantization_config": qc}),
+                                  ("dequant", dequant, cfg)):
+        d = dirs[kind] = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        mtq.save_safetensors(tensors, d / "model.safetensors")
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            (d / f).write_bytes((src / f).read_bytes())
+    model = load_model(dirs["fp8"])
+    assert model.model.layers.shared_experts.gate_proj[...].dtype.itemsize == 1
+    prompt = np.load(GOLDEN.format("tiny-glm"))["prompt_1"].tolist()
+    _, logits = greedy_generate(model, prompt, 1, return_prompt_logits=True)
+    _, want = greedy_generate(load_model(dirs["dequant"]), prompt, 1, return_prompt_logits=True)
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3)
