@@ -151,7 +151,29 @@ GPT_OSS_PRESETS: dict[str, dict] = {
                                    "model.embed_tokens", "lm_head"],
         "quant_method": "mxfp4"}},
 }
-ALL_PRESETS = {**PRESETS, **GPT_OSS_PRESETS}
+# GLM-4.5 (Glm4MoeForCausalLM) in the hubs' dialect: top-level rope_theta and
+# partial_rotary_factor, n_routed_experts, e_score_correction_bias tensors, one MTP layer
+# past num_hidden_layers (which lp_jax skips). Layer 0 dense; q/k/v biases; sigmoid
+# routing scaled by 2.5 with one shared expert. "tiny-glm-groups": no QK norm, 16
+# experts in 4 groups of which 2 are eligible, top-4.
+_GLM = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "attention_bias": True, "attention_dropout": 0.0, "first_k_dense_replace": 1,
+    "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+    "intermediate_size": 128, "max_position_embeddings": 512, "moe_intermediate_size": 32,
+    "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+    "num_key_value_heads": 2, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000.0,
+    "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "float32", "use_cache": True, "use_qk_norm": True, "vocab_size": 512,
+}
+GLM_PRESETS: dict[str, dict] = {
+    "tiny-glm": dict(_GLM),
+    "tiny-glm-groups": {**_GLM, "use_qk_norm": False, "n_routed_experts": 16, "n_group": 4,
+                        "topk_group": 2, "num_experts_per_tok": 4},
+}
+ALL_PRESETS = {**PRESETS, **GPT_OSS_PRESETS, **GLM_PRESETS}
 
 _EXPERT_KEYS = (
     "decoder_sparse_step",
@@ -291,8 +313,8 @@ def build_config(preset: str = "tiny") -> dict:
     """The Hugging Face config.json contents for a preset."""
     if preset not in ALL_PRESETS:
         raise KeyError(f"unknown preset {preset!r}; choose from {sorted(ALL_PRESETS)}")
-    if preset in GPT_OSS_PRESETS:
-        cfg = dict(GPT_OSS_PRESETS[preset])
+    if preset in GPT_OSS_PRESETS or preset in GLM_PRESETS:
+        cfg = dict(ALL_PRESETS[preset])
         vocab = cfg["vocab_size"]
         cfg["bos_token_id"] = cfg["pad_token_id"] = special_token_id(vocab, ENDOFTEXT)
         cfg["eos_token_id"] = special_token_id(vocab, IM_END)
@@ -316,9 +338,10 @@ def special_token_id(vocab_size: int, token: str) -> int:
 
 
 def is_moe_layer(cfg: dict, i: int) -> bool:
-    """The rule of transformers' Qwen3MoeDecoderLayer."""
+    """The rule of transformers' Qwen3MoeDecoderLayer (and Glm4MoeDecoderLayer's)."""
     return (
-        cfg.get("num_experts", 0) > 0
+        cfg.get("num_experts", cfg.get("n_routed_experts", 0)) > 0
+        and i >= cfg.get("first_k_dense_replace", 0)
         and i not in cfg.get("mlp_only_layers", [])
         and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
     )
@@ -360,23 +383,40 @@ def make_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
         linear(f"{prefix}.up_proj.weight", width, d)
         linear(f"{prefix}.down_proj.weight", d, width)
 
+    glm = cfg["model_type"] == "glm4_moe"  # GLM: biases, optional qk norm, shared experts
+    n_experts = cfg.get("n_routed_experts", cfg.get("num_experts"))
     normal("model.embed_tokens.weight", (v, d), SCALES["embed"] * d**-0.5)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         norm(f"{p}.input_layernorm.weight", d)
         norm(f"{p}.post_attention_layernorm.weight", d)
+        qk_norm = cfg.get("use_qk_norm", True)
         linear(f"{p}.self_attn.q_proj.weight", n * h, d)
+        if not qk_norm:  # sharpen attention as the q norm's gain does
+            out[f"{p}.self_attn.q_proj.weight"] *= SCALES["qk_norm"]
         linear(f"{p}.self_attn.k_proj.weight", k * h, d)
         linear(f"{p}.self_attn.v_proj.weight", k * h, d)
         linear(f"{p}.self_attn.o_proj.weight", d, n * h)
-        norm(f"{p}.self_attn.q_norm.weight", h, SCALES["qk_norm"])
-        norm(f"{p}.self_attn.k_norm.weight", h, SCALES["qk_norm"])
+        for name, width in (("q_proj", n * h), ("k_proj", k * h), ("v_proj", k * h)):
+            if cfg.get("attention_bias"):
+                normal(f"{p}.self_attn.{name}.bias", (width,), 0.1)
+        if qk_norm:
+            norm(f"{p}.self_attn.q_norm.weight", h, SCALES["qk_norm"])
+            norm(f"{p}.self_attn.k_norm.weight", h, SCALES["qk_norm"])
         if is_moe_layer(cfg, i):
-            normal(f"{p}.mlp.gate.weight", (cfg["num_experts"], d), SCALES["router"] * d**-0.5)
-            for e in range(cfg["num_experts"]):
+            normal(f"{p}.mlp.gate.weight", (n_experts, d), SCALES["router"] * d**-0.5)
+            for e in range(n_experts):
                 mlp(f"{p}.mlp.experts.{e}", cfg["moe_intermediate_size"])
+            if glm:  # biases of a sigmoid score's scale: they change choices
+                normal(f"{p}.mlp.gate.e_score_correction_bias", (n_experts,), 0.1)
+                shared = cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
+                mlp(f"{p}.mlp.shared_experts", shared)
         else:
             mlp(f"{p}.mlp", cfg["intermediate_size"])
+    if glm:  # the next-token (MTP) layer's own tensors, which lp_jax does not read
+        mtp = f"model.layers.{cfg['num_hidden_layers']}"
+        linear(f"{mtp}.eh_proj.weight", d, 2 * d)
+        norm(f"{mtp}.enorm.weight", d)
     norm("model.norm.weight", d)
     if not cfg["tie_word_embeddings"]:
         normal("lm_head.weight", (v, d), SCALES["head"] * d**-0.5)

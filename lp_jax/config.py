@@ -10,6 +10,15 @@ Model types: "qwen3_moe" and "qwen3" (Qwen3MoeForCausalLM / Qwen3ForCausalLM), a
 router and both expert projections, a clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`)
 and YaRN RoPE; its experts are `intermediate_size` wide, all its layers are MoE, and
 its router renormalises over the top-k (softmax of the top-k logits).
+
+"glm4_moe" (Glm4MoeForCausalLM, GLM-4.5 / 4.6) adds the MoE blocks DeepSeek-V3 shares:
+sigmoid routing with a correction bias, group-limited top-k and a routed scaling factor
+(`router`), `n_shared_experts` always-on experts beside the routed ones, and
+`first_k_dense_replace` dense first layers; attention has q/k/v biases, optional
+per-head q/k RMSNorm (`use_qk_norm`) and RoPE on the first `partial_rotary_factor` of
+each head. Its next-token (MTP) layers (`num_nextn_predict_layers`) are not part of the
+served model. A field lp_jax does not serve fails here, naming it, before anything is
+built or compiled.
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ from pathlib import Path
 
 from lp_jax.quant.config import QuantConfig
 from lp_jax.quant.config import from_hf as quant_from_hf
+from pallas_kernels.moe.ref import Router
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss", "glm4_moe")
 # vLLM's kv_cache_dtype values lp_jax serves: "auto" (the model's dtype) and e4m3 pages.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -98,6 +108,16 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v/o projections
     swiglu_limit: float | None = None  # None: SiLU(gate) * up; else the clamped SwiGLU
     swiglu_alpha: float = 1.702
+    # GLM-4.5 (and the DeepSeek-V3 family's MoE blocks); the defaults are Qwen3's.
+    scoring_func: str = "softmax"  # router scores: "softmax" or "sigmoid"
+    n_group: int = 1  # group-limited top-k: experts in n_group groups ...
+    topk_group: int = 1  # ... of which the topk_group best are eligible
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # always-on experts, moe_intermediate_size wide each
+    first_k_dense_replace: int = 0  # layers [0, k) are dense
+    use_qk_norm: bool = True  # per-head RMSNorm of q and k
+    partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim of a head
+    num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint, not served
     # Weight format (lp_jax/quant): from config.json's quantization_config, or set by the
     # loader for quantization="int8" | "fp8"; None: the checkpoint's 16/32-bit weights.
     quantization: QuantConfig | None = None
@@ -131,6 +151,11 @@ class ModelConfig:
                 raise ValueError("an MoE config needs moe_intermediate_size > 0")
             if self.decoder_sparse_step < 1:
                 raise ValueError("decoder_sparse_step must be >= 1")
+            self.router.check(self.num_experts, self.num_experts_per_tok)
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < rotary <= self.head_dim or int(rotary) % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} of head_dim "
+                             f"{self.head_dim} must give an even rotary width in (0, head_dim]")
         if self.has_dense_layers and self.intermediate_size <= 0:
             raise ValueError("dense MLP layers need intermediate_size > 0")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
@@ -157,9 +182,27 @@ class ModelConfig:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
         return (
             self.num_experts > 0
+            and layer >= self.first_k_dense_replace
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def router(self) -> Router:
+        """The routing variant every MoE backend takes (moe.ref.Router)."""
+        return Router(self.scoring_func, self.n_group, self.topk_group,
+                      self.routed_scaling_factor)
+
+    @property
+    def has_router_correction_bias(self) -> bool:
+        """An [E] e_score_correction_bias per MoE layer (GLM-4.5), used to choose the
+        experts but not to weight them."""
+        return self.model_type == "glm4_moe"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (the first ones); the rest pass."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -227,7 +270,8 @@ class ModelConfig:
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet")
         default_theta = 150_000.0 if gpt_oss else 10_000.0
         rope_theta = hf.get("rope_theta", rope.get("rope_theta", default_theta))
-        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        num_experts = hf.get("num_experts", hf.get("num_local_experts",
+                                                   hf.get("n_routed_experts", 0))) or 0
         if model_type == "qwen3":
             num_experts = 0
         heads = hf["num_attention_heads"]
@@ -240,7 +284,7 @@ class ModelConfig:
             moe = dict(
                 moe_intermediate_size=hf.get("moe_intermediate_size", 0),
                 num_experts_per_tok=hf.get("num_experts_per_tok", 0),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "glm4_moe")),
             ) if num_experts else {}
             extra = {}
             if gpt_oss:  # every layer MoE, experts intermediate_size wide, top-k softmax
@@ -256,6 +300,8 @@ class ModelConfig:
                     swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                     swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
                 )
+            if model_type == "glm4_moe":
+                extra = _glm4_moe_fields(hf, rope, source)
             if rope_type == "yarn":
                 extra["rope_scaling"] = RopeScaling.from_hf(rope, max_position_embeddings=max_pos)
             return cls(
@@ -308,6 +354,34 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+# GLM-4.5 fields that would change what the model computes, and the one value lp_jax
+# serves: any other value is refused, naming the field.
+_GLM4_MOE_FIXED = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
+def _glm4_moe_fields(hf: dict, rope: dict, source: str) -> dict:
+    """ModelConfig fields of a `glm4_moe` config.json, in the hubs' dialect (top-level
+    rope_theta and partial_rotary_factor) or transformers 5's (inside rope_parameters),
+    with Glm4MoeConfig's defaults."""
+    for name, value in _GLM4_MOE_FIXED.items():
+        if hf.get(name, value) != value:
+            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported for glm4_moe "
+                             f"(lp_jax serves {name}={value!r})")
+    return dict(
+        scoring_func="sigmoid",
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)),
+        use_qk_norm=bool(hf.get("use_qk_norm", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        partial_rotary_factor=float(hf.get("partial_rotary_factor",
+                                           rope.get("partial_rotary_factor", 0.5))),
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
+    )
 
 
 def _generation_eos(path: Path) -> tuple[int, ...]:

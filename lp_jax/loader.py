@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
 from lp_jax.sharding import make_mesh, named_sharding
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,10 +210,16 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
     for name, shape in {"q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
                         "o_proj": (D, N * H)}.items():
         src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", shape)
-    for name in ("q_norm", "k_norm"):
+        if cfg.attention_bias and name != "o_proj":  # GLM-4.5: q/k/v only
+            src[(*attn, f"{name}_bias")] = _per_layer(layers, f"self_attn.{name}.bias",
+                                                      shape[:1], _identity)
+    for name in ("q_norm", "k_norm") if cfg.use_qk_norm else ():
         src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", (H,), _identity)
     if moe:
         src[("model", "layers", "mlp", "gate")] = _per_layer(moe, "mlp.gate.weight", (E, D))
+        if cfg.has_router_correction_bias:
+            src[("model", "layers", "mlp", "e_score_correction_bias")] = _per_layer(
+                moe, "mlp.gate.e_score_correction_bias", (E,), _identity)
         expert = lay + "mlp.experts.{}."
         src[("model", "layers", "mlp", "experts_gate_up_proj")] = _Source(
             (len(moe), E),
@@ -230,6 +238,11 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
         for name, shape in (("gate_proj", (Fd, D)), ("up_proj", (Fd, D)), ("down_proj", (D, Fd))):
             src[("model", "layers", "dense_mlp", name)] = _per_layer(dense, f"mlp.{name}.weight",
                                                                      shape)
+    Fs = cfg.n_shared_experts * F
+    for name, shape in (("gate_proj", (Fs, D)), ("up_proj", (Fs, D)), ("down_proj", (D, Fs))):
+        if moe and Fs:
+            src[("model", "layers", "shared_experts", name)] = _per_layer(
+                moe, f"mlp.shared_experts.{name}.weight", shape)
     return src
 
 
@@ -400,6 +413,7 @@ def load_model(
         return nnx.merge(graphdef, _dummy_state(config, abstract, shardings, seed))
 
     ckpt = HFCheckpoint(model_dir)
+    _log_skipped_mtp(ckpt, config)
     check_mxfp4_request(ckpt.dir, config, ckpt.has_mxfp4_experts())
     sources = quantized_sources(config, hf_sources(config, mxfp4=ckpt.has_mxfp4_experts()))
     missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
@@ -416,6 +430,18 @@ def load_model(
         )
 
     return nnx.merge(graphdef, _with_values(abstract, make_value))
+
+
+def _log_skipped_mtp(ckpt: HFCheckpoint, cfg: ModelConfig):
+    """Logs the next-token (MTP) layers the checkpoint holds past the served ones
+    (GLM-4.5: `model.layers.{num_hidden_layers}`); speculative decoding would read them."""
+    prefixes = tuple(f"model.layers.{cfg.num_hidden_layers + i}."
+                     for i in range(cfg.num_nextn_predict_layers))
+    skipped = [n for n in ckpt.where if prefixes and n.startswith(prefixes)]
+    if skipped:
+        logger.info("%s: skipping %d next-token (MTP) layer(s), %d tensors under %s; they "
+                    "are not part of the served model", ckpt.dir, cfg.num_nextn_predict_layers,
+                    len(skipped), ", ".join(p.rstrip(".") for p in prefixes))
 
 
 def _dummy_state(config: ModelConfig, abstract, shardings, seed: int):

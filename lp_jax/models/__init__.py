@@ -1,4 +1,5 @@
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.glm4_moe import Glm4MoeForCausalLM
 from lp_jax.models.gpt_oss import GptOssForCausalLM
 from lp_jax.models.kv_cache import init_kv_cache
 from lp_jax.models.metadata import AttentionMetadata, build_metadata
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[StackedCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen3": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 
@@ -24,6 +26,7 @@ def model_class(model_type: str) -> type[StackedCausalLM]:
 
 __all__ = [
     "AttentionMetadata",
+    "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
     "KernelBackends",
     "MODEL_CLASSES",

@@ -11,7 +11,8 @@ E_local = E / ep experts each. It runs a MoE layer by one of two schemes
   rows travel, once there and once back:
 
       x_TD (replicated)   pad T to T_pad = ep * t; shard i keeps tokens [i t, (i+1) t)
-      x_tD, logits_tE     route over all E experts (moe.ref.route, as every scheme)
+      x_tD, logits_tE     route over all E experts (moe.ref.route with the layer's
+                          Router and correction bias, as every scheme)
       rows_RD             R = t * A (token, slot) rows sorted by expert id: one run per
                           owner (expert // E_local), sorted by the owner's local experts
       counts_SXE          all_gather of every shard's rows per expert ([E] int32 each):
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 
 from lp_jax.models.dispatch_bytes import fewer_bytes
 from pallas_kernels import moe
-from pallas_kernels.moe.ref import SILU, MoEActivation, combine, route
+from pallas_kernels.moe.ref import SILU, SOFTMAX, MoEActivation, Router, combine, route
 
 DISPATCHES = ("allreduce", "all_to_all", "auto")
 TRANSPORTS = ("ragged", "capacity", "ref_ragged")
@@ -249,13 +250,15 @@ def _owner_experts(w_gate_up, w_down, layer, *, backend, interpret, biases=(),
 def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, layer, *, axis,
                    top_k, norm_topk_prob, backend, interpret, transport,
                    capacity_factor=CAPACITY_FACTOR, biases=(),
-                   activation: MoEActivation = SILU, scales=(), scheme=None):
+                   activation: MoEActivation = SILU, scales=(), scheme=None,
+                   router: Router = SOFTMAX, correction_bias_E=None):
     """One shard's part of the all_to_all scheme, inside shard_map over `axis`.
 
     x_tD, router_logits_tE, token_mask_t: this shard's t tokens (logits over all E
     experts); weights: the shard's E_local experts ([E_local, ...] or [L, E_local, ...]
     with `layer`), and GPT-OSS's biases and activation likewise (`_owner_experts`;
-    they stay with their owner, only rows travel). Returns (y_tD float32 for this
+    they stay with their owner, only rows travel). `router` and `correction_bias_E`
+    (the [E] bias, replicated): the routing variant, as in moe_ffn. Returns (y_tD float32 for this
     shard's tokens, tokens_per_expert [E] over all shards' tokens, the same on every
     shard).
     """
@@ -264,7 +267,8 @@ def all_to_all_moe(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, laye
     ep = jax.lax.axis_size(axis)
     E_local = w_gate_up.shape[-3]
     E = ep * E_local
-    weights_tA, expert_ids_tA = route(router_logits_tE, top_k, norm_topk_prob)
+    weights_tA, expert_ids_tA = route(router_logits_tE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     valid_R = jnp.repeat(token_mask_t.astype(bool), A)
     ids_R = jnp.where(valid_R, expert_ids_tA.reshape(t * A), E)  # E: sent nowhere, sorts last
     # Sorted by expert: one run per owner, sorted by the owner's local experts.

@@ -50,9 +50,10 @@ def rms_norm(x, weight, eps, *, scale_in_float32=False):
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
-    """(inv_freq [H/2] float32, cos/sin scale), computed as transformers does: the
-    default RoPE, or YaRN (`_compute_yarn_parameters`) when cfg.rope_scaling is set."""
-    H, theta, yarn = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    """(inv_freq [R/2] float32, cos/sin scale), computed as transformers does: the
+    default RoPE, or YaRN (`_compute_yarn_parameters`) when cfg.rope_scaling is set.
+    R = cfg.rotary_dim: head_dim, or its first partial_rotary_factor (GLM-4.5)."""
+    H, theta, yarn = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling
     inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     if yarn is None:
         return inv_freq, 1.0
@@ -78,8 +79,14 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
 
 
 def apply_rope(x_TNH, positions_T, inv_freq_H2, scale: float = 1.0):
-    """Rotary embedding in the rotate-half (non-interleaved) form Qwen3 and GPT-OSS use;
-    `scale` multiplies cos and sin (YaRN's attention factor)."""
+    """Rotary embedding in the rotate-half (non-interleaved) form Qwen3, GPT-OSS and
+    GLM-4.5 use, on the first R = 2 * len(inv_freq_H2) channels of each head (partial
+    rotary: the rest pass unchanged); `scale` multiplies cos and sin (YaRN's attention
+    factor)."""
+    R = 2 * inv_freq_H2.shape[0]
+    if R < x_TNH.shape[-1]:
+        rotated = apply_rope(x_TNH[..., :R], positions_T, inv_freq_H2, scale)
+        return jnp.concatenate([rotated, x_TNH[..., R:]], axis=-1)
     H = x_TNH.shape[-1]
     freqs_TH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq_H2[None, :]
     emb_TH = jnp.concatenate([freqs_TH2, freqs_TH2], axis=-1)

@@ -1,4 +1,5 @@
-"""Qwen3-MoE (and dense Qwen3) in Flax NNX, on the stacked layer loop (stacked.py).
+"""Qwen3-MoE (and dense Qwen3), and the GLM-4.5 blocks on top of them, in Flax NNX, on
+the stacked layer loop (stacked.py).
 
 Module and parameter names follow the Hugging Face checkpoint
 (`model.layers.self_attn.q_proj`, `model.layers.mlp.experts.gate_up_proj`, ...), so
@@ -16,6 +17,20 @@ Linear weights are stored [in, out] (the transpose of torch's [out, in]). Expert
 weights use the kernel layout: `gate_up_proj` [E, D, 2F] (gate in [..., :F], up
 in [..., F:]) and `down_proj` [E, F, D]. Every parameter declares its logical
 axes (`logical_axes` metadata) for lp_jax.sharding.
+
+GLM-4.5 (glm4_moe.py) is this model with blocks that the config switches on: q/k/v
+biases (`attention_bias`), q/k norms only with `use_qk_norm`, partial RoPE
+(`partial_rotary_factor`), a router variant with its per-layer
+`e_score_correction_bias` (`cfg.router`: sigmoid, groups, scaling), shared experts
+(`shared_experts`, stacked over the MoE layers) and dense first layers
+(`first_k_dense_replace`, through the same `lax.cond` as `mlp_only_layers`).
+
+Shared experts are a dense SwiGLU of width n_shared * moe_intermediate_size on every
+token, not extra always-selected rows of the MoE kernel: every token uses them, so
+the dense dot does exactly their work, while as kernel rows they would add T rows to
+the expert sort, the gather and the tile padding, and widen the all-to-all (each
+row travels) under expert parallelism. As dense weights they shard like the dense MLP
+(tensor parallel, "mlp" axis), and every expert shard holds them.
 
 Quantized (cfg.quantization, lp_jax/quant): the projections and experts that the
 format converts are int8 / e4m3 with a float32 `<name>_scale` beside them
@@ -52,6 +67,9 @@ QUANTIZABLE = {
     "dense_mlp.gate_proj": ("mlp.gate_proj",),
     "dense_mlp.up_proj": ("mlp.up_proj",),
     "dense_mlp.down_proj": ("mlp.down_proj",),
+    "shared_experts.gate_proj": ("mlp.shared_experts.gate_proj",),
+    "shared_experts.up_proj": ("mlp.shared_experts.up_proj",),
+    "shared_experts.down_proj": ("mlp.shared_experts.down_proj",),
 }
 
 
@@ -67,7 +85,9 @@ def quantized_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
             out[name] = None
             continue
         layers = {"self_attn": range(cfg.num_hidden_layers), "mlp": cfg.moe_layers,
-                  "dense_mlp": cfg.dense_layers}[name.split(".")[0]]
+                  "dense_mlp": cfg.dense_layers,
+                  "shared_experts": cfg.moe_layers if cfg.n_shared_experts else ()
+                  }[name.split(".")[0]]
         experts = range(cfg.num_experts) if "{expert}" in modules[0] else [0]
         names = [f"model.layers.{i}." + m.format(expert=e)
                  for i in layers for e in experts for m in modules]
@@ -92,17 +112,27 @@ class Qwen3MoeAttention(nnx.Module):
                                   ("v_proj", (L, D, KH), ("layers", "embed", "kv_heads")),
                                   ("o_proj", (L, NH, D), ("layers", "q_heads", "embed"))):
             set_weight(self, name, rngs, shape, axes, dtype, quant[f"self_attn.{name}"])
-        self.q_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype, ones=True)
-        self.k_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype, ones=True)
+            if cfg.attention_bias and name != "o_proj":  # GLM-4.5: q/k/v only
+                setattr(self, f"{name}_bias", nnx.Param(
+                    jnp.zeros((L, shape[-1]), dtype), logical_axes=("layers", axes[-1])))
+        if cfg.use_qk_norm:
+            self.q_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype,
+                                ones=True)
+            self.k_norm = param(rngs, (L, cfg.head_dim), ("layers", "head_dim"), dtype,
+                                ones=True)
 
 
 class Qwen3MoeSparseMoeBlock(nnx.Module):
-    """Router (`gate`) and experts, stacked over the MoE layers."""
+    """Router (`gate`, and GLM-4.5's float32 `e_score_correction_bias`) and experts,
+    stacked over the MoE layers."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
         L, D, E, F = num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         quant = quantized_params(cfg)
         self.gate = param(rngs, (L, D, E), ("layers", "embed", None), dtype)
+        if cfg.has_router_correction_bias:
+            self.e_score_correction_bias = nnx.Param(jnp.zeros((L, E), jnp.float32),
+                                                     logical_axes=("layers", None))
         set_weight(self, "experts_gate_up_proj", rngs, (L, E, D, 2 * F),
                    ("layers", "experts", "embed", "expert_mlp"), dtype,
                    quant["mlp.experts_gate_up_proj"])
@@ -115,15 +145,20 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
 
 
 class Qwen3MLP(nnx.Module):
-    """Dense SwiGLU MLP, stacked over the dense layers."""
+    """Dense SwiGLU MLP, stacked over the dense layers (`kind` "dense_mlp",
+    intermediate_size wide) or, as GLM-4.5's shared experts, over the MoE layers
+    ("shared_experts", n_shared_experts * moe_intermediate_size wide)."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
-        L, D, F = num_layers, cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs,
+                 kind: str = "dense_mlp"):
+        L, D = num_layers, cfg.hidden_size
+        F = (cfg.intermediate_size if kind == "dense_mlp"
+             else cfg.n_shared_experts * cfg.moe_intermediate_size)
         quant = quantized_params(cfg)
         for name, shape, axes in (("gate_proj", (L, D, F), ("layers", "embed", "mlp")),
                                   ("up_proj", (L, D, F), ("layers", "embed", "mlp")),
                                   ("down_proj", (L, F, D), ("layers", "mlp", "embed"))):
-            set_weight(self, name, rngs, shape, axes, dtype, quant[f"dense_mlp.{name}"])
+            set_weight(self, name, rngs, shape, axes, dtype, quant[f"{kind}.{name}"])
 
 
 class Qwen3MoeDecoderLayers(nnx.Module):
@@ -135,10 +170,13 @@ class Qwen3MoeDecoderLayers(nnx.Module):
         n_moe, n_dense = len(cfg.moe_layers), len(cfg.dense_layers)
         self.mlp = Qwen3MoeSparseMoeBlock(cfg, n_moe, dtype, rngs=rngs) if n_moe else None
         self.dense_mlp = Qwen3MLP(cfg, n_dense, dtype, rngs=rngs) if n_dense else None
+        self.shared_experts = (Qwen3MLP(cfg, n_moe, dtype, rngs=rngs, kind="shared_experts")
+                               if n_moe and cfg.n_shared_experts else None)
 
 
 class Qwen3MoeForCausalLM(StackedCausalLM):
-    """Qwen3MoeForCausalLM / Qwen3ForCausalLM. Use `run_layers` for any layer range."""
+    """Qwen3MoeForCausalLM / Qwen3ForCausalLM (and, with its blocks switched on by the
+    config, Glm4MoeForCausalLM). Use `run_layers` for any layer range."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
         super().__init__(cfg, Qwen3MoeDecoderLayers, rngs=rngs, dtype=dtype)
@@ -155,15 +193,21 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
                       quantized_params(self.config)[f"{kind}.{name}"])
 
     def _qkv(self, i, h_TD, positions_T):
-        """Projections, per-head q/k RMSNorm, RoPE."""
+        """Projections (and biases), per-head q/k RMSNorm, RoPE on the first
+        cfg.rotary_dim channels of each head."""
         cfg, attn = self.config, self.model.layers.self_attn
         T = h_TD.shape[0]
         N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_TNH = self._proj(attn, "self_attn", "q_proj", i, h_TD).reshape(T, N, H)
         k_TKH = self._proj(attn, "self_attn", "k_proj", i, h_TD).reshape(T, K, H)
         v_TKH = self._proj(attn, "self_attn", "v_proj", i, h_TD).reshape(T, K, H)
-        q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
-        k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)
+        if cfg.attention_bias:
+            q_TNH = q_TNH + attn.q_proj_bias[i].reshape(N, H)
+            k_TKH = k_TKH + attn.k_proj_bias[i].reshape(K, H)
+            v_TKH = v_TKH + attn.v_proj_bias[i].reshape(K, H)
+        if cfg.use_qk_norm:
+            q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
+            k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)
         inv_freq_H2, scale = rope_frequencies(cfg)
         q_TNH = apply_rope(q_TNH, positions_T, inv_freq_H2, scale)
         k_TKH = apply_rope(k_TKH, positions_T, inv_freq_H2, scale)
@@ -175,25 +219,34 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
     def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
         """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
         the layer index, and address the layer themselves (no [E, D, 2F] slice is made);
-        mesh and dispatch as `sharded_kernels.model_moe_ffn` picks them."""
+        mesh and dispatch as `sharded_kernels.model_moe_ffn` picks them. The router
+        variant (cfg.router) with the layer's correction bias; shared experts added."""
         cfg, mlp = self.config, self.model.layers.mlp
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
         quant, scheme = {}, quantized_params(cfg)["mlp.experts_gate_up_proj"]
         if scheme is not None:
             quant = dict(scales=(mlp.experts_gate_up_proj_scale[...],
                                  mlp.experts_down_proj_scale[...]), scheme=scheme)
+        if cfg.has_router_correction_bias:
+            quant["correction_bias_E"] = mlp.e_score_correction_bias[j]
         y_TD, stats = model_moe_ffn(
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=j, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
             backend=backends.moe, moe_dispatch=backends.moe_dispatch,
-            token_mask_T=token_mask_T, **quant)
+            token_mask_T=token_mask_T, router=cfg.router, **quant)
+        if self.model.layers.shared_experts is not None:
+            y_TD = y_TD + self._swiglu(self.model.layers.shared_experts, "shared_experts",
+                                       j, h_TD)
         return y_TD, stats["experts_activated"]
 
+    def _swiglu(self, mlp, kind: str, j, h_TD):
+        """down(SiLU(gate(h)) * up(h)) of the j-th entry of a stacked `Qwen3MLP`."""
+        g_TF = self._proj(mlp, kind, "gate_proj", j, h_TD)
+        u_TF = self._proj(mlp, kind, "up_proj", j, h_TD)
+        return self._proj(mlp, kind, "down_proj", j, jax.nn.silu(g_TF) * u_TF)
+
     def _dense_mlp(self, j, h_TD):
-        mlp = self.model.layers.dense_mlp
-        g_TF = self._proj(mlp, "dense_mlp", "gate_proj", j, h_TD)
-        u_TF = self._proj(mlp, "dense_mlp", "up_proj", j, h_TD)
-        return self._proj(mlp, "dense_mlp", "down_proj", j, jax.nn.silu(g_TF) * u_TF), jnp.int32(0)
+        return self._swiglu(self.model.layers.dense_mlp, "dense_mlp", j, h_TD), jnp.int32(0)
 
     def _mlp(self, i, x_TD, token_mask_T, backends: KernelBackends):
         """MLP half of layer i: post-attention norm, MoE or dense MLP, residual. Returns

@@ -60,7 +60,16 @@ from lp_jax.models.expert_dispatch import (
 )
 from lp_jax.sharding import axes_size, axis_dividing
 from pallas_kernels import attention, moe
-from pallas_kernels.moe.ref import SILU, MoEActivation, check_bias, combine, moe_stats, route
+from pallas_kernels.moe.ref import (
+    SILU,
+    SOFTMAX,
+    MoEActivation,
+    Router,
+    check_bias,
+    combine,
+    moe_stats,
+    route,
+)
 
 PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
@@ -161,7 +170,8 @@ def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_
 # ------------------------------------------------------------------------ MoE
 def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
                   norm_topk_prob, backend, moe_dispatch, token_mask_T, biases=None,
-                  activation: MoEActivation = SILU, scales=None, scheme=None):
+                  activation: MoEActivation = SILU, scales=None, scheme=None,
+                  router: Router = SOFTMAX, correction_bias_E=None):
     """A model layer's MoE (Qwen3, GPT-OSS): the whole stacked expert weights (and
     GPT-OSS's biases, with its activation: as in moe_ffn) and the layer index go to the
     kernels, which address the layer themselves. On a multi-device mesh, read off the weights, a
@@ -170,7 +180,8 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
 
     Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant), as
     in moe_ffn; on a mesh they split over the experts' axes with the weights, under either
-    dispatch."""
+    dispatch. `router` and `correction_bias_E` (the routing variant, moe.ref.route): as
+    in moe_ffn, every shard routing with them."""
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
     if dispatch == "allreduce" and not is_pallas_moe(backend):
@@ -179,13 +190,13 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
         norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
         dispatch=dispatch, biases=biases, activation=activation, scales=scales,
-        scheme=scheme)
+        scheme=scheme, router=router, correction_bias_E=correction_bias_E)
 
 
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
                        top_k, norm_topk_prob, token_mask_T, backend, interpret,
                        biases=(), activation: MoEActivation = SILU, scales=None,
-                       scheme=None):
+                       scheme=None, router: Router = SOFTMAX, correction_bias_E=None):
     """The part of `moe.moe_ffn` computed by one shard's experts.
 
     The weights (and biases) hold the shard's E_local experts ([E_local, ...], or the
@@ -203,7 +214,8 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
     """
     T = x_TD.shape[0]
     E_local = w_gate_up.shape[-3]
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     local_ids_TA = expert_ids_TA - expert_offset
     mine_TA = (local_ids_TA >= 0) & (local_ids_TA < E_local) & token_mask_T[:, None]
     # Rows of other shards point at local expert 0; they are masked out anyway.
@@ -223,7 +235,8 @@ def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset,
 def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=None, top_k,
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
                     dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
-                    biases=None, activation: MoEActivation = SILU, scales=None, scheme=None):
+                    biases=None, activation: MoEActivation = SILU, scales=None, scheme=None,
+                    router: Router = SOFTMAX, correction_bias_E=None):
     """`moe.moe_ffn` with the experts split over the experts' mesh axes (called
     directly when `mesh` is None).
 
@@ -233,6 +246,8 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     `biases` (None or (b_gate_up, b_down)) and `activation`: GPT-OSS's, as in moe_ffn;
     the biases are split like the weights, as operands beside them. `scales` and `scheme`
     (quantized experts, as in moe_ffn): the scales split like the weights too.
+    `router` and `correction_bias_E` (moe.ref.route): every shard routes with them; the
+    [E] bias travels replicated.
 
     Returns moe_ffn's (y_TD, stats), stats as global figures, the same under both
     schemes: tokens_per_expert over all E experts, and the rest derived from it by
@@ -258,7 +273,8 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
         return moe.moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, layer=layer,
                            top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
                            token_mask_T=token_mask_T, interpret=interpret, biases=biases,
-                           activation=activation, scales=scales or None, scheme=scheme)
+                           activation=activation, scales=scales or None, scheme=scheme,
+                           router=router, correction_bias_E=correction_bias_E)
     T = x_TD.shape[0]
     experts = axis_dividing("experts", w_gate_up.shape[-3], mesh)
     transport = _transport or default_transport(mesh)
@@ -267,6 +283,9 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
         token_mask_T = jnp.ones((T,), bool)
     # The layer index travels as a replicated operand (it may be a loop counter).
     layer_args = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    # Replicated operands after the layer: the router's correction bias, if any.
+    layer_args += () if correction_bias_E is None else (correction_bias_E,)
+    nl = 0 if layer is None else 1
     w_spec = P(experts, None, None) if layer is None else P(None, experts, None, None)
     b_spec = P(experts, None) if layer is None else P(None, experts, None)
     # The shard-split operands after the tokens: weights, biases, scales; then the layer.
@@ -276,13 +295,15 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
     if dispatch == "all_to_all":
         return _all_to_all_moe_ffn(
             mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args, split_specs,
-            layer_args, nb, top_k=top_k, norm_topk_prob=norm_topk_prob, backend=backend,
-            interpret=interpret, transport=transport, capacity_factor=capacity_factor,
-            activation=activation, scheme=scheme)
+            layer_args, nb, nl, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            backend=backend, interpret=interpret, transport=transport,
+            capacity_factor=capacity_factor, activation=activation, scheme=scheme,
+            router=router)
 
     def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
         biases, scales_ = rest[:nb], rest[nb:len(split_args) - 2]
-        layer_arg = rest[len(split_args) - 2:]
+        layer_arg = rest[len(split_args) - 2:][:nl]
+        bias_arg = rest[len(split_args) - 2 + nl:]
         E_local = w_gate_up.shape[-3]
         offset = 0 if experts is None else jax.lax.axis_index(experts) * E_local
         y_TD, tokens_per_expert_E = _local_experts_moe(
@@ -290,7 +311,8 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             layer_arg[0] if layer_arg else None,
             top_k=top_k, norm_topk_prob=norm_topk_prob, token_mask_T=token_mask_T,
             backend=backend, interpret=interpret, biases=biases, activation=activation,
-            scales=scales_ or None, scheme=scheme)
+            scales=scales_ or None, scheme=scheme, router=router,
+            correction_bias_E=bias_arg[0] if bias_arg else None)
         if experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
@@ -304,11 +326,12 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
 
 
 def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args,
-                        split_specs, layer_args, nb, **kw):
+                        split_specs, layer_args, nb, nl, **kw):
     """The "all_to_all" scheme: T padded to a multiple of ep and split over `experts`
     (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D].
     split_args: the weights, then the `nb` biases and the scales, if any, split over
-    `experts` (scales and biases stay with their experts; only rows travel)."""
+    `experts` (scales and biases stay with their experts; only rows travel). layer_args:
+    the `nl` layer index (0 or 1) and then the router's correction bias, if any."""
     T = x_TD.shape[0]
     pad = -T % axes_size(experts, mesh)
     x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
@@ -317,11 +340,12 @@ def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, spl
 
     def per_shard(x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down, *rest):
         biases, scales = rest[:nb], rest[nb:len(split_args) - 2]
-        layer_arg = rest[len(split_args) - 2:]
+        layer_arg = rest[len(split_args) - 2:][:nl]
+        bias_arg = rest[len(split_args) - 2 + nl:]
         y_tD, tokens_per_expert_E = all_to_all_moe(
             x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down,
             layer_arg[0] if layer_arg else None, axis=experts, biases=biases,
-            scales=scales, **kw)
+            scales=scales, correction_bias_E=bias_arg[0] if bias_arg else None, **kw)
         y_TD = jax.lax.all_gather(y_tD.astype(x_tD.dtype), experts, axis=0, tiled=True)
         return y_TD, tokens_per_expert_E
 

@@ -391,6 +391,7 @@ def analytic(p: Program, hw: Hardware, eff_compute: float, eff_mem: float
     every layer) of cost_model.model_step_cost, at the same efficiencies."""
     classes = {"qkv_proj": "dense matmuls", "o_proj": "dense matmuls",
                "router": "dense matmuls", "dense_mlp": "dense matmuls",
+               "shared_experts": "dense matmuls",
                "attn_prefill": "attention", "attn_decode": "attention",
                "experts": "experts", "lm_head": "logits/sampling"}
     total = model_step_cost(p.shape, step_tokens(p), tp=p.tp, ep=p.ep, logits_tokens=p.seqs)

@@ -362,7 +362,17 @@ def _mlp_ops(
             shape, step.tokens, tp=tp, ep=ep, routing=routing, tile=tile,
             dtype_bytes=dtype_bytes,
         )
-        return [router, experts]
+        if not shape.shared_width:
+            return [router, experts]
+        # Shared experts (GLM-4.5, DeepSeek-V3): a dense SwiGLU on every token, split
+        # over tp like a dense MLP.
+        fs_dev = shape.shared_width / tp
+        shared = OpCost(
+            flops=2.0 * 3.0 * tokens_dev * d * fs_dev,
+            bytes=shape.shared_mlp_bytes / tp + b * 2.0 * tokens_dev * d,
+            name="shared_experts",
+        )
+        return [router, experts, shared]
     f_dev = shape.dense_width / tp
     mlp = OpCost(
         flops=2.0 * 3.0 * tokens_dev * d * f_dev,
@@ -387,8 +397,8 @@ def layer_cost(
 ) -> LayerCost:
     """Per-device cost of decoder layer `layer` for one step: attention ops then the MLP.
 
-    Ops: qkv_proj, attn_prefill, attn_decode, o_proj, then router + experts (MoE layer)
-    or dense_mlp (dense layer).
+    Ops: qkv_proj, attn_prefill, attn_decode, o_proj, then router + experts (+
+    shared_experts where the model has them) on a MoE layer, or dense_mlp (dense layer).
     """
     _check_parallel(tp, ep)
     sizes = _itemsizes(shape, dtype_bytes, kv_dtype_bytes)

@@ -14,6 +14,20 @@ we serve:
 
 `head_dim` may be absent, in which case it is hidden_size / num_attention_heads.
 
+The MoE blocks of GLM-4.5 and DeepSeek-V3: `first_k_dense_replace` dense first layers
+(in `dense_layers`), `n_shared_experts` shared experts (`shared_width` = n_shared *
+moe_intermediate_size: a dense SwiGLU on every token of every MoE layer, read whole
+each step, counted with the dense weights and not in `expert_bytes`, which is the routed
+experts' traffic the engine's expert-bytes counter measures), and group-limited
+routing (`n_group`, `topk_group`). The routing variant leaves the expected activated
+experts as they are: with tokens independent and experts exchangeable, each expert's
+inclusion probability stays k/E whether or not the groups limit a token's choice
+(tests/test_roofline_moe_blocks.py checks this against `moe.ref.route`), so
+`routing.expected_active` serves every variant (what groups change is how many expert
+shards one token reaches under expert parallelism, not modelled here).
+DeepSeek-V3's multi-head latent attention is counted for its weights only
+(`mla_ranks`); its KV cache and attention cost come with the MLA issue.
+
 One description per model: the two built-in shapes of the paper reproduction,
 Qwen3-30B-A3B and GPT-OSS-20B, are the engine's own `ModelConfig` read from
 `checkpoints/configs/` (`from_model_config`), the file the engine, the AOT presets and the
@@ -83,6 +97,12 @@ class ModelShape:
     dtype_bytes: int = 2  # activations (and weights / KV when their format is None)
     weight_format: str | None = None  # formats.WEIGHT_FORMATS; None: dtype_bytes a weight
     kv_format: str | None = None  # formats.KV_FORMATS; None: dtype_bytes a value
+    shared_width: int = 0  # F of the shared experts (n_shared * expert F), every MoE layer
+    n_group: int = 1  # group-limited routing: E experts in n_group groups ...
+    topk_group: int = 1  # ... of which a token's experts come from topk_group
+    # MLA (DeepSeek-V3): (q_lora_rank, kv_lora_rank, qk_rope_head_dim, v_head_dim), with
+    # head_dim = qk_nope + qk_rope; () for standard attention.
+    mla_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -194,9 +214,34 @@ class ModelShape:
         return self.num_experts * self.expert_bytes
 
     @property
+    def shared_mlp_bytes(self) -> int:
+        """Stored bytes of one MoE layer's shared experts (gate | up, down)."""
+        d, f = self.hidden_size, self.shared_width
+        return self.linear_bytes(d, 2 * f) + self.linear_bytes(f, d) if f else 0
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active) parameters, norms and biases left out. Active: what one
+        token's forward multiplies, embedding and head excluded (the convention of the
+        GLM-4.5 and DeepSeek-V3 cards' "active"): attention and dense MLPs whole, the
+        router, the shared experts and top_k routed experts of each MoE layer."""
+        d, moe = self.hidden_size, self.num_moe_layers
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        common = (self.num_layers * self.attention_params
+                  + self.dense_layers_count * 3 * d * self.dense_width
+                  + moe * (d * self.num_experts + 3 * d * self.shared_width))
+        total = embed + common + moe * self.num_experts * self.expert_params
+        return total, common + moe * self.top_k * self.expert_params
+
+    @property
     def attention_params(self) -> int:
-        """Parameters of Q, K, V and O projections of one layer."""
+        """Parameters of Q, K, V and O projections of one layer (MLA: its low-rank q and
+        kv projections, the decompressions and O)."""
         d, h = self.hidden_size, self.head_dim
+        if self.mla_ranks:
+            q_rank, kv_rank, rope, v = self.mla_ranks
+            n = self.num_q_heads
+            q = d * q_rank + q_rank * n * h if q_rank else d * n * h
+            return q + d * (kv_rank + rope) + kv_rank * n * (h - rope + v) + n * v * d
         return d * (self.num_q_heads + 2 * self.num_kv_heads) * h + self.num_q_heads * h * d
 
     @property
@@ -236,11 +281,19 @@ class ModelShape:
         )
         top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
         intermediate = int(cfg.get("intermediate_size") or 0)
+        mla = ()
+        if cfg.get("kv_lora_rank"):  # DeepSeek-V3's MLA: weights only (see above)
+            rope = int(cfg["qk_rope_head_dim"])
+            head_dim = int(cfg["qk_nope_head_dim"]) + rope
+            mla = (int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), rope,
+                   int(cfg["v_head_dim"]))
         if experts:
             expert_width = int(cfg.get("moe_intermediate_size") or intermediate)
-            step = int(cfg.get("decoder_sparse_step") or 1)
+            step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
+            first_dense = int(cfg.get("first_k_dense_replace") or 0)
             mlp_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-            dense_layers = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)
+            dense_layers = tuple(i for i in range(layers)
+                                 if i < first_dense or i in mlp_only or (i + 1) % step != 0)
             dense_width = intermediate if dense_layers else 0
         else:
             expert_width, top_k, dense_layers, dense_width = 0, 0, (), intermediate
@@ -270,6 +323,10 @@ class ModelShape:
             sliding_window=window,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype_bytes=_DTYPE_BYTES[dtype],
+            shared_width=int(cfg.get("n_shared_experts") or 0) * expert_width,
+            n_group=int(cfg.get("n_group") or 1) if experts else 1,
+            topk_group=int(cfg.get("topk_group") or 1) if experts else 1,
+            mla_ranks=mla,
         )
 
     @classmethod
@@ -301,6 +358,9 @@ class ModelShape:
             dtype_bytes=_DTYPE_BYTES[dtype],
             weight_format=_ENGINE_FORMATS[cfg.quantization.method] if cfg.quantization else None,
             kv_format="fp8" if cfg.kv_cache_dtype == "fp8" else None,
+            shared_width=cfg.n_shared_experts * cfg.moe_intermediate_size if moe else 0,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
         )
 
     @classmethod
@@ -320,6 +380,11 @@ class ModelShape:
 # layer MoE; GPT-OSS's even layers use a 128-token sliding window.
 QWEN3_30B_A3B = ModelShape.from_json(CONFIG_DIR / "Qwen3-30B-A3B.json", name="Qwen3-30B-A3B")
 GPT_OSS_20B = ModelShape.from_json(CONFIG_DIR / "gpt-oss-20b.json", name="GPT-OSS-20B")
+# zai-org/GLM-4.5 and GLM-4.5-Air, openai/gpt-oss-120b: shared experts, dense first
+# layers (GLM), sigmoid routing; 120b as 20b with 36 layers and 128 experts.
+GLM_4_5 = ModelShape.from_json(CONFIG_DIR / "glm-4.5.json", name="GLM-4.5")
+GLM_4_5_AIR = ModelShape.from_json(CONFIG_DIR / "glm-4.5-air.json", name="GLM-4.5-Air")
+GPT_OSS_120B = ModelShape.from_json(CONFIG_DIR / "gpt-oss-120b.json", name="GPT-OSS-120B")
 
 LLAMA3_8B = ModelShape(
     # meta-llama/Meta-Llama-3-8B config.json: dense, GQA 32 query / 8 KV heads, untied
@@ -336,7 +401,9 @@ LLAMA3_8B = ModelShape(
     dtype_bytes=2,
 )
 
-BUILTIN_SHAPES: dict[str, ModelShape] = {s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B, LLAMA3_8B)}
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B, LLAMA3_8B, GLM_4_5, GLM_4_5_AIR,
+                        GPT_OSS_120B)}
 
 
 def _norm(name: str) -> str:

@@ -1,6 +1,7 @@
-"""The model's reasoning kept apart from its answer: Qwen3's `<think>...</think>`.
+"""The model's reasoning kept apart from its answer: Qwen3's and GLM-4.5's `<think>...</think>`.
 
-With `OpenAIServer(reasoning_parser="qwen3")` (vLLM's `--reasoning-parser qwen3`), a chat
+With `OpenAIServer(reasoning_parser="qwen3")` (vLLM's `--reasoning-parser qwen3`; "glm45",
+vLLM's `glm45`, is the same block and the same rules for GLM-4.5 / 4.6), a chat
 choice's text is split where the reasoning ends: what comes before `</think>` goes to the
 message's (or the streamed delta's) `reasoning_content`, and to `reasoning` (vLLM's field
 since late 2025); what follows goes to `content`. A choice is in its reasoning from the
@@ -20,7 +21,7 @@ is free text.
 
 from __future__ import annotations
 
-PARSERS = ("qwen3",)
+PARSERS = ("qwen3", "glm45")
 START, END = "<think>", "</think>"
 
 

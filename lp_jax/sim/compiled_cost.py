@@ -50,7 +50,7 @@ TERMS = ("attention", "experts", "layer_rest", "outside")
 # The analytic model's ops (cost_model.py) and the term each belongs to.
 OP_TERMS = {"attn_prefill": "attention", "attn_decode": "attention", "experts": "experts",
             "qkv_proj": "layer_rest", "o_proj": "layer_rest", "router": "layer_rest",
-            "dense_mlp": "layer_rest", "lm_head": "outside"}
+            "dense_mlp": "layer_rest", "shared_experts": "layer_rest", "lm_head": "outside"}
 # The compiled reader's classes inside the layer loop that pool into layer_rest.
 _REST_CLASSES = ("dense matmuls", "other", "collectives", "logits/sampling")
 _ANALYTIC_REST = ("dense matmuls", "other", "collectives")

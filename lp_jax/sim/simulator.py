@@ -146,6 +146,7 @@ def weight_bytes(shape: ModelShape) -> float:
     stored = shape.num_layers * shape.attention_weight_bytes
     stored += shape.num_moe_layers * shape.expert_bytes_per_layer
     stored += shape.dense_layers_count * shape.dense_mlp_bytes
+    stored += shape.num_moe_layers * shape.shared_mlp_bytes
     return float(plain * shape.dtype_bytes + stored)
 
 

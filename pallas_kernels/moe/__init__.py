@@ -31,9 +31,9 @@ transformers' GptOssExperts) and take stacked biases whole, like the weights. Wi
 biases and with the default `SILU` the kernels take exactly the operands they take
 for Qwen3.
 
-All backends share routing (`ref.route`), dispatch order (`ref.dispatch`) and stats
-(`ref.moe_stats`); the Pallas ones pad each expert's rows to the kernel tile
-(`layout.py`) and never read the weights of an expert with no rows.
+All backends share routing (`ref.route`, every variant of `ref.Router`), dispatch
+order (`ref.dispatch`) and stats (`ref.moe_stats`); the Pallas ones pad each
+expert's rows to the kernel tile (`layout.py`) and never read the weights of an expert with no rows.
 
 Quantized experts (issue 31): `scales=(s_gate_up, s_down)` and `scheme=` a
 `pallas_kernels.quant.QuantScheme` (int8 or fp8 per channel, HF fine-grained fp8
@@ -60,7 +60,7 @@ import os
 
 import jax
 
-from pallas_kernels.moe.ref import SILU, MoEActivation, ref_moe_ffn
+from pallas_kernels.moe.ref import SILU, SOFTMAX, MoEActivation, Router, ref_moe_ffn
 from pallas_kernels.moe.xla_tiles import moe_ffn_xla_tiles
 from pallas_kernels.platform import target_platform
 from pallas_kernels.quant import QuantScheme
@@ -116,6 +116,8 @@ def moe_ffn(
     activation: MoEActivation = SILU,
     scales=None,
     scheme: QuantScheme | None = None,
+    router: Router = SOFTMAX,
+    correction_bias_E: jax.Array | None = None,
 ):
     """Routes tokens to experts and runs the SwiGLU experts. Returns (y_TD, stats).
 
@@ -131,6 +133,9 @@ def moe_ffn(
       on every backend.
     scales, scheme: None (16-bit weights), or int8 / fp8 weights' (s_gate_up, s_down)
       and their `quant.QuantScheme` (above).
+    router, correction_bias_E: the routing variant (a static `ref.Router`: softmax or
+      sigmoid scores, group-limited top-k, routed_scaling_factor) and its [E] float
+      correction bias (chooses experts, does not weight them); `ref.route`.
     """
     auto = backend == "auto"
     backend = resolve_backend(backend)
@@ -144,7 +149,8 @@ def moe_ffn(
             backend = "xla_tiles"  # the Hopper kernel's 128-row MXFP4 steps (gpu.py)
     kwargs = dict(layer=layer, top_k=top_k, norm_topk_prob=norm_topk_prob,
                   token_mask_T=token_mask_T, biases=biases, activation=activation,
-                  scales=scales, scheme=scheme)
+                  scales=scales, scheme=scheme, router=router,
+                  correction_bias_E=correction_bias_E)
     args = (x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD)
     if backend == "xla":
         return ref_moe_ffn(*args, **kwargs)

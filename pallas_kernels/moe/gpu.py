@@ -125,7 +125,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
     SILU,
+    SOFTMAX,
     MoEActivation,
+    Router,
     check_bias,
     check_scales,
     moe_stats,
@@ -535,6 +537,8 @@ def moe_ffn_gpu(
     activation: MoEActivation = SILU,
     scales=None,
     scheme=None,
+    router: Router = SOFTMAX,
+    correction_bias_E: jax.Array | None = None,
     tiling: GpuTiling = GpuTiling(),
     num_sms: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -575,7 +579,8 @@ def moe_ffn_gpu(
     if packed and bk != MXFP4_BK:
         raise ValueError(f"mxfp4 on the gpu kernel takes K steps of {MXFP4_BK} rows, "
                          f"got tiling.bk={tiling.bk}")
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)

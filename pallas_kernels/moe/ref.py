@@ -121,12 +121,89 @@ def check_scales(scales, scheme: QuantScheme | None, w_gate_up, w_down) -> tuple
     return s_gate_up, s_down
 
 
-def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool):
-    """Returns (weights_TA float32, expert_ids_TA int32)."""
-    probs_TE = jax.nn.softmax(router_logits_TE.astype(jnp.float32), axis=-1)
-    weights_TA, expert_ids_TA = jax.lax.top_k(probs_TE, top_k)
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """How router logits become each token's top-k experts and their weights: frozen
+    and hashable, a static argument of every backend (like `MoEActivation`).
+
+    scoring: "softmax" over the experts (Qwen3, GPT-OSS), or "sigmoid" of each logit
+      (DeepSeek-V3, GLM-4.5). A correction bias (`route`'s correction_bias_E, an
+      operand) is added to the scores to *choose* the experts but not to weight them.
+    n_group, topk_group: group-limited top-k. The E experts form n_group groups of
+      E / n_group consecutive ids; a group scores the sum of its two best (biased)
+      scores; only the topk_group best groups' experts can be chosen. n_group=1: off.
+    routed_scaling_factor: multiplies the weights (after norm_topk_prob).
+    """
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring not in ROUTER_SCORES:
+            raise ValueError(f"unknown router scoring {self.scoring!r}; expected one of "
+                             f"{ROUTER_SCORES}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"group-limited routing needs 1 <= topk_group <= n_group, got "
+                             f"n_group={self.n_group}, topk_group={self.topk_group}")
+
+    def check(self, num_experts: int, top_k: int):
+        """Raises ValueError unless E splits into the groups and top_k experts fit in
+        topk_group groups."""
+        if num_experts % self.n_group:
+            raise ValueError(f"{num_experts} experts do not split into n_group="
+                             f"{self.n_group} groups")
+        if top_k > self.topk_group * (num_experts // self.n_group):
+            raise ValueError(f"top_k={top_k} experts do not fit in topk_group="
+                             f"{self.topk_group} groups of {num_experts // self.n_group}")
+
+
+SOFTMAX = Router()
+
+
+def route(router_logits_TE: jax.Array, top_k: int, norm_topk_prob: bool,
+          router: Router = SOFTMAX, correction_bias_E: jax.Array | None = None):
+    """Returns (weights_TA float32, expert_ids_TA int32), best expert first; ties go to
+    the lower expert id (`lax.top_k`).
+
+    Softmax without groups, bias or scaling is the plain softmax top-k, bit for bit.
+    Otherwise: scores (softmax or sigmoid, float32); choice = scores + correction_bias_E;
+    group-limited masking of choice (experts outside the kept groups can never be
+    chosen); top_k of choice; the weights are the *unbiased* scores of the chosen
+    experts, renormalised if norm_topk_prob (sigmoid: sum + 1e-20, as the published
+    models), times routed_scaling_factor.
+    """
+    logits_TE = router_logits_TE.astype(jnp.float32)
+    if router == SOFTMAX and correction_bias_E is None:
+        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        weights_TA, expert_ids_TA = jax.lax.top_k(probs_TE, top_k)
+        if norm_topk_prob:
+            weights_TA = weights_TA / jnp.sum(weights_TA, axis=-1, keepdims=True)
+        return weights_TA, expert_ids_TA.astype(jnp.int32)
+    T, E = logits_TE.shape
+    router.check(E, top_k)
+    sigmoid = router.scoring == "sigmoid"
+    scores_TE = jax.nn.sigmoid(logits_TE) if sigmoid else jax.nn.softmax(logits_TE, axis=-1)
+    choice_TE = scores_TE
+    if correction_bias_E is not None:
+        choice_TE = scores_TE + correction_bias_E.astype(jnp.float32)
+    if router.n_group > 1:
+        G = router.n_group
+        choice_TGe = choice_TE.reshape(T, G, E // G)
+        group_TG = jnp.sum(jax.lax.top_k(choice_TGe, min(2, E // G))[0], axis=-1)
+        _, kept_TK = jax.lax.top_k(group_TG, router.topk_group)
+        kept_TG = jnp.any(kept_TK[:, :, None] == jnp.arange(G), axis=1)
+        choice_TE = jnp.where(kept_TG[:, :, None], choice_TGe, -jnp.inf).reshape(T, E)
+    _, expert_ids_TA = jax.lax.top_k(choice_TE, top_k)
+    weights_TA = jnp.take_along_axis(scores_TE, expert_ids_TA, axis=-1)
     if norm_topk_prob:
-        weights_TA = weights_TA / jnp.sum(weights_TA, axis=-1, keepdims=True)
+        eps = 1e-20 if sigmoid else 0.0
+        weights_TA = weights_TA / (jnp.sum(weights_TA, axis=-1, keepdims=True) + eps)
+    weights_TA = weights_TA * router.routed_scaling_factor
     return weights_TA, expert_ids_TA.astype(jnp.int32)
 
 
@@ -216,6 +293,8 @@ def ref_moe_ffn(
     activation: MoEActivation = SILU,
     scales=None,
     scheme: QuantScheme | None = None,
+    router: Router = SOFTMAX,
+    correction_bias_E: jax.Array | None = None,
 ):
     """Sort-based MoE with `jax.lax.ragged_dot`. Returns (y_TD, stats).
 
@@ -245,7 +324,8 @@ def ref_moe_ffn(
         h_dtype = x_TD.dtype
     T = x_TD.shape[0]
     E = w_gate_up_EDF2.shape[0]
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     sort_order_R, token_ids_R, group_sizes_E = dispatch(expert_ids_TA, E, token_mask_T)
@@ -267,7 +347,7 @@ def ref_moe_ffn(
 def ref_moe_ffn_dense(
     x_TD, router_logits_TE, w_gate_up_EDF2, w_down_EFD, *, top_k, norm_topk_prob,
     token_mask_T=None, biases=None, activation: MoEActivation = SILU, scales=None,
-    scheme: QuantScheme | None = None,
+    scheme: QuantScheme | None = None, router: Router = SOFTMAX, correction_bias_E=None,
 ):
     """Every expert on every token, weighted by the routing: the oracle for tests only
     (quantized weights dequantised to float32)."""
@@ -277,7 +357,8 @@ def ref_moe_ffn_dense(
         w_gate_up_EDF2 = ref_dequantize(w_gate_up_EDF2, s_gate_up, scheme)
         w_down_EFD = ref_dequantize(w_down_EFD, s_down, scheme)
     E = w_gate_up_EDF2.shape[0]
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     dense_w_TE = jnp.sum(jax.nn.one_hot(expert_ids_TA, E) * weights_TA[..., None], axis=1)

@@ -108,7 +108,9 @@ from pallas_kernels.moe import tpu_quant as tq
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
     SILU,
+    SOFTMAX,
     MoEActivation,
+    Router,
     check_bias,
     check_scales,
     moe_stats,
@@ -626,6 +628,8 @@ def moe_ffn_tpu(
     activation: MoEActivation = SILU,
     scales=None,
     scheme=None,
+    router: Router = SOFTMAX,
+    correction_bias_E: jax.Array | None = None,
     tiling: TpuTiling = TpuTiling(),
     fused_gather: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
@@ -651,7 +655,8 @@ def moe_ffn_tpu(
     E = w_gate_up_LEDF2.shape[-3]
     F = w_down_GFD.shape[1] * (1 if s_down is None else scheme.pack)  # MXFP4: F/2 rows
     tm = tiling.tm
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     if token_mask_T is not None:
         weights_TA = jnp.where(token_mask_T[:, None], weights_TA, 0.0)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)

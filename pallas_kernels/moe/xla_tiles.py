@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from pallas_kernels.moe.layout import combine_padded, make_tile_layout
 from pallas_kernels.moe.ref import (
     SILU,
+    SOFTMAX,
     MoEActivation,
+    Router,
     check_bias,
     check_scales,
     glu,
@@ -41,7 +43,8 @@ TILE_ROWS = 32
 def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, layer=None,
                       top_k, norm_topk_prob, token_mask_T=None, biases=None,
                       activation: MoEActivation = SILU, scales=None,
-                      scheme: QuantScheme | None = None, tm: int = TILE_ROWS):
+                      scheme: QuantScheme | None = None, router: Router = SOFTMAX,
+                      correction_bias_E=None, tm: int = TILE_ROWS):
     D = x_TD.shape[1]
     w_gate_up_GDF2, w_down_GFD, group_offset = stacked_experts(
         w_gate_up_LEDF2, w_down_LEFD, layer)
@@ -61,7 +64,8 @@ def moe_ffn_xla_tiles(x_TD, router_logits_TE, w_gate_up_LEDF2, w_down_LEFD, *, l
 
     h_dtype = w_down_GFD.dtype if s_gate_up is None else x_TD.dtype
     E = w_gate_up_LEDF2.shape[-3]
-    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob)
+    weights_TA, expert_ids_TA = route(router_logits_TE, top_k, norm_topk_prob, router,
+                                      correction_bias_E)
     layout = make_tile_layout(expert_ids_TA, E, token_mask_T, tm)
     x_MtD = x_TD[layout.token_ids_P].reshape(-1, tm, D)
 

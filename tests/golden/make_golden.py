@@ -144,13 +144,47 @@ def check_structure(model, cfg: dict, make_tiny) -> None:
         return check_gpt_oss_structure(model, cfg)
     inner = model.model
     assert model.config.head_dim == cfg["head_dim"]
-    h = cfg["head_dim"]
+    h = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))  # GLM: rotary part
     want = 1.0 / cfg["rope_theta"] ** (torch.arange(0, h, 2, dtype=torch.float32) / h)
     torch.testing.assert_close(inner.rotary_emb.inv_freq, want)
     for i, layer in enumerate(inner.layers):
         assert hasattr(layer.mlp, "experts") == make_tiny.is_moe_layer(cfg, i), i
+        if cfg["model_type"] == "glm4_moe":
+            assert hasattr(layer.self_attn, "q_norm") == cfg["use_qk_norm"], i
+            assert layer.self_attn.q_proj.bias is not None and layer.self_attn.o_proj.bias is None
+            assert hasattr(layer.mlp, "shared_experts") == make_tiny.is_moe_layer(cfg, i), i
     tied = model.lm_head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
     assert tied == cfg["tie_word_embeddings"]
+
+
+class GlmRouterMargin:
+    """GLM-4.5's router margin: the smallest gap between the k-th and (k+1)-th expert's
+    choice score (sigmoid + correction bias, outside the kept groups -inf) over the MoE
+    layers and positions of the forwards since the last `pop`, from hooks on each
+    Glm4MoeTopkRouter (its first output is the float32 router logits)."""
+
+    def __init__(self, model, cfg: dict):
+        self.k, self.gaps = cfg["num_experts_per_tok"], []
+        g, kg = cfg["n_group"], cfg["topk_group"]
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:
+                continue
+
+            def hook(mod, args, out, g=g, kg=kg):
+                choice = out[0].sigmoid() + mod.e_score_correction_bias
+                grouped = choice.view(choice.shape[0], g, -1)
+                score = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+                kept = torch.zeros_like(score).scatter_(1, score.topk(kg, dim=-1)[1], 1)
+                choice = grouped.masked_fill(kept[..., None] == 0, -torch.inf).flatten(1)
+                top = choice.topk(self.k + 1, dim=-1).values
+                self.gaps.append((top[:, -2] - top[:, -1]).min().item())
+
+            gate.register_forward_hook(hook)
+
+    def pop(self) -> np.float32:
+        gaps, self.gaps = self.gaps, []
+        return np.float32(min(gaps))
 
 
 @torch.no_grad()
@@ -164,7 +198,9 @@ def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray
         seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
     greedy = seq[0, len(ids) :]
     # One pass over prompt + continuation gives the logits of every greedy step.
-    out = model(seq[:, :-1], output_router_logits=top_k is not None)
+    if isinstance(top_k, GlmRouterMargin):
+        top_k.pop()  # the margin of the one-pass forward below only
+    out = model(seq[:, :-1], output_router_logits=isinstance(top_k, int))
     steps = out.logits[0, len(ids) - 1 :]
     assert torch.equal(steps.argmax(-1), greedy), "full-sequence pass disagrees with the loop"
     top2 = steps.topk(2, dim=-1).values
@@ -175,7 +211,9 @@ def run_prompt(model, ids: list[int], top_k: int | None) -> dict[str, np.ndarray
     top = step_logprobs.topk(TOP_LOGPROBS, dim=-1)  # sorted, descending
     assert torch.equal(top.indices[:, 0], greedy), "top-1 log-probability is not greedy"
     router_margin = np.float32(np.inf)
-    if top_k is not None:
+    if isinstance(top_k, GlmRouterMargin):
+        router_margin = top_k.pop()
+    elif top_k is not None:
         gaps = [r.topk(top_k + 1, dim=-1).values for r in out.router_logits]
         router_margin = np.float32(min((g[:, -2] - g[:, -1]).min().item() for g in gaps))
     # HF's cached generate() must give the same tokens. eos_token_id=None turns off eos
@@ -233,6 +271,10 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
         model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
         **extra,
     )
+    # GLM-4.5's next-token (MTP) layer, past num_hidden_layers, is unused by both.
+    mtp = f"model.layers.{cfg['num_hidden_layers']}."
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys", [])
+                               if not k.startswith(mtp)]
     bad = {k: v for k, v in info.items() if v}
     assert not bad, f"{preset}: loading problems {bad}"
     model.eval()
@@ -241,6 +283,8 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
     ids_list, texts = prompts(tok, cfg["vocab_size"], len(make_tiny.SPECIAL_TOKENS))
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
     top_k = cfg.get("num_experts_per_tok") if num_experts else None
+    if cfg["model_type"] == "glm4_moe":
+        top_k = GlmRouterMargin(model, cfg)
     record: dict[str, np.ndarray] = {
         "preset": np.array(preset),
         "weights_digest": np.array(make_tiny.weights_digest(model_dir)),
