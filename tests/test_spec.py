@@ -62,6 +62,31 @@ def test_ngram_prefers_longer_context():
     assert propose_ngram(tokens, 1, 1, 1) == [9]
 
 
+def _ngram_reference(tokens, k, min_n, max_n):
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        starts = [i for i in range(L - n) if tokens[i:i + n] == tokens[L - n:]]
+        if starts:
+            full = [i for i in starts if i + n + k <= L]
+            i = full[-1] if full else starts[0]
+            return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_matches_a_plain_scan():
+    """The byte-string search agrees with a plain scan, also for ids whose bytes make
+    matches inside a token (256 + 1 shares bytes with 1 and 256)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        vocab = (3, 6, 257 * 256 + 1)[trial % 3]
+        tokens = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+        if trial % 3 == 2:
+            tokens = [t % 3 * 256 + t % 2 for t in tokens]
+        k, lo = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        assert propose_ngram(tokens, k, lo, hi) == _ngram_reference(tokens, k, lo, hi)
+
+
 # ----- the acceptance test -----
 
 

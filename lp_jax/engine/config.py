@@ -9,6 +9,7 @@ from lp_jax.config import resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import Policy, resolve_policy
 from lp_jax.quant import REQUESTABLE
+from lp_jax.spec.config import SpeculativeConfig
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lp_jax", "jax_cache")
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
@@ -110,8 +111,14 @@ class EngineConfig:
     # Scheduler time advanced by the latency estimator's predicted step times instead of
     # wall time (core/clock.py): arrivals, deadlines and metrics on it, reproducible.
     virtual_clock: bool = False
+    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m};
+    # None: off. lp_jax/spec/config.py checks it; docs/speculative.md describes it.
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.backends not in ("fallback", "strict", "off"):
             raise ValueError(f"backends must be fallback, strict or off, got {self.backends!r}")
         resolve_policy(self.scheduling)  # raises ValueError naming what is wrong

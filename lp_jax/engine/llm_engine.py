@@ -113,6 +113,11 @@ class LLMEngine:
         self.channel = None
         self._compiles_loaded = compile_guard.compilations()  # _load_and_build moves it on
         if executor is None:
+            if config.speculative_config is not None:
+                raise ValueError(
+                    "speculative_config: the scheduler plans verification rows, but the "
+                    "model runner does not run them yet (docs/speculative.md); serve "
+                    "without it")
             self.runner, sched_cfg = self._load_and_build(model_cfg, sched_cfg, buckets)
         else:
             if (config.num_processes or 1) > 1:
@@ -423,6 +428,8 @@ class LLMEngine:
         self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
+        # Where each one's new tokens start: its placeholder (then accepted drafts follow).
+        start = {s.seq_id: s.num_tokens - s.num_pending_tokens for s in alive}
         now = self.clock.now()
         if self.trace is not None:
             self.trace.step_done(plan, t1 - start if result.collected_at else None, *ran)
@@ -431,11 +438,13 @@ class LLMEngine:
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
             if self.trace is not None:
                 self.trace.finish(seq, now)
-        outputs = [self._output(s, [result.tokens[s.seq_id]]) for s in alive]
+        new = {s.seq_id: s.token_ids[start[s.seq_id]:] for s in alive}
+        outputs = [self._output(s, new[s.seq_id]) for s in alive]
         if self.structured is not None and len(self.structured):
             for s in alive:  # each committed token joins its grammar's matcher
                 if s.seq_id in self.structured:
-                    self.structured.advance(s.seq_id, result.tokens[s.seq_id])
+                    for tok in new[s.seq_id]:
+                        self.structured.advance(s.seq_id, tok)
                     if s.is_finished:
                         self.structured.release(s.seq_id)
         t2 = time.perf_counter()

@@ -11,21 +11,39 @@ ordinary decode.
 
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from array import array
+
+_W = array("i").itemsize  # bytes per token id in the searched buffer
+
+
+def _aligned(buf: bytes, pat: bytes, end: int, *, last: bool) -> int:
+    """Token index of the last (or first) occurrence of `pat` at a token boundary in
+    buf[:end], or -1. bytes.find / rfind do the scan in C; a hit inside a token (not at
+    a multiple of _W) is skipped."""
+    lo, hi = 0, end
+    while True:
+        at = buf.rfind(pat, lo, hi) if last else buf.find(pat, lo, hi)
+        if at < 0 or at % _W == 0:
+            return at // _W if at >= 0 else -1
+        if last:
+            hi = at + len(pat) - 1
+        else:
+            lo = at + 1
 
 
 def propose_ngram(token_ids, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k draft tokens continuing `token_ids`; [] when no n-gram of length in
-    [min_n, max_n] ending the sequence occurs earlier in it."""
-    tokens_L = np.asarray(token_ids, dtype=np.int64)
-    L = tokens_L.shape[0]
+    [min_n, max_n] ending the sequence occurs earlier in it. Pure Python (the scheduler
+    core imports it): the search is a byte-string scan of the ids."""
+    tokens = list(token_ids)
+    L = len(tokens)
+    buf = array("i", tokens).tobytes()
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        # windows of the first L - 1 tokens: a match at i has a token after it (i + n < L)
-        windows_WN = sliding_window_view(tokens_L[:-1], n)
-        starts_M = np.flatnonzero((windows_WN == tokens_L[L - n:]).all(axis=1))
-        if starts_M.size:
-            full_M = starts_M[starts_M + n + k <= L]
-            i = int(full_M[-1] if full_M.size else starts_M[0])
-            return tokens_L[i + n:i + n + k].tolist()
+        pat = buf[(L - n) * _W:]
+        # a match at i has k tokens after it if it ends by L - k; any, if by L - 1
+        i = _aligned(buf, pat, (L - k) * _W, last=True) if L - k >= n else -1
+        if i < 0:
+            i = _aligned(buf, pat, (L - 1) * _W, last=False)
+        if i >= 0:
+            return tokens[i + n:i + n + k]
     return []

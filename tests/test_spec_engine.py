@@ -1,0 +1,102 @@
+"""Speculative decoding in the scheduler and the engine, on the fake executor (nothing
+compiles): a fake token depends only on the sequence and its position, and the fake
+verifies drafts by the greedy rule, so speculation must leave every output as it is,
+under every policy, with and without overlap; rejected drafts leave no page behind and
+nothing in the prefix cache; the drafts are counted as vLLM's metrics."""
+
+import pytest
+from fake_executor import fake_token
+from test_engine_fake import POLICIES, VOCAB, fake_llm
+
+from checkpoints.make_tiny import ensure_tiny
+from lp_jax import LLM, SamplingParams
+from lp_jax.core.sequence import Sequence
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def _future(sid: int, prompt_len: int, n: int) -> list[int]:
+    return [fake_token(sid, prompt_len + i, VOCAB) for i in range(n)]
+
+
+def _prompts(L: int = 40) -> list[list[int]]:
+    """Request 0 quotes its own future (drafts accepted), request 1 quotes it with every
+    third token wrong (drafts part-rejected), request 2 is unrelated text."""
+    good = _future(0, L, L - 8) + list(range(8))
+    bad = [t if i % 3 else (t + 1) % VOCAB for i, t in enumerate(_future(1, L, L - 8))]
+    return [good, bad + list(range(8)), [(5 * i + 3) % VOCAB for i in range(L)]]
+
+
+def _run(policy, spec, overlap, params, num_prompts=3):
+    llm = fake_llm(policy, async_scheduling=overlap, speculative_config=spec)
+    outs = llm.generate(prompt_token_ids=_prompts()[:num_prompts], sampling_params=params)
+    return outs, llm.stats()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_speculation_changes_no_output_under_every_policy(policy):
+    """Greedy outputs, stop ids, max_tokens, logprobs and n > 1 are the same with n-gram
+    drafts as without, with fewer steps; every page comes back."""
+    stop = _future(0, 40, 20)[13]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2,
+                             stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, n=2),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    for overlap in (True, False):
+        base, s0 = _run(policy, None, overlap, params)
+        spec, s1 = _run(policy, NGRAM, overlap, params)
+        for b, o in zip(base, spec, strict=True):
+            assert [c.token_ids for c in o.outputs] == [c.token_ids for c in b.outputs]
+            assert [c.finish_reason for c in o.outputs] == [c.finish_reason for c in b.outputs]
+            assert [c.logprobs for c in o.outputs] == [c.logprobs for c in b.outputs]
+        assert base[0].outputs[0].token_ids[-1] == stop  # request 0 ends at its stop id
+        assert s1["spec_decode_num_accepted_tokens"] > 0
+        assert s1["spec_decode_num_draft_tokens"] > s1["spec_decode_num_accepted_tokens"]
+        assert s0["spec_decode_num_drafts"] == 0
+        assert s1["free_pages"] == s1["total_pages"]
+    # Request 0 alone (its drafts all stand) takes fewer steps.
+    steps = [_run(policy, spec, False, params[:1], 1)[1]["iterations"] for spec in (None, NGRAM)]
+    assert steps[1] < steps[0]
+
+
+def test_rejected_drafts_free_their_pages_and_never_reach_the_prefix_cache():
+    """Drafts that cross into a new page and are all rejected give that page back at
+    commit, and the prefix cache never answers for a prompt holding a rejected draft."""
+    L, P = 10, 4
+    f = _future(0, L, 6)
+    prompt = [f[0], 7, 7, 7, 1, 2, 3, 4, 5, 6]  # after f0 the 1-gram drafts 7 7 7
+    assert 7 not in f[:2] and f[0] not in prompt[1:]
+    llm = fake_llm("chunked", page_size=P, async_scheduling=False,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_min": 1, "prompt_lookup_max": 1})
+    eng, bm = llm.engine, llm.engine.scheduler.block_manager
+    sid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.step()  # the prefill samples f0
+    seq = eng.scheduler.get(sid)
+    plan = eng.scheduler.schedule(eng.clock.now())
+    assert plan.drafts == ((7, 7, 7),) and len(seq.page_ids) == 4  # rows at 10..13
+    eng.scheduler.commit(plan, eng.runner.dispatch(plan).collect(), eng.clock.now())
+    assert seq.token_ids[L:] == f[:2]  # all three rejected, f1 after them
+    assert len(seq.page_ids) == 3 and bm.num_free_pages == bm.num_pages - 3
+    s = llm.stats()
+    assert (s["spec_decode_num_drafts"], s["spec_decode_num_draft_tokens"],
+            s["spec_decode_num_accepted_tokens"]) == (1, 3, 0)
+    while eng.has_unfinished():
+        eng.step()
+    assert bm.num_free_pages == bm.num_pages
+    real = prompt + f
+    assert bm.cached_prefix(Sequence(99, real + [0]), len(real)) == 12
+    for j in range(L, L + 4):  # a rejected draft at position j: no hit reaches it
+        impostor = real[:j] + [7] + real[j + 1:]
+        assert bm.cached_prefix(Sequence(98, impostor), len(impostor)) <= j
+
+
+def test_speculative_config_errors_and_the_model_runner_refusal():
+    """A bad speculative_config fails at LLM() with the key named; the model runner,
+    which does not run verification rows yet, refuses before loading anything."""
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        fake_llm("layered", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        fake_llm("layered", speculative_config='{"method": "ngram", "k": 2}')
+    with pytest.raises(ValueError, match="model runner does not run them yet"):
+        LLM(str(ensure_tiny(preset="tiny")), speculative_config=NGRAM, log=None)
