@@ -4,11 +4,11 @@ verifies drafts by the greedy rule, so speculation must leave every output as it
 under every policy, with and without overlap; rejected drafts leave no page behind and
 nothing in the prefix cache; the drafts are counted as vLLM's metrics."""
 
+import numpy as np
 import pytest
 from fake_executor import fake_token
 from test_engine_fake import POLICIES, VOCAB, fake_llm
 
-from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
 from lp_jax.core.sequence import Sequence
 
@@ -91,12 +91,35 @@ def test_rejected_drafts_free_their_pages_and_never_reach_the_prefix_cache():
         assert bm.cached_prefix(Sequence(98, impostor), len(impostor)) <= j
 
 
-def test_speculative_config_errors_and_the_model_runner_refusal():
-    """A bad speculative_config fails at LLM() with the key named; the model runner,
-    which does not run verification rows yet, refuses before loading anything."""
+def test_speculative_config_errors():
+    """A bad speculative_config fails at LLM() with the key named."""
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         fake_llm("layered", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         fake_llm("layered", speculative_config='{"method": "ngram", "k": 2}')
-    with pytest.raises(ValueError, match="model runner does not run them yet"):
-        LLM(str(ensure_tiny(preset="tiny")), speculative_config=NGRAM, log=None)
+
+
+@pytest.mark.parametrize("policy", ["orca", "chunked", "layered", "flowprefill"])
+def test_greedy_speculation_equals_plain_decoding_on_the_golden_checkpoint(engines, policy):
+    """The golden tiny checkpoint (float32) gives the same greedy tokens (log-probabilities
+    to float noise: the rows take the ragged attention path) with n-gram
+    drafts verified as k + 1 rows as the shared engine without, some drafts accepted
+    (their KV then serves later tokens), with the shared engine's programs and no
+    compile while serving."""
+    rng = np.random.default_rng(0)
+    pat = rng.integers(0, VOCAB, 12).tolist()
+    prompts = [pat * 4, rng.integers(0, VOCAB, 30).tolist(), pat[:5] * 6]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    base = engines(policy).generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = LLM(**engines.kwargs(policy), speculative_config=NGRAM)
+    spec = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for b, o in zip(base, spec, strict=True):
+        assert o.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(b.outputs[0].logprobs, o.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose(list(y.values()), list(x.values()), atol=1e-4)
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0
+    assert s["compilations_after_warmup"] == 0
+    assert s["programs"] == engines(policy).stats()["programs"]
+    assert s["free_pages"] == s["total_pages"]

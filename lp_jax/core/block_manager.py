@@ -203,13 +203,13 @@ class BlockManager:
         return True
 
     # --------------------------------------------------------------- free
-    def truncate(self, seq: Sequence) -> None:
-        """Frees the pages past what seq's next decode needs (pages_for(num_tokens)):
-        the pages that only rejected drafts wrote. They were never published (only
-        positions of seq's real tokens are), so they return to the pool hashless; a
-        kept page's rejected positions are past seq's length, unread, and rewritten by
-        the next tokens."""
-        keep = self.pages_for(seq.num_tokens)
+    def truncate(self, seq: Sequence, extra: int = 0) -> None:
+        """Frees the pages past what seq's next decode needs (pages_for(num_tokens)),
+        with `extra` drafts after it: pages that only drafts wrote (rejected, or dropped
+        before the step). They were never published (only positions of seq's real tokens
+        are), so they return to the pool hashless; a kept page's rejected positions are
+        past seq's length, unread, and rewritten by the next tokens."""
+        keep = self.pages_for(seq.num_tokens + extra)
         tail, seq.page_ids = seq.page_ids[keep:], seq.page_ids[:keep]
         for p in reversed(tail):
             if self._holders.get(p) != {seq.seq_id} or p in self._hash_of:

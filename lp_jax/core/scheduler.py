@@ -254,6 +254,8 @@ class Scheduler:
         # After a preemption, admit nothing this iteration unless nothing else would run.
         part = self.policy.schedule_prefill(len(decode) + sum(map(len, drafts)),
                                             admit=not (preempted and decode))
+        if any(drafts):
+            self._fit_drafts(decode, drafts, part)
         plan = StepPlan(
             step_id=self._next_step,
             num_layers=self.config.num_layers,
@@ -413,10 +415,31 @@ class Scheduler:
         return held
 
     def _speculates(self, seq: Sequence) -> bool:
-        """Whether seq's decodes get drafts. Not under a grammar: its drafts would need a
-        bitmask per verification row."""
-        return (self.config.speculative_config is not None
-                and seq.sampling_params.structured_outputs is None)
+        """Whether seq's decodes get drafts: greedy ones without penalties or a grammar.
+        The step verifies a draft by sampling its row like any other (the argmax), which
+        is exact at temperature 0; penalties would count rejected rows' tokens, and a
+        grammar would need a bitmask per verification row."""
+        p = seq.sampling_params
+        return (self.config.speculative_config is not None and p.greedy
+                and not p.has_penalties and p.structured_outputs is None)
+
+    def _fit_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]],
+                    part) -> None:
+        """Drops drafts, last decodes first, until the plan samples at most max_num_seqs
+        rows (decodes, their drafts, prompts it completes): the step's sampled rows and
+        its carried decode rows are max_num_seqs long, so verification rows fit the
+        programs there are and add none. Their pages go back."""
+        done = (sum(c.samples for c in part.chunks)
+                if part.unit_end in (None, 2 * self.config.num_layers) else 0)
+        over = len(decode) + sum(map(len, drafts)) + done - self.config.max_num_seqs
+        for i in range(len(decode) - 1, -1, -1):
+            if over <= 0:
+                break
+            if drafts[i]:
+                cut = min(over, len(drafts[i]))
+                drafts[i] = drafts[i][:len(drafts[i]) - cut]
+                over -= cut
+                self.block_manager.truncate(decode[i], len(drafts[i]))
 
     def _draft(self, decode: list[Sequence]) -> list[tuple[int, ...]]:
         """Each decode's drafts: up to k n-gram tokens, fewer where max_tokens or

@@ -113,11 +113,6 @@ class LLMEngine:
         self.channel = None
         self._compiles_loaded = compile_guard.compilations()  # _load_and_build moves it on
         if executor is None:
-            if config.speculative_config is not None:
-                raise ValueError(
-                    "speculative_config: the scheduler plans verification rows, but the "
-                    "model runner does not run them yet (docs/speculative.md); serve "
-                    "without it")
             self.runner, sched_cfg = self._load_and_build(model_cfg, sched_cfg, buckets)
         else:
             if (config.num_processes or 1) > 1:

@@ -76,7 +76,7 @@ class StepHandle:
     tokens_R: jax.Array | None
     counts: list  # experts activated, per call (device scalars)
     prefill_call: int | None  # the call that ran the prefill group (None without prefill)
-    rows: dict[int, int]  # seq_id -> row of tokens_R
+    rows: dict[int, int]  # seq_id -> row of tokens_R (a speculating one's first row)
     dispatched_at: float  # perf_counter when its calls were launched
     step_id: int  # the runner's count of dispatched steps (the plan channel's id)
     # (logprob_R, top_logprob_RK, top_id_RK) device arrays and {seq_id: top count} when a
@@ -88,36 +88,55 @@ class StepHandle:
     prompt_scores: tuple | None = None
     scored: list | None = None
     channel: object = None  # a multi-process leader's channel: it records the tokens
+    # seq_id -> the drafts its rows after rows[seq_id] verify (speculating decodes only)
+    drafts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def collect(self) -> StepResult:
-        """Waits for the step; its tokens, log-probabilities and expert counts."""
-        tokens, tokens_R = {}, None
+        """Waits for the step; its tokens, log-probabilities and expert counts. A
+        speculating decode keeps its drafts while each equals the token sampled (the
+        argmax: greedy rows only) at the row before it, and then gets that row's token."""
+        tokens, tokens_R, accepted = {}, None, {}
         if self.tokens_R is not None:
             tokens_R = host_array(self.tokens_R)
             tokens = {sid: int(tokens_R[r]) for sid, r in self.rows.items()}
+            for sid, d in self.drafts.items():
+                r, a = self.rows[sid], 0
+                while a < len(d) and int(tokens_R[r + a]) == d[a]:
+                    a += 1
+                tokens[sid] = int(tokens_R[r + a])
+                if a:
+                    accepted[sid] = d[:a]
         if self.channel is not None:
             self.channel.record_tokens(self.step_id, tokens_R)
+        lps, accepted_lps = self._logprobs(tokens, accepted)
         return StepResult(
-            tokens=tokens, logprobs=self._logprobs(tokens),
+            tokens=tokens, logprobs=lps, accepted=accepted, accepted_logprobs=accepted_lps,
             prompt_logprobs=self._prompt_logprobs(),
             experts_activated=tuple(int(host_array(c)) for c in self.counts),
             prefill_call=self.prefill_call, dispatched_at=self.dispatched_at,
             collected_at=time.perf_counter())
 
-    def _logprobs(self, tokens: dict[int, int]) -> dict[int, dict[int, float]]:
-        """{seq_id: {token_id: logprob}} for the rows that asked: the sampled token first,
-        then the top `logprobs` alternatives, as vLLM's per-token dicts."""
+    def _logprobs(self, tokens: dict[int, int], accepted: dict[int, tuple[int, ...]]):
+        """({seq_id: {token_id: logprob}}, {seq_id: one such dict per accepted draft})
+        for the rows that asked: the token first, then the top `logprobs` alternatives,
+        as vLLM's per-token dicts."""
         if self.logprobs is None:
-            return {}
+            return {}, {}
         chosen_R, top_RK, ids_RK = (host_array(x) for x in self.logprobs)
-        out = {}
-        for sid, k in self.wants_logprobs.items():
-            r = self.rows[sid]
-            d = {tokens[sid]: float(chosen_R[r])}
+
+        def at(r, tok, k):
+            d = {tok: float(chosen_R[r])}
             for t, v in zip(ids_RK[r, :k].tolist(), top_RK[r, :k].tolist(), strict=True):
                 d.setdefault(t, v)
-            out[sid] = d
-        return out
+            return d
+
+        out, drafts = {}, {}
+        for sid, k in self.wants_logprobs.items():
+            r, acc = self.rows[sid], accepted.get(sid, ())
+            out[sid] = at(r + len(acc), tokens[sid], k)
+            if acc:
+                drafts[sid] = tuple(at(r + j, t, k) for j, t in enumerate(acc))
+        return out, drafts
 
     def _prompt_logprobs(self) -> tuple:
         """(seq_id, position, {token_id: logprob}) for each prompt position the step
@@ -255,7 +274,11 @@ class ModelRunner:
         """The plan as calls; returns (calls, index of the prefill-group call or None)."""
         L, R0 = self.L, self.spec.max_num_seqs
         decode = list(plan.decode)
-        n_dec = len(decode)
+        drafts = plan.drafts or ((),) * len(decode)
+        # A speculating decode runs k + 1 rows (its last token, then its drafts), each
+        # sampled: the ragged attention path, several query tokens for one sequence.
+        one_row = not plan.drafts
+        n_dec = len(decode) + sum(map(len, drafts))
         # The prefill span [a, b) in operator units (2L: the whole stack).
         a, b = (plan.unit_start, plan.unit_end) if plan.prefill else (0, 2 * L)
         before, after = bool(decode) and a > 0, bool(decode) and b < 2 * L
@@ -263,16 +286,18 @@ class ModelRunner:
         none = np.full(n_dec, -1, np.int32)
         dec_tokens = np.zeros(n_dec, np.int32)
         dec_prev = none.copy()
-        for j, s in enumerate(decode):
+        dec_seqs, dec_sampling, r = [], [], 0
+        for s, d in zip(decode, drafts, strict=True):
             if s.num_pending_tokens:
-                dec_prev[j] = prev.rows[s.seq_id]
+                dec_prev[r] = prev.rows[s.seq_id]
             else:
-                dec_tokens[j] = s.last_token
-        dec_seqs = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
-        dec_sampling = [(s, s.num_tokens) for s in decode]
+                dec_tokens[r : r + 1 + len(d)] = (s.last_token, *d)
+            dec_seqs.append((s.num_tokens - 1, 1 + len(d), s.page_ids))
+            dec_sampling += [(s, s.num_tokens + i) for i in range(1 + len(d))]
+            r += 1 + len(d)
         calls = []
         if before:
-            calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
+            calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, one_row))
         # The prefill group (or the whole stack): decode rows first, then the chunks.
         pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
         count_reset, count_slot, count_output = [], [np.full(n_dec, -1, np.int32)], []
@@ -314,7 +339,7 @@ class ModelRunner:
             dst=np.concatenate([dec_rows if after else none,
                                 pre_rows if b < 2 * L else pre_none]),
             prev_rows=np.concatenate([dec_in[2], pre_none]),
-            decode_only=not plan.prefill, count_reset=count_reset,
+            decode_only=not plan.prefill and one_row, count_reset=count_reset,
             count_slot=np.concatenate(count_slot),
             count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]),
             score_target=np.concatenate(score_target), scored=scored)
@@ -325,7 +350,7 @@ class ModelRunner:
         mixed_index = len(calls) - 1 if plan.prefill else None
         if after:
             calls.append(_Call((b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
-                               none, none, True, list(range(n_dec)), dec_sampling))
+                               none, none, one_row, list(range(n_dec)), dec_sampling))
         return calls, mixed_index
 
     @staticmethod
@@ -452,16 +477,22 @@ class ModelRunner:
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
         counts, outs = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
-        # Sampled rows are the plan's sampling sequences in order: decodes, then the
-        # chunks that end their prompts (_plan_calls).
-        rows = {s.seq_id: j for j, s in enumerate(plan.sampling_seqs)}
+        # Sampled rows are the plan's sampling sequences in order: decodes (a speculating
+        # one's k + 1 rows), then the chunks that end their prompts (_plan_calls).
+        rows, drafts, r = {}, {}, 0
+        for s in plan.sampling_seqs:
+            rows[s.seq_id] = r
+            d = plan.drafts_of(s) if s in plan.decode else ()
+            if d:
+                drafts[s.seq_id] = d
+            r += 1 + len(d)
         wants = {s.seq_id: s.sampling_params.logprobs for s in plan.sampling_seqs
                  if s.sampling_params.logprobs is not None}
         sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
         score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
         return StepHandle(
             plan=plan, tokens_R=None if sample is None else sample["tokens_R"], counts=counts,
-            prefill_call=mixed, rows=rows, dispatched_at=t0, step_id=step_id,
+            prefill_call=mixed, rows=rows, drafts=drafts, dispatched_at=t0, step_id=step_id,
             logprobs=(sample["logprob_R"], sample["top_logprob_RK"], sample["top_id_RK"])
             if wants and sample is not None else None,
             wants_logprobs=wants or None,
