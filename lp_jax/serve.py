@@ -60,6 +60,16 @@ def _slo_alpha(s: str) -> float:
     return v
 
 
+def _speculative_config(s: str):
+    """--speculative-config: vLLM's JSON, checked now (lp_jax/spec/config.py)."""
+    from lp_jax.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(s)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _slo_classes(s: str) -> dict:
     """--slo-classes: inline JSON or a JSON file's path, checked now (a bad file stops
     start-up with its error, not the first request that names a class)."""
@@ -206,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--trace", dest="trace_path", default=None, metavar="PATH",
                    help="write the decision trace (one JSON line per plan and request "
                         "event) here; python -m lp_jax.trace plot PATH draws it")
+    e.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 3} '
+                        '(docs/speculative.md)')
     f = p.add_argument_group("latency SLOs and FlowPrefill (EngineConfig)")
     f.add_argument("--slo-classes", type=_slo_classes, default=None,
                    help='named SLO classes requests may give as slo_class: inline JSON or a '
@@ -258,7 +273,8 @@ ENGINE_FLAGS = ("model", "scheduling", "max_model_len", "max_num_seqs",
                 "flowprefill_rules", "flowprefill_lookahead", "max_paused_prefills",
                 "slo_classes", "latency_model", "prefill_only",
                 "tbt_slo_ms", "adaptive_margin", "moe_dispatch", "num_processes", "process_id",
-                "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path")
+                "coordinator_address", "plan_channel", "follower_timeout_s", "trace_path",
+                "speculative_config")
 
 
 def engine_config(args):

@@ -30,6 +30,14 @@ def _prompts(L: int = 40) -> list[list[int]]:
 def _run(policy, spec, overlap, params, num_prompts=3):
     llm = fake_llm(policy, async_scheduling=overlap, speculative_config=spec)
     outs = llm.generate(prompt_token_ids=_prompts()[:num_prompts], sampling_params=params)
+    cfg = llm.engine.scheduler.config
+    for plan in llm.engine.runner.plans:
+        # verification rows count in a budget that counts decodes, and every sampled
+        # row fits the step's max_num_seqs sampled rows
+        assert plan.num_decode_rows + plan.num_prefill_tokens <= (
+            cfg.max_num_batched_tokens if policy == "chunked" else 10**9)
+        assert plan.num_decode_rows + len(plan.sampling_seqs) - len(plan.decode) <= (
+            cfg.max_num_seqs)
     return outs, llm.stats()
 
 
@@ -57,6 +65,18 @@ def test_speculation_changes_no_output_under_every_policy(policy):
     # Request 0 alone (its drafts all stand) takes fewer steps.
     steps = [_run(policy, spec, False, params[:1], 1)[1]["iterations"] for spec in (None, NGRAM)]
     assert steps[1] < steps[0]
+
+
+def test_flowprefill_counts_verification_rows():
+    """FlowPrefill's slack sees a speculating decode as its k + 1 rows."""
+    llm = fake_llm("flowprefill", speculative_config=NGRAM)
+    sched = llm.engine.scheduler
+    greedy, sampled = (Sequence(i, [1, 2], SamplingParams(temperature=t)) for i, t in
+                       ((0, 0.0), (1, 0.8)))
+    assert (sched.max_decode_rows(greedy), sched.max_decode_rows(sampled)) == (4, 1)
+    sched.running += [greedy, sampled]
+    sched.policy._remaining([(8, 0)], 0)
+    assert sched.policy._load == (5, 4)
 
 
 def test_rejected_drafts_free_their_pages_and_never_reach_the_prefix_cache():
@@ -123,3 +143,32 @@ def test_greedy_speculation_equals_plain_decoding_on_the_golden_checkpoint(engin
     assert s["compilations_after_warmup"] == 0
     assert s["programs"] == engines(policy).stats()["programs"]
     assert s["free_pages"] == s["total_pages"]
+
+
+def test_lp_serve_flag_and_prometheus_metrics():
+    """`lp-serve --speculative-config JSON` reaches EngineConfig (a bad one stops the
+    parser); the engine's counters render as lp: metrics, and vLLM's names with
+    --vllm-metric-names."""
+    from lp_jax import serve
+    from lp_jax.server.metrics import ServerMetrics
+    from lp_jax.server.prometheus import parse_text
+
+    args = serve.build_parser().parse_args(["--speculative-config", '{"method": "ngram", '
+                                            '"num_speculative_tokens": 4}'])
+    assert serve.engine_config(args).speculative_config.num_speculative_tokens == 4
+    assert serve.engine_config(serve.build_parser().parse_args([])).speculative_config is None
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--speculative-config", '{"method": "eagle"}'])
+    llm = fake_llm("chunked", speculative_config=NGRAM, async_scheduling=False)
+    llm.generate(prompt_token_ids=_prompts()[:1],
+                 sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stats = llm.stats()
+    m = ServerMetrics("tiny", vllm_names=True)
+    m.update_from_engine(stats, running=0, waiting=0)
+    got = parse_text(m.render())
+    assert got['lp:spec_decode_num_accepted_tokens_total{model_name="tiny"}'] == \
+        stats["spec_decode_num_accepted_tokens"] > 0
+    assert got['vllm:spec_decode_num_drafts_total{model_name="tiny"}'] == \
+        stats["spec_decode_num_drafts"] > 0
+    assert got['lp:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",'
+               'position="0"}'] == stats["spec_decode_num_accepted_tokens_pos_0"] > 0

@@ -226,6 +226,11 @@ class Scheduler:
         the plan being made is not among them."""
         return tuple(self._pending)
 
+    def max_decode_rows(self, seq: Sequence) -> int:
+        """Rows a decode of seq may run: 1, or 1 + k verification rows when it speculates."""
+        sc = self.config.speculative_config
+        return 1 + sc.num_speculative_tokens if self._speculates(seq) else 1
+
     def count(self, name: str, n: int = 1) -> None:
         """Adds n to the counter `name` of stats()."""
         self._stats[name] += n
