@@ -11,6 +11,7 @@ import pytest
 
 from lp_jax.executor import verify as V
 from lp_jax.spec import SpeculativeConfig, propose_ngram
+from lp_jax.spec.accept import accept_sampled
 
 # ----- speculative_config -----
 
@@ -224,6 +225,58 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert _chi2_pvalue(_speculative_samples(_B)) > 1e-3
     q_VV = np.full((_V, _V), 0.1) + 0.5 * np.eye(_V)[[2, 2, 4, 1, 0]]
     assert _chi2_pvalue(_speculative_samples(_B, q_VV / q_VV.sum(1, keepdims=True))) > 1e-3
+
+
+def _sample_and_compare_samples(B: int, rule) -> np.ndarray:
+    """B generations of _N tokens as the model runner verifies n-gram drafts: every
+    verification row sampled from its own bigram distribution (given the fixed _DRAFT
+    before it), then `rule(drafts, sampled_BK) -> (accepted_B, token_B)`."""
+    p_VV, k = np.exp(_TABLE_VV), len(_DRAFT)
+    rng = np.random.default_rng(2)
+    out_BN = np.full((B, _N + k + 1), -1)
+    count_B = np.zeros(B, np.int64)
+    while (count_B < _N).any():
+        ctx_B = np.where(count_B == 0, _START, out_BN[np.arange(B), np.maximum(count_B - 1, 0)])
+        sampled_BK = np.stack([(np.cumsum(p_VV[c], 1) < rng.random(B)[:, None]).sum(1)
+                               for c in (ctx_B, *[np.full(B, d) for d in _DRAFT])], 1)
+        acc_B, tok_B = rule(_DRAFT, sampled_BK)
+        for j in range(k + 1):
+            put = (j <= acc_B) & (count_B < _N)
+            row = np.where(j < acc_B, _DRAFT[min(j, k - 1)], tok_B)
+            out_BN[put, count_B[put] + j] = row[put]
+        count_B = np.where(count_B < _N, count_B + acc_B + 1, count_B)
+    return out_BN[:, :_N]
+
+
+def _runner_rule(drafts, sampled_BK):
+    runs = [accept_sampled(drafts, row) for row in sampled_BK.tolist()]
+    return np.array([a for a, _ in runs]), np.array([t for _, t in runs])
+
+
+def test_sampling_every_row_and_comparing_is_exact_for_ngram_drafts():
+    """The model runner's rule (lp_jax/spec/accept.py) keeps the model's law; it fails
+    the same test when a rejected draft's token is drawn afresh (not the residual) or
+    the bonus token comes from the last draft's row."""
+    assert _chi2_pvalue(_sample_and_compare_samples(_B, _runner_rule)) > 1e-3
+    rng = np.random.default_rng(3)
+    p_VV = np.exp(_TABLE_VV)
+
+    def fresh_residual(drafts, sampled_BK):
+        acc_B, tok_B = _runner_rule(drafts, sampled_BK)
+        ctx_B = np.array(drafts)[np.maximum(acc_B - 1, 0)]
+        ctx_B = np.where(acc_B == 0, -1, ctx_B)  # row 0's context is not known here:
+        redraw = (acc_B > 0) & (acc_B < len(drafts))  # redraw only rows after a draft
+        fresh_B = (np.cumsum(p_VV[np.maximum(ctx_B, 0)], 1) < rng.random(len(acc_B))[:, None]
+                   ).sum(1)
+        return acc_B, np.where(redraw, fresh_B, tok_B)
+
+    def bonus_from_last_draft_row(drafts, sampled_BK):
+        acc_B, tok_B = _runner_rule(drafts, sampled_BK)
+        k = len(drafts)
+        return acc_B, np.where(acc_B == k, sampled_BK[:, k - 1], tok_B)
+
+    for wrong in (fresh_residual, bonus_from_last_draft_row):
+        assert _chi2_pvalue(_sample_and_compare_samples(_B, wrong)) < 1e-6, wrong.__name__
 
 
 def _retraced():

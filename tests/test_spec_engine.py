@@ -71,10 +71,10 @@ def test_flowprefill_counts_verification_rows():
     """FlowPrefill's slack sees a speculating decode as its k + 1 rows."""
     llm = fake_llm("flowprefill", speculative_config=NGRAM)
     sched = llm.engine.scheduler
-    greedy, sampled = (Sequence(i, [1, 2], SamplingParams(temperature=t)) for i, t in
-                       ((0, 0.0), (1, 0.8)))
-    assert (sched.max_decode_rows(greedy), sched.max_decode_rows(sampled)) == (4, 1)
-    sched.running += [greedy, sampled]
+    plain, penalized = (Sequence(i, [1, 2], SamplingParams(presence_penalty=x)) for i, x in
+                        ((0, 0.0), (1, 0.5)))
+    assert (sched.max_decode_rows(plain), sched.max_decode_rows(penalized)) == (4, 1)
+    sched.running += [plain, penalized]
     sched.policy._remaining([(8, 0)], 0)
     assert sched.policy._load == (5, 4)
 
@@ -120,16 +120,22 @@ def test_speculative_config_errors():
 
 
 @pytest.mark.parametrize("policy", ["orca", "chunked", "layered", "flowprefill"])
-def test_greedy_speculation_equals_plain_decoding_on_the_golden_checkpoint(engines, policy):
-    """The golden tiny checkpoint (float32) gives the same greedy tokens (log-probabilities
-    to float noise: the rows take the ragged attention path) with n-gram
-    drafts verified as k + 1 rows as the shared engine without, some drafts accepted
-    (their KV then serves later tokens), with the shared engine's programs and no
-    compile while serving."""
+def test_speculation_equals_plain_decoding_on_the_golden_checkpoint(engines, policy):
+    """The golden tiny checkpoint (float32) gives the same greedy and seeded sampled
+    tokens with n-gram drafts verified as k + 1 rows as the shared engine without
+    (log-probabilities to float noise: the rows take the ragged attention path), some
+    drafts accepted (their KV then serves later tokens), with the shared engine's
+    programs and no compile while serving."""
     rng = np.random.default_rng(0)
     pat = rng.integers(0, VOCAB, 12).tolist()
-    prompts = [pat * 4, rng.integers(0, VOCAB, 30).tolist(), pat[:5] * 6]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    prompts = [pat * 4, rng.integers(0, VOCAB, 30).tolist(), pat[:5] * 6, pat * 3]
+    # greedy, and seeded sampling: a row keyed by (seed, position) draws what plain
+    # decoding draws there once the drafts before it stand (lp_jax/spec/accept.py); a
+    # penalized request decodes without drafts in the same steps, its token read from
+    # the row after the others' verification rows
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True, logprobs=1,
+                             presence_penalty=pp)
+              for t, s, pp in ((0.0, None, 0.0), (0.8, 7, 0.0), (1.0, 11, 0.0), (0, None, 1.5))]
     base = engines(policy).generate(prompt_token_ids=prompts, sampling_params=params)
     llm = LLM(**engines.kwargs(policy), speculative_config=NGRAM)
     spec = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     fast = measure(LLM(**engine, speculative_config=spec), prompts, params * len(prompts))
     k, d = args.num_speculative_tokens, fast["d"]
     drafts = d.get("spec_decode_num_drafts", 0)
-    print(f"prompts: {len(prompts)} fables (their text, then their first words), greedy, "
+    print(f"prompts: {len(prompts)} fables (their first 12 words, then their first 3 "
+          "again), greedy, "
           f"max_tokens {args.max_tokens}, {args.scheduling}, max_num_seqs "
           f"{args.max_num_seqs}, async_scheduling {engine['async_scheduling']}; "
           f"speculative_config {spec}")

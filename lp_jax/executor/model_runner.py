@@ -64,6 +64,7 @@ from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
 from lp_jax.sharding import named_sharding, replicated
+from lp_jax.spec.accept import accept_sampled
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,17 +94,15 @@ class StepHandle:
 
     def collect(self) -> StepResult:
         """Waits for the step; its tokens, log-probabilities and expert counts. A
-        speculating decode keeps its drafts while each equals the token sampled (the
-        argmax: greedy rows only) at the row before it, and then gets that row's token."""
+        speculating decode keeps its drafts while each equals the token sampled at the
+        row before it, and then gets that row's token (lp_jax/spec/accept.py)."""
         tokens, tokens_R, accepted = {}, None, {}
         if self.tokens_R is not None:
             tokens_R = host_array(self.tokens_R)
             tokens = {sid: int(tokens_R[r]) for sid, r in self.rows.items()}
             for sid, d in self.drafts.items():
-                r, a = self.rows[sid], 0
-                while a < len(d) and int(tokens_R[r + a]) == d[a]:
-                    a += 1
-                tokens[sid] = int(tokens_R[r + a])
+                r = self.rows[sid]
+                a, tokens[sid] = accept_sampled(d, tokens_R[r : r + len(d) + 1].tolist())
                 if a:
                     accepted[sid] = d[:a]
         if self.channel is not None:
