@@ -50,7 +50,8 @@ def measure(llm, prompts, params) -> dict:
 
 
 def main(argv=None) -> int:
-    from lp_jax import LLM, SamplingParams
+    from lp_jax.core.sampling_params import SamplingParams
+    from lp_jax.llm import LLM
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
