@@ -8,12 +8,13 @@ a text its prompt already holds: the case prompt lookup is for. The same prompts
 greedily on two engines, without speculation and with n-gram drafts, after one warm
 run each; printed: whether the tokens agree, acceptance per draft position (accepted /
 drafts, vLLM's definition), the mean tokens a speculating step yields, engine steps
-per generated token and wall time per generated token.
+per generated token and wall time per generated token (median of --repeats runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -34,19 +35,23 @@ def fable_prompts(passage: int = 12, words: int = 3) -> list[str]:
     return out
 
 
-def measure(llm, prompts, params) -> dict:
-    """One warm run, then one timed run; the engine's counters over the timed one."""
+def measure(llm, prompts, params, repeats: int) -> dict:
+    """One warm run, then `repeats` timed runs: the median wall time, and the engine's
+    counters over the last run (the same in every run: greedy)."""
     llm.generate(prompts, params)
-    before = llm.engine.stats()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
-    after = llm.engine.stats()
+    times = []
+    for _ in range(repeats):
+        before = llm.engine.stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+        after = llm.engine.stats()
     d = {k: after[k] - before.get(k, 0) for k in after
          if k.startswith(("iterations", "spec_decode")) and isinstance(after[k], int)}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"outs": [o.outputs[0].token_ids for o in outs], "tokens": tokens,
-            "steps": d["iterations"] - d["iterations_idle"], "seconds": seconds, "d": d}
+            "steps": d["iterations"] - d["iterations_idle"],
+            "seconds": statistics.median(times), "d": d}
 
 
 def main(argv=None) -> int:
@@ -61,6 +66,7 @@ def main(argv=None) -> int:
     # a step samples at most max_num_seqs rows: 3 sequences x (k + 1) rows must fit
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs (median)")
     args = ap.parse_args(argv)
     prompts = fable_prompts()
     params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)]
@@ -68,8 +74,9 @@ def main(argv=None) -> int:
             "prompt_lookup_max": args.prompt_lookup_max}
     engine = dict(scheduling=args.scheduling, max_num_seqs=args.max_num_seqs,
                   max_model_len=512, async_scheduling=not args.no_async_scheduling, log=None)
-    base = measure(LLM(**engine), prompts, params * len(prompts))
-    fast = measure(LLM(**engine, speculative_config=spec), prompts, params * len(prompts))
+    base = measure(LLM(**engine), prompts, params * len(prompts), args.repeats)
+    fast = measure(LLM(**engine, speculative_config=spec), prompts, params * len(prompts),
+                   args.repeats)
     k, d = args.num_speculative_tokens, fast["d"]
     drafts = d.get("spec_decode_num_drafts", 0)
     print(f"prompts: {len(prompts)} fables (their first 12 words, then their first 3 "
@@ -81,7 +88,8 @@ def main(argv=None) -> int:
     for name, r in (("without", base), ("n-gram", fast)):
         print(f"{name:>8}: {r['tokens']} tokens in {r['steps']} steps "
               f"({r['steps'] / r['tokens']:.3f} steps per token), "
-              f"{1e3 * r['seconds'] / r['tokens']:.2f} ms per token")
+              f"{1e3 * r['seconds'] / r['tokens']:.2f} ms per token (median of "
+              f"{args.repeats} runs)")
     if drafts:
         per_pos = [d.get(f"spec_decode_num_accepted_tokens_pos_{i}", 0) / drafts
                    for i in range(k)]
