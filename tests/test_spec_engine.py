@@ -67,6 +67,26 @@ def test_speculation_changes_no_output_under_every_policy(policy):
     assert steps[1] < steps[0]
 
 
+def test_policies_and_the_latency_model_count_verification_rows(monkeypatch):
+    """Each policy's prefill half is planned next to the plan's decode rows (drafts
+    included), which the adaptive layer-group span and chunked's budget spend, and the
+    latency model predicts and fits a plan by its rows."""
+    llm = fake_llm("layered", layer_groups="adaptive", tbt_slo_ms=50.0, max_num_seqs=16,
+                   speculative_config=NGRAM, async_scheduling=False)  # room: no draft dropped
+    sched = llm.engine.scheduler
+    seen = []
+    real = sched.policy.schedule_prefill
+    monkeypatch.setattr(sched.policy, "schedule_prefill",
+                        lambda n, admit: seen.append(n) or real(n, admit))
+    llm.generate(prompt_token_ids=_prompts()[:2],
+                 sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    rows = [p.num_decode_rows for p in llm.engine.runner.plans]
+    assert seen == rows and max(r - len(p.decode) for r, p in
+                                zip(rows, llm.engine.runner.plans, strict=True)) > 0
+    plan = next(p for p in llm.engine.runner.plans if p.drafts)
+    assert sched.latency.plan_features(plan)[5] == plan.num_layers * plan.num_decode_rows
+
+
 def test_flowprefill_counts_verification_rows():
     """FlowPrefill's slack sees a speculating decode as its k + 1 rows."""
     llm = fake_llm("flowprefill", speculative_config=NGRAM)
