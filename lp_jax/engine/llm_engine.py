@@ -424,7 +424,7 @@ class LLMEngine:
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
         # Where each one's new tokens start: its placeholder (then accepted drafts follow).
-        start = {s.seq_id: s.num_tokens - s.num_pending_tokens for s in alive}
+        first_new = {s.seq_id: s.num_tokens - s.num_pending_tokens for s in alive}
         now = self.clock.now()
         if self.trace is not None:
             self.trace.step_done(plan, t1 - start if result.collected_at else None, *ran)
@@ -433,7 +433,7 @@ class LLMEngine:
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
             if self.trace is not None:
                 self.trace.finish(seq, now)
-        new = {s.seq_id: s.token_ids[start[s.seq_id]:] for s in alive}
+        new = {s.seq_id: s.token_ids[first_new[s.seq_id]:] for s in alive}
         outputs = [self._output(s, new[s.seq_id]) for s in alive]
         if self.structured is not None and len(self.structured):
             for s in alive:  # each committed token joins its grammar's matcher
