@@ -69,8 +69,9 @@ class FakeExecutor:
             if seq.sampling_params.has_penalties and not seq.is_finished:
                 assert seq.slot is not None, f"seq {seq.seq_id} has penalties and no slot"
         tokens, logprobs, accepted, accepted_lp = {}, {}, {}, {}
+        by_seq = plan.drafts_by_seq
         for s in plan.sampling_seqs:
-            drafts = plan.drafts_of(s)
+            drafts = by_seq.get(s.seq_id, ())
             if drafts:
                 assert not s.num_pending_tokens, "drafts after an unknown token"
                 assert len(s.page_ids) * self.page_size >= s.num_tokens + len(drafts), \

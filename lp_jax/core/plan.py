@@ -148,13 +148,12 @@ class StepPlan:
         """Rows the decodes run: one each, plus their drafts (verification rows)."""
         return len(self.decode) + sum(map(len, self.drafts))
 
-    def drafts_of(self, seq: Sequence) -> tuple[int, ...]:
-        """The drafts `seq` verifies in this plan (() if none)."""
-        if self.drafts:
-            for s, d in zip(self.decode, self.drafts, strict=True):
-                if s is seq:
-                    return d
-        return ()
+    @property
+    def drafts_by_seq(self) -> dict[int, tuple[int, ...]]:
+        """{seq_id: its drafts} for the decodes that speculate in this plan."""
+        if not self.drafts:
+            return {}
+        return {s.seq_id: d for s, d in zip(self.decode, self.drafts, strict=True) if d}
 
     @property
     def phase(self) -> str:

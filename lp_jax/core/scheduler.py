@@ -291,6 +291,7 @@ class Scheduler:
         extra = (set(sampled) | set(result.logprobs) | set(result.accepted)) - set(expect)
         if extra:
             raise ValueError(f"tokens for seqs {sorted(extra)} that do not sample in this plan")
+        drafts = plan.drafts_by_seq
         scored = {c.seq.seq_id: c.seq for c in plan.prefill}
         for sid, pos, lp in result.prompt_logprobs:
             seq = scored.get(sid)
@@ -309,7 +310,7 @@ class Scheduler:
                     f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
                 )
             acc = tuple(result.accepted.get(sid, ()))
-            if acc != plan.drafts_of(seq)[:len(acc)]:
+            if acc != drafts.get(sid, ())[:len(acc)]:
                 raise ValueError(f"seq {sid}: accepted {acc} is not a prefix of its drafts")
         if len(self._pending) == 1:  # else the newer plan's schedule() advanced it
             self._advance(plan)
@@ -317,7 +318,7 @@ class Scheduler:
         finished: list[Sequence] = []
         for seq in plan.sampling_seqs:
             if not seq.is_finished:
-                self._append_run(plan, result, seq, now, finished)
+                self._append_run(result, seq, drafts.get(seq.seq_id, ()), now, finished)
         if plan.is_last_group:
             self._stats["prefill_tokens"] += plan.num_prefill_tokens
             self._stats["prefill_batches"] += bool(plan.prefill)
@@ -505,11 +506,11 @@ class Scheduler:
         self._stats["preemptions"] += 1
         self.policy.notify("preempt", seq)
 
-    def _append_run(self, plan: StepPlan, result: StepResult, seq: Sequence, now: float,
-                    finished: list[Sequence]) -> None:
+    def _append_run(self, result: StepResult, seq: Sequence, drafts: tuple[int, ...],
+                    now: float, finished: list[Sequence]) -> None:
         """Appends seq's accepted drafts and its sampled token, each through the stop
         rules (the rest is dropped once one stops it), then gives back the pages only
-        rejected drafts wrote, and counts the drafts."""
+        rejected `drafts` wrote, and counts them."""
         sid = seq.seq_id
         accepted = tuple(result.accepted.get(sid, ()))
         lps = (*result.accepted_logprobs.get(sid, ()), result.logprobs.get(sid))
@@ -523,7 +524,6 @@ class Scheduler:
             self._append_token(seq, tok, now, finished)
             if seq.is_finished:
                 break
-        drafts = plan.drafts_of(seq)
         if drafts:
             if not seq.is_finished:
                 self.block_manager.truncate(seq)

@@ -478,13 +478,10 @@ class ModelRunner:
         self._count_padding(useful, padded)
         # Sampled rows are the plan's sampling sequences in order: decodes (a speculating
         # one's k + 1 rows), then the chunks that end their prompts (_plan_calls).
-        rows, drafts, r = {}, {}, 0
+        rows, drafts, r = {}, plan.drafts_by_seq, 0
         for s in plan.sampling_seqs:
             rows[s.seq_id] = r
-            d = plan.drafts_of(s) if s in plan.decode else ()
-            if d:
-                drafts[s.seq_id] = d
-            r += 1 + len(d)
+            r += 1 + len(drafts.get(s.seq_id, ()))
         wants = {s.seq_id: s.sampling_params.logprobs for s in plan.sampling_seqs
                  if s.sampling_params.logprobs is not None}
         sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
