@@ -233,7 +233,8 @@ class ServerMetrics:
         for x, counter in self.spec.items():
             counter.set_total(stats.get(f"spec_decode_num_{x}", 0))
         pos_prefix = "spec_decode_num_accepted_tokens_pos_"
-        for key, v in stats.items():
+        self.spec_per_pos.set_total(stats.get(f"{pos_prefix}0", 0), position="0")  # a sample
+        for key, v in stats.items():  # even before the first draft, as for every counter
             if key.startswith(pos_prefix):
                 self.spec_per_pos.set_total(v, position=key[len(pos_prefix):])
         self.compilations_after_warmup.set(stats.get("compilations_after_warmup", 0))
