@@ -7,7 +7,7 @@ nothing in the prefix cache; the drafts are counted as vLLM's metrics."""
 import numpy as np
 import pytest
 from fake_executor import fake_token
-from test_engine_fake import POLICIES, VOCAB, fake_llm
+from test_engine_fake import POLICIES, VOCAB, _drive, expected_tokens, fake_llm
 
 from lp_jax import LLM, SamplingParams
 from lp_jax.core.sequence import Sequence
@@ -97,6 +97,39 @@ def test_flowprefill_counts_verification_rows():
     sched.running += [plain, penalized]
     sched.policy._remaining([(8, 0)], 0)
     assert sched.policy._load == (5, 4)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "layered-preemptible", "flowprefill"])
+def test_random_workloads_with_aborts_and_preemptions_leak_nothing(policy):
+    """Echoing and unrelated prompts arriving at random, some aborted, on a pool small
+    enough to preempt: every survivor gets its own tokens, aborted ones a prefix, and
+    every page comes back."""
+    rng = np.random.default_rng(1)
+    n = 10
+    prompts = []
+    for i in range(n):
+        L = int(rng.integers(20, 60))
+        prompts.append(_future(i, L, L) if i % 2 else rng.integers(0, VOCAB, L).tolist())
+    arrive = list(range(n))  # request i is id i: its echo prompt quotes its own future
+    abort_at = {i: i + int(rng.integers(1, 8)) for i in range(n) if rng.random() < 0.3}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    preemptions = 0
+    for overlap in (True, False):
+        llm = fake_llm(policy, async_scheduling=overlap, kv_pages=10,
+                       speculative_config=NGRAM)
+        ids, outs, deltas = _drive(llm.engine, prompts, params, arrive, abort_at)
+        for i, out in outs.items():
+            want = expected_tokens(ids[i], len(prompts[i]), params.max_tokens)
+            assert deltas[ids[i]] == out.token_ids
+            if out.finish_reason == "abort":
+                assert out.token_ids == want[: len(out.token_ids)]
+            else:
+                assert out.token_ids == want
+        s = llm.stats()
+        assert s["free_pages"] == s["total_pages"]
+        assert s["spec_decode_num_accepted_tokens"] > 0 and s["aborted"] > 0
+        preemptions += s["preemptions"]
+    assert preemptions > 0
 
 
 def test_rejected_drafts_free_their_pages_and_never_reach_the_prefix_cache():
