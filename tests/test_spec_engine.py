@@ -231,3 +231,30 @@ def test_lp_serve_flag_and_prometheus_metrics():
         stats["spec_decode_num_drafts"] > 0
     assert got['lp:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",'
                'position="0"}'] == stats["spec_decode_num_accepted_tokens_pos_0"] > 0
+
+
+def test_grammar_masks_each_verification_row_after_its_drafts(engines):
+    """Under a grammar, verification row j is masked by the matcher after drafts 0..j-1
+    (consumed, then rolled back); drafts the grammar forbids are rejected. Greedy and
+    seeded outputs equal the shared engine's without speculation, every output matches
+    its regex, and every matcher and page is released."""
+    import re
+
+    from lp_jax.structured.params import StructuredOutputsParams as SO
+
+    regex, trigger = "(one two three ){4}four", "(ab|cd) (ab|cd) (ab|cd) end"
+    prompts = ["one two three one two four", "ab cd ab cd ab ab cd", "one two three"]
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=40,
+                             structured_outputs=SO(regex=r))
+              for t, s, r in ((0.0, None, regex), (0.0, None, trigger), (0.9, 5, regex))]
+    base = engines("chunked").generate(prompts, params)
+    llm = LLM(**engines.kwargs("chunked"), speculative_config=NGRAM)
+    spec = llm.generate(prompts, params)
+    for b, o, p in zip(base, spec, params, strict=True):
+        assert o.outputs[0].token_ids == b.outputs[0].token_ids
+        assert re.fullmatch(p.structured_outputs.regex, o.outputs[0].text), o.outputs[0].text
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0
+    assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"]
+    assert s["structured_outputs"]["live"] == 0 and s["free_pages"] == s["total_pages"]
+    assert s["compilations_after_warmup"] == 0

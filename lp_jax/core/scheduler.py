@@ -421,13 +421,12 @@ class Scheduler:
         return held
 
     def _speculates(self, seq: Sequence) -> bool:
-        """Whether seq's decodes get drafts: those without penalties or a grammar. The
-        step verifies a draft by sampling its row like any other (lp_jax/spec/accept.py);
-        penalties would count rejected rows' tokens, and a grammar would need a bitmask
-        per verification row."""
+        """Whether seq's decodes get drafts: those without penalties. The step verifies a
+        draft by sampling its row like any other (lp_jax/spec/accept.py), under the
+        grammar's mask after the drafts before it; penalties would count rejected rows'
+        tokens."""
         p = seq.sampling_params
-        return (self.config.speculative_config is not None and not p.has_penalties
-                and p.structured_outputs is None)
+        return self.config.speculative_config is not None and not p.has_penalties
 
     def _fit_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]],
                     part) -> None:

@@ -292,7 +292,7 @@ class ModelRunner:
             else:
                 dec_tokens[r : r + 1 + len(d)] = (s.last_token, *d)
             dec_seqs.append((s.num_tokens - 1, 1 + len(d), s.page_ids))
-            dec_sampling += [(s, s.num_tokens + i) for i in range(1 + len(d))]
+            dec_sampling += [(s, s.num_tokens + i, d[:i]) for i in range(1 + len(d))]
             r += 1 + len(d)
         calls = []
         if before:
@@ -394,7 +394,7 @@ class ModelRunner:
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
-                s.sampling_params.logprobs is not None for s, _ in call.sampling))
+                s.sampling_params.logprobs is not None for s, *_ in call.sampling))
             inputs["sample_rows_S"][: len(call.sample_rows)] = call.sample_rows
             self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
@@ -409,7 +409,7 @@ class ModelRunner:
     def _fill_sampling(self, out: dict, rows: list):
         eos = self.cfg.eos_token_ids
         constrained = []
-        for i, (seq, pos) in enumerate(rows):
+        for i, (seq, pos, *prefix) in enumerate(rows):
             p = seq.sampling_params
             if p.has_penalties:
                 out["count_slot"][i] = self._slot(seq)
@@ -425,8 +425,8 @@ class ModelRunner:
             # top_k past the vocabulary is no limit at all (and may not fit int32).
             out["top_k"][i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
             out["temperature"][i], out["top_p"][i] = p.temperature, p.top_p
-            if p.structured_outputs is not None:
-                constrained.append((seq, i))
+            if p.structured_outputs is not None:  # prefix: drafts before a verification row
+                constrained.append((seq, i, tuple(prefix[0]) if prefix else ()))
             # Unseeded requests draw from a stream fixed by the engine seed and request id.
             seed = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) % 2**64
             out["seed_S2"][i] = seed >> 32, seed & 0xFFFFFFFF
@@ -442,12 +442,16 @@ class ModelRunner:
         if self.structured is None:
             raise RuntimeError("a request with structured_outputs reached a runner "
                                "without a grammar engine")
-        for seq, _ in constrained:
+        for seq, _, _ in constrained:
             if seq.num_pending_tokens:  # the scheduler holds these out (scheduler.py)
                 raise RuntimeError(f"seq {seq.seq_id} has a grammar and a token still on "
                                    "device: its mask cannot be built")
         mask_BW = np.full((B, self.spec.mask_words), -1, np.int32)
-        self.structured.fill([(seq.seq_id, i) for seq, i in constrained], mask_BW)
+        self.structured.fill([(seq.seq_id, i) for seq, i, pre in constrained if not pre],
+                             mask_BW)
+        after = [(seq.seq_id, i, pre) for seq, i, pre in constrained if pre]
+        if after:
+            self.structured.fill_after(after, mask_BW)
         return mask_BW
 
 
