@@ -25,6 +25,12 @@ in one fixed-size array; a decode whose last token is still a placeholder (its s
 planned before the step sampling that token was committed; see scheduler.py) reads it on
 device from `prev`'s array, so step k+1 is planned and dispatched while step k runs.
 
+A speculating decode (`plan.drafts`, lp_jax/spec) runs k + 1 rows, its last token and
+its drafts, as one ragged sequence (the call is then not `decode_only`), and every row
+is sampled; `collect` keeps the drafts that match the samples (spec/accept.py). The
+scheduler keeps a plan's sampled rows within max_num_seqs, so these rows fit the same
+programs and the decode rows of the hidden buffer.
+
 Sampling options are per-row inputs of the same programs (`_fill_sampling`). Penalties
 read token counts kept on device (step.py `counts`), one row per sequence slot: the
 scheduler gives each admitted sequence a slot (`Sequence.slot`), which the plan carries,
