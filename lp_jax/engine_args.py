@@ -92,10 +92,23 @@ def _json(s: str):
         raise argparse.ArgumentTypeError(f"expected JSON, got {s[:200]!r}: {exc}") from None
 
 
+def _speculative_config(s: str):
+    """--speculative-config: vLLM's JSON, checked now (lp_jax/spec/config.py)."""
+    from lp_jax.spec.config import SpeculativeConfig
+
+    value = _json(s)
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 PARSERS = {"positive_int": _positive_int, "non_negative_int": _non_negative_int,
            "positive_float": _positive_float, "unit_interval": _unit_interval,
            "int_tuple": _int_tuple, "layer_groups": _layer_groups,
-           "existing_path": _existing_path, "slo_classes": _slo_classes, "json": _json}
+           "existing_path": _existing_path, "slo_classes": _slo_classes, "json": _json,
+           "speculative_config": _speculative_config}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,8 +116,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE",
                    help="a Jinja chat template file, used instead of the model's (for "
                         "checkpoints without one) [default: the model's, or a fallback]")
-    s.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
-                   help="chat answers' reasoning (Qwen3's <think> block) goes to "
+    from lp_jax.server.reasoning import PARSERS as REASONING_PARSERS
+
+    s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="chat answers' reasoning (the <think> block of Qwen3 or GLM-4.5) goes to "
                         "reasoning_content / reasoning, apart from content [default: none]")
     s.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the vllm: names of the metrics that mean the "

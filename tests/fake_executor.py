@@ -6,7 +6,9 @@ policy, overlap setting and cache state must give each request the same tokens. 
 log-probabilities and prompt log-probabilities for the rows that ask, with the shapes the
 real runner gives, and checks what the real runner relies on: every prefilled position's KV
 written once per layer range, placeholders only over the step they stand for, a slot for
-every penalized sequence. No program is compiled.
+every penalized sequence. A speculating decode's drafts stand while each equals the fake
+token at its position (the greedy rule), so speculation must not change any token; its
+pages must hold every verification row. No program is compiled.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class FakeExecutor:
 
     def __init__(self, sched_cfg, buckets, model_cfg):
         self.vocab_size = model_cfg.vocab_size
+        self.page_size = sched_cfg.page_size
         self.num_layers = sched_cfg.num_layers
         self.spec = SimpleNamespace(buckets=tuple(buckets))
         self.programs: dict = {}
@@ -65,17 +68,29 @@ class FakeExecutor:
         for seq in rows + list(plan.sampling_seqs):
             if seq.sampling_params.has_penalties and not seq.is_finished:
                 assert seq.slot is not None, f"seq {seq.seq_id} has penalties and no slot"
-        tokens, logprobs = {}, {}
+        tokens, logprobs, accepted, accepted_lp = {}, {}, {}, {}
+        by_seq = plan.drafts_by_seq
         for s in plan.sampling_seqs:
+            drafts = by_seq.get(s.seq_id, ())
+            if drafts:
+                assert not s.num_pending_tokens, "drafts after an unknown token"
+                assert len(s.page_ids) * self.page_size >= s.num_tokens + len(drafts), \
+                    "verification rows without pages"
             # The token lands at index num_tokens (after a decode's placeholder, if any).
-            tok = fake_token(s.seq_id, s.num_tokens, self.vocab_size)
+            a = 0
+            while a < len(drafts) and drafts[a] == fake_token(s.seq_id, s.num_tokens + a,
+                                                               self.vocab_size):
+                a += 1
+            if a:
+                accepted[s.seq_id] = drafts[:a]
+            tok = fake_token(s.seq_id, s.num_tokens + a, self.vocab_size)
             tokens[s.seq_id] = tok
             k = s.sampling_params.logprobs
             if k is not None:
-                d = {tok: fake_logprob(tok)}
-                for j in range(k):
-                    d.setdefault((tok + 1 + j) % self.vocab_size, fake_logprob(tok + 1 + j))
-                logprobs[s.seq_id] = d
+                lps = [self._logprobs(t, k) for t in (*drafts[:a], tok)]
+                logprobs[s.seq_id] = lps[-1]
+                if a:
+                    accepted_lp[s.seq_id] = tuple(lps[:-1])
         scores = []
         if plan.is_last_group:
             for c in plan.prefill:
@@ -89,9 +104,16 @@ class FakeExecutor:
                         d.setdefault((t + 1 + j) % self.vocab_size, fake_logprob(t + 1 + j))
                     scores.append((c.seq.seq_id, p, d))
         now = time.perf_counter()
-        result = StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=tuple(scores),
+        result = StepResult(tokens=tokens, logprobs=logprobs, accepted=accepted,
+                            accepted_logprobs=accepted_lp, prompt_logprobs=tuple(scores),
                             experts_activated=(0,), prefill_call=0 if plan.prefill else None,
                             dispatched_at=now, collected_at=now)
         handle = FakeHandle(plan, result)
         handle.plan_tokens = set(tokens)
         return handle
+
+    def _logprobs(self, tok: int, k: int) -> dict[int, float]:
+        d = {tok: fake_logprob(tok)}
+        for j in range(k):
+            d.setdefault((tok + 1 + j) % self.vocab_size, fake_logprob(tok + 1 + j))
+        return d

@@ -693,7 +693,8 @@ def test_contention_guard_learns_the_slowdown_of_mixed_steps():
     def plan(T, B):
         chunks = (NS(num_tokens=T, start=0),) if T else ()
         return NS(prefill=chunks, decode=tuple(NS(num_tokens=10) for _ in range(B)),
-                  unit_start=0, unit_end=2 * L, num_prefill_tokens=T)
+                  drafts=(), num_decode_rows=B, unit_start=0, unit_end=2 * L,
+                  num_prefill_tokens=T)
 
     for _ in range(60):  # solo steps of both kinds, then mixed ones
         for T, B in ((int(rng.integers(1, 300)), 0), (0, int(rng.integers(1, 16)))):

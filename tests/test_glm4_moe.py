@@ -143,9 +143,9 @@ def test_logprobs_prefix_cache_and_structured_outputs(glm_engines):
 
 def test_expert_parallel_matches_transformers():
     """Routed experts over the mesh's ("expert", "tensor") chips (2 of the 16 on each of
-    4 x 2 shards), heads over "tensor" (2); the shared experts and the correction bias on every shard. The all_to_all
-    dispatch routes with the sigmoid group-limited router: the numbers stay
-    transformers'. (allreduce with the same router: tests/test_moe_router.py.)"""
+    4 x 2 shards), heads over "tensor" (2); the shared experts and the correction bias on
+    every shard. The all_to_all dispatch routes with the sigmoid group-limited router: the
+    numbers stay transformers'. (allreduce with the same router: tests/test_moe_router.py.)"""
     golden = np.load(GOLDEN.format("tiny-glm-groups"))
     model = load_model(ensure_tiny(preset="tiny-glm-groups"), mesh=make_mesh(expert=4, tensor=2))
     w = model.model.layers.mlp.experts_gate_up_proj[...]

@@ -23,6 +23,7 @@ FLOORS = {
     "lp_jax.progress": 2, "lp_jax.backend_select": 2, "lp_jax.version": 2,
     "lp_jax.paths": 2,  # where the package's files and the user cache are
     "lp_jax.structured": 2,  # grammar specs (core's SamplingParams holds one), llguidance
+    "lp_jax.spec": 2,  # speculative_config and the n-gram drafter (the scheduler's)
     "lp_jax.core": 3,  # the pure-Python scheduling core
     "lp_jax.trace": 4,  # the decision trace: written by the engine and the simulator
     "lp_jax.models": 4,

@@ -143,18 +143,20 @@ class BlockManager:
         self._published[seq.seq_id] = len(hits)
         return len(hits) * self.page_size
 
-    def _needed(self, seq: Sequence) -> int:
-        # The next decode step writes KV for position num_tokens - 1.
-        return max(0, self.pages_for(seq.num_tokens) - len(seq.page_ids))
+    def _needed(self, seq: Sequence, extra: int = 0) -> int:
+        # The next decode step writes KV for position num_tokens - 1 (and, verifying
+        # `extra` drafts, for the positions after it).
+        return max(0, self.pages_for(seq.num_tokens + extra) - len(seq.page_ids))
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self._needed(seq) <= self.num_free_pages
+    def can_append(self, seq: Sequence, extra: int = 0) -> bool:
+        return self._needed(seq, extra) <= self.num_free_pages
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make room for the KV of `seq`'s last token: a new page when it crosses a boundary."""
+    def append_slot(self, seq: Sequence, extra: int = 0) -> None:
+        """Make room for the KV of `seq`'s last token and of `extra` draft tokens after
+        it: new pages where they cross a boundary."""
         if not seq.page_ids:
             raise RuntimeError(f"seq {seq.seq_id} holds no pages; allocate it first")
-        n = self._needed(seq)
+        n = self._needed(seq, extra)
         if n > self.num_free_pages:
             raise RuntimeError(f"seq {seq.seq_id} needs {n} pages, "
                                f"{self.num_free_pages} are free")
@@ -201,6 +203,20 @@ class BlockManager:
         return True
 
     # --------------------------------------------------------------- free
+    def truncate(self, seq: Sequence, extra: int = 0) -> None:
+        """Frees the pages past what seq's next decode needs (pages_for(num_tokens)),
+        with `extra` drafts after it: pages that only drafts wrote (rejected, or dropped
+        before the step). They were never published (only positions of seq's real tokens
+        are), so they return to the pool hashless; a kept page's rejected positions are
+        past seq's length, unread, and rewritten by the next tokens."""
+        keep = self.pages_for(seq.num_tokens + extra)
+        tail, seq.page_ids = seq.page_ids[keep:], seq.page_ids[:keep]
+        for p in reversed(tail):
+            if self._holders.get(p) != {seq.seq_id} or p in self._hash_of:
+                raise RuntimeError(f"seq {seq.seq_id}: draft page {p} is shared or cached")
+            del self._holders[p]
+            self._free_plain.appendleft(p)
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s hold on all its pages; a page nobody holds returns to the pool
         (keeping its hash, if published). A second free of the same pages raises."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lp_jax.core.layer_groups import LayerGroupMode, check_mode
+from lp_jax.spec.config import SpeculativeConfig
 
 GRANULARITIES = ("operator", "layer", "group")  # where a preemptible prefill may pause
 FLOWPREFILL_RULES = ("reference", "lp_jax")  # FlowPrefill's ranking and batching rules
@@ -54,6 +55,8 @@ class SchedulerConfig:
     # Share KV pages of equal prefixes (block_manager.py). EngineConfig turns it on; off
     # here, so the simulator and the plan-shape tests see whole prefills.
     enable_prefix_caching: bool = False
+    # Speculative decoding (lp_jax/spec): drafts verified as k + 1 decode rows; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         pol = self.policy
@@ -111,6 +114,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        sc = self.speculative_config
+        if sc is not None and not isinstance(sc, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig, got {sc!r}")
         self.policy_class.check(self)
 
     @property

@@ -179,8 +179,10 @@ class LatencyModel:
     def plan_features(self, plan, experts: float | None = None) -> list[float]:
         chunks = [(c.num_tokens, c.start) for c in plan.prefill]
         a, b = (plan.unit_start, plan.unit_end) if chunks else (0, 0)
-        ctx = sum(s.num_tokens for s in plan.decode)
-        return self.features(chunks, a, b, len(plan.decode), ctx, experts=experts)
+        # a speculating decode is its k + 1 verification rows, each over its context
+        drafts = plan.drafts or ((),) * len(plan.decode)
+        ctx = sum(s.num_tokens * (1 + len(d)) for s, d in zip(plan.decode, drafts, strict=True))
+        return self.features(chunks, a, b, plan.num_decode_rows, ctx, experts=experts)
 
     # --------------------------------------------------------------- predict
     def predict(self, x_F: list[float], num_decode: int = 0, tokens: int = 0) -> float:
@@ -192,7 +194,7 @@ class LatencyModel:
         return solo * self.guard.factor(num_decode, tokens)
 
     def predict_plan(self, plan) -> float:
-        return self.predict(self.plan_features(plan), len(plan.decode),
+        return self.predict(self.plan_features(plan), plan.num_decode_rows,
                             plan.num_prefill_tokens)
 
     def peek_plan(self, plan) -> float:
@@ -227,7 +229,7 @@ class LatencyModel:
             if expected > 0 and experts > 0:
                 self._expert_ratio = 0.9 * self._expert_ratio + 0.1 * experts / expected
             x_F[4] = experts
-        B, T = len(plan.decode), plan.num_prefill_tokens
+        B, T = plan.num_decode_rows, plan.num_prefill_tokens
         # With the coefficients as they are: re-solved every 32 new steps, not per step.
         if self._stale and self._since_solve >= 32:
             self._solve()

@@ -8,6 +8,8 @@ about devices, arrays or padding.
 
 Every plan has two parts:
 - `decode`: sequences that each run their last token through all layers and sample one token;
+  a speculating one (`drafts`, lp_jax/spec) runs its k draft tokens after it too, k + 1
+  verification rows, and gets its accepted drafts and one more token;
 - `prefill`: prompt chunks that run through operator units [unit_start, unit_end) only
   (layers [layer_start, layer_end)). Orca and
   chunked prefill always use the whole stack (one group). Layered prefill runs the same chunks
@@ -72,10 +74,16 @@ class StepPlan:
     group_index: int = 0
     num_groups: int = 1
     prefill_rows: tuple[int, ...] = ()  # hidden-buffer row of each chunk; (): packed from 0
+    # The draft tokens each decode verifies, in decode order (() for one without); ():
+    # none speculates.
+    drafts: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "decode", tuple(self.decode))
+        set_(self, "drafts", tuple(tuple(d) for d in self.drafts))
+        if self.drafts and len(self.drafts) != len(self.decode):
+            raise ValueError("drafts needs one entry per decode")
         set_(self, "prefill", tuple(self.prefill))
         set_(self, "prefill_rows", tuple(self.prefill_rows))
         units = 2 * self.num_layers
@@ -136,6 +144,18 @@ class StepPlan:
         return len(self.decode)
 
     @property
+    def num_decode_rows(self) -> int:
+        """Rows the decodes run: one each, plus their drafts (verification rows)."""
+        return len(self.decode) + sum(map(len, self.drafts))
+
+    @property
+    def drafts_by_seq(self) -> dict[int, tuple[int, ...]]:
+        """{seq_id: its drafts} for the decodes that speculate in this plan."""
+        if not self.drafts:
+            return {}
+        return {s.seq_id: d for s, d in zip(self.decode, self.drafts, strict=True) if d}
+
+    @property
     def phase(self) -> str:
         if self.prefill and self.decode:
             return "hybrid"
@@ -153,14 +173,18 @@ class StepResult:
     """What an executor returns for one plan (collected on the host).
 
     `tokens`: the sampled token of each of the plan's sampling sequences (by seq_id);
-    `logprobs`: {token_id: logprob} of the sampled token and the top alternatives, for the
-    sequences that asked; `prompt_logprobs`: (seq_id, position, {token_id: logprob}) for
+    `accepted`: a speculating decode's drafts that verification accepted, which come
+    before its token (absent: none); `logprobs`: {token_id: logprob} of the sampled token
+    and the top alternatives, for the sequences that asked (`accepted_logprobs`: one
+    such dict per accepted draft); `prompt_logprobs`: (seq_id, position, {token_id: logprob}) for
     each prompt position the step scored; `experts_activated`: per call of the step,
     summed over its layers, with `prefill_call` the call that ran the prefill group;
     `dispatched_at` / `collected_at`: perf_counter times (0.0 where not measured)."""
 
     tokens: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    accepted: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    accepted_logprobs: dict[int, tuple[dict[int, float], ...]] = field(default_factory=dict)
     prompt_logprobs: tuple[tuple[int, int, dict[int, float]], ...] = ()
     experts_activated: tuple[int, ...] = ()
     prefill_call: int | None = None

@@ -34,6 +34,15 @@ nothing. A plan dispatched later reads them after the device has written them: s
 in dispatch order. The samples of a request with n > 1 are n sequences: the later ones
 are `held` outside the queue until the first has prefilled (`add(prefill_after=...)`),
 then take its prompt's full pages from the cache and compute only the rest.
+
+Speculative decoding (`speculative_config`, lp_jax/spec): a decode whose last token is
+known gets up to k n-gram drafts, k + 1 verification rows that the policies' budgets
+count, and pages for them taken only from free ones (drafts never preempt). Its commit
+appends the accepted drafts and the token after them, one at a time through the stop
+rules, and frees the pages only rejected drafts wrote (`BlockManager.truncate`): their
+positions are past the sequence's length, never published, and rewritten later. The
+next draft needs the committed token, so a speculating sequence sits out a plan
+scheduled before its commit, as a grammar's does.
 """
 
 from __future__ import annotations
@@ -47,12 +56,14 @@ from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.policies.base import Policy
 from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from lp_jax.spec.ngram import propose_ngram
 
 _STAT_KEYS = (
     "iterations iterations_decode iterations_prefill iterations_hybrid iterations_idle "
     "prefill_tokens decode_tokens prefill_batches preemptions finished aborted "
     "scheduling_rounds prefill_pauses prefill_resumes paused_prefills_preempted "
-    "prefix_cache_queries prefix_cache_hits"
+    "prefix_cache_queries prefix_cache_hits spec_decode_num_drafts "
+    "spec_decode_num_draft_tokens spec_decode_num_accepted_tokens"
 ).split()
 
 
@@ -215,6 +226,11 @@ class Scheduler:
         the plan being made is not among them."""
         return tuple(self._pending)
 
+    def max_decode_rows(self, seq: Sequence) -> int:
+        """Rows a decode of seq may run: 1, or 1 + k verification rows when it speculates."""
+        sc = self.config.speculative_config
+        return 1 + sc.num_speculative_tokens if self._speculates(seq) else 1
+
     def count(self, name: str, n: int = 1) -> None:
         """Adds n to the counter `name` of stats()."""
         self._stats[name] += n
@@ -239,8 +255,12 @@ class Scheduler:
         self._now = now
         decode, preempted = (self._schedule_decodes(held) if self.policy.decodes_now()
                              else ([], []))
+        drafts = self._draft(decode)
         # After a preemption, admit nothing this iteration unless nothing else would run.
-        part = self.policy.schedule_prefill(len(decode), admit=not (preempted and decode))
+        part = self.policy.schedule_prefill(len(decode) + sum(map(len, drafts)),
+                                            admit=not (preempted and decode))
+        if any(drafts):
+            self._fit_drafts(decode, drafts, part)
         plan = StepPlan(
             step_id=self._next_step,
             num_layers=self.config.num_layers,
@@ -252,6 +272,7 @@ class Scheduler:
             unit_start=part.unit_start,
             unit_end=part.unit_end,
             prefill_rows=part.rows,
+            drafts=drafts if any(drafts) else (),
         )
         self._next_step += 1
         self._pending.append(plan)
@@ -267,9 +288,10 @@ class Scheduler:
             raise TypeError(f"commit takes a StepResult, got {type(result).__name__}")
         sampled = result.tokens
         expect = {s.seq_id: s for s in plan.sampling_seqs}
-        extra = (set(sampled) | set(result.logprobs)) - set(expect)
+        extra = (set(sampled) | set(result.logprobs) | set(result.accepted)) - set(expect)
         if extra:
             raise ValueError(f"tokens for seqs {sorted(extra)} that do not sample in this plan")
+        drafts = plan.drafts_by_seq
         scored = {c.seq.seq_id: c.seq for c in plan.prefill}
         for sid, pos, lp in result.prompt_logprobs:
             seq = scored.get(sid)
@@ -287,16 +309,16 @@ class Scheduler:
                 raise ValueError(
                     f"seq {sid}: sampled token {tok!r} outside [0, {self.config.vocab_size})"
                 )
+            acc = tuple(result.accepted.get(sid, ()))
+            if acc != drafts.get(sid, ())[:len(acc)]:
+                raise ValueError(f"seq {sid}: accepted {acc} is not a prefix of its drafts")
         if len(self._pending) == 1:  # else the newer plan's schedule() advanced it
             self._advance(plan)
         self._pending.pop(0)
         finished: list[Sequence] = []
         for seq in plan.sampling_seqs:
             if not seq.is_finished:
-                lp = result.logprobs.get(seq.seq_id)
-                if lp is not None and seq.logprobs is not None:  # before a stop finishes it
-                    seq.logprobs.append(lp)
-                self._append_token(seq, sampled[seq.seq_id], now, finished)
+                self._append_run(result, seq, drafts.get(seq.seq_id, ()), now, finished)
         if plan.is_last_group:
             self._stats["prefill_tokens"] += plan.num_prefill_tokens
             self._stats["prefill_batches"] += bool(plan.prefill)
@@ -393,9 +415,57 @@ class Scheduler:
             seq.num_pending_tokens = 1
             if (seq.num_output_tokens >= seq.sampling_params.max_tokens
                     or seq.num_tokens >= self.config.max_model_len
-                    or seq.sampling_params.structured_outputs is not None):
+                    or seq.sampling_params.structured_outputs is not None
+                    or self._speculates(seq)):
                 held.add(seq.seq_id)
         return held
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether seq's decodes get drafts: those without penalties. The step verifies a
+        draft by sampling its row like any other (lp_jax/spec/accept.py), under the
+        grammar's mask after the drafts before it; penalties would count rejected rows'
+        tokens."""
+        p = seq.sampling_params
+        return self.config.speculative_config is not None and not p.has_penalties
+
+    def _fit_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]],
+                    part) -> None:
+        """Drops drafts, last decodes first, until the plan samples at most max_num_seqs
+        rows (decodes, their drafts, prompts it completes): the step's sampled rows and
+        its carried decode rows are max_num_seqs long, so verification rows fit the
+        programs there are and add none. Their pages go back."""
+        done = (sum(c.samples for c in part.chunks)
+                if part.unit_end in (None, 2 * self.config.num_layers) else 0)
+        over = len(decode) + sum(map(len, drafts)) + done - self.config.max_num_seqs
+        for i in range(len(decode) - 1, -1, -1):
+            if over <= 0:
+                break
+            if drafts[i]:
+                cut = min(over, len(drafts[i]))
+                drafts[i] = drafts[i][:len(drafts[i]) - cut]
+                over -= cut
+                self.block_manager.truncate(decode[i], len(drafts[i]))
+
+    def _draft(self, decode: list[Sequence]) -> list[tuple[int, ...]]:
+        """Each decode's drafts: up to k n-gram tokens, fewer where max_tokens or
+        max_model_len leaves room for less, none where their pages are not free."""
+        sc = self.config.speculative_config
+        out = []
+        for seq in decode:
+            d: list[int] = []
+            if self._speculates(seq) and not seq.num_pending_tokens:
+                k = min(sc.num_speculative_tokens,
+                        seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                        self.config.max_model_len - seq.num_tokens - 1)
+                if k > 0:
+                    d = propose_ngram(seq.token_ids, k, sc.prompt_lookup_min,
+                                      sc.prompt_lookup_max)
+                if d and self.block_manager.can_append(seq, len(d)):
+                    self.block_manager.append_slot(seq, len(d))
+                else:
+                    d = []
+            out.append(tuple(d))
+        return out
 
     def _schedule_decodes(self, held: set[int]) -> tuple[list[Sequence], list[Sequence]]:
         """Give every running decode not `held` room for one more token, preempting from
@@ -434,6 +504,33 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=_key)
         self._stats["preemptions"] += 1
         self.policy.notify("preempt", seq)
+
+    def _append_run(self, result: StepResult, seq: Sequence, drafts: tuple[int, ...],
+                    now: float, finished: list[Sequence]) -> None:
+        """Appends seq's accepted drafts and its sampled token, each through the stop
+        rules (the rest is dropped once one stops it), then gives back the pages only
+        rejected `drafts` wrote, and counts them."""
+        sid = seq.seq_id
+        accepted = tuple(result.accepted.get(sid, ()))
+        lps = (*result.accepted_logprobs.get(sid, ()), result.logprobs.get(sid))
+        for i, tok in enumerate((*accepted, result.tokens[sid])):
+            if i:  # the next token's placeholder
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens = 1
+                seq.num_computed_tokens += 1  # the accepted draft's KV was written
+            if i < len(lps) and lps[i] is not None and seq.logprobs is not None:
+                seq.logprobs.append(lps[i])
+            self._append_token(seq, tok, now, finished)
+            if seq.is_finished:
+                break
+        if drafts:
+            if not seq.is_finished:
+                self.block_manager.truncate(seq)
+            self._stats["spec_decode_num_drafts"] += 1
+            self._stats["spec_decode_num_draft_tokens"] += len(drafts)
+            self._stats["spec_decode_num_accepted_tokens"] += len(accepted)
+            for i in range(len(accepted)):
+                self._stats[f"spec_decode_num_accepted_tokens_pos_{i}"] += 1
 
     def _append_token(self, seq: Sequence, tok: int, now: float, finished: list[Sequence]) -> None:
         """Fills the placeholder `_advance` left for the token, then applies stop rules."""

@@ -10,6 +10,7 @@ from lp_jax.core.policies import Policy, resolve_policy
 from lp_jax.paths import CACHE_ENV, default_jax_cache_dir
 from lp_jax.quant import REQUESTABLE
 from lp_jax.sharding import parallel_mesh_shape
+from lp_jax.spec.config import SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 8192  # the default context cap (the checkpoint's, if shorter)
 
@@ -184,8 +185,15 @@ class EngineConfig:
     # wall time (core/clock.py): arrivals, deadlines and metrics on it, reproducible.
     # From Python only (tests and the simulator).
     virtual_clock: bool = False
+    # lp_jax/spec/config.py checks it (a dict, its JSON, or a SpeculativeConfig).
+    speculative_config: dict | str | SpeculativeConfig | None = engine_arg(
+        None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m} '
+        "(docs/speculative.md)", type="speculative_config", default_help="off")
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if self.backends not in ("fallback", "strict", "off"):
             raise ValueError(f"backends must be fallback, strict or off, got {self.backends!r}")
         resolve_policy(self.scheduling)  # raises ValueError naming what is wrong

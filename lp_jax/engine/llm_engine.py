@@ -440,6 +440,8 @@ class LLMEngine:
         self._last_done = t1
         # Sequences aborted (or, with overlap, finished) since schedule() drop their token.
         alive = [s for s in plan.sampling_seqs if not s.is_finished]
+        # Where each one's new tokens start: its placeholder (then accepted drafts follow).
+        first_new = {s.seq_id: s.num_tokens - s.num_pending_tokens for s in alive}
         now = self.clock.now()
         if self.trace is not None:
             self.trace.step_done(plan, t1 - start if result.collected_at else None, *ran)
@@ -448,11 +450,13 @@ class LLMEngine:
             self.slo_tracker.record(seq.slo, m.ttft, m.max_itl)
             if self.trace is not None:
                 self.trace.finish(seq, now)
-        outputs = [self._output(s, [result.tokens[s.seq_id]]) for s in alive]
+        new = {s.seq_id: s.token_ids[first_new[s.seq_id]:] for s in alive}
+        outputs = [self._output(s, new[s.seq_id]) for s in alive]
         if self.structured is not None and len(self.structured):
             for s in alive:  # each committed token joins its grammar's matcher
                 if s.seq_id in self.structured:
-                    self.structured.advance(s.seq_id, result.tokens[s.seq_id])
+                    for tok in new[s.seq_id]:
+                        self.structured.advance(s.seq_id, tok)
                     if s.is_finished:
                         self.structured.release(s.seq_id)
         t2 = time.perf_counter()

@@ -25,6 +25,12 @@ in one fixed-size array; a decode whose last token is still a placeholder (its s
 planned before the step sampling that token was committed; see scheduler.py) reads it on
 device from `prev`'s array, so step k+1 is planned and dispatched while step k runs.
 
+A speculating decode (`plan.drafts`, lp_jax/spec) runs k + 1 rows, its last token and
+its drafts, as one ragged sequence (the call is then not `decode_only`), and every row
+is sampled; `collect` keeps the drafts that match the samples (spec/accept.py). The
+scheduler keeps a plan's sampled rows within max_num_seqs, so these rows fit the same
+programs and the decode rows of the hidden buffer.
+
 Sampling options are per-row inputs of the same programs (`_fill_sampling`). Penalties
 read token counts kept on device (step.py `counts`), one row per sequence slot: the
 scheduler gives each admitted sequence a slot (`Sequence.slot`), which the plan carries,
@@ -64,6 +70,7 @@ from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
 from lp_jax.sharding import kv_head_replicas, named_sharding, replicated
+from lp_jax.spec.accept import accept_sampled
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,7 +83,7 @@ class StepHandle:
     tokens_R: jax.Array | None
     counts: list  # experts activated, per call (device scalars)
     prefill_call: int | None  # the call that ran the prefill group (None without prefill)
-    rows: dict[int, int]  # seq_id -> row of tokens_R
+    rows: dict[int, int]  # seq_id -> row of tokens_R (a speculating one's first row)
     dispatched_at: float  # perf_counter when its calls were launched
     step_id: int  # the runner's count of dispatched steps (the plan channel's id)
     # (logprob_R, top_logprob_RK, top_id_RK) device arrays and {seq_id: top count} when a
@@ -88,36 +95,53 @@ class StepHandle:
     prompt_scores: tuple | None = None
     scored: list | None = None
     channel: object = None  # a multi-process leader's channel: it records the tokens
+    # seq_id -> the drafts its rows after rows[seq_id] verify (speculating decodes only)
+    drafts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def collect(self) -> StepResult:
-        """Waits for the step; its tokens, log-probabilities and expert counts."""
-        tokens, tokens_R = {}, None
+        """Waits for the step; its tokens, log-probabilities and expert counts. A
+        speculating decode keeps its drafts while each equals the token sampled at the
+        row before it, and then gets that row's token (lp_jax/spec/accept.py)."""
+        tokens, tokens_R, accepted = {}, None, {}
         if self.tokens_R is not None:
             tokens_R = host_array(self.tokens_R)
             tokens = {sid: int(tokens_R[r]) for sid, r in self.rows.items()}
+            for sid, d in self.drafts.items():
+                r = self.rows[sid]
+                a, tokens[sid] = accept_sampled(d, tokens_R[r : r + len(d) + 1].tolist())
+                if a:
+                    accepted[sid] = d[:a]
         if self.channel is not None:
             self.channel.record_tokens(self.step_id, tokens_R)
+        lps, accepted_lps = self._logprobs(tokens, accepted)
         return StepResult(
-            tokens=tokens, logprobs=self._logprobs(tokens),
+            tokens=tokens, logprobs=lps, accepted=accepted, accepted_logprobs=accepted_lps,
             prompt_logprobs=self._prompt_logprobs(),
             experts_activated=tuple(int(host_array(c)) for c in self.counts),
             prefill_call=self.prefill_call, dispatched_at=self.dispatched_at,
             collected_at=time.perf_counter())
 
-    def _logprobs(self, tokens: dict[int, int]) -> dict[int, dict[int, float]]:
-        """{seq_id: {token_id: logprob}} for the rows that asked: the sampled token first,
-        then the top `logprobs` alternatives, as vLLM's per-token dicts."""
+    def _logprobs(self, tokens: dict[int, int], accepted: dict[int, tuple[int, ...]]):
+        """({seq_id: {token_id: logprob}}, {seq_id: one such dict per accepted draft})
+        for the rows that asked: the token first, then the top `logprobs` alternatives,
+        as vLLM's per-token dicts."""
         if self.logprobs is None:
-            return {}
+            return {}, {}
         chosen_R, top_RK, ids_RK = (host_array(x) for x in self.logprobs)
-        out = {}
-        for sid, k in self.wants_logprobs.items():
-            r = self.rows[sid]
-            d = {tokens[sid]: float(chosen_R[r])}
+
+        def at(r, tok, k):
+            d = {tok: float(chosen_R[r])}
             for t, v in zip(ids_RK[r, :k].tolist(), top_RK[r, :k].tolist(), strict=True):
                 d.setdefault(t, v)
-            out[sid] = d
-        return out
+            return d
+
+        out, drafts = {}, {}
+        for sid, k in self.wants_logprobs.items():
+            r, acc = self.rows[sid], accepted.get(sid, ())
+            out[sid] = at(r + len(acc), tokens[sid], k)
+            if acc:
+                drafts[sid] = tuple(at(r + j, t, k) for j, t in enumerate(acc))
+        return out, drafts
 
     def _prompt_logprobs(self) -> tuple:
         """(seq_id, position, {token_id: logprob}) for each prompt position the step
@@ -257,7 +281,11 @@ class ModelRunner:
         """The plan as calls; returns (calls, index of the prefill-group call or None)."""
         L, R0 = self.L, self.spec.max_num_seqs
         decode = list(plan.decode)
-        n_dec = len(decode)
+        drafts = plan.drafts or ((),) * len(decode)
+        # A speculating decode runs k + 1 rows (its last token, then its drafts), each
+        # sampled: the ragged attention path, several query tokens for one sequence.
+        one_row = not plan.drafts
+        n_dec = len(decode) + sum(map(len, drafts))
         # The prefill span [a, b) in operator units (2L: the whole stack).
         a, b = (plan.unit_start, plan.unit_end) if plan.prefill else (0, 2 * L)
         before, after = bool(decode) and a > 0, bool(decode) and b < 2 * L
@@ -265,16 +293,18 @@ class ModelRunner:
         none = np.full(n_dec, -1, np.int32)
         dec_tokens = np.zeros(n_dec, np.int32)
         dec_prev = none.copy()
-        for j, s in enumerate(decode):
+        dec_seqs, dec_sampling, r = [], [], 0
+        for s, d in zip(decode, drafts, strict=True):
             if s.num_pending_tokens:
-                dec_prev[j] = prev.rows[s.seq_id]
+                dec_prev[r] = prev.rows[s.seq_id]
             else:
-                dec_tokens[j] = s.last_token
-        dec_seqs = [(s.num_tokens - 1, 1, s.page_ids) for s in decode]
-        dec_sampling = [(s, s.num_tokens) for s in decode]
+                dec_tokens[r : r + 1 + len(d)] = (s.last_token, *d)
+            dec_seqs.append((s.num_tokens - 1, 1 + len(d), s.page_ids))
+            dec_sampling += [(s, s.num_tokens + i, d[:i]) for i in range(1 + len(d))]
+            r += 1 + len(d)
         calls = []
         if before:
-            calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, True))
+            calls.append(_Call((0, a), dec_seqs, dec_tokens, none, dec_rows, dec_prev, one_row))
         # The prefill group (or the whole stack): decode rows first, then the chunks.
         pre_tokens, pre_seqs, sample_rows, sampling = [], [], [], []
         count_reset, count_slot, count_output = [], [np.full(n_dec, -1, np.int32)], []
@@ -316,7 +346,7 @@ class ModelRunner:
             dst=np.concatenate([dec_rows if after else none,
                                 pre_rows if b < 2 * L else pre_none]),
             prev_rows=np.concatenate([dec_in[2], pre_none]),
-            decode_only=not plan.prefill, count_reset=count_reset,
+            decode_only=not plan.prefill and one_row, count_reset=count_reset,
             count_slot=np.concatenate(count_slot),
             count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]),
             score_target=np.concatenate(score_target), scored=scored)
@@ -327,7 +357,7 @@ class ModelRunner:
         mixed_index = len(calls) - 1 if plan.prefill else None
         if after:
             calls.append(_Call((b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
-                               none, none, True, list(range(n_dec)), dec_sampling))
+                               none, none, one_row, list(range(n_dec)), dec_sampling))
         return calls, mixed_index
 
     @staticmethod
@@ -372,7 +402,7 @@ class ModelRunner:
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
-                s.sampling_params.logprobs is not None for s, _ in call.sampling))
+                s.sampling_params.logprobs is not None for s, *_ in call.sampling))
             inputs["sample_rows_S"][: len(call.sample_rows)] = call.sample_rows
             self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
@@ -387,7 +417,7 @@ class ModelRunner:
     def _fill_sampling(self, out: dict, rows: list):
         eos = self.cfg.eos_token_ids
         constrained = []
-        for i, (seq, pos) in enumerate(rows):
+        for i, (seq, pos, *prefix) in enumerate(rows):
             p = seq.sampling_params
             if p.has_penalties:
                 out["count_slot"][i] = self._slot(seq)
@@ -403,8 +433,8 @@ class ModelRunner:
             # top_k past the vocabulary is no limit at all (and may not fit int32).
             out["top_k"][i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0
             out["temperature"][i], out["top_p"][i] = p.temperature, p.top_p
-            if p.structured_outputs is not None:
-                constrained.append((seq, i))
+            if p.structured_outputs is not None:  # prefix: drafts before a verification row
+                constrained.append((seq, i, tuple(prefix[0]) if prefix else ()))
             # Unseeded requests draw from a stream fixed by the engine seed and request id.
             seed = (p.seed if p.seed is not None else hash((self.seed, seq.seq_id))) % 2**64
             out["seed_S2"][i] = seed >> 32, seed & 0xFFFFFFFF
@@ -420,12 +450,16 @@ class ModelRunner:
         if self.structured is None:
             raise RuntimeError("a request with structured_outputs reached a runner "
                                "without a grammar engine")
-        for seq, _ in constrained:
+        for seq, _, _ in constrained:
             if seq.num_pending_tokens:  # the scheduler holds these out (scheduler.py)
                 raise RuntimeError(f"seq {seq.seq_id} has a grammar and a token still on "
                                    "device: its mask cannot be built")
         mask_BW = np.full((B, self.spec.mask_words), -1, np.int32)
-        self.structured.fill([(seq.seq_id, i) for seq, i in constrained], mask_BW)
+        self.structured.fill([(seq.seq_id, i) for seq, i, pre in constrained if not pre],
+                             mask_BW)
+        after = [(seq.seq_id, i, pre) for seq, i, pre in constrained if pre]
+        if after:
+            self.structured.fill_after(after, mask_BW)
         return mask_BW
 
 
@@ -454,16 +488,19 @@ class ModelRunner:
             self.channel.send_step(step_id, self.codec.encode(step_id, prev_id, batch))
         counts, outs = self.run_calls(batch, prev_tokens)
         self._count_padding(useful, padded)
-        # Sampled rows are the plan's sampling sequences in order: decodes, then the
-        # chunks that end their prompts (_plan_calls).
-        rows = {s.seq_id: j for j, s in enumerate(plan.sampling_seqs)}
+        # Sampled rows are the plan's sampling sequences in order: decodes (a speculating
+        # one's k + 1 rows), then the chunks that end their prompts (_plan_calls).
+        rows, drafts, r = {}, plan.drafts_by_seq, 0
+        for s in plan.sampling_seqs:
+            rows[s.seq_id] = r
+            r += 1 + len(drafts.get(s.seq_id, ()))
         wants = {s.seq_id: s.sampling_params.logprobs for s in plan.sampling_seqs
                  if s.sampling_params.logprobs is not None}
         sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
         score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
         return StepHandle(
             plan=plan, tokens_R=None if sample is None else sample["tokens_R"], counts=counts,
-            prefill_call=mixed, rows=rows, dispatched_at=t0, step_id=step_id,
+            prefill_call=mixed, rows=rows, drafts=drafts, dispatched_at=t0, step_id=step_id,
             logprobs=(sample["logprob_R"], sample["top_logprob_RK"], sample["top_id_RK"])
             if wants and sample is not None else None,
             wants_logprobs=wants or None,

@@ -65,7 +65,7 @@ def token_logprobs(logits_SV, tokens_S):
     return chosen_S, top_SK, ids_SK.astype(jnp.int32)
 
 
-def _filter_top_k_top_p(scaled_RV, top_k_R, top_p_R):
+def filter_top_k_top_p(scaled_RV, top_k_R, top_p_R):
     """Masks logits outside each row's top-k and top-p (nucleus) sets with -inf."""
     V = scaled_RV.shape[-1]
     sorted_RV = -jnp.sort(-scaled_RV, axis=-1)
@@ -92,7 +92,7 @@ def sample(logits_RV, temperature_R, top_k_R, top_p_R, seed_R2, position_R):
     def stochastic(_):
         scaled_RV = logits_RV / jnp.maximum(temperature_R, 1e-6)[:, None]
         needs_filter = jnp.any((top_k_R > 0) | (top_p_R < 1.0))
-        masked_RV = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x,
+        masked_RV = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda x, *_: x,
                                  scaled_RV, top_k_R, top_p_R)
 
         def draw(seed2, position, row):

@@ -26,6 +26,10 @@ Times are in seconds. Every sample carries a `model_name` label (the served mode
 | `lp:expert_bytes_loaded_total` | counter | expert weight bytes the MoE layers read |
 | `lp:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
 | `lp:prefix_cache_hits_total` | counter | those of them found there (prefill skipped) |
+| `lp:spec_decode_num_drafts_total` | counter | speculating decodes verified (lp_jax/spec) |
+| `lp:spec_decode_num_draft_tokens_total` | counter | draft tokens they verified |
+| `lp:spec_decode_num_accepted_tokens_total` | counter | those of them accepted |
+| `lp:spec_decode_num_accepted_tokens_per_pos_total` | counter | accepted, by `position` |
 | `lp:kernel_backend_info` | gauge | 1 for the backend each op (`moe`, `attention`) runs |
 | `lp:slo_requests_total` | counter | finished requests with an SLO, by `slo_class`, `kind` (4) |
 | `lp:slo_attained_total` | counter | those of them that met it, by `slo_class`, `kind` (4) |
@@ -45,6 +49,7 @@ expert bytes, kernel backends, rejections, SLO attainment) have no vLLM counterp
 | `lp:num_preemptions_total` | `vllm:num_preemptions_total` |
 | `lp:prefix_cache_queries_total` | `vllm:prefix_cache_queries_total` (tokens) |
 | `lp:prefix_cache_hits_total` | `vllm:prefix_cache_hits_total` (tokens) |
+| `lp:spec_decode_num_*_total` (4 above) | `vllm:spec_decode_num_*_total` |
 | `lp:time_to_first_token_seconds` | `vllm:time_to_first_token_seconds` |
 | `lp:inter_token_latency_seconds` | `vllm:inter_token_latency_seconds`, and (5) |
 | `lp:time_per_output_token_seconds` | `vllm:request_time_per_output_token_seconds` |
@@ -90,6 +95,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "lp:num_preemptions_total": ("vllm:num_preemptions_total",),
     "lp:prefix_cache_queries_total": ("vllm:prefix_cache_queries_total",),
     "lp:prefix_cache_hits_total": ("vllm:prefix_cache_hits_total",),
+    **{f"lp:spec_decode_num_{x}_total": (f"vllm:spec_decode_num_{x}_total",)
+       for x in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos")},
     "lp:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
     # vLLM's time_per_output_token_seconds was every gap until it was renamed (v0.11)
     "lp:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
@@ -162,6 +169,13 @@ class ServerMetrics:
                                         "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = r.counter("lp:prefix_cache_hits_total",
                                      "Prompt tokens found in the prefix cache.")
+        self.spec = {x: r.counter(f"lp:spec_decode_num_{x}_total", doc) for x, doc in (
+            ("drafts", "Speculating decodes verified."),
+            ("draft_tokens", "Draft tokens verified."),
+            ("accepted_tokens", "Draft tokens accepted."))}
+        self.spec_per_pos = r.counter("lp:spec_decode_num_accepted_tokens_per_pos_total",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      ("position",))
         self.compilations_after_warmup = r.gauge(
             "lp:compilations_after_warmup", "XLA compilations after warm-up (should stay 0).")
         self.kernel_backend = r.gauge("lp:kernel_backend_info",
@@ -216,6 +230,13 @@ class ServerMetrics:
         self.preemptions.set_total(stats.get("preemptions", 0))
         self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
         self.prefix_hits.set_total(stats.get("prefix_cache_hits", 0))
+        for x, counter in self.spec.items():
+            counter.set_total(stats.get(f"spec_decode_num_{x}", 0))
+        pos_prefix = "spec_decode_num_accepted_tokens_pos_"
+        self.spec_per_pos.set_total(stats.get(f"{pos_prefix}0", 0), position="0")  # a sample
+        for key, v in stats.items():  # even before the first draft, as for every counter
+            if key.startswith(pos_prefix):
+                self.spec_per_pos.set_total(v, position=key[len(pos_prefix):])
         self.compilations_after_warmup.set(stats.get("compilations_after_warmup", 0))
         for op, backend in stats.get("kernel_backends", {}).items():
             self.kernel_backend.set(1, op=op, backend=backend)

@@ -101,3 +101,32 @@ class StructuredOutputs:
                                                    out_SW.shape[1] * 4, out_SW.shape[0])
         self.stats["fill_s"] += time.perf_counter() - t0
         self.stats["filled"] += len(todo)
+
+    def fill_after(self, rows: list[tuple[int, int, tuple[int, ...]]],
+                   out_SW: np.ndarray) -> None:
+        """Fills row r of out_SW with seq_id's allowed tokens after `prefix`, tokens not
+        committed yet (a verification row after its drafts): the matcher consumes them,
+        computes the mask, and rolls them back. A prefix the grammar refuses part-way
+        makes a row no accepted run reaches (the refused draft is masked at its own row,
+        so it is rejected there); it gets the mask where the refusal happened."""
+        t0 = time.perf_counter()
+        for sid, r, prefix in rows:
+            m, post = self._matchers[sid], list(prefix)
+            wait = self._waiting.get(sid)
+            if wait is not None:  # the grammar starts after the trigger, if prefix has it
+                trigger, recent = wait
+                recent, post = list(recent), None
+                for i, t in enumerate(prefix):
+                    recent = (recent + [t])[-len(trigger):]
+                    if tuple(recent) == trigger:
+                        post = list(prefix[i + 1:])
+                        break
+                if post is None:
+                    continue  # still free: the row stays as it is
+            n = m.try_consume_tokens(post) if post else 0
+            row = out_SW[r]
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if n:
+                m.rollback(n)
+        self.stats["fill_s"] += time.perf_counter() - t0
+        self.stats["filled"] += len(rows)

@@ -22,6 +22,7 @@ A policy sees the scheduler through `self.sched` and uses only these members:
     sched.next_step_id  the step id of the plan being made
     sched.outstanding_plans   plans made and not committed yet (on the device), oldest first
     sched.count(name, n=1)    add to one of sched.stats()'s counters
+    sched.max_decode_rows(seq)  rows seq's decode may run: 1, or 1 + k when it speculates
 
 Declared options, read before the policy runs (class attributes and static methods;
 the engine, `python -m lp_jax.aot` and the simulator size their programs from them, so

@@ -232,7 +232,8 @@ class FlowPrefillPolicy(PausableBatches):
             segments = max(1, -(-2 * segments // (self.lookahead + 1)))
         if self._load_at != s.next_step_id:  # once per plan's ranking, not per candidate
             self._load_at = s.next_step_id
-            self._load = (len(s.running), sum(q.num_tokens for q in s.running))
+            self._load = (sum(map(s.max_decode_rows, s.running)),
+                          sum(q.num_tokens for q in s.running))
         B, ctx = self._load
         return s.latency.prefill_seconds(chunks_TP, start_unit, 2 * s.config.num_layers,
                                          segments=segments, num_decode=B, decode_context=ctx)

@@ -1,0 +1,79 @@
+"""`speculative_config`, in vLLM's shape: a dict (or its JSON) on `LLM()` and
+`lp-serve --speculative-config`, validated here once so every bad value gets one clear
+error before anything is compiled.
+
+    {"method": "ngram", "num_speculative_tokens": k,
+     "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
+
+A speculating sequence runs k + 1 verification rows per step (its last token and k
+drafts), so k is bounded: MAX_SPECULATIVE_TOKENS keeps max_num_seqs x (k + 1) rows
+within the decode buckets a default engine compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+METHODS = ("ngram",)  # EAGLE-3 and MTP drafts need a draft model: not yet
+MAX_SPECULATIVE_TOKENS = 8
+MAX_PROMPT_LOOKUP = 64  # n-gram lengths searched per step: a host-side scan each
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeConfig:
+    """n-gram speculation: draft up to `num_speculative_tokens` tokens by finding the
+    sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
+    earlier in its prompt and outputs, and copying what followed them. One of the two
+    lookup bounds given sets both; neither gives [1, 3]."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not _is_int(v) or not 1 <= v <= MAX_PROMPT_LOOKUP):
+                raise ValueError(f"{name} must be an int in [1, {MAX_PROMPT_LOOKUP}] or "
+                                 f"None, got {v!r}")
+        if lo is None and hi is None:
+            lo, hi = 1, 3
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, a dict of its fields, or that dict as JSON text;
+        raises ValueError naming an unknown key or a bad value."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got "
+                             f"{value!r}"[:160])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; valid: "
+                             f"{sorted(known)}")
+        return cls(**value)
