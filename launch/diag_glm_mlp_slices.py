@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.compile_targets import tpu_topology_devices
 
 L, T, D, FS = 4, 512, 4096, 1408
-STACK = jnp.asarray([0, 0, 1, 2], jnp.int32)  # layer -> position in its kind's stack
-IS_MOE = jnp.asarray([False, True, True, True])
+STACK = np.asarray([0, 0, 1, 2], np.int32)  # layer -> position in its kind's stack
+IS_MOE = np.asarray([False, True, True, True])
 
 
 def swiglu(g_LDF, u_LDF, d_LFD, j, x_TD):
@@ -43,13 +43,13 @@ def swiglu(g_LDF, u_LDF, d_LFD, j, x_TD):
 def program(variant: str):
     def f(x_TD, dg, du, dd, sg, su, sd):
         def body(i, x_TD):
-            j = STACK[i]
+            j = jnp.asarray(STACK)[i]
             shared = lambda: swiglu(sg, su, sd, j, x_TD)
             dense = lambda: swiglu(dg, du, dd, j, x_TD)
             zeros = lambda: jnp.zeros_like(x_TD)
             branches = {"shared-only": (shared, zeros), "dense-only": (zeros, dense)}
             moe_branch, dense_branch = branches.get(variant, (shared, dense))
-            return x_TD + jax.lax.cond(IS_MOE[i], moe_branch, dense_branch)
+            return x_TD + jax.lax.cond(jnp.asarray(IS_MOE)[i], moe_branch, dense_branch)
         return jax.lax.fori_loop(0, L, body, x_TD)
     return f
 
