@@ -117,10 +117,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file, used instead of the model's (for "
                         "checkpoints without one) [default: the model's, or a fallback]")
     from lp_jax.server.reasoning import PARSERS as REASONING_PARSERS
+    from lp_jax.server.tool_formats import FORMATS as TOOL_FORMATS
 
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="chat answers' reasoning (the <think> block of Qwen3 or GLM-4.5) goes to "
-                        "reasoning_content / reasoning, apart from content [default: none]")
+                   help="chat answers' reasoning (the <think> block of Qwen3 or GLM-4.5) goes "
+                        "to reasoning_content / reasoning, apart from content [default: none]")
+    s.add_argument("--tool-call-parser", choices=TOOL_FORMATS, default=None,
+                   help="the text format of the model's tool calls [default: the model's: "
+                        "glm45 for GLM-4.5 / 4.6, qwen3 otherwise; GPT-OSS: harmony]")
     s.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the vllm: names of the metrics that mean the "
                         "same (lp_jax/server/metrics.py), for dashboards built for vLLM")
@@ -191,6 +195,7 @@ def main(argv=None, prog: str = "lp-serve") -> None:
                           chat_template=args.chat_template,
                           vllm_metric_names=args.vllm_metric_names,
                           reasoning_parser=args.reasoning_parser,
+                          tool_call_parser=args.tool_call_parser,
                           log_stats_s=None if args.disable_log_stats else args.log_stats_interval)
     try:
         asyncio.run(serve(server, args.host, args.port, access_log=args.access_log,

@@ -212,3 +212,24 @@ def test_gpt_oss_20b_preset_exports_for_cuda(tmp_path, export_only):
     D = F = 2880
     assert summary["layer_expert_bytes_per_device"] == 32 * (D * 2 * F + F * D) * 2
     assert 41e9 < summary["weight_bytes_per_device"] < 43e9  # 21B parameters in bf16
+
+
+def test_materialized_slices_count_new_buffers_only():
+    """The audit's listed layer copies: an unfused copy or custom call shaped like one
+    layer of a stacked weight is one; the parameters, tuples, get-tuple-elements, bitcasts
+    and async prefetches of that shape (lines of glm-4.5-air's v6e program) are not."""
+    from lp_jax.aot.audit import layer_copy
+
+    others = {(1, 4096, 10944): "gate_proj|up_proj"}
+    w = "bf16[1,4096,10944]{2,1,0:T(8,128)(2,1)}"
+    made = [f"  %copy.203 = {w} copy(%param.85)",
+            f"  %custom-call.115 = {w} custom-call(%slice-done.4, %slice-done.5)"]
+    views = [f"  %param.85 = {w} parameter(3), sharding={{replicated}}",
+             f"  %get-tuple-element.702 = {w} get-tuple-element(%param.29), index=0",
+             f"  %tuple.181 = ({w}, bf16[520,4096]{{1,0}}) tuple(%get-tuple-element.723)",
+             f"  %bitcast.528 = {w} bitcast(%custom-call.115)",
+             f"  %copy-start.3 = ({w}, {w}, u32[]{{:S(2)}}) copy-start(%get-tuple-element.703)",
+             f"  %copy-done.3 = {w} copy-done(%copy-start.3)",
+             "  %copy.9 = bf16[4096,1408]{1,0} copy(%param.1)"]  # another shape
+    assert [layer_copy(x, others) for x in made] == ["gate_proj|up_proj"] * 2
+    assert [layer_copy(x, others) for x in views] == [None] * len(views)

@@ -516,6 +516,14 @@ def test_lp_serve_takes_a_reasoning_parser():
     assert build_parser().parse_args([]).reasoning_parser is None
     with pytest.raises(ValueError, match="reasoning_parser"):
         OpenAIServer(MockEngine(), reasoning_parser="deepseek")
+    args = build_parser().parse_args(["--reasoning-parser", "glm45", "--tool-call-parser",
+                                      "glm45"])
+    assert (args.reasoning_parser, args.tool_call_parser) == ("glm45", "glm45")
+    assert build_parser().parse_args([]).tool_call_parser is None  # the model's format
+    assert OpenAIServer(MockEngine()).tool_format == "qwen3"
+    assert OpenAIServer(MockEngine(), tool_call_parser="glm45").tool_format == "glm45"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        OpenAIServer(MockEngine(), tool_call_parser="hermes")
 
 
 

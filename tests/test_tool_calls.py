@@ -680,6 +680,38 @@ def test_qwen3_grammars_compile_and_walk_to_calls(tiny_dir):
                        for x in calls)
 
 
+def test_glm_grammar_walks_to_calls_typed_by_the_schema():
+    """GLM-4.5's forced grammar: random walks parse (GLM's parser) as calls whose
+    arguments satisfy the schema, required ones always there, optional ones sometimes."""
+    from lp_jax.server.glm45_tools import split_calls as glm_split
+    from lp_jax.server.glm45_tools import tool_grammar as glm_grammar
+
+    tiny = ensure_tiny(preset="tiny-glm")
+    c = GrammarCompiler(tiny / "tokenizer.json", 512, [511, 509])
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    opt = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["k"], "properties": {
+            "k": {"enum": ["x", "yz"], "type": "string"}, "n": {"type": "boolean"}}}}}
+    tools = [WEATHER, TIME, opt]
+    rng = np.random.default_rng(5)
+    seen = set()
+    for parallel in (True, False):
+        m0 = c.compile(glm_grammar(tools, "required", parallel))
+        for _ in range(8):
+            text = tok.decode(random_walk(m0.deep_copy(), rng, 16, {509, 511}))
+            content, calls = glm_split(text, tools, parallel)
+            assert content is None and calls and (parallel or len(calls) == 1), text
+            for x in calls:
+                name, args = x["function"]["name"], x["function"]["arguments"]
+                if name == "pick":
+                    a = json.loads(args)
+                    assert a["k"] in ("x", "yz") and set(a) <= {"k", "n"}, args
+                    assert type(a.get("n", True)) is bool
+                    seen.add("n" in a)
+                else:
+                    assert valid_args(name, args), text
+    assert seen == {True, False}  # the optional argument is optional
+
 # ---------------------------------------------------- malformed output never raises
 def test_random_output_never_raises_and_streams_as_it_parses_whole(htok):
     """Random harmony token ids (markers often) and random Qwen3 block text: no error,
@@ -777,3 +809,72 @@ def test_tokenize_renders_the_tools_as_chat_does(mock):
     assert resp.usage.prompt_tokens == n and resp.choices[0].message.content == "ok"
     status, data = post(st, "/tokenize", {**body, "tools": [{"type": "nope"}]})
     assert status == 400 and json.loads(data)["error"]["param"] == "tools"
+
+
+# ------------------------------------------------ GLM-4.5's format in the chat path
+GLM_CALLS = ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>a\"}b"
+             "</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>zone</arg_key>\n"
+             "<arg_value>-3</arg_value>\n</tool_call>")
+
+
+def test_glm_tool_calls_through_the_server():
+    """A GLM-4.5 checkpoint's calls through lp-serve in GLM's format, chosen from its
+    config.json: forced ("required" / named: GLM's grammar, on the fake executor's masked
+    sampling) and auto (the mock's scripted text), streamed equal to whole; a schema the
+    forced grammar cannot express is a 400 naming the field, before anything compiles."""
+    from lp_jax.server.mock import MockEngine
+
+    glm_dir = ensure_tiny(preset="tiny-glm")
+    llm, st = fake_server(glm_dir, {509, 511})
+    try:
+        assert st.server.tool_format == "glm45"
+        client = client_of(st)
+        kw = dict(model="m", messages=MSGS, max_tokens=200, tools=TOOLS)
+        for seed, choice in [(0, "required"), (1, "required"),
+                             (2, {"type": "function", "function": {"name": "get_time"}})]:
+            done = client.chat.completions.create(seed=seed, tool_choice=choice, **kw)
+            ch = done.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            assert ch.message.tool_calls, ch
+            for call in ch.message.tool_calls:
+                assert valid_args(call.function.name, call.function.arguments), call
+            if isinstance(choice, dict):
+                assert {c.function.name for c in ch.message.tool_calls} == {"get_time"}
+            chunks = list(client.chat.completions.create(seed=seed, tool_choice=choice,
+                                                         stream=True, **kw))
+            got, _ = streamed_calls(chunks)
+            assert [g[2:] for g in got] == [(c.function.name, c.function.arguments)
+                                            for c in ch.message.tool_calls]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        pattern = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$"}}}}}
+        with pytest.raises(openai.BadRequestError, match=r"properties\.s\.pattern") as e:
+            client.chat.completions.create(model="m", messages=MSGS, max_tokens=8,
+                                           tools=[pattern], tool_choice="required")
+        assert e.value.body["param"] == "tools"
+    finally:
+        st.stop()
+    s = llm.engine.stats()
+    assert s["structured_outputs"]["live"] == 0 and s["free_pages"] == s["total_pages"]
+
+    script = Script(511)
+    st = ServerThread(OpenAIServer(MockEngine(model_dir=glm_dir, eos_token_id=511,
+                                              max_model_len=512, token_fn=script),
+                                   served_model_names=["m"])).start()
+    try:
+        client = client_of(st)
+        script.queue.append(ids_of(st.server.tokenizer, GLM_CALLS))
+        done = client.chat.completions.create(**kw).choices[0]
+        want = [("get_weather", '{"city": "a\\"}b"}'), ("get_time", '{"zone": -3}')]
+        assert [(c.function.name, c.function.arguments)
+                for c in done.message.tool_calls] == want
+        # the newline between the blocks is content, as Qwen3's
+        assert done.message.content == "Let me check.\n" and done.finish_reason == "tool_calls"
+        script.queue.append(ids_of(st.server.tokenizer, GLM_CALLS))
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        calls, _ = streamed_calls(chunks)
+        assert [(n, a) for _, _, n, a in calls] == want
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me check.\n"
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        st.stop()

@@ -104,6 +104,30 @@ def dequantised_copies(text: str, shapes) -> list[str]:
     return found
 
 
+# Optimized-HLO ops that make no HBM copy of their operand: entry and branch parameters,
+# tuples and their elements, views, and async copies into another memory space
+# (copy-start / copy-done: a prefetch, S(1) in the layout).
+_NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "bitcast", "copy-start",
+                  "copy-done"}
+_OPCODE = re.compile(r" = (?:\(.*?\)|\S+) ([a-z][a-z0-9-]*)\(")
+
+
+def layer_copy(line: str, others: dict) -> str | None:
+    """The parameter (`others`: {one-layer shape: name}) of which an unfused optimized-HLO
+    instruction is a new buffer shaped like one layer, or None (parameters, tuples, views
+    and async prefetches make no new HBM bytes)."""
+    result = _HLO_SHAPE.search(line.split(" = ", 1)[1]) if " = " in line else None
+    if result is None or _dims(result.group(2)) not in others:
+        return None
+    return None if _opcode(line) in _NO_NEW_BUFFER else others[_dims(result.group(2))]
+
+
+def _opcode(line: str) -> str | None:
+    """An optimized-HLO instruction's opcode (after its result type, tuple or not)."""
+    m = _OPCODE.search(line)
+    return m.group(1) if m else None
+
+
 def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.replace(",", "x").split("x") if d)
 
@@ -137,10 +161,9 @@ def audit_program(rec: dict, build, cfg=None) -> dict:
             shapes = {_dims(m.group(2)) for m in _HLO_SHAPE.finditer(line)}
             if shapes & experts:
                 violations.append(f"optimized HLO holds one layer's experts: {line.strip()[:160]}")
-            result = _HLO_SHAPE.search(line.split(" = ", 1)[1]) if " = " in line else None
-            # A buffer outside any fusion shaped like one layer of a projection: a copy.
-            if result and not in_fusion and _dims(result.group(2)) in others:
-                copies[others[_dims(result.group(2))]] += 1
+            copied = None if in_fusion else layer_copy(line, others)
+            if copied:
+                copies[copied] += 1
     if quantized:
         for text in (rec["stablehlo"], hlo or ""):
             violations += [f"a dequantised copy of the quantized experts: {op}"

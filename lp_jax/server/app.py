@@ -32,7 +32,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lp_jax.server import protocol, respond, submit, vllm_routes
+from lp_jax.server import protocol, respond, submit, tool_formats, vllm_routes
 from lp_jax.server.chat import ChatFormatter
 from lp_jax.server.engine_loop import EngineDeadError, EngineLoop
 from lp_jax.server.harmony import harmony_tokens
@@ -108,7 +108,9 @@ class OpenAIServer:
     (lp-serve: every 10 s; None: never); `reasoning_parser` ("qwen3", or None) splits chat
     answers into reasoning and content (reasoning.py). A model whose tokenizer has GPT-OSS
     harmony's markers as special tokens gets its chat answers parsed as harmony from their
-    token ids, whatever `reasoning_parser` says (harmony.py).
+    token ids, whatever `reasoning_parser` says (harmony.py). Other models' tool calls are
+    read in the format `tool_call_parser` names ("qwen3" or "glm45"; None: the model's,
+    tool_formats.detect).
     """
 
     def __init__(self, engine, *, served_model_names=None, api_key: str | None = None,
@@ -118,10 +120,14 @@ class OpenAIServer:
                  max_logprob_entries: int = protocol.DEFAULT_MAX_LOGPROB_ENTRIES,
                  max_request_seqs: int = protocol.DEFAULT_MAX_REQUEST_SEQS,
                  chat_template: str | None = None, vllm_metric_names: bool = False,
-                 log_stats_s: float | None = None, reasoning_parser: str | None = None):
+                 log_stats_s: float | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
         if reasoning_parser not in (None, *PARSERS):
             raise ValueError(f"reasoning_parser must be one of {PARSERS} or None, got "
                              f"{reasoning_parser!r}")
+        if tool_call_parser not in (None, *tool_formats.FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {tool_formats.FORMATS} or "
+                             f"None, got {tool_call_parser!r}")
         self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.max_n = max_n  # choices per prompt a request may ask for
@@ -150,6 +156,7 @@ class OpenAIServer:
         self.max_body_bytes = self.max_prompt_bytes + BODY_ROOM_BYTES
         self.chat = ChatFormatter.from_model_dir(model_dir, self.tokenizer,
                                                  template=chat_template)
+        self.tool_format = tool_call_parser or tool_formats.detect(model_dir, self.chat.source)
         self.metrics = ServerMetrics(self.model_name, vllm_names=vllm_metric_names)
         self.metrics.declare_slo_classes(getattr(engine, "slo_classes", {}))
         self.engine_loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics,

@@ -11,7 +11,8 @@ from lp_jax.server import protocol
 from lp_jax.server.detok import StopStrings, TextAssembler
 from lp_jax.server.harmony import HarmonyParser, Piece
 from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
-from lp_jax.server.tools import ToolCallParser, split_calls
+from lp_jax.server.tool_formats import parser as tool_parser
+from lp_jax.server.tool_formats import split as split_calls
 
 
 def usage(choices: list[Choice]) -> dict:
@@ -29,11 +30,12 @@ class Choice:
     the echo, if asked), its log-probabilities."""
 
     def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req, *,
-                 reasoning: bool = False, harmony=None):
+                 reasoning: bool = False, harmony=None, tool_format: str = "qwen3"):
         """`reasoning`: a chat answer's reasoning goes apart from its content
         (reasoning.py; the server's reasoning_parser). `harmony`: the tokenizer's harmony
         markers (HarmonyTokens) when the model writes GPT-OSS harmony: a chat answer's
-        channels and calls are parsed from its token ids (harmony.py)."""
+        channels and calls are parsed from its token ids (harmony.py). `tool_format`:
+        otherwise, the text format of the model's tool calls (tool_formats.py)."""
         self.index, self.handle, self.ids, self.req = index, handle, ids, req
         self.sample_index = index % req.n
         self.tokenizer = tokenizer
@@ -56,7 +58,9 @@ class Choice:
             self.harmony = HarmonyParser(tokenizer, harmony, tools=tools, forced=forced,
                                          parallel=req.parallel_tool_calls, stream=req.stream)
         elif tools:
-            self.tool_parser = ToolCallParser(forced, req.parallel_tool_calls, req.stream)
+            self._new_parser = lambda stream: tool_parser(
+                tool_format, forced, req.parallel_tool_calls, stream, req.tools)
+            self.tool_parser = self._new_parser(req.stream)
         self.in_reasoning = self.think = None
         if reasoning and req.kind == "chat" and self.harmony is None:
             tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
@@ -233,8 +237,7 @@ class Choice:
                                reasoning=reasoning)
             reason = self.reason
             if self.tool_parser is not None:
-                rest, calls = split_calls(content, self.tool_parser.forced,
-                                          self.tool_parser.parallel)
+                rest, calls = split_calls(lambda: self._new_parser(False), content)
                 if calls:
                     message["content"] = None if rest is None else self.echo + rest
                     message["tool_calls"] = calls

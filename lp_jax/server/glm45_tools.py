@@ -21,6 +21,15 @@ without a name, or with text between the pairs that is not a pair, stays content
 does an unterminated block, so a malformed answer degrades to plain content.
 `parallel=False` drops the calls after the first. GLM-4.5's reasoning block is Qwen3's
 `<think>...</think>` (reasoning.py, parser "glm45").
+
+`tool_grammar` forces a call (tool_choice "required" or a named function) in this format,
+as GLM-4.5's chat template writes one: the name, then each argument of the function's
+schema in schema order (the required ones always, the others optionally), a string
+argument as raw text (without "<", within its minLength / maxLength, or one of its
+enum / const), any other typed one as compact JSON valid against its own schema. Schema
+features this cannot express (a `pattern` or `format` on a string, `anyOf` / `$ref` /
+`patternProperties` on the parameters, ...) are a ToolsError naming the field, raised
+before anything compiles.
 """
 
 from __future__ import annotations
@@ -30,8 +39,11 @@ import re
 
 from lp_jax.server.harmony import new_call
 from lp_jax.server.reasoning import marker_prefix
+from lp_jax.server.tools import ToolsError, wanted_tools
+from lp_jax.structured.params import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"
+TAIL = "</arg_value>\n"
 _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -129,3 +141,78 @@ def split_calls(text: str, tools: list | None = None,
     if calls and not content.strip():
         return None, calls
     return content, calls
+
+
+# The parameters' schema keywords the forced grammar reads or may ignore (documentation,
+# and additionalProperties: the grammar writes only the declared arguments).
+_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description",
+                "title", "$schema"}
+_STRING_KEYS = {"type", "description", "title", "minLength", "maxLength", "enum", "const",
+                "default", "examples"}
+
+
+def _string_value(schema: dict, where: str) -> str:
+    """A Lark expression for a string argument's raw text."""
+    extra = sorted(set(schema) - _STRING_KEYS)
+    if extra:
+        raise ToolsError(f"{where}.{extra[0]}: GLM-4.5's forced tool calls cannot express "
+                         f"'{extra[0]}' on a string argument; use tool_choice 'auto'",
+                         "tools")
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not values or not all(isinstance(v, str) and "<" not in v for v in values):
+            raise ToolsError(f"{where}: a string argument's enum / const must be strings "
+                             "without '<'", "tools")
+        return "(" + " | ".join(json.dumps(v) for v in values) + ")"
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(lo, int) or not (hi is None or isinstance(hi, int) and hi >= lo):
+        raise ToolsError(f"{where}: minLength / maxLength must be integers, min <= max",
+                         "tools")
+    return f"/[^<]{{{lo},{'' if hi is None else hi}}}/"
+
+
+def _call_rule(f: dict, where: str) -> str:
+    """A Lark expression for one function's call body (its name and arguments)."""
+    params = f.get("parameters") or {"type": "object"}
+    extra = sorted(set(params) - _OBJECT_KEYS)
+    if extra or params.get("type", "object") != "object":
+        field = extra[0] if extra else "type"
+        raise ToolsError(f"{where}.{field}: GLM-4.5's forced tool calls take a parameters "
+                         "schema of type object with plain properties; use tool_choice "
+                         "'auto'", "tools")
+    props, required = params.get("properties") or {}, params.get("required") or []
+    missing = [k for k in required if k not in props]
+    if missing:
+        raise ToolsError(f"{where}.required names {missing[0]!r}, not in its properties",
+                         "tools")
+    parts = [json.dumps(f["name"] + "\n")]
+    for key, schema in props.items():
+        if "<" in key or not isinstance(schema, dict):
+            raise ToolsError(f"{where}.properties.{key}: GLM-4.5's forced tool calls need "
+                             "keys without '<' and schema objects", "tools")
+        if schema.get("type", "string") == "string":
+            value = _string_value(schema, f"{where}.properties.{key}")
+        else:
+            value = "%json " + json.dumps({**schema, "x-guidance": {
+                "whitespace_flexible": False}})
+        head = json.dumps(f"<arg_key>{key}</arg_key>\n<arg_value>")
+        pair = f"{head} {value} {json.dumps(TAIL)}"
+        parts.append(f"({pair})" + ("" if key in required else "?"))
+    return " ".join(parts)
+
+
+def tool_grammar(tools: list, choice, parallel: bool) -> StructuredOutputsParams | None:
+    """GLM-4.5's: the grammar that forces a call ("required": of any tool; named: of that
+    one) in `<tool_call>` blocks, one or, with parallel calls, several (newline apart);
+    None for "auto" and "none". A ToolsError for a schema it cannot express."""
+    if choice in ("auto", "none"):
+        return None
+    names = [t["function"]["name"] for t in tools]
+    rules = [(f"f{i}", _call_rule(f, f"tools[{names.index(f['name'])}].function.parameters"))
+             for i, f in enumerate(wanted_tools(tools, choice))]
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    lark = (f"start: {calls}\n"
+            f"call: {json.dumps(START)} body {json.dumps(END)}\n"
+            f"body: {' | '.join(name for name, _ in rules)}\n"
+            + "".join(f"{name}: {rule}\n" for name, rule in rules))
+    return StructuredOutputsParams(grammar=lark)

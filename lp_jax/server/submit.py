@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import time
 
-from lp_jax.server import harmony, protocol, reasoning, tools
+from lp_jax.server import harmony, protocol, reasoning, tool_formats, tools
 from lp_jax.server.chat import ChatTemplateError
 from lp_jax.server.choice import Choice
 from lp_jax.server.engine_loop import EngineDeadError, NeverFitsError, OverloadedError
@@ -137,7 +137,8 @@ async def submit(server, req) -> list[Choice]:
             for handle in handles:
                 choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req,
                                       reasoning=server.reasoning_parser is not None,
-                                      harmony=server.harmony))
+                                      harmony=server.harmony,
+                                      tool_format=server.tool_format))
         return choices
     except APIError:
         server.metrics.rejected.inc(reason="invalid")
@@ -168,12 +169,19 @@ def _chat_format(server, req, ids: list[int], max_tokens: int):
     call is harmony's function-call message, any other format is the final channel's
     text, after about `max_tokens` / 2 tokens of analysis at most (harmony.py).
     Otherwise, with a reasoning parser, it starts after the reasoning block the prompt
-    opens (reasoning.grammar_after)."""
+    opens (reasoning.grammar_after). A forced tool call is in the model's tool-call
+    format (tool_formats.py)."""
     spec = req.structured
     if server.harmony is not None:
         if req.structured_param == "tool_choice":
             return tools.harmony_tool_grammar(req.tools, req.tool_choice, max_tokens)
         return harmony.final_channel_grammar(spec, max_tokens)
+    if req.structured_param == "tool_choice":
+        try:
+            spec = tool_formats.grammar(server.tool_format, req.tools, req.tool_choice,
+                                        req.parallel_tool_calls)
+        except tools.ToolsError as exc:  # before the engine sees (and compiles) it
+            raise protocol.bad(str(exc), exc.param) from None
     if server.reasoning_parser:
         tail = server.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         return reasoning.grammar_after(spec, server.tokenizer, tail)

@@ -94,7 +94,7 @@ def parse_tools(body: dict):
     return tools, choice, parallel
 
 
-def _wanted_tools(tools: list, choice) -> list[dict]:
+def wanted_tools(tools: list, choice) -> list[dict]:
     """The functions a forced choice may call ("required": any; named: that one)."""
     wanted = choice["function"]["name"] if isinstance(choice, dict) else None
     return [t["function"] for t in tools if wanted is None or t["function"]["name"] == wanted]
@@ -106,7 +106,7 @@ def tool_grammar(tools: list, choice, parallel: bool) -> StructuredOutputsParams
     if choice in ("auto", "none"):
         return None
     alts = []
-    for f in _wanted_tools(tools, choice):
+    for f in wanted_tools(tools, choice):
         schema = {"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": f["name"]},
@@ -130,7 +130,7 @@ def harmony_tool_grammar(tools: list, choice,
     if choice in ("auto", "none"):
         return None
     alts = []
-    for f in _wanted_tools(tools, choice):
+    for f in wanted_tools(tools, choice):
         schema = dict(f.get("parameters") or {"type": "object"})
         schema.setdefault("x-guidance", {"whitespace_flexible": False})
         head = json.dumps(f"commentary to=functions.{f['name']} ")  # a Lark literal
