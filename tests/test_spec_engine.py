@@ -213,9 +213,9 @@ def test_penalized_sequences_speculate_with_counts_after_the_drafts(engines):
     three) give the shared engine's tokens and log-probabilities with speculation, drafts
     accepted and rejected. Row j counts drafts 0..j-1, and only committed tokens are
     counted: token 7, biased by +10 and penalized by 2 per occurrence, is the argmax
-    three times, so of the drafts 7 7 7 after the first 7 the third must fall; a row that
-    ignored the accepted drafts before it would keep it, one that counted rejected rows'
-    tokens would penalize too much later."""
+    three times, so of the drafts 7 7 7 after the first 7 the third must fall (a row that
+    ignored the accepted drafts before it would keep it), and the slot's device counts
+    end equal to the output (a rejected row's token counted would break that)."""
     rng = np.random.default_rng(0)
     pat = rng.integers(0, VOCAB, 12).tolist()
     r7 = np.random.default_rng(0)
@@ -230,8 +230,15 @@ def test_penalized_sequences_speculate_with_counts_after_the_drafts(engines):
     params = [SamplingParams(temperature=0.9 if i in (3, 5) else 0.0, seed=3, max_tokens=24,
                              ignore_eos=True, logprobs=1, **pen) for i, pen in enumerate(pens)]
     llm = LLM(**engines.kwargs("chunked"), speculative_config=NGRAM)
-    out = _same_outputs(engines("chunked"), llm, prompts, params)
-    assert out[4].outputs[0].token_ids[:4] == [7, 7, 7, 192]  # the penalty binds in a run
+    # alone first: max_num_seqs = 4 sampled rows leave room for one decode's 3 drafts
+    out = _same_outputs(engines("chunked"), llm, prompts[4:5], params[4:5])
+    assert out[0].outputs[0].token_ids[:4] == [7, 7, 7, 192]  # the penalty binds in a run
+    assert llm.stats()["spec_decode_num_accepted_tokens"] == 2  # 7 7 (7) after the first
+    # the device counts of its slot hold exactly its output: no rejected row's token
+    want_V = np.bincount(out[0].outputs[0].token_ids, minlength=VOCAB)
+    counts_XV = np.asarray(llm.engine.runner.counts["output_XV"])
+    assert any((row_V == want_V).all() for row_V in counts_XV)
+    _same_outputs(engines("chunked"), llm, prompts, params)
     s = llm.stats()
     assert s["spec_decode_num_accepted_tokens"] > 0
     assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"]
