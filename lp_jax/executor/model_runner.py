@@ -36,10 +36,9 @@ read token counts kept on device (step.py `counts`), one row per sequence slot: 
 scheduler gives each admitted sequence a slot (`Sequence.slot`), which the plan carries,
 and a penalized sequence's first chunk (position 0) resets its row. A verification
 row's penalties count the drafts before it, and only committed tokens are counted
-(step.py). The runner keeps no
-per-sequence state of its own. Log-probabilities are always
-outputs of a sampling call, copied to the host only for steps where a row asked. Prompt
-log-probabilities come from the call where a chunk's rows leave the last layer: each row
+(step.py). The runner keeps no per-sequence state of its own. Log-probabilities are
+always outputs of a sampling call, copied to the host only for steps where a row asked.
+Prompt log-probabilities come from the call where a chunk's rows leave the last layer: each row
 scores the next prompt token (`_score_targets`).
 """
 
