@@ -295,3 +295,28 @@ def test_distribution_test_catches_a_wrong_residual_or_bonus(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(V, "final_probs", shifted)
         assert _chi2_pvalue(_speculative_samples(_B, step=_retraced())) < 1e-6
+
+
+# ----- penalties inside a verification run -----
+
+
+def test_verification_rows_count_the_drafts_before_them():
+    """Row j of a run counts drafts 0..j-1 on top of its slot's counts; a row's token is
+    committed (counted) iff every draft before it equals the token sampled before it."""
+    from lp_jax.executor.sampler import add_drafts, drafts_stand
+
+    # sampled rows: a plain decode, then a run of 4 rows verifying drafts (5, 5, 2)
+    prefix_SK = np.full((5, 8), -1, np.int32)
+    for j, d in enumerate([(), (), (5,), (5, 5), (5, 5, 2)]):
+        prefix_SK[j, : len(d)] = d
+    counts_SV = np.zeros((5, 7), np.int32)
+    counts_SV[:, 5] = 1
+    got = np.asarray(add_drafts(jnp.asarray(counts_SV), jnp.asarray(prefix_SK)))
+    assert got[:, 5].tolist() == [1, 1, 2, 3, 3] and got[:, 2].tolist() == [0, 0, 0, 0, 1]
+    assert got.sum() == counts_SV.sum() + 6
+    for tokens, kept in (([4, 5, 5, 2, 3], [1, 1, 1, 1, 1]),   # every draft stands
+                         ([4, 5, 6, 2, 3], [1, 1, 1, 0, 0]),   # draft 1 falls at row 1
+                         ([4, 1, 5, 2, 3], [1, 1, 0, 0, 0]),   # draft 0 falls
+                         ([5, 5, 5, 1, 3], [1, 1, 1, 1, 0])):  # draft 2 falls
+        stand = drafts_stand(jnp.asarray(tokens, jnp.int32), jnp.asarray(prefix_SK))
+        assert np.asarray(stand).astype(int).tolist() == kept, tokens

@@ -93,10 +93,10 @@ def test_flowprefill_counts_verification_rows():
     sched = llm.engine.scheduler
     plain, penalized = (Sequence(i, [1, 2], SamplingParams(presence_penalty=x)) for i, x in
                         ((0, 0.0), (1, 0.5)))
-    assert (sched.max_decode_rows(plain), sched.max_decode_rows(penalized)) == (4, 1)
+    assert (sched.max_decode_rows(plain), sched.max_decode_rows(penalized)) == (4, 4)
     sched.running += [plain, penalized]
     sched.policy._remaining([(8, 0)], 0)
-    assert sched.policy._load == (5, 4)
+    assert sched.policy._load == (8, 4)
 
 
 @pytest.mark.parametrize("policy", ["chunked", "layered-preemptible", "flowprefill"])
@@ -183,24 +183,67 @@ def test_speculation_equals_plain_decoding_on_the_golden_checkpoint(engines, pol
     pat = rng.integers(0, VOCAB, 12).tolist()
     prompts = [pat * 4, rng.integers(0, VOCAB, 30).tolist(), pat[:5] * 6, pat * 3]
     # greedy, and seeded sampling: a row keyed by (seed, position) draws what plain
-    # decoding draws there once the drafts before it stand (lp_jax/spec/accept.py); a
-    # penalized request decodes without drafts in the same steps, its token read from
-    # the row after the others' verification rows
-    params = [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True, logprobs=1,
-                             presence_penalty=pp)
-              for t, s, pp in ((0.0, None, 0.0), (0.8, 7, 0.0), (1.0, 11, 0.0), (0, None, 1.5))]
-    base = engines(policy).generate(prompt_token_ids=prompts, sampling_params=params)
+    # decoding draws there once the drafts before it stand (lp_jax/spec/accept.py)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True, logprobs=1)
+              for t, s in ((0.0, None), (0.8, 7), (1.0, 11), (0, None))]
     llm = LLM(**engines.kwargs(policy), speculative_config=NGRAM)
-    spec = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for b, o in zip(base, spec, strict=True):
-        assert o.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(b.outputs[0].logprobs, o.outputs[0].logprobs, strict=True):
-            assert x.keys() == y.keys()
-            np.testing.assert_allclose(list(y.values()), list(x.values()), atol=1e-4)
+    _same_outputs(engines(policy), llm, prompts, params)
     s = llm.stats()
     assert s["spec_decode_num_accepted_tokens"] > 0
     assert s["compilations_after_warmup"] == 0
     assert s["programs"] == engines(policy).stats()["programs"]
+    assert s["free_pages"] == s["total_pages"]
+
+
+def _same_outputs(base_llm, spec_llm, prompts, params):
+    """Both engines' tokens are equal, and their log-probabilities to float noise (the
+    verification rows take the ragged attention path)."""
+    base = base_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    spec = spec_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for b, o in zip(base, spec, strict=True):
+        assert o.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(b.outputs[0].logprobs or (), o.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose(list(y.values()), list(x.values()), atol=1e-4)
+    return spec
+
+
+def test_penalized_sequences_speculate_with_counts_after_the_drafts(engines):
+    """Presence, frequency and repetition penalties (greedy, and seeded sampling with all
+    three) give the shared engine's tokens and log-probabilities with speculation, drafts
+    accepted and rejected. Row j counts drafts 0..j-1, and only committed tokens are
+    counted: token 7, biased by +10 and penalized by 2 per occurrence, is the argmax
+    three times, so of the drafts 7 7 7 after the first 7 the third must fall (a row that
+    ignored the accepted drafts before it would keep it), and the slot's device counts
+    end equal to the output (a rejected row's token counted would break that)."""
+    rng = np.random.default_rng(0)
+    pat = rng.integers(0, VOCAB, 12).tolist()
+    r7 = np.random.default_rng(0)
+    sevens = [r7.integers(0, VOCAB, 10).tolist() + [7] * 6,
+              r7.integers(0, VOCAB, 10).tolist() + [9, 7, 7, 7, 9]]
+    prompts = [pat * 4, pat[:5] * 6, pat * 3, rng.integers(0, VOCAB, 30).tolist(), *sevens]
+    # negative penalties make the random-weight model repeat itself, so drafts stand
+    pens = ({"frequency_penalty": -2.0}, {"presence_penalty": -1.5}, {"repetition_penalty": 0.7},
+            {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 0.8},
+            {"frequency_penalty": 2.0, "logit_bias": {7: 10.0}},
+            {"frequency_penalty": 2.0, "logit_bias": {7: 10.0}, "repetition_penalty": 1.2})
+    params = [SamplingParams(temperature=0.9 if i in (3, 5) else 0.0, seed=3, max_tokens=24,
+                             ignore_eos=True, logprobs=1, **pen) for i, pen in enumerate(pens)]
+    llm = LLM(**engines.kwargs("chunked"), speculative_config=NGRAM)
+    # alone first: max_num_seqs = 4 sampled rows leave room for one decode's 3 drafts
+    out = _same_outputs(engines("chunked"), llm, prompts[4:5], params[4:5])
+    assert out[0].outputs[0].token_ids[:4] == [7, 7, 7, 192]  # the penalty binds in a run
+    assert llm.stats()["spec_decode_num_accepted_tokens"] == 2  # 7 7 (7) after the first
+    # the device counts of its slot hold exactly its output: no rejected row's token
+    want_V = np.bincount(out[0].outputs[0].token_ids, minlength=VOCAB)
+    counts_XV = np.asarray(llm.engine.runner.counts["output_XV"])
+    assert any((row_V == want_V).all() for row_V in counts_XV)
+    _same_outputs(engines("chunked"), llm, prompts, params)
+    s = llm.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 0
+    assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"]
+    assert s["compilations_after_warmup"] == 0
+    assert s["programs"] == engines("chunked").stats()["programs"]
     assert s["free_pages"] == s["total_pages"]
 
 

@@ -67,9 +67,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs (median)")
+    for name, default in (("presence", 0.0), ("frequency", 0.0), ("repetition", 1.0)):
+        ap.add_argument(f"--{name}-penalty", type=float, default=default)
     args = ap.parse_args(argv)
     prompts = fable_prompts()
-    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                             presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty,
+                             repetition_penalty=args.repetition_penalty)]
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max}
     engine = dict(scheduling=args.scheduling, max_num_seqs=args.max_num_seqs,
@@ -81,6 +86,8 @@ def main(argv=None) -> int:
     drafts = d.get("spec_decode_num_drafts", 0)
     print(f"prompts: {len(prompts)} fables (their first 12 words, then their first 3 "
           "again), greedy, "
+          f"penalties (presence, frequency, repetition) {args.presence_penalty}, "
+          f"{args.frequency_penalty}, {args.repetition_penalty}, "
           f"max_tokens {args.max_tokens}, {args.scheduling}, max_num_seqs "
           f"{args.max_num_seqs}, async_scheduling {engine['async_scheduling']}; "
           f"speculative_config {spec}")

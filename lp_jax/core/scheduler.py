@@ -421,12 +421,10 @@ class Scheduler:
         return held
 
     def _speculates(self, seq: Sequence) -> bool:
-        """Whether seq's decodes get drafts: those without penalties. The step verifies a
-        draft by sampling its row like any other (lp_jax/spec/accept.py), under the
-        grammar's mask after the drafts before it; penalties would count rejected rows'
-        tokens."""
-        p = seq.sampling_params
-        return self.config.speculative_config is not None and not p.has_penalties
+        """Whether seq's decodes get drafts: every decode, when the engine speculates. The
+        step verifies a draft by sampling its row like any other (lp_jax/spec/accept.py),
+        under the grammar's mask and the penalty counts after the drafts before it."""
+        return self.config.speculative_config is not None
 
     def _fit_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]],
                     part) -> None:

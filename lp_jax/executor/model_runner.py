@@ -34,10 +34,11 @@ programs and the decode rows of the hidden buffer.
 Sampling options are per-row inputs of the same programs (`_fill_sampling`). Penalties
 read token counts kept on device (step.py `counts`), one row per sequence slot: the
 scheduler gives each admitted sequence a slot (`Sequence.slot`), which the plan carries,
-and a penalized sequence's first chunk (position 0) resets its row. The runner keeps no
-per-sequence state of its own. Log-probabilities are always
-outputs of a sampling call, copied to the host only for steps where a row asked. Prompt
-log-probabilities come from the call where a chunk's rows leave the last layer: each row
+and a penalized sequence's first chunk (position 0) resets its row. A verification
+row's penalties count the drafts before it, and only committed tokens are counted
+(step.py). The runner keeps no per-sequence state of its own. Log-probabilities are
+always outputs of a sampling call, copied to the host only for steps where a row asked.
+Prompt log-probabilities come from the call where a chunk's rows leave the last layer: each row
 scores the next prompt token (`_score_targets`).
 """
 
@@ -419,10 +420,12 @@ class ModelRunner:
         constrained = []
         for i, (seq, pos, *prefix) in enumerate(rows):
             p = seq.sampling_params
-            if p.has_penalties:
+            if p.has_penalties:  # a verification row counts the drafts before it
                 out["count_slot"][i] = self._slot(seq)
                 out["presence"][i], out["frequency"][i] = p.presence_penalty, p.frequency_penalty
                 out["repetition"][i] = p.repetition_penalty
+                if prefix and prefix[0]:
+                    out["draft_prefix_SK"][i, : len(prefix[0])] = prefix[0]
             bias = list(p.logit_bias)
             if pos - seq.num_prompt_tokens < p.min_tokens:  # eos and stop ids masked
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)

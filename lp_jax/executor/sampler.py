@@ -9,7 +9,8 @@ the rest of sampling, so it runs only when some row asks for it (`lax.cond`), an
 all-greedy batch skips randomness entirely.
 
 Before sampling, `process_logits` applies per-row logit biases (min_tokens' masks are
--inf biases) and then vLLM's penalties from each row's token counts; `token_logprobs`
+-inf biases) and then vLLM's penalties from each row's token counts (a verification
+row's with the drafts before it added, `add_drafts`); `token_logprobs`
 reports log-probabilities of the raw model distribution (vLLM's default), with the top
 MAX_LOGPROBS alternatives. Both run for every row at fixed shapes: no program per feature.
 `apply_bitmask` then sets the tokens a row's grammar forbids to -inf (structured outputs,
@@ -53,6 +54,27 @@ def apply_penalties(logits_SV, counts_SV, prompt_SV, presence_S, frequency_S, re
     logits_SV = jnp.where(logits_SV > 0, logits_SV / rep_SV, logits_SV * rep_SV)
     logits_SV = logits_SV - frequency_S[:, None] * counts_SV.astype(jnp.float32)
     return logits_SV - presence_S[:, None] * (counts_SV > 0).astype(jnp.float32)
+
+
+def add_drafts(counts_SV, prefix_SK):
+    """counts_SV plus one count per token of prefix_SK (-1 is padding): a verification
+    row's output counts are its sequence's plus the drafts before the row, the tokens
+    that precede it if those drafts stand."""
+    S, V = counts_SV.shape
+    ids_SK = jnp.where(prefix_SK < 0, V, prefix_SK)
+    return counts_SV.at[jnp.arange(S)[:, None], ids_SK].add(1, mode="drop")
+
+
+def drafts_stand(tokens_S, prefix_SK):
+    """[S] bool: whether every draft before sampled row s stands, so that its token is
+    committed (lp_jax/spec/accept.py). Row s's n drafts (prefix_SK[s, :n], the rest -1)
+    are verified by rows s - n .. s - 1, the rows of the same run before it: draft i
+    stands iff tokens_S[s - n + i] equals it. A row with no drafts before it is kept."""
+    S, K = prefix_SK.shape
+    n_S1 = jnp.sum(prefix_SK >= 0, axis=1, keepdims=True)
+    i_1K = jnp.arange(K)[None, :]
+    sampled_SK = tokens_S[jnp.clip(jnp.arange(S)[:, None] - n_S1 + i_1K, 0, S - 1)]
+    return jnp.all((i_1K >= n_S1) | (sampled_SK == prefix_SK), axis=1)
 
 
 def token_logprobs(logits_SV, tokens_S):

@@ -24,6 +24,8 @@ for the penalties. The step resets the slots of sequences that start a prefill, 
 the prefill rows' tokens (`count_slot_N`, in a chunk's first-group call) and then each
 sampled token, so the newest token, which under overlapped scheduling exists only on
 device, is counted where it is made, and every process updates the same state.
+A speculating decode's verification row j reads its slot's counts plus drafts 0..j-1
+(`sampling["draft_prefix_SK"]`), and its token is counted only if those drafts stand.
 
 Prompt log-probabilities (`do_score`, runtime): rows with `score_target_N >= 0` are
 scored against that token (the next prompt token) after the last layer, in slices of
@@ -52,14 +54,17 @@ from flax import nnx
 
 from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from lp_jax.executor.sampler import (
+    add_drafts,
     apply_bias,
     apply_bitmask,
     apply_penalties,
+    drafts_stand,
     sample,
     token_logprobs,
 )
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.spec.config import MAX_SPECULATIVE_TOKENS
 from lp_jax.structured.params import mask_words
 
 MAX_EOS_TOKEN_IDS = 8  # a model's eos ids (config.json and generation_config.json)
@@ -185,8 +190,9 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
                 def penalize(x_SV):
                     at_S = jnp.maximum(slot_S, 0)
                     mine_S = (slot_S >= 0)[:, None]
+                    out_SV = add_drafts(counts["output_XV"][at_S], s["draft_prefix_SK"])
                     return apply_penalties(
-                        x_SV, jnp.where(mine_S, counts["output_XV"][at_S], 0),
+                        x_SV, jnp.where(mine_S, out_SV, 0),
                         mine_S & counts["prompt_XV"][at_S], s["presence"], s["frequency"],
                         s["repetition"])
                 logits_SV = jax.lax.cond(jnp.any(slot_S >= 0), penalize, lambda x: x,
@@ -214,9 +220,10 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         # The counts are only read inside the cond: the donated buffer is updated in place.
         tokens_R, logprob_R, top_logprob_RK, top_id_RK = jax.lax.cond(
             inputs["do_sample"], logits_and_sample, no_sample)
-        if counts is not None:  # each sampled token joins its slot's output counts
+        if counts is not None:  # each committed token joins its slot's output counts
             X = counts["output_XV"].shape[0]
-            at_S = jnp.where(inputs["do_sample"] & (slot_S >= 0), slot_S, X)
+            kept_S = drafts_stand(tokens_R[:S], s["draft_prefix_SK"])
+            at_S = jnp.where(inputs["do_sample"] & (slot_S >= 0) & kept_S, slot_S, X)
             counts = dict(counts, output_XV=counts["output_XV"].at[at_S, tokens_R[:S]].add(
                 1, mode="drop"))
         N, K = x_ND.shape[0], MAX_LOGPROBS
@@ -265,6 +272,7 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
                      "position": i32(B), "count_slot": i32(B, -1),
                      "presence": np.zeros(B, np.float32), "frequency": np.zeros(B, np.float32),
                      "repetition": np.ones(B, np.float32),
+                     "draft_prefix_SK": np.full((B, MAX_SPECULATIVE_TOKENS), -1, np.int32),
                      "bias_ids": np.full((B, BIAS_SLOTS), -1, np.int32),
                      "bias": np.zeros((B, BIAS_SLOTS), np.float32),
                      **({"bitmask_SW": all_ones_mask(spec, B)} if spec.vocab_size else {})},
