@@ -207,8 +207,11 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
     layers, lay = tuple(range(L)), "model.layers.{}."
     attn = ("model", "layers", "self_attn")
     src = _shared_sources(cfg)
-    for name, shape in {"q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
-                        "o_proj": (D, N * H)}.items():
+    if cfg.is_mla:
+        src.update(_mla_sources(cfg))
+    for name, shape in {} if cfg.is_mla else {
+            "q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
+            "o_proj": (D, N * H)}.items():
         src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", shape)
         if cfg.attention_bias and name != "o_proj":  # GLM-4.5: q/k/v only
             src[(*attn, f"{name}_bias")] = _per_layer(layers, f"self_attn.{name}.bias",
@@ -243,6 +246,25 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
         if moe and Fs:
             src[("model", "layers", "shared_experts", name)] = _per_layer(
                 moe, f"mlp.shared_experts.{name}.weight", shape)
+    return src
+
+
+def _mla_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
+    """DeepSeek-V3's latent-attention projections (models/deepseek_v3.py)."""
+    D, N, A, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.head_dim
+    H, O, Q = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    layers, attn = tuple(range(cfg.num_hidden_layers)), ("model", "layers", "self_attn")
+    linears = {"kv_a_proj_with_mqa": (A + R, D), "kv_b_proj": (N * (H + O), A),
+               "o_proj": (D, N * O)}
+    norms = {"kv_a_layernorm": A}
+    if Q:
+        linears |= {"q_a_proj": (Q, D), "q_b_proj": (N * (H + R), Q)}
+        norms["q_a_layernorm"] = Q
+    else:
+        linears["q_proj"] = (N * (H + R), D)
+    src = {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", s) for n, s in linears.items()}
+    src |= {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", (w,), _identity)
+            for n, w in norms.items()}
     return src
 
 
