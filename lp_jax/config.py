@@ -331,6 +331,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
         model_type = hf.get("model_type")
+        if model_type == "kimi_k2":  # Kimi-K2 ships DeepSeek-V3's architecture
+            model_type = "deepseek_v3"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: unsupported model_type {model_type!r}; lp_jax supports "

@@ -81,6 +81,20 @@ def test_pool_holds_the_latent_once_a_token():
     assert expanded // (kv_page_bytes(v3, 16) // 16) == 71
 
 
+def test_presets_for_the_roofline_simulator_and_aot():
+    """deepseek-v3 (671B) and kimi-k2 (1T, model_type kimi_k2: DeepSeek-V3's
+    architecture) as the AOT, roofline and simulator read them: totals as the model
+    cards', and the simulator's KV bytes a token the latent's, not split over heads."""
+    from lp_jax.aot import load_config
+    from lp_jax.roofline.model_shape import DEEPSEEK_V3, KIMI_K2
+    from lp_jax.sim import kv_bytes_per_token
+
+    for shape, total in ((DEEPSEEK_V3, 671e9), (KIMI_K2, 1026e9)):
+        assert shape.param_counts()[0] == pytest.approx(total, rel=2e-3), shape.name
+        assert kv_bytes_per_token(shape, tp=8) == 61 * 576 * 2
+    assert load_config("kimi-k2").is_mla and load_config("deepseek-v3").num_experts == 256
+
+
 def _latent_batch(A=32, R=8, H=16, O=16, N=4, S=4):
     """Two sequences (7 cached tokens + 3 new, and 1 cached + 1 new) and a padding token
     on a pool of pages of S tokens, with random latents (numpy: no eager JAX op)."""
