@@ -116,7 +116,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE",
                    help="a Jinja chat template file, used instead of the model's (for "
                         "checkpoints without one) [default: the model's, or a fallback]")
-    s.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+    s.add_argument("--reasoning-parser", choices=["qwen3", "glm45", "deepseek_r1"], default=None,
                    help="chat answers' reasoning (Qwen3's <think> block) goes to "
                         "reasoning_content / reasoning, apart from content [default: none]")
     s.add_argument("--vllm-metric-names", action="store_true",

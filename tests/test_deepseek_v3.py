@@ -227,3 +227,29 @@ def test_engine_policies_match_golden_greedy(policy, deepseek_engines):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()
     assert stats["programs"] == 1 and stats["compilations_after_warmup"] == 0, stats
+
+
+@pytest.mark.parametrize("text,want", [
+    ("plan it</think>\n\nThe answer.", ("plan it", "The answer.")),  # the template opened it
+    ("<think>plan it</think>The answer.", ("plan it", "The answer.")),  # the model did
+    ("still thinking, cut off", ("still thinking, cut off", "")),  # never closed: reasoning
+    ("\n<thin", ("\n<thin", "")),  # not the marker after all
+])
+def test_deepseek_r1_reasoning_parser(text, want):
+    """DeepSeek-R1 answers start in their reasoning whatever the prompt ends with: the
+    streamed split (cut at every character) equals the whole text's, and the parser is a
+    choice of lp-serve's --reasoning-parser."""
+    from lp_jax.serve import build_parser
+    from lp_jax.server import reasoning
+
+    parser = "deepseek_r1"
+    in_reasoning = reasoning.starts_in_reasoning(parser, "User: hi\nAssistant:")
+    assert in_reasoning and not reasoning.starts_in_reasoning("qwen3", "Assistant:")
+    assert reasoning.split(text, in_reasoning, drop_open=True) == want
+    s, r, c = reasoning.ThinkSplitter(in_reasoning, drop_open=True), "", ""
+    for ch in text:
+        dr, dc = s.push(ch)
+        r, c = r + dr, c + dc
+    dr, dc = s.finish()
+    assert (r + dr, c + dc) == want
+    assert build_parser().parse_args(["--reasoning-parser", parser]).reasoning_parser == parser
