@@ -22,7 +22,7 @@ import pytest
 from checkpoints.make_tiny import DEEPSEEK_PRESETS, ensure_tiny, weights_digest
 from lp_jax import LLM, SamplingParams
 from lp_jax.config import ModelConfig
-from lp_jax.loader import load_model
+from lp_jax.loader import _dequantize_fp8_blocks, load_model
 from lp_jax.models import DeepseekV3ForCausalLM, KernelBackends
 from lp_jax.models.kv_cache import init_kv_cache, kv_cache_shape, kv_page_bytes
 from lp_jax.models.metadata import build_metadata
@@ -227,6 +227,56 @@ def test_engine_policies_match_golden_greedy(policy, deepseek_engines):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()
     assert stats["programs"] == 1 and stats["compilations_after_warmup"] == 0, stats
+
+
+def test_hf_fp8_block_checkpoint_with_partial_blocks(tmp_path):
+    """DeepSeek-V3's published FP8 format (e4m3, 128 x 128 weight_scale_inv) on a
+    tiny-deepseek-groups with 128-wide experts: every _proj weight converted but o_proj
+    and the router, so the latent projections have partial blocks (kv_a_proj_with_mqa:
+    40 rows of one 128-block, like DeepSeek-V3's 576 = 4.5 blocks; kv_b_proj 128 x 32).
+    The latent projections, kv_b_proj included, are dequantised once at load (16-bit
+    parameters: the absorbed decode folds kv_b_proj), the experts stay e4m3; the model
+    computes what the float32 model holding the dequantised weights computes."""
+    from checkpoints import make_tiny
+    from checkpoints import make_tiny_quant as mtq
+
+    cfg = {**make_tiny.build_config("tiny-deepseek-groups"), "moe_intermediate_size": 128}
+    qc = mtq.quantization_config({**cfg, "num_experts": cfg["n_routed_experts"]})
+    fp8, dequant = {}, {}
+    for name, w in make_tiny.make_weights(cfg).items():
+        module = name.removesuffix(".weight")
+        if (w.ndim == 2 and name.endswith(("_proj.weight", "_mqa.weight"))
+                and "eh_proj" not in name and module not in qc["modules_to_not_convert"]):
+            q, scale = mtq.quantize_fp8_blocks(w, np.float32)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            dequant[name] = mtq.dequantize_fp8_blocks(q, scale)
+        else:
+            fp8[name] = dequant[name] = w
+    assert fp8["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (1, 1)
+    src = ensure_tiny(preset="tiny-deepseek-groups")
+    dirs = {}
+    for kind, tensors, config in (("fp8", fp8, {**cfg, "quantization_config": qc}),
+                                  ("dequant", dequant, cfg)):
+        d = dirs[kind] = tmp_path / kind
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        mtq.save_safetensors(tensors, d / "model.safetensors")
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            (d / f).write_bytes((src / f).read_bytes())
+    model = load_model(dirs["fp8"])
+    layers = model.model.layers
+    assert layers.mlp.experts_gate_up_proj[...].dtype.itemsize == 1
+    assert layers.self_attn.kv_b_proj[...].dtype.itemsize == 4
+    prompt = np.load(GOLDEN.format("tiny-deepseek-groups"))["prompt_1"].tolist()
+    _, logits = greedy_generate(model, prompt, 1, return_prompt_logits=True)
+    _, want = greedy_generate(load_model(dirs["dequant"]), prompt, 1, return_prompt_logits=True)
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3)
+    # DeepSeek-V3's own shape: 576 rows are 4.5 blocks (numpy, no model)
+    w = np.random.RandomState(0).standard_normal((576, 200)).astype(np.float32)
+    q, scale = mtq.quantize_fp8_blocks(w, np.float32)
+    assert scale.shape == (5, 2)
+    np.testing.assert_array_equal(_dequantize_fp8_blocks([q, scale]),
+                                  mtq.dequantize_fp8_blocks(q, scale).T)
 
 
 @pytest.mark.parametrize("text,want", [

@@ -81,8 +81,8 @@ def quantized_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
     q = cfg.quantization
     out = {}
     for name, modules in QUANTIZABLE.items():
-        if q is None:
-            out[name] = None
+        if q is None or (cfg.is_mla and name.startswith("self_attn.")):
+            out[name] = None  # latent attention: 16-bit (an FP8 checkpoint's, dequantised)
             continue
         layers = {"self_attn": range(cfg.num_hidden_layers), "mlp": cfg.moe_layers,
                   "dense_mlp": cfg.dense_layers,
