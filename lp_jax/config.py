@@ -19,6 +19,11 @@ per-head q/k RMSNorm (`use_qk_norm`) and RoPE on the first `partial_rotary_facto
 each head. Its next-token (MTP) layers (`num_nextn_predict_layers`) are not part of the
 served model. A field lp_jax does not serve fails here, naming it, before anything is
 built or compiled.
+
+"deepseek_v3" (DeepseekV3ForCausalLM; Kimi-K2's "kimi_k2" reads as it) has GLM-4.5's MoE
+blocks under multi-head latent attention (`is_mla`: q_lora_rank, kv_lora_rank,
+qk_nope_head_dim, v_head_dim; head_dim is qk_rope_head_dim, the rotary width), interleaved
+rotary and YaRN with DeepSeek's mscale / mscale_all_dim (`softmax_scale`).
 """
 
 from __future__ import annotations
