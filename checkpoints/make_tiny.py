@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.make_tiny_deepseek import DEEPSEEK_PRESETS, make_deepseek_weights
 from lp_jax.paths import models_dir
 
 HERE = Path(__file__).resolve().parent
@@ -173,7 +174,7 @@ GLM_PRESETS: dict[str, dict] = {
     "tiny-glm-groups": {**_GLM, "use_qk_norm": False, "n_routed_experts": 16, "n_group": 4,
                         "topk_group": 2, "num_experts_per_tok": 4},
 }
-ALL_PRESETS = {**PRESETS, **GPT_OSS_PRESETS, **GLM_PRESETS}
+ALL_PRESETS = {**PRESETS, **GPT_OSS_PRESETS, **GLM_PRESETS, **DEEPSEEK_PRESETS}
 
 _EXPERT_KEYS = (
     "decoder_sparse_step",
@@ -313,7 +314,7 @@ def build_config(preset: str = "tiny") -> dict:
     """The Hugging Face config.json contents for a preset."""
     if preset not in ALL_PRESETS:
         raise KeyError(f"unknown preset {preset!r}; choose from {sorted(ALL_PRESETS)}")
-    if preset in GPT_OSS_PRESETS or preset in GLM_PRESETS:
+    if preset in GPT_OSS_PRESETS or preset in GLM_PRESETS or preset in DEEPSEEK_PRESETS:
         cfg = dict(ALL_PRESETS[preset])
         vocab = cfg["vocab_size"]
         cfg["bos_token_id"] = cfg["pad_token_id"] = special_token_id(vocab, ENDOFTEXT)
@@ -364,6 +365,8 @@ def make_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """
     if cfg["model_type"] == "gpt_oss":
         return make_gpt_oss_weights(cfg, seed)
+    if cfg["model_type"] == "deepseek_v3":
+        return make_deepseek_weights(cfg, is_moe_layer, SCALES, seed)
     rng = np.random.RandomState(seed)
     d, v = cfg["hidden_size"], cfg["vocab_size"]
     h, n, k = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -626,7 +629,8 @@ def write_harmony_variant(out_dir: str | os.PathLike) -> Path:
 
 def _stamp(preset: str, sharded: bool, seed: int) -> str:
     """Changes whenever this generator's source changes, so stale caches get rebuilt."""
-    src = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    src = hashlib.sha256(Path(__file__).read_bytes()
+                         + (HERE / "make_tiny_deepseek.py").read_bytes()).hexdigest()[:16]
     return f"{preset} sharded={sharded} seed={seed} src={src}"
 
 

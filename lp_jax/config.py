@@ -19,19 +19,25 @@ per-head q/k RMSNorm (`use_qk_norm`) and RoPE on the first `partial_rotary_facto
 each head. Its next-token (MTP) layers (`num_nextn_predict_layers`) are not part of the
 served model. A field lp_jax does not serve fails here, naming it, before anything is
 built or compiled.
+
+"deepseek_v3" (DeepseekV3ForCausalLM; Kimi-K2's "kimi_k2" reads as it) has GLM-4.5's MoE
+blocks under multi-head latent attention (`is_mla`: q_lora_rank, kv_lora_rank,
+qk_nope_head_dim, v_head_dim; head_dim is qk_rope_head_dim, the rotary width), interleaved
+rotary and YaRN with DeepSeek's mscale / mscale_all_dim (`softmax_scale`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from lp_jax.quant.config import QuantConfig
 from lp_jax.quant.config import from_hf as quant_from_hf
 from pallas_kernels.moe.ref import Router
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "gpt_oss", "glm4_moe", "deepseek_v3")
 # vLLM's kv_cache_dtype values lp_jax serves: "auto" (the model's dtype) and e4m3 pages.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
@@ -57,18 +63,41 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    # DeepSeek's: with both set (and no attention_factor) cos/sin scale by
+    # mscale(factor, mscale) / mscale(factor, mscale_all_dim); mscale_all_dim alone
+    # also multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
     @classmethod
-    def from_hf(cls, rope: dict, *, max_position_embeddings: int) -> RopeScaling:
-        if rope.get("mscale") or rope.get("mscale_all_dim"):
-            raise ValueError("YaRN with mscale / mscale_all_dim is not supported yet")
+    def from_hf(cls, rope: dict, *, max_position_embeddings: int,
+                allow_mscale: bool = False) -> RopeScaling:
+        if not allow_mscale and (rope.get("mscale") or rope.get("mscale_all_dim")):
+            raise ValueError("YaRN with mscale / mscale_all_dim is only served for "
+                             "deepseek_v3")
         original = rope.get("original_max_position_embeddings") or max_position_embeddings
         factor = rope.get("factor") or max_position_embeddings / original
         return cls(factor=float(factor), original_max_position_embeddings=int(original),
                    beta_fast=float(rope.get("beta_fast") or 32.0),
                    beta_slow=float(rope.get("beta_slow") or 1.0),
                    truncate=bool(rope.get("truncate", True)),
-                   attention_factor=rope.get("attention_factor"))
+                   attention_factor=rope.get("attention_factor"),
+                   mscale=float(rope.get("mscale") or 0.0),
+                   mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+
+    def cos_sin_scale(self) -> float:
+        """The factor on cos and sin, as transformers' `_compute_yarn_parameters`."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
@@ -118,6 +147,14 @@ class ModelConfig:
     use_qk_norm: bool = True  # per-head RMSNorm of q and k
     partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim of a head
     num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint, not served
+    # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0): queries through an
+    # optional q_lora_rank bottleneck; keys and values from one per-token latent of
+    # kv_lora_rank values plus one shared rotary key of qk_rope_head_dim (head_dim).
+    q_lora_rank: int = 0  # 0: a plain q_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3), ... (DeepSeek)
     # Weight format (lp_jax/quant): from config.json's quantization_config, or set by the
     # loader for quantization="int8" | "fp8"; None: the checkpoint's 16/32-bit weights.
     quantization: QuantConfig | None = None
@@ -178,6 +215,23 @@ class ModelConfig:
                              "(quantization='mxfp4'), int8 / fp8 at load or 16-bit weights, "
                              "the Qwen3 models int8 / fp8 / HF FP8")
 
+        if self.is_mla:
+            self._check_mla()
+
+    def _check_mla(self):
+        """What DeepSeek-V3's latent attention does not serve yet, refused by name."""
+        if self.quantization is not None and self.quantization.method != "fp8_block":
+            raise ValueError(f"{self.model_type}: quantization {self.quantization.method!r} "
+                             "at load is not served with latent attention yet (untested); "
+                             "serve the 16-bit checkpoint or the published FP8 one")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"{self.model_type}: kv_cache_dtype {self.kv_cache_dtype!r} is "
+                             "not served with latent attention yet (no per-layer scale for "
+                             "the latent); use kv_cache_dtype='auto'")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError("latent attention expands one key and value per query head: "
+                             "num_key_value_heads must equal num_attention_heads")
+
     def is_moe_layer(self, layer: int) -> bool:
         """The Hugging Face rule for which decoder layers carry a sparse MoE block."""
         return (
@@ -197,7 +251,32 @@ class ModelConfig:
     def has_router_correction_bias(self) -> bool:
         """An [E] e_score_correction_bias per MoE layer (GLM-4.5), used to choose the
         experts but not to weight them."""
-        return self.model_type == "glm4_moe"
+        return self.model_type in ("glm4_moe", "deepseek_v3")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (deepseek_v3): the KV pool holds the latent."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Values an MLA pool stores a token a layer: latent plus shared rotary key."""
+        return self.kv_lora_rank + self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of a query / key head: head_dim, or MLA's nope plus rotary parts."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention's sm_scale: qk_head_dim^-0.5, times mscale(factor,
+        mscale_all_dim)^2 under DeepSeek's YaRN (transformers' `yarn_apply_mscale`)."""
+        scale = self.qk_head_dim**-0.5
+        yarn = self.rope_scaling
+        if yarn is not None and yarn.mscale_all_dim:
+            scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+        return scale
 
     @property
     def rotary_dim(self) -> int:
@@ -256,6 +335,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
         model_type = hf.get("model_type")
+        if model_type == "kimi_k2":  # Kimi-K2 ships DeepSeek-V3's architecture
+            model_type = "deepseek_v3"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: unsupported model_type {model_type!r}; lp_jax supports "
@@ -284,7 +365,8 @@ class ModelConfig:
             moe = dict(
                 moe_intermediate_size=hf.get("moe_intermediate_size", 0),
                 num_experts_per_tok=hf.get("num_experts_per_tok", 0),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "glm4_moe")),
+                norm_topk_prob=bool(hf.get("norm_topk_prob",
+                                           model_type in ("glm4_moe", "deepseek_v3"))),
             ) if num_experts else {}
             extra = {}
             if gpt_oss:  # every layer MoE, experts intermediate_size wide, top-k softmax
@@ -302,8 +384,12 @@ class ModelConfig:
                 )
             if model_type == "glm4_moe":
                 extra = _glm4_moe_fields(hf, rope, source)
+            if model_type == "deepseek_v3":
+                extra = _deepseek_v3_fields(hf, source)
             if rope_type == "yarn":
-                extra["rope_scaling"] = RopeScaling.from_hf(rope, max_position_embeddings=max_pos)
+                extra["rope_scaling"] = RopeScaling.from_hf(
+                    rope, max_position_embeddings=max_pos,
+                    allow_mscale=model_type == "deepseek_v3")
             return cls(
                 model_type=model_type,
                 vocab_size=hf["vocab_size"],
@@ -311,7 +397,8 @@ class ModelConfig:
                 num_hidden_layers=hf["num_hidden_layers"],
                 num_attention_heads=heads,
                 num_key_value_heads=hf.get("num_key_value_heads", heads),
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                head_dim=(hf["qk_rope_head_dim"] if model_type == "deepseek_v3" else
+                          hf.get("head_dim") or hf["hidden_size"] // heads),
                 intermediate_size=hf.get("intermediate_size", 0),
                 num_experts=num_experts,
                 decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
@@ -381,6 +468,36 @@ def _glm4_moe_fields(hf: dict, rope: dict, source: str) -> dict:
         partial_rotary_factor=float(hf.get("partial_rotary_factor",
                                            rope.get("partial_rotary_factor", 0.5))),
         num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
+    )
+
+
+_DEEPSEEK_V3_FIXED = {**_GLM4_MOE_FIXED, "attention_bias": False}
+
+
+def _deepseek_v3_fields(hf: dict, source: str) -> dict:
+    """ModelConfig fields of a `deepseek_v3` config.json (DeepSeek-V3 / R1 / V3.1), with
+    DeepseekV3Config's defaults; head_dim is qk_rope_head_dim (the rotary width)."""
+    for name, value in _DEEPSEEK_V3_FIXED.items():
+        if hf.get(name, value) != value:
+            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported for "
+                             f"deepseek_v3 (lp_jax serves {name}={value!r})")
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        if not hf.get(name):
+            raise ValueError(f"{source}: deepseek_v3 needs a positive {name}")
+    return dict(
+        scoring_func="sigmoid",
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace", 0) or 0),
+        use_qk_norm=False,
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
     )
 
 

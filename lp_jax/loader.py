@@ -207,8 +207,11 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
     layers, lay = tuple(range(L)), "model.layers.{}."
     attn = ("model", "layers", "self_attn")
     src = _shared_sources(cfg)
-    for name, shape in {"q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
-                        "o_proj": (D, N * H)}.items():
+    if cfg.is_mla:
+        src.update(_mla_sources(cfg))
+    for name, shape in {} if cfg.is_mla else {
+            "q_proj": (N * H, D), "k_proj": (K * H, D), "v_proj": (K * H, D),
+            "o_proj": (D, N * H)}.items():
         src[(*attn, name)] = _per_layer(layers, f"self_attn.{name}.weight", shape)
         if cfg.attention_bias and name != "o_proj":  # GLM-4.5: q/k/v only
             src[(*attn, f"{name}_bias")] = _per_layer(layers, f"self_attn.{name}.bias",
@@ -244,6 +247,53 @@ def _qwen3_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
             src[("model", "layers", "shared_experts", name)] = _per_layer(
                 moe, f"mlp.shared_experts.{name}.weight", shape)
     return src
+
+
+def _mla_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
+    """DeepSeek-V3's latent-attention projections (models/deepseek_v3.py)."""
+    D, N, A, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.head_dim
+    H, O, Q = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    layers, attn = tuple(range(cfg.num_hidden_layers)), ("model", "layers", "self_attn")
+    linears = {"kv_a_proj_with_mqa": (A + R, D), "kv_b_proj": (N * (H + O), A),
+               "o_proj": (D, N * O)}
+    norms = {"kv_a_layernorm": A}
+    if Q:
+        linears |= {"q_a_proj": (Q, D), "q_b_proj": (N * (H + R), Q)}
+        norms["q_a_layernorm"] = Q
+    else:
+        linears["q_proj"] = (N * (H + R), D)
+    src = {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", s) for n, s in linears.items()}
+    src |= {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", (w,), _identity)
+            for n, w in norms.items()}
+    q = cfg.quantization
+    if q is not None and q.method == "fp8_block":  # the FP8 ones dequantised once, here
+        for n, shape in linears.items():
+            converted = {q.converts(f"model.layers.{i}.self_attn.{n}") for i in layers}
+            if len(converted) > 1:
+                raise ValueError(f"quantization_config.modules_to_not_convert keeps "
+                                 f"self_attn.{n} 16-bit in some layers only")
+            if not converted.pop():
+                continue
+            lay = "model.layers.{}.self_attn." + n
+            src[(*attn, n)] = _Source(
+                (len(layers),), lambda i, lay=lay: [lay.format(i) + ".weight",
+                                                    lay.format(i) + ".weight_scale_inv"],
+                _dequantize_fp8_blocks,
+                lambda i, shape=shape: [shape, tuple(-(-d // FP8_BLOCK_SIZE) for d in shape)])
+    return src
+
+
+FP8_BLOCK_SIZE = 128  # HF fine-grained FP8: one weight_scale_inv a 128 x 128 block
+
+
+def _dequantize_fp8_blocks(arrs):
+    """An FP8 [out, in] weight and its [ceil(out/128), ceil(in/128)] weight_scale_inv ->
+    the float32 [in, out] weight; the last block of a dimension may be partial
+    (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks)."""
+    w_OI, s_oi = arrs[0].astype(np.float32), arrs[1].astype(np.float32)
+    O, I = w_OI.shape
+    b = FP8_BLOCK_SIZE
+    return (w_OI * np.repeat(np.repeat(s_oi, b, axis=0), b, axis=1)[:O, :I]).T
 
 
 class HFCheckpoint:

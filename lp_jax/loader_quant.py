@@ -147,7 +147,7 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
                     if dtype not in SCALE_DTYPES:
                         raise CheckpointError(f"{ckpt.where[name].path}: scale {name!r} is "
                                               f"{dtype}, expected float32 or bfloat16")
-                elif dtype == FP8_DTYPE:
+                elif dtype == FP8_DTYPE and not (cfg.is_mla and path[2:3] == ("self_attn",)):
                     why = ("config.json has no fp8 quantization_config" if not from_ckpt
                            else "modules_to_not_convert keeps it 16-bit"
                            if ".".join(path[2:]) in qwen3_moe.QUANTIZABLE

@@ -120,8 +120,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     from lp_jax.server.tool_formats import FORMATS as TOOL_FORMATS
 
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="chat answers' reasoning (the <think> block of Qwen3 or GLM-4.5) goes "
-                        "to reasoning_content / reasoning, apart from content [default: none]")
+                   help="chat answers' reasoning (the <think> block of Qwen3, GLM-4.5 or "
+                        "DeepSeek-R1) goes to reasoning_content / reasoning, apart from "
+                        "content [default: none]")
     s.add_argument("--tool-call-parser", choices=TOOL_FORMATS, default=None,
                    help="the text format of the model's tool calls [default: the model's: "
                         "glm45 for GLM-4.5 / 4.6, qwen3 otherwise; GPT-OSS: harmony]")

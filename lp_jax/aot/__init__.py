@@ -70,7 +70,8 @@ CONFIG_DIR = bundled("checkpoints") / "configs"
 PRESETS = {"qwen3-30b-a3b": "Qwen3-30B-A3B.json", "qwen3-235b-a22b": "Qwen3-235B-A22B.json",
            "qwen3-8b": "Qwen3-8B.json", "gpt-oss-20b": "gpt-oss-20b.json",
            "gpt-oss-120b": "gpt-oss-120b.json", "glm-4.5": "glm-4.5.json",
-           "glm-4.5-air": "glm-4.5-air.json"}
+           "glm-4.5-air": "glm-4.5-air.json", "deepseek-v3": "deepseek-v3.json",
+           "kimi-k2": "kimi-k2.json"}
 
 
 @dataclasses.dataclass(frozen=True)

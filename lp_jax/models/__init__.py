@@ -1,4 +1,5 @@
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.deepseek_v3 import DeepseekV3ForCausalLM
 from lp_jax.models.glm4_moe import Glm4MoeForCausalLM
 from lp_jax.models.gpt_oss import GptOssForCausalLM
 from lp_jax.models.kv_cache import init_kv_cache
@@ -13,6 +14,7 @@ MODEL_CLASSES: dict[str, type[StackedCausalLM]] = {
     "qwen3": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
@@ -26,6 +28,7 @@ def model_class(model_type: str) -> type[StackedCausalLM]:
 
 __all__ = [
     "AttentionMetadata",
+    "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
     "KernelBackends",

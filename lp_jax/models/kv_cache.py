@@ -1,5 +1,10 @@
 """The KV cache layout every model shares: one pool for all layers.
 
+Latent pool (multi-head latent attention, cfg.is_mla: DeepSeek-V3): [L * P, S, 1, X]
+with X = kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3): a token's normed latent
+and its one shared rotary key, once per token and layer, not once per head
+(pallas_kernels/attention/mla_ref.py reads it). It is never split over heads.
+
 kv_pages_PSJH is [L * P, S, 2K, H]: layer i owns pages [i P, (i + 1) P), and K and V of
 KV head k sit at J = 2k, 2k + 1. A model's attention half offsets the logical page ids
 by its layer's first page (`StackedCausalLM._attention`), so the page table is the same
@@ -58,7 +63,11 @@ def kv_dtype(cfg: ModelConfig, dtype=None):
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None) -> int:
     """Bytes of one logical page over all layers (K and V of every KV head); with `mesh`,
     the bytes one device holds of it (the pool's heads split, or replicated, over the
-    mesh as `sharding.LOGICAL_RULES` lays them out)."""
+    mesh as `sharding.LOGICAL_RULES` lays them out). A latent pool holds
+    cfg.kv_latent_dim values a token a layer, whole on every device."""
+    if cfg.is_mla:
+        return (cfg.num_hidden_layers * page_size * cfg.kv_latent_dim
+                * kv_dtype(cfg, dtype).itemsize)
     whole = (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
              * kv_dtype(cfg, dtype).itemsize)
     if mesh is None:
@@ -136,7 +145,10 @@ def read_kv_scales(model_dir: str | Path | None, cfg: ModelConfig) -> tuple:
 def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
                    packed: bool = False, replicas: int = 1) -> tuple[int, int, int, int]:
     """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`); with
-    `replicas` r (`sharding.kv_head_replicas`), K r heads in place of K."""
+    `replicas` r (`sharding.kv_head_replicas`), K r heads in place of K. A latent
+    pool (cfg.is_mla) is [L * pages_per_layer, S, 1, kv_latent_dim] in any case."""
+    if cfg.is_mla:
+        return (cfg.num_hidden_layers * pages_per_layer, page_size, 1, cfg.kv_latent_dim)
     K, H = cfg.num_key_value_heads * replicas, cfg.head_dim
     heads = (K, 2 * H) if packed else (2 * K, H)
     return (cfg.num_hidden_layers * pages_per_layer, page_size, *heads)

@@ -57,9 +57,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[jax.Array, float]:
     inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     if yarn is None:
         return inv_freq, 1.0
-    scale = yarn.attention_factor
-    if scale is None:
-        scale = 0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0
+    scale = yarn.cos_sin_scale()
 
     def correction_dim(rotations):
         return (H * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
@@ -97,3 +95,17 @@ def apply_rope(x_TNH, positions_T, inv_freq_H2, scale: float = 1.0):
     x1, x2 = x_TNH[..., : H // 2], x_TNH[..., H // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x_TNH * cos + rotated * sin
+
+
+def apply_rope_interleaved(x_TNR, positions_T, inv_freq_R2, scale: float = 1.0):
+    """Rotary embedding on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    `rope_interleave`), written out de-interleaved, [rotated evens | rotated odds], as
+    transformers' `apply_rotary_pos_emb_interleave` does: queries and keys get the same
+    order, so their dot products are those of the interleaved form."""
+    freqs_TR2 = positions_T.astype(jnp.float32)[:, None] * inv_freq_R2[None, :]
+    cos, sin = jnp.cos(freqs_TR2)[:, None, :], jnp.sin(freqs_TR2)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x_TNR.dtype), sin.astype(x_TNR.dtype)
+    x1, x2 = x_TNR[..., 0::2], x_TNR[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -81,8 +81,8 @@ def quantized_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
     q = cfg.quantization
     out = {}
     for name, modules in QUANTIZABLE.items():
-        if q is None:
-            out[name] = None
+        if q is None or (cfg.is_mla and name.startswith("self_attn.")):
+            out[name] = None  # latent attention: 16-bit (an FP8 checkpoint's, dequantised)
             continue
         layers = {"self_attn": range(cfg.num_hidden_layers), "mlp": cfg.moe_layers,
                   "dense_mlp": cfg.dense_layers,
@@ -162,11 +162,13 @@ class Qwen3MLP(nnx.Module):
 
 
 class Qwen3MoeDecoderLayers(nnx.Module):
+    attention_class: type[nnx.Module] = Qwen3MoeAttention  # DeepSeek-V3: latent attention
+
     def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
         L, D = cfg.num_hidden_layers, cfg.hidden_size
         self.input_layernorm = param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
         self.post_attention_layernorm = param(rngs, (L, D), ("layers", "embed"), dtype, ones=True)
-        self.self_attn = Qwen3MoeAttention(cfg, L, dtype, rngs=rngs)
+        self.self_attn = self.attention_class(cfg, L, dtype, rngs=rngs)
         n_moe, n_dense = len(cfg.moe_layers), len(cfg.dense_layers)
         self.mlp = Qwen3MoeSparseMoeBlock(cfg, n_moe, dtype, rngs=rngs) if n_moe else None
         self.dense_mlp = Qwen3MLP(cfg, n_dense, dtype, rngs=rngs) if n_dense else None
@@ -178,8 +180,9 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
     """Qwen3MoeForCausalLM / Qwen3ForCausalLM (and, with its blocks switched on by the
     config, Glm4MoeForCausalLM). Use `run_layers` for any layer range."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
-        super().__init__(cfg, Qwen3MoeDecoderLayers, rngs=rngs, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None,
+                 decoder_layers: type[nnx.Module] = Qwen3MoeDecoderLayers):
+        super().__init__(cfg, decoder_layers, rngs=rngs, dtype=dtype)
         # Position of each layer inside its kind's stack (MoE or dense).
         moe, dense = cfg.moe_layers, cfg.dense_layers
         self._stack_index = tuple(

@@ -240,6 +240,8 @@ def _attention_ops(
     )
 
     kv_token_bytes = 2.0 * kv_dev * h * kvb  # one token's K and V on this device
+    if shape.mla_ranks:  # MLA's latent, whole on every device
+        kv_token_bytes = float(shape.kv_values_per_token_layer * kvb)
     seqs_dev = (step.prefill_seqs / ep) if step.prefill_tokens else 0.0
     chunk, past = step.prefill_chunk, float(step.prefill_past)
     visible_past = min(past, window - 1.0) if window else past

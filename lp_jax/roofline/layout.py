@@ -81,6 +81,8 @@ def chip_layout(shape: ModelShape, mesh: tuple[int, int, int]) -> ChipLayout:
     dense = shape.dense_layers_count * shape.dense_mlp_bytes / t
     router = shape.num_moe_layers * d * shape.num_experts * b
     kv_token = shape.num_layers * 2 * heads * shape.head_dim * shape.kv_itemsize
+    if shape.mla_ranks:  # the latent pool, whole on every chip
+        kv_token = shape.num_layers * shape.kv_values_per_token_layer * shape.kv_itemsize
     return ChipLayout(mesh=tuple(mesh), kv_heads_per_chip=heads,
                       weight_bytes=float(embed + attention + experts + dense + router),
                       kv_bytes_per_token=float(kv_token), outside_bytes_per_row=float(d * b),

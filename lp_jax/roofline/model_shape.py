@@ -25,8 +25,9 @@ inclusion probability stays k/E whether or not the groups limit a token's choice
 (tests/test_roofline_moe_blocks.py checks this against `moe.ref.route`), so
 `routing.expected_active` serves every variant (what groups change is how many expert
 shards one token reaches under expert parallelism, not modelled here).
-DeepSeek-V3's multi-head latent attention is counted for its weights only
-(`mla_ranks`); its KV cache and attention cost come with the MLA issue.
+DeepSeek-V3's multi-head latent attention (`mla_ranks`) is counted for its weights and
+its KV bytes a token (`kv_values_per_token_layer`: the latent, once per token, as the
+engine's pool holds it); the cost model's attention flops still use the per-head form.
 
 One description per model: the two built-in shapes of the paper reproduction,
 Qwen3-30B-A3B and GPT-OSS-20B, are the engine's own `ModelConfig` read from
@@ -245,9 +246,25 @@ class ModelShape:
         return d * (self.num_q_heads + 2 * self.num_kv_heads) * h + self.num_q_heads * h * d
 
     @property
+    def kv_values_per_token_layer(self) -> int:
+        """Values one token caches in one layer: K and V of every KV head (2 K H), or MLA's
+        latent and shared rotary key (kv_lora_rank + qk_rope_head_dim), for all heads."""
+        if self.mla_ranks:
+            return self.mla_ranks[1] + self.mla_ranks[2]
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
     def attention_weight_bytes(self) -> int:
-        """Stored bytes of one layer's Q|K|V [D, (N + 2K) H] and O [N H, D] projections."""
+        """Stored bytes of one layer's Q|K|V [D, (N + 2K) H] and O [N H, D] projections
+        (MLA: q_a | q_b or q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj)."""
         d, h = self.hidden_size, self.head_dim
+        if self.mla_ranks:
+            q_rank, kv_rank, rope, v = self.mla_ranks
+            n = self.num_q_heads
+            q = (self.linear_bytes(d, q_rank) + self.linear_bytes(q_rank, n * h) if q_rank
+                 else self.linear_bytes(d, n * h))
+            return (q + self.linear_bytes(d, kv_rank + rope)
+                    + self.linear_bytes(kv_rank, n * (h - rope + v)) + self.linear_bytes(n * v, d))
         qkv = self.linear_bytes(d, (self.num_q_heads + 2 * self.num_kv_heads) * h)
         return qkv + self.linear_bytes(self.num_q_heads * h, d)
 
@@ -345,7 +362,7 @@ class ModelShape:
             num_layers=cfg.num_hidden_layers,
             num_q_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
+            head_dim=cfg.qk_head_dim,
             vocab_size=cfg.vocab_size,
             num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_tok if moe else 0,
@@ -361,6 +378,8 @@ class ModelShape:
             shared_width=cfg.n_shared_experts * cfg.moe_intermediate_size if moe else 0,
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,
+            mla_ranks=(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim, cfg.v_head_dim)
+            if cfg.is_mla else (),
         )
 
     @classmethod
@@ -385,6 +404,10 @@ GPT_OSS_20B = ModelShape.from_json(CONFIG_DIR / "gpt-oss-20b.json", name="GPT-OS
 GLM_4_5 = ModelShape.from_json(CONFIG_DIR / "glm-4.5.json", name="GLM-4.5")
 GLM_4_5_AIR = ModelShape.from_json(CONFIG_DIR / "glm-4.5-air.json", name="GLM-4.5-Air")
 GPT_OSS_120B = ModelShape.from_json(CONFIG_DIR / "gpt-oss-120b.json", name="GPT-OSS-120B")
+# deepseek-ai/DeepSeek-V3 (671B) and moonshotai/Kimi-K2 (1T, the same architecture):
+# latent attention, 256 / 384 routed experts, one shared expert, dense first layers.
+DEEPSEEK_V3 = ModelShape.from_json(CONFIG_DIR / "deepseek-v3.json", name="DeepSeek-V3")
+KIMI_K2 = ModelShape.from_json(CONFIG_DIR / "kimi-k2.json", name="Kimi-K2")
 
 LLAMA3_8B = ModelShape(
     # meta-llama/Meta-Llama-3-8B config.json: dense, GQA 32 query / 8 KV heads, untied
@@ -403,7 +426,7 @@ LLAMA3_8B = ModelShape(
 
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     s.name: s for s in (QWEN3_30B_A3B, GPT_OSS_20B, LLAMA3_8B, GLM_4_5, GLM_4_5_AIR,
-                        GPT_OSS_120B)}
+                        GPT_OSS_120B, DEEPSEEK_V3, KIMI_K2)}
 
 
 def _norm(name: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from lp_jax.server import protocol
 from lp_jax.server.detok import StopStrings, TextAssembler
 from lp_jax.server.harmony import HarmonyParser, Piece
-from lp_jax.server.reasoning import ThinkSplitter, opens_reasoning, split
+from lp_jax.server.reasoning import ALWAYS_REASONS, ThinkSplitter, split, starts_in_reasoning
 from lp_jax.server.tool_formats import parser as tool_parser
 from lp_jax.server.tool_formats import split as split_calls
 
@@ -30,12 +30,13 @@ class Choice:
     the echo, if asked), its log-probabilities."""
 
     def __init__(self, index: int, handle, ids: list[int], prompt, tokenizer, req, *,
-                 reasoning: bool = False, harmony=None, tool_format: str = "qwen3"):
+                 reasoning: bool | str = False, harmony=None, tool_format: str = "qwen3"):
         """`reasoning`: a chat answer's reasoning goes apart from its content
-        (reasoning.py; the server's reasoning_parser). `harmony`: the tokenizer's harmony
-        markers (HarmonyTokens) when the model writes GPT-OSS harmony: a chat answer's
-        channels and calls are parsed from its token ids (harmony.py). `tool_format`:
-        otherwise, the text format of the model's tool calls (tool_formats.py)."""
+        (reasoning.py; the server's reasoning_parser, or True for its default rules).
+        `harmony`: the tokenizer's harmony markers (HarmonyTokens) when the model writes
+        GPT-OSS harmony: a chat answer's channels and calls are parsed from its token ids
+        (harmony.py). `tool_format`: otherwise, the text format of the model's tool calls
+        (tool_formats.py)."""
         self.index, self.handle, self.ids, self.req = index, handle, ids, req
         self.sample_index = index % req.n
         self.tokenizer = tokenizer
@@ -62,10 +63,13 @@ class Choice:
                 tool_format, forced, req.parallel_tool_calls, stream, req.tools)
             self.tool_parser = self._new_parser(req.stream)
         self.in_reasoning = self.think = None
+        self.drop_open = False
         if reasoning and req.kind == "chat" and self.harmony is None:
             tail = tokenizer.decode(ids[-8:], skip_special_tokens=False) if tokenizer else ""
-            self.in_reasoning = opens_reasoning(tail)
-            self.think = ThinkSplitter(self.in_reasoning)
+            parser = reasoning if isinstance(reasoning, str) else None
+            self.in_reasoning = starts_in_reasoning(parser, tail)
+            self.drop_open = parser in ALWAYS_REASONS
+            self.think = ThinkSplitter(self.in_reasoning, drop_open=self.drop_open)
         self.echo_pending = bool(self.echo) or (req.echo and self.lps is not None)
 
     def _echo_text(self, prompt) -> str:
@@ -232,7 +236,8 @@ class Choice:
             message = {"role": "assistant", "content": self.echo + self.asm.text}
             content = self.asm.text
             if self.think is not None:
-                reasoning, content = split(self.asm.text, self.in_reasoning)
+                reasoning, content = split(self.asm.text, self.in_reasoning,
+                                           drop_open=self.drop_open)
                 message.update(content=self.echo + content, reasoning_content=reasoning,
                                reasoning=reasoning)
             reason = self.reason

@@ -17,12 +17,24 @@ tail that may be the start of a marker ("</thi") is held back until the next tex
 decides it. With a reasoning parser, the grammar of a chat request whose prompt opens the
 block (structured outputs) starts after its `</think>` (`grammar_after`): the reasoning
 is free text.
+
+"deepseek_r1" (vLLM's `deepseek_r1`, DeepSeek-R1 and V3.1 in thinking mode): the same
+block, but the model always reasons first, so its answer starts inside the block whatever
+the prompt ends with (R1's template opens `<think>` for it; earlier templates let the model
+write it, and a leading `<think>` of the answer is dropped): text that never writes
+`</think>` is all reasoning.
 """
 
 from __future__ import annotations
 
-PARSERS = ("qwen3", "glm45")
+PARSERS = ("qwen3", "glm45", "deepseek_r1")
+ALWAYS_REASONS = ("deepseek_r1",)  # parsers whose model always opens with its reasoning
 START, END = "<think>", "</think>"
+
+
+def starts_in_reasoning(parser: str | None, prompt_tail: str) -> bool:
+    """Whether a chat answer starts inside its reasoning block under `parser`."""
+    return parser in ALWAYS_REASONS or opens_reasoning(prompt_tail)
 
 
 def opens_reasoning(prompt_text: str) -> bool:
@@ -46,14 +58,25 @@ def grammar_after(spec, tokenizer, prompt_tail: str):
 class ThinkSplitter:
     """Streams text in, (reasoning, content) pieces out."""
 
-    def __init__(self, in_reasoning: bool = False):
+    def __init__(self, in_reasoning: bool = False, *, drop_open: bool = False):
+        """`drop_open`: in a block from the start, a leading `<think>` of the text is
+        dropped, not reasoning (deepseek_r1)."""
         self.state = "reasoning" if in_reasoning else "start"  # start -> reasoning -> content
         self._held = ""
         self._after_end = False  # the newlines that follow </think> are not content
+        self._drop_open = in_reasoning and drop_open  # until the text decides
 
     def push(self, text: str) -> tuple[str, str]:
         """The reasoning and content this text (after what was held) adds."""
         buf, self._held = self._held + text, ""
+        if self._drop_open:
+            stripped = buf.lstrip()
+            if START.startswith(stripped) and len(stripped) < len(START):
+                self._held = buf  # could still be the model's own <think>
+                return "", ""
+            self._drop_open = False
+            if stripped.startswith(START):
+                buf = stripped[len(START):]
         if self.state == "start":
             stripped = buf.lstrip()
             if START.startswith(stripped) and len(stripped) < len(START):
@@ -87,9 +110,10 @@ class ThinkSplitter:
         return "", held
 
 
-def split(text: str, in_reasoning: bool = False) -> tuple[str | None, str]:
-    """A whole text as (reasoning or None, content)."""
-    s = ThinkSplitter(in_reasoning)
+def split(text: str, in_reasoning: bool = False, *,
+          drop_open: bool = False) -> tuple[str | None, str]:
+    """A whole text as (reasoning or None, content); `drop_open` as ThinkSplitter's."""
+    s = ThinkSplitter(in_reasoning, drop_open=drop_open)
     r, c = s.push(text)
     r2, c2 = s.finish()
     has = in_reasoning or text.lstrip().startswith(START)

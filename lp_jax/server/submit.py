@@ -136,7 +136,7 @@ async def submit(server, req) -> list[Choice]:
         for prompt, ids, handles in zip(prompts, ids_list, added, strict=True):
             for handle in handles:
                 choices.append(Choice(len(choices), handle, ids, prompt, server.tokenizer, req,
-                                      reasoning=server.reasoning_parser is not None,
+                                      reasoning=server.reasoning_parser or False,
                                       harmony=server.harmony,
                                       tool_format=server.tool_format))
         return choices

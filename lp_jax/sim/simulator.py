@@ -152,7 +152,9 @@ def weight_bytes(shape: ModelShape) -> float:
 
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
     """KV-cache bytes of one token on one device (all layers; KV heads split over tp), in
-    the shape's KV format."""
+    the shape's KV format. MLA's latent is not split over heads: every device holds it."""
+    if shape.mla_ranks:
+        return float(shape.num_layers * shape.kv_values_per_token_layer * shape.kv_itemsize)
     heads = max(shape.num_kv_heads / tp, 1.0)
     return shape.num_layers * 2 * heads * shape.head_dim * shape.kv_itemsize
 

@@ -143,10 +143,19 @@ def check_structure(model, cfg: dict, make_tiny) -> None:
     if cfg["model_type"] == "gpt_oss":
         return check_gpt_oss_structure(model, cfg)
     inner = model.model
-    assert model.config.head_dim == cfg["head_dim"]
-    h = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))  # GLM: rotary part
+    deepseek = cfg["model_type"] == "deepseek_v3"
+    head_dim = cfg["qk_rope_head_dim"] if deepseek else cfg["head_dim"]  # MLA: rotary part
+    assert model.config.head_dim == head_dim
+    h = int(head_dim * cfg.get("partial_rotary_factor", 1.0))  # GLM: rotary part
     want = 1.0 / cfg["rope_theta"] ** (torch.arange(0, h, 2, dtype=torch.float32) / h)
-    torch.testing.assert_close(inner.rotary_emb.inv_freq, want)
+    if not cfg.get("rope_scaling"):  # YaRN's frequencies are lp_jax's test to pass
+        torch.testing.assert_close(inner.rotary_emb.inv_freq, want)
+    if deepseek:
+        attn = inner.layers[0].self_attn
+        assert (attn.q_proj is None) == bool(cfg["q_lora_rank"]), "q_lora_rank"
+        assert model.config.rope_interleave == cfg["rope_interleave"]
+        if cfg.get("rope_scaling"):  # mscale_all_dim moves the softmax scale
+            assert attn.scaling != attn.qk_head_dim**-0.5
     for i, layer in enumerate(inner.layers):
         assert hasattr(layer.mlp, "experts") == make_tiny.is_moe_layer(cfg, i), i
         if cfg["model_type"] == "glm4_moe":
@@ -283,7 +292,7 @@ def make_preset(make_tiny, preset: str, tmp: Path) -> dict[str, np.ndarray]:
     ids_list, texts = prompts(tok, cfg["vocab_size"], len(make_tiny.SPECIAL_TOKENS))
     num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
     top_k = cfg.get("num_experts_per_tok") if num_experts else None
-    if cfg["model_type"] == "glm4_moe":
+    if cfg["model_type"] in ("glm4_moe", "deepseek_v3"):  # the same router
         top_k = GlmRouterMargin(model, cfg)
     record: dict[str, np.ndarray] = {
         "preset": np.array(preset),

@@ -1,0 +1,141 @@
+"""DeepSeek-V3 / R1 / V3.1 (Hugging Face `deepseek_v3`, DeepseekV3ForCausalLM): GLM-4.5's
+MoE blocks (sigmoid group-limited routing with a correction bias, shared experts, dense
+first layers; qwen3_moe.py) under multi-head latent attention (MLA).
+
+MLA, as transformers' modeling_deepseek_v3.py computes it (goldens:
+tests/test_deepseek_v3.py):
+
+* queries: `q_proj`, or the low-rank `q_a_proj` -> `q_a_layernorm` -> `q_b_proj`
+  (q_lora_rank), N heads of qk_nope_head_dim + qk_rope_head_dim;
+* keys and values: `kv_a_proj_with_mqa` gives a latent of kv_lora_rank (normed by
+  `kv_a_layernorm`) and one rotary key of qk_rope_head_dim shared by all heads;
+  `kv_b_proj` expands the latent into each head's key (nope part) and value;
+* rotary on the qk_rope_head_dim part only, interleaved pairs (`rope_interleave`), YaRN
+  with mscale in cos/sin and mscale_all_dim in the softmax scale (cfg.softmax_scale).
+
+The KV pool holds what transformers' cache holds: the normed latent and the rotated
+shared key, kv_lora_rank + qk_rope_head_dim values a token a layer (kv_cache.py), written
+once per token. Attention reads it in one of two forms (pallas_kernels/attention/
+mla_ref.py): decode-only steps run absorbed (W_UK folded into the query, W_UV after
+attention: no per-head key or value for cached tokens), steps with prefill tokens run
+expanded (kv_b_proj on each page of latents). Both forms sit in the one step program
+(`lax.cond` on the step's decode_only flag), so no program is added.
+
+Only the XLA attention path exists (`serving_backends` refuses the Pallas backends); the
+refusals of not-yet-served features are in ModelConfig._check_mla.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lp_jax.config import ModelConfig
+from lp_jax.models.backends import KernelBackends
+from lp_jax.models.layers import (
+    apply_rope,
+    apply_rope_interleaved,
+    dot,
+    param,
+    rms_norm,
+    rope_frequencies,
+)
+from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.models.qwen3_moe import Qwen3MoeDecoderLayers, Qwen3MoeForCausalLM
+from pallas_kernels.attention import resolve_backend
+from pallas_kernels.attention.mla_ref import ref_mla_paged_attention, write_latent
+
+
+class MlaAttention(nnx.Module):
+    """Latent attention's projections, stacked over the layers, [in, out] as the other
+    models' linears (names as in the checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
+        L, D, N = num_layers, cfg.hidden_size, cfg.num_attention_heads
+        A, R, Q = cfg.kv_lora_rank, cfg.head_dim, cfg.q_lora_rank
+        H, O = cfg.qk_nope_head_dim, cfg.v_head_dim
+        if Q:
+            self.q_a_proj = param(rngs, (L, D, Q), ("layers", "embed", None), dtype)
+            self.q_a_layernorm = param(rngs, (L, Q), ("layers", None), dtype, ones=True)
+            self.q_b_proj = param(rngs, (L, Q, N * (H + R)), ("layers", None, "q_heads"), dtype)
+        else:
+            self.q_proj = param(rngs, (L, D, N * (H + R)), ("layers", "embed", "q_heads"), dtype)
+        self.kv_a_proj_with_mqa = param(rngs, (L, D, A + R), ("layers", "embed", None), dtype)
+        self.kv_a_layernorm = param(rngs, (L, A), ("layers", None), dtype, ones=True)
+        self.kv_b_proj = param(rngs, (L, A, N * (H + O)), ("layers", None, "q_heads"), dtype)
+        self.o_proj = param(rngs, (L, N * O, D), ("layers", "q_heads", "embed"), dtype)
+
+
+class DeepseekV3DecoderLayers(Qwen3MoeDecoderLayers):
+    attention_class = MlaAttention
+
+
+class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
+    """DeepseekV3ForCausalLM: the Qwen3-MoE stack with latent attention (see above)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=None):
+        if not cfg.is_mla:
+            raise ValueError(f"{cfg.model_type}: DeepseekV3ForCausalLM needs kv_lora_rank > 0")
+        super().__init__(cfg, rngs=rngs, dtype=dtype,
+                         decoder_layers=DeepseekV3DecoderLayers)
+
+    def serving_backends(self, backends: KernelBackends) -> KernelBackends:
+        """Latent attention runs on the XLA path only: "auto" becomes "xla", a Pallas
+        attention backend asked for by name is refused before anything compiles."""
+        if backends.attention == "auto":
+            return KernelBackends(moe=backends.moe, attention="xla",
+                                  moe_dispatch=backends.moe_dispatch)
+        if resolve_backend(backends.attention) != "xla":
+            raise ValueError(f"{self.config.model_type}: attention backend "
+                             f"{backends.attention!r} has no latent-attention (MLA) kernel "
+                             "yet; use attention_backend='xla' (or 'auto')")
+        return backends
+
+    def mla_inputs(self, i, h_TD, positions_T):
+        """Layer i's (q_nope_TNH, q_pe_TNR, latent_TX): queries split into their nope and
+        rotary parts, and the pool row [normed latent | rotated shared key] of each token."""
+        cfg, attn = self.config, self.model.layers.self_attn
+        T, N = h_TD.shape[0], cfg.num_attention_heads
+        A, H = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        if cfg.q_lora_rank:
+            q_TQ = rms_norm(dot(h_TD, attn.q_a_proj[i]), attn.q_a_layernorm[i], cfg.rms_norm_eps)
+            q_TX = dot(q_TQ, attn.q_b_proj[i])
+        else:
+            q_TX = dot(h_TD, attn.q_proj[i])
+        q_TNX = q_TX.reshape(T, N, -1)
+        kv_TX = dot(h_TD, attn.kv_a_proj_with_mqa[i])
+        latent_TA = rms_norm(kv_TX[:, :A], attn.kv_a_layernorm[i], cfg.rms_norm_eps)
+        inv_freq_R2, scale = rope_frequencies(cfg)
+        rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope
+        q_pe_TNR = rope(q_TNX[..., H:], positions_T, inv_freq_R2, scale)
+        k_pe_TR = rope(kv_TX[:, None, A:], positions_T, inv_freq_R2, scale)[:, 0]
+        return q_TNX[..., :H], q_pe_TNR, jnp.concatenate([latent_TA, k_pe_TR], axis=-1)
+
+    def _attention(self, i, x_TD, kv_pages_PS1X, meta: AttentionMetadata, decode_only,
+                   backend):
+        """Attention half of layer i: latent written to the pool, then attention in the
+        absorbed form for decode-only steps and the expanded form otherwise."""
+        cfg, attn = self.config, self.model.layers.self_attn
+        T, N = x_TD.shape[0], cfg.num_attention_heads
+        H, O = cfg.qk_nope_head_dim, cfg.v_head_dim
+        h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
+        q_nope_TNH, q_pe_TNR, latent_TX = self.mla_inputs(i, h_TD, meta.positions_T)
+
+        P_total, S = kv_pages_PS1X.shape[:2]
+        page_offset = i * (P_total // cfg.num_hidden_layers)
+        slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
+        kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
+        w_kv_ANX = attn.kv_b_proj[i].reshape(cfg.kv_lora_rank, N, H + O)
+
+        def attend(absorbed: bool):
+            return ref_mla_paged_attention(
+                q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
+                meta.query_start_B1, meta.seq_lens_B, meta.page_table_BC + page_offset,
+                meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed)
+
+        if isinstance(decode_only, bool):
+            o_TNO = attend(decode_only)
+        else:
+            o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
+        return x_TD + dot(o_TNO.reshape(T, N * O), attn.o_proj[i]), kv_pages_PS1X

@@ -1,0 +1,121 @@
+"""Multi-head latent attention (DeepSeek-V3) over a latent paged KV pool, in plain JAX:
+the XLA path, and the oracle for MLA kernels to come.
+
+Pool layout (lp_jax/models/kv_cache.py):
+
+    kv_pages_PS1X  [P, S, 1, X]   X = A + R: a token's normed latent c (A =
+                                  kv_lora_rank) then its shared rotary key k_pe (R =
+                                  qk_rope_head_dim), once per token, for all heads
+
+Head n of a key is [c @ W_UK[:, n] (H = qk_nope_head_dim), k_pe] and its value c @ W_UV[:, n]
+(O = v_head_dim), with kv_b_proj = [W_UK | W_UV] per head ([A, N, H + O]). Two forms give
+the same attention:
+
+* expanded: every page's latents are expanded into per-head keys and values (what
+  transformers computes; the flops of kv_b_proj on every cached token, per step);
+* absorbed: W_UK is folded into the query (q_lat = q_nope @ W_UK^T, [N, A]) and W_UV
+  applied once to the attention-weighted latent: scores are q_lat . c + q_pe . k_pe, the
+  output (p @ c) @ W_UV. No per-head key or value exists for cached tokens; a decode
+  token reads A + R values a cached token instead of N (H + R + O).
+
+Batches are ragged as in ref.py (`token_positions`); padding tokens return zeros. The
+softmax runs in float32 over query blocks of `block_q` packed tokens, one page at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention.ref import MASK_VALUE, token_positions
+
+
+def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Array):
+    """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped."""
+    P, S = kv_pages_PS1X.shape[:2]
+    page_T = jnp.where(slots_T < 0, P, slots_T // S)  # page P is out of range: dropped
+    return kv_pages_PS1X.at[page_T, slots_T % S, 0].set(
+        latent_TX.astype(kv_pages_PS1X.dtype), mode="drop")
+
+
+def ref_mla_paged_attention(
+    q_nope_TNH: jax.Array,
+    q_pe_TNR: jax.Array,
+    kv_pages_PS1X: jax.Array,
+    w_uk_ANH: jax.Array,
+    w_uv_ANO: jax.Array,
+    query_start_B1: jax.Array,
+    seq_lens_B: jax.Array,
+    page_table_BC: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    absorbed: bool,
+    block_q: int = 64,
+) -> jax.Array:
+    """Causal latent attention for a ragged batch; o_TNO in q's dtype. `absorbed` picks
+    the form (module docstring); both read the same pool and agree to rounding."""
+    T, N, _ = q_nope_TNH.shape
+    A = w_uk_ANH.shape[0]
+    O = w_uv_ANO.shape[-1]
+    S = kv_pages_PS1X.shape[1]
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    seq_T, pos_T, valid_T = token_positions(query_start_B1, seq_lens_B, num_seqs, T)
+    w_uk_ANH = w_uk_ANH.astype(jnp.float32)
+    w_uv_ANO = w_uv_ANO.astype(jnp.float32)
+    q_nope_TNH = q_nope_TNH.astype(jnp.float32) * sm_scale
+    q_pe_TNR = q_pe_TNR.astype(jnp.float32) * sm_scale
+    if absorbed:  # W_UK folded into the query
+        q_nope_TNH = jnp.einsum("tnh,anh->tna", q_nope_TNH, w_uk_ANH)
+    Y = A if absorbed else O  # what p multiplies: latents, or per-head values
+
+    block_q = min(block_q, T)
+    num_blocks = -(-T // block_q)
+    pad = num_blocks * block_q - T
+
+    def blocks(x):
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
+            num_blocks, block_q, *x.shape[1:])
+
+    def one_block(args):
+        qn_bNx, qr_bNR, seq_b, pos_b = args
+        pages_bC = page_table_BC[seq_b]
+        num_pages = jnp.max(pos_b) // S + 1  # 0 when the whole block is padding
+
+        def body(c, carry):
+            m_bN, l_bN, acc_bNY = carry
+            kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32)
+            lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:]
+            s_bNS = jnp.einsum("bnr,bsr->bns", qr_bNR, k_pe_bSR)
+            if absorbed:
+                s_bNS += jnp.einsum("bna,bsa->bns", qn_bNx, lat_bSA)
+            else:  # expand this page's latents into per-head keys and values
+                k_bSNH = jnp.einsum("bsa,anh->bsnh", lat_bSA, w_uk_ANH)
+                s_bNS += jnp.einsum("bnh,bsnh->bns", qn_bNx, k_bSNH)
+            key_pos_S = c * S + jnp.arange(S)
+            visible_bS = key_pos_S[None, :] <= pos_b[:, None]
+            s_bNS = jnp.where(visible_bS[:, None, :], s_bNS, MASK_VALUE)
+            m_new = jnp.maximum(m_bN, jnp.max(s_bNS, axis=-1))
+            p_bNS = jnp.where(visible_bS[:, None, :], jnp.exp(s_bNS - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m_bN - m_new)
+            if absorbed:  # p @ c: the values stay latent
+                pv_bNY = jnp.einsum("bns,bsa->bna", p_bNS, lat_bSA)
+            else:
+                pv_bNY = jnp.einsum("bns,bsno->bno", p_bNS,
+                                    jnp.einsum("bsa,ano->bsno", lat_bSA, w_uv_ANO))
+            return (m_new, alpha * l_bN + jnp.sum(p_bNS, axis=-1),
+                    alpha[..., None] * acc_bNY + pv_bNY)
+
+        b = seq_b.shape[0]
+        init = (jnp.full((b, N), MASK_VALUE, jnp.float32), jnp.zeros((b, N), jnp.float32),
+                jnp.zeros((b, N, Y), jnp.float32))
+        _, l_bN, acc_bNY = jax.lax.fori_loop(0, num_pages, body, init)
+        return acc_bNY / jnp.where(l_bN == 0.0, 1.0, l_bN)[..., None]
+
+    pos_Q = jnp.pad(pos_T, (0, pad), constant_values=-1).reshape(num_blocks, block_q)
+    o_QbNY = jax.lax.map(one_block, (blocks(q_nope_TNH), blocks(q_pe_TNR), blocks(seq_T),
+                                     pos_Q))
+    o_TNY = o_QbNY.reshape(num_blocks * block_q, N, Y)[:T]
+    if absorbed:  # W_UV after attention
+        o_TNY = jnp.einsum("tna,ano->tno", o_TNY, w_uv_ANO)
+    return jnp.where(valid_T[:, None, None], o_TNY, 0.0).astype(q_pe_TNR.dtype)
