@@ -49,7 +49,7 @@ from lp_jax.config import ModelConfig, resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import resolve_policy
 from lp_jax.core.programs import hidden_rows, step_buckets
-from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
+from lp_jax.executor.step import StepSpec, compiler_options, empty_inputs, init_counts, make_step
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import (
@@ -269,8 +269,9 @@ def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None
             rec["stablehlo"] = lowered.as_text()
             rec["lower_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            options = resources.xla_dump_options(dump_dir / "xla") if dump_dir else None
-            compiled = lowered.compile(compiler_options=options)
+            options = compiler_options(cfg.platform) | (
+                resources.xla_dump_options(dump_dir / "xla") if dump_dir else {})
+            compiled = lowered.compile(compiler_options=options or None)
             rec["compile_s"] = time.perf_counter() - t1
         if dump_dir is not None:
             from pallas_kernels.compile_targets import ptxas_path

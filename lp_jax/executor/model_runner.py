@@ -54,6 +54,7 @@ from lp_jax.executor.plan_channel import StepCodec, host_array
 from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
     StepSpec,
+    compiler_options,
     empty_inputs,
     init_counts,
     make_step,
@@ -241,8 +242,10 @@ class ModelRunner:
                 f"{list(self.spec.buckets)}) in {time.perf_counter() - t0:.1f} s")
 
     def _compile(self, N: int) -> jax.stages.Compiled:
+        platform = self._replicated.mesh.devices.flat[0].platform
         return self._step.lower(self.state, self.kv_pages, self.hidden_RD,
-                                empty_inputs(self.spec, N), self.counts).compile()
+                                empty_inputs(self.spec, N), self.counts).compile(
+            compiler_options=compiler_options(platform))
 
     def _program(self, N: int):
         prog = self.programs.get(N)

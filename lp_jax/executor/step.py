@@ -94,6 +94,20 @@ class StepSpec:
         return min(N, self.max_num_seqs)
 
 
+# XLA:TPU's memory-space assignment may copy one whole entry parameter into on-chip memory
+# at the start of each call (a cross-program prefetch) and again at its end for the next
+# call. Its pick on a vocabulary-split mesh is the embedding shard (Qwen3-30B-A3B on 8
+# v6e chips: [18992, 2048], 77.8 MB), read whole to gather a few rows. No other
+# parameter of the step is read once and early enough to gain from it, so the step
+# allows none. The flag exists only in TPU's compiler: other platforms get no options.
+TPU_COMPILER_OPTIONS = {"xla_msa_max_cross_program_prefetches": 0}
+
+
+def compiler_options(platform: str) -> dict:
+    """The step's XLA compile options on `platform` ("tpu", "cpu", "gpu", "cuda")."""
+    return dict(TPU_COMPILER_OPTIONS) if platform == "tpu" else {}
+
+
 def init_counts(spec: StepSpec, vocab_size: int) -> dict:
     """The sampler's token-count state (numpy), one slot per admitted sequence."""
     X = spec.max_num_seqs
