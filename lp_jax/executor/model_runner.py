@@ -55,6 +55,7 @@ from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
     StepSpec,
     compiler_options,
+    counts_sharding,
     empty_inputs,
     init_counts,
     make_step,
@@ -192,9 +193,10 @@ class ModelRunner:
         self.hidden_RD = jax.device_put(
             np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
-        self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), self._replicated)
+        on_vocab = counts_sharding(self.spec, cfg.vocab_size, mesh)
+        self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
-                                       replicated=self._replicated),
+                                       replicated=self._replicated, counts_sharding=on_vocab),
                              donate_argnums=(1, 2, 4))
         self.programs: dict[int, jax.stages.Compiled] = {}
         # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows
