@@ -233,3 +233,32 @@ def test_materialized_slices_count_new_buffers_only():
              "  %copy.9 = bf16[4096,1408]{1,0} copy(%param.1)"]  # another shape
     assert [layer_copy(x, others) for x in made] == ["gate_proj|up_proj"] * 2
     assert [layer_copy(x, others) for x in views] == [None] * len(views)
+
+
+@needs_libtpu
+def test_the_step_compiles_without_a_cross_program_prefetch_on_tpu():
+    """XLA:TPU would copy a whole vocabulary shard into on-chip memory every call to
+    gather a few embedding rows (a cross-program prefetch); the step's compile options
+    (used by the engine and the AOT alike) allow none. Without them the same program
+    has one, so the check can fail."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from lp_jax.executor.step import compiler_options
+    from pallas_kernels.compile_targets import tpu_topology_devices
+
+    on = SingleDeviceSharding(tpu_topology_devices("v6e:2x2")[0])
+
+    def embed_and_head(table_VD, ids_T, head_DV):
+        x_TD = jnp.take(table_VD, ids_T, axis=0)
+        return jnp.dot(x_TD, head_DV, preferred_element_type=jnp.float32).argmax(-1)
+
+    lowered = jax.jit(embed_and_head).lower(
+        jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((8,), jnp.int32, sharding=on),
+        jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16, sharding=on))
+    prefetch = "cross_program_prefetch_index"
+    assert prefetch in lowered.compile().as_text()
+    assert prefetch not in lowered.compile(compiler_options=compiler_options("tpu")).as_text()
+    assert compiler_options("cpu") == {}  # the flag exists only in TPU's compiler

@@ -129,18 +129,33 @@ def references():
     return out
 
 
+@pytest.fixture(scope="module")
+def tp_engines():
+    """tp_engines(preset, scheduling): the module's TP 4 engine of that kind, built on
+    first use. One row bucket (16 prefill rows beside 2 decodes), so one program serves
+    every step; backends "off": the xla kernels need no start-up self-test."""
+    built = {}
+
+    def get(preset: str, scheduling: str) -> LLM:
+        if (preset, scheduling) not in built:
+            built[preset, scheduling] = LLM(
+                str(ensure_tiny(preset=preset)), tensor_parallel_size=4,
+                enable_expert_parallel=True, scheduling=scheduling, max_num_seqs=2,
+                max_model_len=64, max_num_batched_tokens=16, token_buckets=(18,),
+                kv_pages=16, backends="off", log=None)
+        return built[preset, scheduling]
+
+    return get
+
+
 @pytest.mark.parametrize("preset,scheduling", [("tiny", "chunked"), ("tiny", "layered"),
                                                ("tiny-gpt-oss", "chunked"),
                                                ("tiny-gpt-oss", "layered")])
-def test_tp_attention_with_experts_on_the_same_devices(references, preset, scheduling):
+def test_tp_attention_with_experts_on_the_same_devices(references, tp_engines, preset,
+                                                       scheduling):
     """TP 4 over 2 KV heads: the pool keeps each head twice, one per device; the experts
     split over the same 4 devices; tokens are the single-device model's."""
-    # One row bucket (16 prefill rows beside 2 decodes), so one program serves every
-    # step; backends "off": the xla kernels need no start-up self-test.
-    llm = LLM(str(ensure_tiny(preset=preset)), tensor_parallel_size=4,
-              enable_expert_parallel=True, scheduling=scheduling, max_num_seqs=2,
-              max_model_len=64, max_num_batched_tokens=16, token_buckets=(18,),
-              kv_pages=16, backends="off", log=None)
+    llm = tp_engines(preset, scheduling)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == references[preset]
@@ -154,3 +169,21 @@ def test_tp_attention_with_experts_on_the_same_devices(references, preset, sched
     stats = llm.stats()
     assert stats["compilations_after_warmup"] == 0
     assert stats["programs"] == 1 and stats["startup_compilations"] <= MAX_PROGRAMS
+
+
+def test_penalties_read_counts_kept_on_the_vocabulary_split(references, tp_engines, engines):
+    """The sampler's token counts live split over the vocabulary as the logits do (no
+    vocabulary-wide gather a step); penalised greedy tokens equal the single-device
+    engine's, and differ from plain greedy ones, so the counts were read."""
+    penalized = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                               presence_penalty=0.5, frequency_penalty=0.5,
+                               repetition_penalty=1.5)
+    llm = tp_engines("tiny", "chunked")
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS,
+                                             sampling_params=penalized)]
+    counts = llm.engine.runner.counts
+    assert all(x.sharding.spec == P(None, "tensor") for x in counts.values())
+    want = [o.token_ids for o in engines("chunked").generate(prompt_token_ids=PROMPTS,
+                                                             sampling_params=penalized)]
+    assert got == want and got != references["tiny"]
+    assert llm.stats()["compilations_after_warmup"] == 0

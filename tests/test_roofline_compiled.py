@@ -72,8 +72,9 @@ def test_the_layer_loop_is_split_off_and_counted_per_layer(aot_dirs):
     assert eight.body.flops == pytest.approx(four.body.flops, rel=0.01)
     assert eight.body.bytes == pytest.approx(four.body.bytes, rel=0.05)
     assert eight.outside.flops == pytest.approx(four.outside.flops, rel=0.01)
-    # outside the loop XLA prefetches the small [L, ...] stacks (norm weights) to VMEM
-    assert eight.outside.seconds == pytest.approx(four.outside.seconds, rel=0.15)
+    # outside the loop XLA prefetches the small [L, ...] stacks (norm weights) to VMEM:
+    # four more layers add there well under a hundredth of one layer's body
+    assert abs(eight.outside.seconds - four.outside.seconds) < 0.01 * eight.body.seconds
     body4, body8 = 4 * four.body.seconds, 8 * eight.body.seconds
     assert body8 == pytest.approx(2 * body4, rel=0.05)
     assert eight.call_s - eight.outside.seconds == pytest.approx(body8)

@@ -111,3 +111,53 @@ def test_mosaic_gpu_calls_in_optimized_hlo_are_costed_as_the_moe_kernels():
     assert kernel_name(ins, p) == cost.GPU_MOE_GATE_UP
     down = line.replace("bf16[6144,2048,1536]", "bf16[6144,768,2048]")
     assert kernel_name(hlo._parse_instr(down), p) == cost.GPU_MOE_DOWN
+
+
+X, V, U = 32, 4096, 8  # count rows, vocabulary, scattered tokens
+DIMS = ("update_window_dims={}, inserted_window_dims={0,1}, "
+        "scatter_dims_to_operand_dims={0,1}, index_vector_dim=1")
+BUF, IDX, UPD = f"s32[{X},{V}]{{1,0}}", f"s32[{U},2]{{1,0}}", f"s32[{U}]{{0}}"
+SPARSECORE = f"""HloModule sparsecore
+
+%add (a: s32[], b: s32[]) -> s32[] {{
+  %a = s32[] parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %s = s32[] add(%a, %b)
+}}
+
+%scatter_fusion (p0: s32[{X},{V}], p1: s32[{U},2], p2: s32[{U}]) -> s32[{X},{V}] {{
+  %p0 = s32[{X},{V}]{{1,0}} parameter(0)
+  %p1 = s32[{U},2]{{1,0}} parameter(1)
+  %p2 = s32[{U}]{{0}} parameter(2)
+  ROOT %sc = {BUF} scatter(%p0, %p1, %p2), {DIMS}, to_apply=%add
+}}
+
+%offloaded (q0: s32[{X},{V}], q1: s32[{U},2], q2: s32[{U}]) -> s32[{X},{V}] {{
+  %q0 = s32[{X},{V}]{{1,0}} parameter(0)
+  %q1 = s32[{U},2]{{1,0}} parameter(1)
+  %q2 = s32[{U}]{{0}} parameter(2)
+  ROOT %f = s32[{X},{V}]{{1,0}} fusion(%q0, %q1, %q2), kind=kCustom, calls=%scatter_fusion
+}}
+
+ENTRY %main (c: s32[{X},{V}], i: s32[{U},2], u: s32[{U}]) -> s32[{X},{V}] {{
+  %c = s32[{X},{V}]{{1,0}} parameter(0)
+  %i = s32[{U},2]{{1,0}} parameter(1)
+  %u = s32[{U}]{{0}} parameter(2)
+  %start = ((), (), s32[]) call-start(), async_execution_thread="sparsecore", to_apply=%offloaded
+  %update = (({BUF}, {IDX}, {UPD}), {BUF}) call-update(%start, %c, %i, %u)
+  ROOT %done = s32[{X},{V}]{{1,0}} call-done(%update)
+}}
+"""
+
+
+def test_an_offloaded_scatter_moves_its_updates_not_the_buffer():
+    """XLA:TPU runs the counts' scatter-add on the SparseCore as call-start / call-update /
+    call-done around the scatter's computation: the scatter is costed there (in place, its
+    updates), and the wrappers move nothing of their own. Charged as ordinary ops, the
+    wrappers cost the whole [X, V] buffer three times over."""
+    module = hlo.parse(SPARSECORE)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=V), tp=1)
+    walker = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
+    ops = walker.walk(module.computations[module.entry], {}, top=True)
+    moved = sum(op.bytes for op in ops)
+    assert 0 < moved <= 2 * U * 4 + U * 2 * 4, moved  # the updates twice, the indices

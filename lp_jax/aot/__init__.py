@@ -49,7 +49,14 @@ from lp_jax.config import ModelConfig, resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import resolve_policy
 from lp_jax.core.programs import hidden_rows, step_buckets
-from lp_jax.executor.step import StepSpec, empty_inputs, init_counts, make_step
+from lp_jax.executor.step import (
+    StepSpec,
+    compiler_options,
+    counts_sharding,
+    empty_inputs,
+    init_counts,
+    make_step,
+)
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import (
@@ -209,7 +216,8 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                                   sharding=replicated(mesh))
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
-                     replicated=replicated(mesh))
+                     replicated=replicated(mesh),
+                     counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))
     per_layer = 0
     if model_cfg.moe_layers:
         mlp = state["model"]["layers"]["mlp"]
@@ -241,10 +249,11 @@ def _abstract_inputs(spec: StepSpec, N: int, mesh):
 
 
 def _abstract_counts(b: Build):
-    """The sampler's token-count state, as the engine holds it (replicated, donated)."""
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated(b.mesh)),
-        init_counts(b.spec, b.model_config.vocab_size))
+    """The sampler's token-count state, as the engine holds it (on the vocabulary split,
+    donated)."""
+    on_vocab = counts_sharding(b.spec, b.model_config.vocab_size, b.mesh)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_vocab),
+                        init_counts(b.spec, b.model_config.vocab_size))
 
 
 def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None) -> dict:
@@ -270,8 +279,9 @@ def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None
             rec["stablehlo"] = lowered.as_text()
             rec["lower_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            options = resources.xla_dump_options(dump_dir / "xla") if dump_dir else None
-            compiled = lowered.compile(compiler_options=options)
+            options = compiler_options(cfg.platform) | (
+                resources.xla_dump_options(dump_dir / "xla") if dump_dir else {})
+            compiled = lowered.compile(compiler_options=options or None)
             rec["compile_s"] = time.perf_counter() - t1
         if dump_dir is not None:
             from pallas_kernels.compile_targets import ptxas_path

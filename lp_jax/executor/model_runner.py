@@ -61,6 +61,8 @@ from lp_jax.executor.plan_channel import StepCodec, host_array
 from lp_jax.executor.step import (
     MAX_EOS_TOKEN_IDS,
     StepSpec,
+    compiler_options,
+    counts_sharding,
     empty_inputs,
     init_counts,
     make_step,
@@ -216,9 +218,10 @@ class ModelRunner:
         self.hidden_RD = jax.device_put(
             np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
-        self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), self._replicated)
+        on_vocab = counts_sharding(self.spec, cfg.vocab_size, mesh)
+        self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
-                                       replicated=self._replicated),
+                                       replicated=self._replicated, counts_sharding=on_vocab),
                              donate_argnums=(1, 2, 4))
         self.programs: dict[int, jax.stages.Compiled] = {}
         # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows
@@ -266,8 +269,10 @@ class ModelRunner:
                 f"{list(self.spec.buckets)}) in {time.perf_counter() - t0:.1f} s")
 
     def _compile(self, N: int) -> jax.stages.Compiled:
+        platform = self._replicated.mesh.devices.flat[0].platform
         return self._step.lower(self.state, self.kv_pages, self.hidden_RD,
-                                empty_inputs(self.spec, N), self.counts).compile()
+                                empty_inputs(self.spec, N), self.counts).compile(
+            compiler_options=compiler_options(platform))
 
     def _program(self, N: int):
         prog = self.programs.get(N)

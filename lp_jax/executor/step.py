@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from lp_jax.executor.sampler import (
@@ -64,6 +65,7 @@ from lp_jax.executor.sampler import (
 )
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.sharding import named_sharding
 from lp_jax.spec.config import MAX_SPECULATIVE_TOKENS
 from lp_jax.structured.params import mask_words
 
@@ -99,11 +101,35 @@ class StepSpec:
         return min(N, self.max_num_seqs)
 
 
+# XLA:TPU's memory-space assignment may copy one whole entry parameter into on-chip memory
+# at the start of each call (a cross-program prefetch), and again at its end so the next
+# call of the same program finds it there. On a vocabulary-split mesh it picks the
+# embedding shard (Qwen3-30B-A3B on 8 v6e chips: [18992, 2048], 77.8 MB) and reads it
+# whole to gather a few rows. A step reads each weight once, so such a copy buys at most
+# an earlier start of one read; the step allows none. The flag exists only in TPU's
+# compiler: other platforms get no options.
+TPU_COMPILER_OPTIONS = {"xla_msa_max_cross_program_prefetches": 0}
+
+
+def compiler_options(platform: str) -> dict:
+    """The step's XLA compile options on `platform` ("tpu", "cpu", "gpu", "cuda")."""
+    return dict(TPU_COMPILER_OPTIONS) if platform == "tpu" else {}
+
+COUNTS_AXES = (None, "vocab")  # logical axes of output_XV and prompt_XV
+
+
 def init_counts(spec: StepSpec, vocab_size: int) -> dict:
     """The sampler's token-count state (numpy), one slot per admitted sequence."""
     X = spec.max_num_seqs
     return {"output_XV": np.zeros((X, vocab_size), np.int32),
             "prompt_XV": np.zeros((X, vocab_size), np.bool_)}
+
+
+def counts_sharding(spec: StepSpec, vocab_size: int, mesh) -> NamedSharding:
+    """Where the counts live on `mesh`: split over the vocabulary as the logits are
+    (LOGICAL_RULES' "vocab"), so the penalties read and the sampled tokens' scatter-add
+    writes each chip's own columns; nothing vocabulary-wide is gathered a step."""
+    return named_sharding(COUNTS_AXES, (spec.max_num_seqs, vocab_size), mesh)
 
 
 def _count_tokens(counts, inputs, tokens_N):
@@ -152,13 +178,15 @@ def _score_prompt(model, x_ND, target_N):
             ids_CQK.reshape(C * Q, K)[:N])
 
 
-def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=None):
+def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=None,
+              counts_sharding=None):
     """step(state, kv_pages, hidden_RD, inputs, counts=None) -> (kv_pages, hidden_RD, out);
-    jit it with kv_pages, hidden_RD and counts donated. `replicated` (a mesh's replicated
-    sharding; None on one device) pins the vocabulary-wide arrays the host keeps
-    replicated: out["counts"], the new counts, and the bitmask input. Otherwise the
-    vocab-sharded logits would reshard them (sharding propagation runs back through the
-    mask's bits into the input), and the next call would not match its program."""
+    jit it with kv_pages, hidden_RD and counts donated. On a mesh, `replicated` (its
+    replicated sharding) pins the bitmask input the host keeps replicated, and
+    `counts_sharding` (`counts_sharding()`) pins out["counts"] to the counts' input
+    sharding. Otherwise sharding propagation from the vocab-sharded logits would choose
+    them (it runs back through the mask's bits into the input), and the next call would
+    not match its program."""
     R = spec.max_num_seqs
 
     def step(state, kv_pages, hidden_RD, inputs, counts=None):
@@ -236,8 +264,8 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
                "prompt_logprob_N": prompt_lp[0], "prompt_top_logprob_NK": prompt_lp[1],
                "prompt_top_id_NK": prompt_lp[2]}
         if counts is not None:
-            out["counts"] = counts if replicated is None else jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(x, replicated), counts)
+            out["counts"] = counts if counts_sharding is None else jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
         return kv_pages, hidden_RD, out
 
     return step

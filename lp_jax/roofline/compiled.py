@@ -24,7 +24,10 @@ and a full page table (every sequence at max_model_len, the new rows spread even
 over min(rows, max_num_seqs) sequences). Bytes: an op moves its operands and result,
 except that an in-place update moves its update, and an operand that a fusion only
 slices or gathers from (stacked layer weights, the embedding), directly or in a fusion
-nested in it, moves the slice.
+nested in it, moves the slice. Every asynchronous copy (copy-start, slice-start) moves
+its bytes, a cross-program prefetch and its end-of-program copy both: the second lets
+the next call of the same program skip the first, but a call after another program's
+does not, so a call is charged both.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency",
          "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
-         "send-done", "recv-done", "domain"}
+         "send-done", "recv-done", "domain", "call-update", "call-done", "async-update"}
 _COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-start",
                 "reduce-scatter", "all-to-all", "collective-permute",
                 "collective-permute-start", "ragged-all-to-all"}
@@ -191,7 +194,7 @@ class Walker:
                     ops += body  # one trip (the trip count is a run-time value)
             elif ins.opcode == "conditional":
                 ops += self._branch(ins, loops, top)
-            elif ins.opcode in ("call", "async-start") and ins.called:
+            elif ins.opcode in ("call", "async-start", "call-start") and ins.called:
                 ops += self.walk(self.m.computations[ins.called[0]], loops, top)
             else:
                 op = self.op(comp, ins)
