@@ -4,6 +4,7 @@ program is a bug whether or not some earlier build left it in the cache."""
 
 import jax
 import pytest
+from jax._src import compilation_cache
 
 from lp_jax import LLM, SamplingParams
 from lp_jax.executor import compile_guard
@@ -36,11 +37,15 @@ def test_a_late_program_counts_whether_or_not_the_cache_holds_it(llm, cached):
     before = llm.stats()["compilations_after_warmup"]
     hits = compile_guard.cache_hits()
     enabled = jax.config.jax_enable_compilation_cache
+    # JAX decides once per process whether the persistent cache is used (memoized in
+    # compilation_cache.is_cache_used); reset_cache makes it read the flag again.
     jax.config.update("jax_enable_compilation_cache", cached)
+    compilation_cache.reset_cache()
     try:
         llm.generate(prompt_token_ids=[list(range(1, 12))], sampling_params=GREEDY)
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
     assert 16 in runner.programs
     assert (compile_guard.cache_hits() > hits) == cached
     assert llm.stats()["compilations_after_warmup"] > before

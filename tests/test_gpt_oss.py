@@ -320,10 +320,11 @@ def test_20b_builds_abstractly_with_expected_bytes():
     assert sum(math.prod(v.shape) for _, v in flat) == params + V * (2944 - D)
     assert 20.5e9 < params < 21.5e9  # "gpt-oss-20b": 21B parameters
     assert cfg.expert_bytes == (3 * D * F + 2 * F + D) * 2
-    # The shardings a 2 x 4 (expert x tensor) mesh gives it, from shapes alone.
+    # The shardings a 2 x 4 (expert x tensor) mesh gives it, from shapes alone: the 32
+    # experts over all 8 chips (both axes), 4 a chip.
     shardings = dict(nnx.to_flat_state(param_shardings(abstract, make_mesh(expert=2, tensor=4))))
     spec = shardings[("model", "layers", "mlp", "experts_gate_up_proj")].spec
-    assert tuple(spec)[:2] == (None, "expert")
+    assert tuple(spec)[:2] == (None, ("expert", "tensor"))
 
 
 def test_dummy_load_runs():
