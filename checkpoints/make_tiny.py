@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -27,10 +29,28 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints.make_tiny_deepseek import DEEPSEEK_PRESETS, make_deepseek_weights
 from lp_jax.paths import models_dir
 
 HERE = Path(__file__).resolve().parent
+
+
+def _sibling(name: str):
+    """A module beside this one, imported from the package (a checkout's `checkpoints`,
+    the wheel's `lp_jax.checkpoints`) or, when this file is loaded by path
+    (tests/golden/make_golden.py), by path too. No import statement names the package,
+    so the wheel's build (setup.py) leaves this file's bytes, and with them the demo
+    model's stamp (train_demo._stamp), as the checkout has them."""
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_deepseek = _sibling("make_tiny_deepseek")
+DEEPSEEK_PRESETS = _deepseek.DEEPSEEK_PRESETS
+make_deepseek_weights = _deepseek.make_deepseek_weights
 STAMP_FILE = ".make_tiny_stamp"
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
