@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 
-def _positive_int(s: str) -> int:
+def positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
@@ -35,7 +35,7 @@ def _non_negative_int(s: str) -> int:
     return v
 
 
-def _positive_float(s: str) -> float:
+def positive_float(s: str) -> float:
     v = float(s)
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
@@ -104,8 +104,8 @@ def _speculative_config(s: str):
     return value
 
 
-PARSERS = {"positive_int": _positive_int, "non_negative_int": _non_negative_int,
-           "positive_float": _positive_float, "unit_interval": _unit_interval,
+PARSERS = {"positive_int": positive_int, "non_negative_int": _non_negative_int,
+           "positive_float": positive_float, "unit_interval": _unit_interval,
            "int_tuple": _int_tuple, "layer_groups": _layer_groups,
            "existing_path": _existing_path, "slo_classes": _slo_classes, "json": _json,
            "speculative_config": _speculative_config}

@@ -19,19 +19,7 @@ import logging
 import os
 from pathlib import Path
 
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
-    return v
+from lp_jax.engine_args import positive_float, positive_int
 
 
 def _chat_template(s: str) -> str:
@@ -96,19 +84,19 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use [default: the --model directory's name, "
                         "or 'tiny']")
-    s.add_argument("--max-waiting", type=_positive_int, default=None,
+    s.add_argument("--max-waiting", type=positive_int, default=None,
                    help="sequences (a request's prompts x n) allowed to wait beyond the "
                         "free slots (--max-num-seqs); beyond it: 503 + Retry-After; a request "
                         "of more than --max-num-seqs + this many sequences: 400")
-    s.add_argument("--max-request-seqs", type=_positive_int, default=DEFAULT_MAX_REQUEST_SEQS,
+    s.add_argument("--max-request-seqs", type=positive_int, default=DEFAULT_MAX_REQUEST_SEQS,
                    help="most sequences (prompts x n) one request may run; beyond: 400")
-    s.add_argument("--max-logprob-entries", type=_positive_int,
+    s.add_argument("--max-logprob-entries", type=positive_int,
                    default=DEFAULT_MAX_LOGPROB_ENTRIES,
                    help="most log-probability entries one response may carry: prompt entries "
                         "plus max_tokens x n x (logprobs + 1) over its prompts; beyond: 400")
-    s.add_argument("--max-n", type=_positive_int, default=16,
+    s.add_argument("--max-n", type=positive_int, default=16,
                    help="most choices per prompt a request may ask for ('n'); beyond: 400")
-    s.add_argument("--max-prompt-logprob-entries", type=_positive_int,
+    s.add_argument("--max-prompt-logprob-entries", type=positive_int,
                    default=DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
                    help="most prompt log-probability entries a request may ask for (prompt "
                         "tokens x n x (prompt_logprobs + 1), over all its prompts; about 60 "
@@ -129,12 +117,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also exposes the vllm: names of the metrics that mean the "
                         "same (lp_jax/server/metrics.py), for dashboards built for vLLM")
-    s.add_argument("--read-timeout", type=_positive_float, default=60.0,
+    s.add_argument("--read-timeout", type=positive_float, default=60.0,
                    help="seconds a client has to send a request's headers, and then its body")
-    s.add_argument("--shutdown-grace", type=_positive_float, default=30.0,
+    s.add_argument("--shutdown-grace", type=positive_float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--log-level", default="info")
-    s.add_argument("--log-stats-interval", type=_positive_float, default=10.0, metavar="S",
+    s.add_argument("--log-stats-interval", type=positive_float, default=10.0, metavar="S",
                    help="seconds between stats lines (throughput, running and waiting "
                         "requests, KV usage, prefix-cache hits, preemptions) while serving")
     s.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
