@@ -39,7 +39,7 @@ import re
 
 from lp_jax.server.harmony import new_call
 from lp_jax.server.reasoning import marker_prefix
-from lp_jax.server.tools import ToolsError, wanted_tools
+from lp_jax.server.tools import ToolsError, read_whole, wanted_tools
 from lp_jax.structured.params import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"
@@ -134,13 +134,7 @@ class Glm45ToolCallParser:
 def split_calls(text: str, tools: list | None = None,
                 parallel: bool = True) -> tuple[str | None, list[dict]]:
     """A whole answer as (content or None when only calls, calls as `tool_calls`)."""
-    p = Glm45ToolCallParser(parallel=parallel, tools=tools)
-    content, _ = p.push(text)
-    content += p.finish()
-    calls = p.whole_calls()
-    if calls and not content.strip():
-        return None, calls
-    return content, calls
+    return read_whole(Glm45ToolCallParser(parallel=parallel, tools=tools), text)
 
 
 # The parameters' schema keywords the forced grammar reads or may ignore (documentation,

@@ -55,10 +55,4 @@ def grammar(fmt: str, request_tools: list, choice, parallel: bool):
 def split(new_parser, text: str) -> tuple[str | None, list[dict]]:
     """A whole answer, read by a fresh parser, as (content or None when only calls, the
     calls as a message's `tool_calls`)."""
-    p = new_parser()
-    content, _ = p.push(text)
-    content += p.finish()
-    calls = p.whole_calls()
-    if calls and not content.strip():
-        return None, calls
-    return content, calls
+    return tools.read_whole(new_parser(), text)

@@ -242,10 +242,15 @@ def split_calls(text: str, forced: bool = False,
                 parallel: bool = True) -> tuple[str | None, list[dict]]:
     """A whole answer as (content or None when only calls, calls as a message's
     `tool_calls`)."""
-    p = ToolCallParser(forced, parallel)
-    content, _ = p.push(text)
-    content += p.finish()
-    calls = p.whole_calls()
+    return read_whole(ToolCallParser(forced, parallel), text)
+
+
+def read_whole(parser, text: str) -> tuple[str | None, list[dict]]:
+    """A whole answer read by a fresh `parser` (any format's): (content, or None when the
+    answer is only calls; the calls as a message's `tool_calls`)."""
+    content, _ = parser.push(text)
+    content += parser.finish()
+    calls = parser.whole_calls()
     if calls and not content.strip():
         return None, calls
     return content, calls
