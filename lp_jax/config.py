@@ -448,26 +448,38 @@ class ModelConfig:
 _GLM4_MOE_FIXED = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
-def _glm4_moe_fields(hf: dict, rope: dict, source: str) -> dict:
-    """ModelConfig fields of a `glm4_moe` config.json, in the hubs' dialect (top-level
-    rope_theta and partial_rotary_factor) or transformers 5's (inside rope_parameters),
-    with Glm4MoeConfig's defaults."""
-    for name, value in _GLM4_MOE_FIXED.items():
+def _refuse_unfixed(hf: dict, fixed: dict, model_type: str, source: str) -> None:
+    for name, value in fixed.items():
         if hf.get(name, value) != value:
-            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported for glm4_moe "
-                             f"(lp_jax serves {name}={value!r})")
+            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported for "
+                             f"{model_type} (lp_jax serves {name}={value!r})")
+
+
+def _sigmoid_moe_fields(hf: dict, *, dense_layers: int) -> dict:
+    """The routing, shared-expert and next-token fields GLM-4.5 and DeepSeek-V3 share
+    (sigmoid group-limited routing; `dense_layers`: first_k_dense_replace's default)."""
     return dict(
         scoring_func="sigmoid",
         n_group=int(hf.get("n_group") or 1),
         topk_group=int(hf.get("topk_group") or 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
-        first_k_dense_replace=int(hf.get("first_k_dense_replace", 1)),
+        first_k_dense_replace=int(hf.get("first_k_dense_replace", dense_layers) or 0),
+        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
+    )
+
+
+def _glm4_moe_fields(hf: dict, rope: dict, source: str) -> dict:
+    """ModelConfig fields of a `glm4_moe` config.json, in the hubs' dialect (top-level
+    rope_theta and partial_rotary_factor) or transformers 5's (inside rope_parameters),
+    with Glm4MoeConfig's defaults."""
+    _refuse_unfixed(hf, _GLM4_MOE_FIXED, "glm4_moe", source)
+    return dict(
+        _sigmoid_moe_fields(hf, dense_layers=1),
         use_qk_norm=bool(hf.get("use_qk_norm", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
         partial_rotary_factor=float(hf.get("partial_rotary_factor",
                                            rope.get("partial_rotary_factor", 0.5))),
-        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
     )
 
 
@@ -477,22 +489,13 @@ _DEEPSEEK_V3_FIXED = {**_GLM4_MOE_FIXED, "attention_bias": False}
 def _deepseek_v3_fields(hf: dict, source: str) -> dict:
     """ModelConfig fields of a `deepseek_v3` config.json (DeepSeek-V3 / R1 / V3.1), with
     DeepseekV3Config's defaults; head_dim is qk_rope_head_dim (the rotary width)."""
-    for name, value in _DEEPSEEK_V3_FIXED.items():
-        if hf.get(name, value) != value:
-            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported for "
-                             f"deepseek_v3 (lp_jax serves {name}={value!r})")
+    _refuse_unfixed(hf, _DEEPSEEK_V3_FIXED, "deepseek_v3", source)
     for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
         if not hf.get(name):
             raise ValueError(f"{source}: deepseek_v3 needs a positive {name}")
     return dict(
-        scoring_func="sigmoid",
-        n_group=int(hf.get("n_group") or 1),
-        topk_group=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(hf.get("n_shared_experts", 1) or 0),
-        first_k_dense_replace=int(hf.get("first_k_dense_replace", 0) or 0),
+        _sigmoid_moe_fields(hf, dense_layers=0),
         use_qk_norm=False,
-        num_nextn_predict_layers=int(hf.get("num_nextn_predict_layers", 0) or 0),
         q_lora_rank=int(hf.get("q_lora_rank") or 0),
         kv_lora_rank=int(hf["kv_lora_rank"]),
         qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
