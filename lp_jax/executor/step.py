@@ -115,6 +115,7 @@ def compiler_options(platform: str) -> dict:
     """The step's XLA compile options on `platform` ("tpu", "cpu", "gpu", "cuda")."""
     return dict(TPU_COMPILER_OPTIONS) if platform == "tpu" else {}
 
+
 COUNTS_AXES = (None, "vocab")  # logical axes of output_XV and prompt_XV
 
 
