@@ -204,3 +204,16 @@ def auto_for_engine(model_cfg: ModelConfig, device_kind: str, *, max_k: int,
         + ("" if known else f" (device {device_kind!r} is not in the table)")
         + f", k in [0, {max_k}]")
     return AutoK(setup.step_ratio, max_k)
+
+
+def max_batch(setup: SpecSetup, hbm_share: float = 0.9) -> int:
+    """The most sequences of `setup.context` tokens whose KV fits beside the weights in
+    `hbm_share` of the tp x ep chips' HBM (0 when the weights alone do not fit)."""
+    s = setup.shape
+    weights = (s.num_moe_layers * (s.expert_bytes_per_layer + s.shared_mlp_bytes)
+               + s.num_layers * s.attention_weight_bytes
+               + s.dense_layers_count * s.dense_mlp_bytes
+               + s.vocab_size * s.hidden_size * s.dtype_bytes * (1 if s.tie_word_embeddings else 2))
+    kv_token = s.num_layers * s.kv_values_per_token_layer * s.kv_itemsize
+    free = hbm_share * setup.hardware.hbm_bytes * setup.tp * setup.ep - weights
+    return max(0, int(free // (kv_token * setup.context)))

@@ -79,16 +79,15 @@ class AutoK:
     def choose(self, batch: int, max_rows: int | None = None) -> int:
         """k for a plan of `batch` decodes: argmax over k of tau(alpha, k) / ratio(batch, k),
         k <= max_k and batch (k + 1) <= max_rows (the rows a step may verify); 0 when
-        batch is 0 or no k beats plain decoding."""
-        top = self.max_k
-        if max_rows is not None and batch:
-            top = min(top, max_rows // batch - 1)
-        best, best_gain = 0, 1.0
-        if batch > 0:
-            alpha = self.alpha
-            for k in range(1, top + 1):
-                gain = expected_tokens(alpha, k) / self.step_ratio(batch, k)
-                if gain > best_gain:
-                    best, best_gain = k, gain
+        no k beats plain decoding. `last_k` keeps the choice: the scheduler holds a decode
+        out of an overlapped plan (to draft after its commit) only while it is > 0."""
+        if batch <= 0:
+            return 0  # a plan without decodes leaves last_k as it was
+        top = self.max_k if max_rows is None else min(self.max_k, max_rows // batch - 1)
+        best, best_gain, alpha = 0, 1.0, self.alpha
+        for k in range(1, top + 1):
+            gain = expected_tokens(alpha, k) / self.step_ratio(batch, k)
+            if gain > best_gain:
+                best, best_gain = k, gain
         self.last_k = best
         return best
