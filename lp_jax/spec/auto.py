@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-PRIOR_ALPHA = 0.6  # n-gram drafts on repetitive text accept about this (docs/speculative.md)
+# ASSUMED: a middle value, below the 0.71-0.86 per position n-gram drafts reached on the
+# demo model (docs/benchmarks/speculative.md); measured trials outweigh it within a few steps.
+PRIOR_ALPHA = 0.6
 PRIOR_WEIGHT = 8.0  # pseudo-trials the prior counts for
 WINDOW = 1024.0  # trials remembered
 
