@@ -3,6 +3,7 @@
 measures, and an engine that runs it: the fake executor's (nothing compiles) and the shared
 tiny engine's programs, greedy tokens unchanged."""
 
+import json
 import math
 
 import numpy as np
@@ -142,6 +143,10 @@ def test_config_auto_and_its_errors():
 
     with pytest.raises(ValueError, match="cost model"):
         Scheduler(make_sched_cfg("layered", speculative_config=c))
+    from lp_jax import serve
+
+    args = serve.build_parser().parse_args(["--speculative-config", json.dumps(AUTO)])
+    assert serve.engine_config(args).speculative_config.is_auto
     assert hardware_for_device("NVIDIA H200")[0] is H200
     assert hardware_for_device("TPU v6 lite") == (V6E, True)
     assert hardware_for_device("cpu")[1] is False

@@ -125,11 +125,8 @@ class LLMEngine:
                 max_model_len / config.page_size)
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
             self.runner = executor(sched_cfg, buckets, model_cfg)
-        sc = sched_cfg.speculative_config
-        spec_auto = (spec_pays.auto_for_engine(
-            model_cfg, jax.devices()[0].device_kind, max_k=sc.max_tokens,
-            max_model_len=max_model_len, log=self.log) if sc is not None and sc.is_auto
-            else None)
+        spec_auto = spec_pays.auto_for_engine(sched_cfg.speculative_config, model_cfg,
+                                              max_model_len, log=self.log)  # "auto" k
         self.scheduler = Scheduler(sched_cfg, latency, spec_auto)
         self.structured = self._structured_outputs(model_dir)
         self.trace = None  # the decision trace (lp_jax/trace), with config.trace_path

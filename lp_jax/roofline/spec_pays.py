@@ -55,6 +55,7 @@ from lp_jax.roofline.hardware import HARDWARE, Hardware
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.roofline.routing import UNIFORM, Routing
 from lp_jax.spec.auto import AutoK, expected_tokens
+from lp_jax.spec.config import SpeculativeConfig
 
 DRAFTS = ("ngram", "eagle3", "mtp")
 EAGLE3_MLP_RATIO = 3.0  # ASSUMED draft SwiGLU width / D
@@ -192,17 +193,31 @@ def hardware_for_device(device_kind: str) -> tuple[Hardware, bool]:
     return HARDWARE[FALLBACK_HARDWARE], False
 
 
-def auto_for_engine(model_cfg: ModelConfig, device_kind: str, *, max_k: int,
-                    max_model_len: int, log: Callable[[str], object] = print) -> AutoK:
-    """The engine's k chooser for `"num_speculative_tokens": "auto"`: n-gram drafts on the
-    served model (its weight and KV formats) on the chip jax reports, one device, at a
-    context of min(DEFAULT_CONTEXT, max_model_len) tokens."""
+# speculative_config methods (vLLM's names) to the draft costs modelled above
+_DRAFT_OF_METHOD = {"ngram": "ngram", "eagle3": "eagle3", "mtp": "mtp", "deepseek_mtp": "mtp"}
+
+
+def auto_for_engine(spec_config: SpeculativeConfig | None, model_cfg: ModelConfig,
+                    max_model_len: int, *, device_kind: str | None = None,
+                    log: Callable[[str], object] = print) -> AutoK | None:
+    """The engine's k chooser when `spec_config` asks for `"num_speculative_tokens": "auto"`
+    (None otherwise): the served model (its weight and KV formats) on the chip jax reports
+    (`device_kind`, default the first device's), one device, at a context of
+    min(DEFAULT_CONTEXT, max_model_len) tokens, with the method's draft cost."""
+    if spec_config is None or not spec_config.is_auto:
+        return None
+    if device_kind is None:
+        import jax
+
+        device_kind = jax.devices()[0].device_kind
     hardware, known = hardware_for_device(device_kind)
     shape = ModelShape.from_model_config(model_cfg, name=model_cfg.model_type)
-    setup = SpecSetup(shape, hardware, context=min(DEFAULT_CONTEXT, max_model_len))
+    draft = _DRAFT_OF_METHOD.get(spec_config.method, "ngram")
+    setup = SpecSetup(shape, hardware, draft=draft, context=min(DEFAULT_CONTEXT, max_model_len))
+    max_k = spec_config.max_tokens
     log(f"speculative k auto: roofline of {shape.name} on {hardware.name}"
         + ("" if known else f" (device {device_kind!r} is not in the table)")
-        + f", k in [0, {max_k}]")
+        + f", {draft} drafts, k in [0, {max_k}]")
     return AutoK(setup.step_ratio, max_k)
 
 
