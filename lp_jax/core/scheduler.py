@@ -56,6 +56,7 @@ from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.policies.base import Policy
 from lp_jax.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from lp_jax.spec.auto import AutoK
 from lp_jax.spec.ngram import propose_ngram
 
 _STAT_KEYS = (
@@ -69,8 +70,15 @@ _STAT_KEYS = (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel | None = None,
+                 spec_auto: AutoK | None = None) -> None:
         self.config = config
+        sc = config.speculative_config
+        if sc is not None and sc.is_auto and spec_auto is None:
+            raise ValueError('num_speculative_tokens "auto" needs a cost model (an AutoK: the '
+                             "engine builds one from lp_jax/roofline/spec_pays.py)")
+        # Chooses each plan's k under "auto" (lp_jax/spec/auto.py); None: k is fixed.
+        self.spec_auto = spec_auto if sc is not None and sc.is_auto else None
         # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
         # from measured steps through observe().
         self.latency = latency or LatencyModel(ModelDims(config.num_layers))
@@ -229,7 +237,7 @@ class Scheduler:
     def max_decode_rows(self, seq: Sequence) -> int:
         """Rows a decode of seq may run: 1, or 1 + k verification rows when it speculates."""
         sc = self.config.speculative_config
-        return 1 + sc.num_speculative_tokens if self._speculates(seq) else 1
+        return 1 + sc.max_tokens if self._speculates(seq) else 1
 
     def count(self, name: str, n: int = 1) -> None:
         """Adds n to the counter `name` of stats()."""
@@ -416,7 +424,7 @@ class Scheduler:
             if (seq.num_output_tokens >= seq.sampling_params.max_tokens
                     or seq.num_tokens >= self.config.max_model_len
                     or seq.sampling_params.structured_outputs is not None
-                    or self._speculates(seq)):
+                    or (self._speculates(seq) and self._drafting())):
                 held.add(seq.seq_id)
         return held
 
@@ -425,6 +433,11 @@ class Scheduler:
         step verifies a draft by sampling its row like any other (lp_jax/spec/accept.py),
         under the grammar's mask and the penalty counts after the drafts before it."""
         return self.config.speculative_config is not None
+
+    def _drafting(self) -> bool:
+        """Whether the next plan may draft: always with a fixed k; under "auto" while the
+        last plan chose k > 0, so with speculation off decodes overlap as without it."""
+        return self.spec_auto is None or self.spec_auto.last_k > 0
 
     def _fit_drafts(self, decode: list[Sequence], drafts: list[tuple[int, ...]],
                     part) -> None:
@@ -448,11 +461,14 @@ class Scheduler:
         """Each decode's drafts: up to k n-gram tokens, fewer where max_tokens or
         max_model_len leaves room for less, none where their pages are not free."""
         sc = self.config.speculative_config
+        k_plan = sc.num_speculative_tokens if sc is not None else 0
+        if self.spec_auto is not None:
+            k_plan = self.spec_auto.choose(len(decode), self.config.max_num_seqs)
         out = []
         for seq in decode:
             d: list[int] = []
             if self._speculates(seq) and not seq.num_pending_tokens:
-                k = min(sc.num_speculative_tokens,
+                k = min(k_plan,
                         seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_model_len - seq.num_tokens - 1)
                 if k > 0:
@@ -527,6 +543,8 @@ class Scheduler:
             self._stats["spec_decode_num_drafts"] += 1
             self._stats["spec_decode_num_draft_tokens"] += len(drafts)
             self._stats["spec_decode_num_accepted_tokens"] += len(accepted)
+            if self.spec_auto is not None:
+                self.spec_auto.observe(len(drafts), len(accepted))
             for i in range(len(accepted)):
                 self._stats[f"spec_decode_num_accepted_tokens_pos_{i}"] += 1
 

@@ -54,6 +54,7 @@ from lp_jax.executor.plan_channel import (
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_page_bytes, read_kv_scales
 from lp_jax.quant import resolve as resolve_quantization
+from lp_jax.roofline import spec_pays
 from lp_jax.sharding import make_mesh, parallel_mesh_shape
 from lp_jax.trace.writer import TraceWriter
 from pallas_kernels import attention
@@ -124,7 +125,9 @@ class LLMEngine:
                 max_model_len / config.page_size)
             sched_cfg = dataclasses.replace(sched_cfg, num_pages=pages)
             self.runner = executor(sched_cfg, buckets, model_cfg)
-        self.scheduler = Scheduler(sched_cfg, latency)
+        spec_auto = spec_pays.auto_for_engine(sched_cfg.speculative_config, model_cfg,
+                                              max_model_len, log=self.log)  # "auto" k
+        self.scheduler = Scheduler(sched_cfg, latency, spec_auto)
         self.structured = self._structured_outputs(model_dir)
         self.trace = None  # the decision trace (lp_jax/trace), with config.trace_path
         if config.trace_path and self.is_leader:

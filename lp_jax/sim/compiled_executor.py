@@ -42,7 +42,7 @@ class CompiledCostExecutor(CostModelExecutor):
         return other
 
     def _terms(self, plan: StepPlan):
-        B = len(plan.decode)
+        B = plan.num_decode_rows
         n_pre = sum(c.end - c.start for c in plan.prefill)
         self._call_rows = self._bucket(n_pre + B, self._buckets)
         return super()._terms(plan)
@@ -64,8 +64,8 @@ class CompiledCostExecutor(CostModelExecutor):
         f = self.compiled.factor("attention", rows)
         acc.terms[-1] = (n, c * f, m * f)
 
-    def _add_decode_attention(self, acc: _Acc, k: int, count: int, B: int, ctx: int,
-                              slide: int) -> None:
+    def _add_decode_attention(self, acc: _Acc, k: int, count: int, B: int, ctx: tuple,
+                              slide: tuple) -> None:
         super()._add_decode_attention(acc, k, count, B, ctx, slide)
         self._scale_last(acc, B)
 

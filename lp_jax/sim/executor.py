@@ -178,15 +178,20 @@ class CostModelExecutor:
     def _terms(self, plan: StepPlan):
         """(count, compute_s, memory_s) terms, per-device FLOPs and bytes, expert bytes."""
         decode, chunks = plan.decode, plan.prefill
-        B = len(decode)
+        B = plan.num_decode_rows  # a speculating decode runs k + 1 verification rows
         acc = _Acc()
-        ctx = slide = 0
+        ctx = slide = (0, 0)
         if B:
-            lens = [s.num_tokens for s in decode]  # KV length with the new token
-            ctx = sum(lens)
+            drafts = plan.drafts or ((),) * len(decode)
+            # KV length of each row with its own token: row j of a sequence sees j drafts
+            rows = [s.num_tokens + j for s, d in zip(decode, drafts, strict=True)
+                    for j in range(len(d) + 1)]
+            last = [s.num_tokens + len(d) for s, d in zip(decode, drafts, strict=True)]
+            # FLOPs follow every row's context; a sequence's rows read its KV once
+            ctx = (sum(rows), sum(last))
             if self._window:
                 w = self._window
-                slide = sum(n if n < w else w for n in lens)
+                slide = (sum(min(n, w) for n in rows), sum(min(n, w) for n in last))
         b_time = self._bucket(B, self._buckets) if B else 0
         partial: list[tuple[int, int]] = []  # (layer, half with the prefill rows)
         if chunks:
@@ -232,7 +237,8 @@ class CostModelExecutor:
             acc.nbytes += by
         return acc.terms, acc.flops, acc.nbytes, acc.expert_bytes, acc.layers
 
-    def _add_half_layer(self, acc: _Acc, k: int, half: int, rows, pre, ctx: int, slide: int):
+    def _add_half_layer(self, acc: _Acc, k: int, half: int, rows, pre, ctx: tuple,
+                        slide: tuple):
         """A layer whose `half` (0 attention, 1 MLP) runs the prefill rows and the decodes,
         its other half the decodes alone (nothing when there are none)."""
         (b_time, t_mix), (B, t_all) = rows
@@ -251,11 +257,13 @@ class CostModelExecutor:
                 acc.expert_bytes += self._expert_bytes(t_real)
 
     def _add_decode_attention(
-        self, acc: _Acc, k: int, count: int, B: int, ctx: int, slide: int
+        self, acc: _Acc, k: int, count: int, B: int, ctx: tuple, slide: tuple
     ) -> None:
+        """B decode rows; ctx and slide: (summed visible context of the rows, of the
+        sequences), the first costing FLOPs and the second KV bytes."""
         f1, f0, b1, b0 = self._attn_dec[k]
-        vis = slide if self._kinds[k][1] else ctx
-        fl, by = f1 * vis + f0 * B, b1 * vis + b0 * B
+        vis_rows, vis_seqs = slide if self._kinds[k][1] else ctx
+        fl, by = f1 * vis_rows + f0 * B, b1 * vis_seqs + b0 * B
         acc.terms.append((count, fl / self._peak, by / self._bw))
         acc.flops += count * fl
         acc.nbytes += count * by

@@ -5,6 +5,9 @@ error before anything is compiled.
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
 
+`"num_speculative_tokens": "auto"` lets the engine choose k in [0, MAX_SPECULATIVE_TOKENS]
+each step from a cost model and the acceptance it measures (auto.py).
+
 A speculating sequence runs k + 1 verification rows per step (its last token and k
 drafts), so k is bounded: MAX_SPECULATIVE_TOKENS keeps max_num_seqs x (k + 1) rows
 within the decode buckets a default engine compiles.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+AUTO = "auto"
 METHODS = ("ngram",)  # EAGLE-3 and MTP drafts need a draft model: not yet
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64  # n-gram lengths searched per step: a host-side scan each
@@ -32,7 +36,7 @@ class SpeculativeConfig:
     lookup bounds given sets both; neither gives [1, 3]."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int | str = 3  # or AUTO
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
 
@@ -41,9 +45,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)}, "
                              f"got {self.method!r}")
         k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k != AUTO and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"num_speculative_tokens must be an int in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+                             f"[1, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}, got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or not 1 <= v <= MAX_PROMPT_LOOKUP):
@@ -56,6 +60,16 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min {lo} > prompt_lookup_max {hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether k is chosen per step (auto.py) rather than fixed."""
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def max_tokens(self) -> int:
+        """The most drafts one sequence verifies in a step."""
+        return MAX_SPECULATIVE_TOKENS if self.is_auto else self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
