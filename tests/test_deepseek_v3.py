@@ -385,50 +385,44 @@ def test_structured_outputs_keep_random_weights_in_the_language(deepseek_engines
     assert stats["free_pages"] == stats["total_pages"]
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_quantized_at_load_equals_its_dequantised_weights(method):
+@pytest.mark.parametrize("method,expert", [("int8", 1), ("fp8", 8)])
+def test_quantized_at_load_and_expert_parallel(method, expert):
     """quantization="int8" / "fp8" on the float checkpoint: the latent projections,
     kv_b_proj included, and the experts become int8 / e4m3 with per-channel scales, and
-    the model computes, in both attention forms, what the float model holding the
-    dequantised weights computes (kv_b_proj's scale folded into the query and the output
-    is exact)."""
+    the model computes, in both attention forms, what the float model on one device
+    holding the dequantised weights computes (kv_b_proj's scale folded into the query and
+    the output is exact). The fp8 model runs with its routed experts over the 8 devices
+    (expert parallelism, one expert a device, scales beside them): one program checks
+    both, and the reference's program is the golden test's."""
     from lp_jax.models.deepseek_v3 import quantized_params
     from lp_jax.quant.linear import scale_of
+    from lp_jax.sharding import make_mesh
     from pallas_kernels.quant import ref_dequantize
 
     model_dir = ensure_tiny(preset="tiny-deepseek")
-    quantized, dequantised = load_model(model_dir, quantization=method), load_model(model_dir)
-    attn = quantized.model.layers.self_attn
+    quantized = load_model(model_dir, quantization=method, mesh=make_mesh(expert=expert))
+    dequantised = load_model(model_dir)
+    attn, mlp = quantized.model.layers.self_attn, quantized.model.layers.mlp
     assert attn.kv_b_proj[...].dtype == jnp.dtype(jnp.int8 if method == "int8"
                                                     else jnp.float8_e4m3fn)
     assert attn.kv_b_proj_scale[...].shape == (3, 1, 4 * (16 + 16))
+    for w in (mlp.experts_gate_up_proj[...], mlp.experts_gate_up_proj_scale[...]):
+        assert len(w.sharding.device_set) == expert
+        assert w.sharding.shard_shape(w.shape)[1] == 8 // expert  # experts a device
     converted = 0
     for key, scheme in quantized_params(quantized.config).items():
         if scheme is not None:
             kind, name = key.split(".")
             q_mod, f_mod = (getattr(m.model.layers, kind) for m in (quantized, dequantised))
             getattr(f_mod, name).set_value(ref_dequantize(
-                getattr(q_mod, name)[...], scale_of(q_mod, name)[...], scheme))
+                np.asarray(getattr(q_mod, name)[...]), np.asarray(scale_of(q_mod, name)[...]),
+                scheme))
             converted += 1
     assert converted == 13  # 5 latent projections, experts (2), dense MLP (3), shared (3)
     prompt = np.load(GOLDEN.format("tiny-deepseek"))["prompt_2"].tolist()
     got, want = _prompt_logits(quantized, prompt), _prompt_logits(dequantised, prompt)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
-
-
-def test_expert_parallel_matches_transformers():
-    """The routed experts over the 8 devices (mesh expert=8): prompt logits in both
-    attention forms equal transformers' golden ones."""
-    from lp_jax.sharding import make_mesh
-
-    model = load_model(ensure_tiny(preset="tiny-deepseek"), mesh=make_mesh(expert=8))
-    experts = model.model.layers.mlp.experts_gate_up_proj[...]
-    assert len(experts.sharding.device_set) == 8
-    assert experts.sharding.shard_shape(experts.shape)[1] == 1  # one expert a device
-    golden = np.load(GOLDEN.format("tiny-deepseek"))
-    for logits in _prompt_logits(model, golden["prompt_2"].tolist()):
-        np.testing.assert_allclose(logits, golden["logits_2"], rtol=0, atol=1e-4)
 
 
 def test_kimi_k2_serves_token_ids_and_names_its_tokenizer(tmp_path, deepseek_engines):
