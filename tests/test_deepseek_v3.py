@@ -94,7 +94,17 @@ def test_presets_for_the_roofline_simulator_and_aot():
     for shape, total in ((DEEPSEEK_V3, 671e9), (KIMI_K2, 1026e9)):
         assert shape.param_counts()[0] == pytest.approx(total, rel=2e-3), shape.name
         assert kv_bytes_per_token(shape, tp=8) == 61 * 576 * 2
-    assert load_config("kimi-k2").is_mla and load_config("deepseek-v3").num_experts == 256
+    assert load_config("deepseek-v3").num_experts == 256
+    # Kimi-K2-Instruct's published config.json (checkpoints/configs/kimi-k2.json)
+    kimi = load_config("kimi-k2")
+    assert kimi.is_mla and kimi.model_type == "deepseek_v3"
+    assert (kimi.hidden_size, kimi.num_experts, kimi.num_experts_per_tok, kimi.n_shared_experts,
+            kimi.n_group, kimi.topk_group, kimi.num_attention_heads, kimi.first_k_dense_replace,
+            kimi.vocab_size, kimi.max_position_embeddings) == (
+                7168, 384, 8, 1, 1, 1, 64, 1, 163840, 131072)
+    y = kimi.rope_scaling
+    assert (kimi.rope_theta, y.factor, y.original_max_position_embeddings, y.beta_fast,
+            y.beta_slow, y.mscale, y.mscale_all_dim) == (50000.0, 32.0, 4096, 1.0, 1.0, 1.0, 1.0)
 
 
 def _latent_batch(A=32, R=8, H=16, O=16, N=4, S=4):
