@@ -470,6 +470,9 @@ def test_kimi_k2_serves_token_ids_and_names_its_tokenizer(tmp_path, deepseek_eng
         status, data = post(st, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})
         assert status == 400 and b"tiktoken with custom code" in data, data
         assert str(tmp_path).encode() not in data  # the directory's name, not its path
+        status, data = post(st, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 400 and b"tiktoken with custom code" in data, data
         assert post(st, COMPLETIONS, {"prompt": [5, 6], "max_tokens": 2})[0] == 200
     (kimi / "tokenizer.json").symlink_to(src / "tokenizer.json")
     with start_server(MockEngine(model_dir=kimi, max_model_len=64)) as st:
