@@ -171,7 +171,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         kv_b_scale = scale_of(attn, "kv_b_proj")
         if kv_b_scale is not None:  # per (head, channel): W_UK's into q, W_UV's after
             s_NX = kv_b_scale[i].reshape(N, H + O)
-            q_nope_TNH = q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]
+            q_nope_TNH = (q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]).astype(h_TD.dtype)
 
         def attend(absorbed: bool):
             return ref_mla_paged_attention(
