@@ -220,10 +220,6 @@ class ModelConfig:
 
     def _check_mla(self):
         """What DeepSeek-V3's latent attention does not serve yet, refused by name."""
-        if self.quantization is not None and self.quantization.method != "fp8_block":
-            raise ValueError(f"{self.model_type}: quantization {self.quantization.method!r} "
-                             "at load is not served with latent attention yet (untested); "
-                             "serve the 16-bit checkpoint or the published FP8 one")
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"{self.model_type}: kv_cache_dtype {self.kv_cache_dtype!r} is "
                              "not served with latent attention yet (no per-layer scale for "

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.models import gpt_oss, qwen3_moe
+from lp_jax.models import deepseek_v3, gpt_oss, qwen3_moe
 from lp_jax.quant.linear import quantize
 from lp_jax.safetensors_io import CheckpointError
 from pallas_kernels.quant import FP8_BLOCK, QuantScheme, ref_quantize
@@ -42,7 +42,7 @@ SCALE_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 def param_schemes(cfg: ModelConfig) -> dict[tuple[str, ...], QuantScheme]:
     """Parameter path -> scheme, for the quantized parameters of cfg's model."""
-    model = gpt_oss if cfg.model_type == "gpt_oss" else qwen3_moe
+    model = gpt_oss if cfg.model_type == "gpt_oss" else deepseek_v3 if cfg.is_mla else qwen3_moe
     return {("model", "layers", *key.split(".")): s
             for key, s in model.quantized_params(cfg).items() if s is not None}
 

@@ -46,3 +46,22 @@ def models_dir() -> Path:
 def default_jax_cache_dir() -> str:
     """EngineConfig's default persistent compilation cache."""
     return str(cache_dir() / "jax_cache")
+
+
+def no_tokenizer_reason(model_dir) -> str:
+    """Why a model directory gives no tokenizer for text prompts, for the error a text
+    prompt gets. lp_jax reads `tokenizer.json` only; a tiktoken tokenizer with custom code
+    (Kimi-K2: `tiktoken.model` and `tokenization_kimi.py`) is named as such, since running
+    a checkpoint's own Python is not something a server should do on its own. The message
+    names the directory, not its path: the server sends it to clients."""
+    where = Path(model_dir) if model_dir is not None else None
+    ids = ("send token ids instead (prompt_token_ids; a list of ids as the server's "
+           "prompt), or add a tokenizer.json to the model directory")
+    if where is None:
+        return f"a text prompt needs a tokenizer and this engine has no model directory: {ids}"
+    custom = sorted(p.name for p in (*where.glob("*.tiktoken"), *where.glob("tiktoken.model"),
+                                     *where.glob("tokenization_*.py")))
+    if custom:
+        return (f"{where.name}: the model's tokenizer is tiktoken with custom code "
+                f"({', '.join(custom)}), and lp_jax reads only tokenizer.json: {ids}")
+    return f"{where.name}: a text prompt needs the model's tokenizer.json, which is missing: {ids}"

@@ -11,6 +11,7 @@ chunked and layered. The KV pool holds the latent (its bytes a token), and the a
 decode form agrees with the expanded one.
 """
 
+import functools
 import json
 import logging
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from checkpoints.make_tiny import DEEPSEEK_PRESETS, ensure_tiny, weights_digest
 from lp_jax import LLM, SamplingParams
@@ -92,7 +94,17 @@ def test_presets_for_the_roofline_simulator_and_aot():
     for shape, total in ((DEEPSEEK_V3, 671e9), (KIMI_K2, 1026e9)):
         assert shape.param_counts()[0] == pytest.approx(total, rel=2e-3), shape.name
         assert kv_bytes_per_token(shape, tp=8) == 61 * 576 * 2
-    assert load_config("kimi-k2").is_mla and load_config("deepseek-v3").num_experts == 256
+    assert load_config("deepseek-v3").num_experts == 256
+    # Kimi-K2-Instruct's published config.json (checkpoints/configs/kimi-k2.json)
+    kimi = load_config("kimi-k2")
+    assert kimi.is_mla and kimi.model_type == "deepseek_v3"
+    assert (kimi.hidden_size, kimi.num_experts, kimi.num_experts_per_tok, kimi.n_shared_experts,
+            kimi.n_group, kimi.topk_group, kimi.num_attention_heads, kimi.first_k_dense_replace,
+            kimi.vocab_size, kimi.max_position_embeddings) == (
+                7168, 384, 8, 1, 1, 1, 64, 1, 163840, 131072)
+    y = kimi.rope_scaling
+    assert (kimi.rope_theta, y.factor, y.original_max_position_embeddings, y.beta_fast,
+            y.beta_slow, y.mscale, y.mscale_all_dim) == (50000.0, 32.0, 4096, 1.0, 1.0, 1.0, 1.0)
 
 
 def _latent_batch(A=32, R=8, H=16, O=16, N=4, S=4):
@@ -146,16 +158,24 @@ def test_absorbed_equals_expanded_and_dense():
     np.testing.assert_array_equal(written, want_pool)
 
 
-def _prefill_hidden(model, prompt, decode_only):
-    """The last layer's hidden states of a prompt's prefill, run in the form decode_only
-    picks (True: absorbed)."""
-    T, L = len(prompt), model.config.num_hidden_layers
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_program(graphdef, state, token_ids_T, meta, absorbed):
+    model = nnx.merge(graphdef, state)
+    kv = init_kv_cache(model.config, 2, 36, model.dtype)
+    x_TD = model.run_layers(model.embed(token_ids_T), kv, meta, 0,
+                            model.config.num_hidden_layers, decode_only=absorbed)[0]
+    return model.compute_logits(x_TD)
+
+
+def _prompt_logits(model, prompt):
+    """A prompt's logits from one prefill, run expanded and then absorbed: one program per
+    model structure and layout (the form is a traced flag), shared by the tests below."""
+    T = len(prompt)
     meta = jax.tree.map(jnp.asarray, build_metadata([(0, T, [0, 1])], page_size=36,
                                                     num_tokens=T, num_seqs=1, pages_per_seq=2))
-    kv = init_kv_cache(model.config, 2, 36, model.dtype)
-    run = jax.jit(lambda x_TD, kv: model.run_layers(x_TD, kv, meta, 0, L,
-                                                    decode_only=decode_only)[0])
-    return np.asarray(run(model.embed(jnp.asarray(prompt)), kv))
+    graphdef, state = nnx.split(model)
+    return [np.asarray(_prefill_program(graphdef, state, jnp.asarray(prompt, jnp.int32), meta,
+                                        jnp.bool_(absorbed))) for absorbed in (False, True)]
 
 
 @pytest.mark.parametrize("preset", sorted(DEEPSEEK_PRESETS))
@@ -178,10 +198,8 @@ def test_matches_transformers(preset, caplog):
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
     if preset != "tiny-deepseek":
         return
-    prompt = golden["prompt_2"].tolist()  # 40 tokens over two pages
-    expanded = _prefill_hidden(model, prompt, False)
-    np.testing.assert_allclose(_prefill_hidden(model, prompt, True), expanded, rtol=0,
-                               atol=1e-5 * np.abs(expanded).max())
+    expanded, absorbed = _prompt_logits(model, golden["prompt_2"].tolist())  # two pages
+    np.testing.assert_allclose(absorbed, expanded, rtol=0, atol=1e-5 * np.abs(expanded).max())
 
 
 ENGINES = {  # one row bucket each, as tests/test_glm4_moe.py's
@@ -303,3 +321,158 @@ def test_deepseek_r1_reasoning_parser(text, want):
     dr, dc = s.finish()
     assert (r + dr, c + dc) == want
     assert build_parser().parse_args(["--reasoning-parser", parser]).reasoning_parser == parser
+
+
+# ----- everything else keeps working on DeepSeek-V3 (the chunked engine above, shared) -----
+GREEDY4 = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_prefix_cache_hits_give_the_tokens_computed_cold(deepseek_engines):
+    """The latent pool's pages are shared as any model's KV pages: a prompt whose first two
+    pages are cached gives the tokens computed from scratch, and the hits are counted."""
+    golden = np.load(GOLDEN.format("tiny-deepseek"))
+    llm = deepseek_engines("chunked")
+    eng = llm.engine
+    system = golden["prompt_2"].tolist()[:32]  # two pages of 16
+    prompts = [system + golden["prompt_1"].tolist()[:8], system + golden["prompt_0"].tolist()]
+    cold = []
+    for p in prompts:  # each alone on an empty cache
+        assert eng.reset_prefix_cache()
+        cold.append(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY4)[0].token_ids)
+    assert eng.reset_prefix_cache()
+    before = llm.stats()
+    warm = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY4)[0] for p in prompts]
+    after = llm.stats()
+    assert [o.token_ids for o in warm] == cold
+    assert [o.num_cached_tokens for o in warm] == [0, 32]
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 32
+    assert after["compilations_after_warmup"] == 0
+    assert after["free_pages"] == after["total_pages"]
+
+
+def test_logprobs_match_transformers(deepseek_engines):
+    """Prompt log-probabilities (the 40-token prompt in two chunks) and the sampled tokens'
+    equal transformers' log-softmax within 1e-4, the top 3 included."""
+    golden = np.load(GOLDEN.format("tiny-deepseek"))
+    llm = deepseek_engines("chunked")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(3)]
+    for i, out in enumerate(llm.generate(prompt_token_ids=prompts, sampling_params=params)):
+        ids, want = prompts[i], golden[f"prompt_logprobs_{i}"]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for p in range(1, len(ids)):
+            d = out.prompt_logprobs[p]
+            assert set(d) == {ids[p], *np.argsort(-want[p - 1])[:3].tolist()}, (i, p)
+            for t, v in d.items():
+                assert abs(v - want[p - 1, t]) < 1e-4, (i, p, t)
+        assert out.token_ids == golden[f"greedy_{i}"][:4].tolist()
+        for s, d in enumerate(out.logprobs):
+            top = golden[f"greedy_top_ids_{i}"][s, :3].tolist()
+            assert set(d) == {out.token_ids[s], *top}
+            for t, v in zip(top, golden[f"greedy_top_logprobs_{i}"][s, :3], strict=True):
+                assert abs(d[t] - v) < 1e-4, (i, s, t)
+
+
+def test_structured_outputs_keep_random_weights_in_the_language(deepseek_engines):
+    """With random weights only the grammar's mask keeps samples in a regex; every one
+    stops at eos after a complete match, and no matcher or page is left behind."""
+    import re
+
+    from lp_jax.structured.params import StructuredOutputsParams
+
+    llm = deepseek_engines("chunked")
+    regex = r"[a-c]{2,5}-[0-9]{1,3}"
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+              for i in range(8)]
+    outs = [o.outputs[0] for o in llm.generate(prompt_token_ids=[[1, 2, 3, 4]] * 8,
+                                               sampling_params=params)]
+    assert all(o.finish_reason == "stop" and re.fullmatch(regex, o.text) for o in outs), \
+        [(o.finish_reason, o.text) for o in outs]
+    stats = llm.stats()
+    assert stats["structured_outputs"]["live"] == 0
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+@pytest.mark.parametrize("method,expert", [("int8", 1), ("fp8", 8)])
+def test_quantized_at_load_and_expert_parallel(method, expert):
+    """quantization="int8" / "fp8" on the float checkpoint: the latent projections,
+    kv_b_proj included, and the experts become int8 / e4m3 with per-channel scales, and
+    the model computes, in both attention forms, what the float model on one device
+    holding the dequantised weights computes (kv_b_proj's scale folded into the query and
+    the output is exact). The fp8 model runs with its routed experts over the 8 devices
+    (expert parallelism, one expert a device, scales beside them): one program checks
+    both, and the reference's program is the golden test's."""
+    from lp_jax.models.deepseek_v3 import quantized_params
+    from lp_jax.quant.linear import scale_of
+    from lp_jax.sharding import make_mesh
+
+    model_dir = ensure_tiny(preset="tiny-deepseek")
+    quantized = load_model(model_dir, quantization=method, mesh=make_mesh(expert=expert))
+    dequantised = load_model(model_dir)
+    attn, mlp = quantized.model.layers.self_attn, quantized.model.layers.mlp
+    assert attn.kv_b_proj[...].dtype == jnp.dtype(jnp.int8 if method == "int8"
+                                                    else jnp.float8_e4m3fn)
+    assert attn.kv_b_proj_scale[...].shape == (3, 1, 4 * (16 + 16))
+    for w in (mlp.experts_gate_up_proj[...], mlp.experts_gate_up_proj_scale[...]):
+        assert len(w.sharding.device_set) == expert
+        assert w.sharding.shard_shape(w.shape)[1] == 8 // expert  # experts a device
+    converted = 0
+    for key, scheme in quantized_params(quantized.config).items():
+        if scheme is not None:
+            kind, name = key.split(".")
+            q_mod, f_mod = (getattr(m.model.layers, kind) for m in (quantized, dequantised))
+            assert scheme.block_k is None  # per output channel: a [.., 1, N] scale
+            w_q = np.asarray(getattr(q_mod, name)[...]).astype(np.float32)
+            getattr(f_mod, name).set_value(w_q * np.asarray(scale_of(q_mod, name)[...]))
+            converted += 1
+    assert converted == 13  # 5 latent projections, experts (2), dense MLP (3), shared (3)
+    prompt = np.load(GOLDEN.format("tiny-deepseek"))["prompt_2"].tolist()
+    got, want = _prompt_logits(quantized, prompt), _prompt_logits(dequantised, prompt)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
+def test_kimi_k2_serves_token_ids_and_names_its_tokenizer(tmp_path, deepseek_engines):
+    """Kimi-K2 as published: model_type kimi_k2 and a tiktoken tokenizer with custom code,
+    no tokenizer.json. The engine serves token ids (the tiny-deepseek weights: the golden
+    tokens) and refuses text naming why, in LLM() and the server (400); with a
+    tokenizer.json beside it, text is served."""
+    from conftest import start_server
+    from test_server_input import COMPLETIONS, post
+
+    from lp_jax.server.mock import MockEngine
+
+    src = ensure_tiny(preset="tiny-deepseek")
+    kimi = tmp_path / "Kimi-K2-tiny"
+    kimi.mkdir()
+    hf = json.loads((src / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**hf, "model_type": "kimi_k2"}))
+    for f in ("model.safetensors", "generation_config.json"):
+        (kimi / f).symlink_to(src / f)
+    (kimi / "tiktoken.model").write_text("")  # the shapes of Kimi-K2's files only
+    (kimi / "tokenization_kimi.py").write_text("")
+    golden = np.load(GOLDEN.format("tiny-deepseek"))
+    llm = LLM(str(kimi), max_num_seqs=4, max_model_len=80, log=None, **ENGINES["chunked"])
+    try:
+        out = llm.generate(prompt_token_ids=[golden["prompt_1"].tolist()],
+                           sampling_params=GREEDY4)[0]
+        assert out.token_ids == golden["greedy_1"][:4].tolist()
+        with pytest.raises(ValueError, match="tiktoken with custom code.*tokenization_kimi"
+                                             ".*tokenizer.json"):
+            llm.generate(["hello"], GREEDY4)
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.shutdown()
+    with start_server(MockEngine(model_dir=kimi, max_model_len=64)) as st:
+        status, data = post(st, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})
+        assert status == 400 and b"tiktoken with custom code" in data, data
+        assert str(tmp_path).encode() not in data  # the directory's name, not its path
+        status, data = post(st, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 400 and b"tiktoken with custom code" in data, data
+        assert post(st, COMPLETIONS, {"prompt": [5, 6], "max_tokens": 2})[0] == 200
+    (kimi / "tokenizer.json").symlink_to(src / "tokenizer.json")
+    with start_server(MockEngine(model_dir=kimi, max_model_len=64)) as st:
+        assert post(st, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})[0] == 200

@@ -53,6 +53,7 @@ from lp_jax.executor.plan_channel import (
 )
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_page_bytes, read_kv_scales
+from lp_jax.paths import no_tokenizer_reason
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline import spec_pays
 from lp_jax.sharding import make_mesh, parallel_mesh_shape
@@ -309,7 +310,7 @@ class LLMEngine:
         slo = self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; the model has none")
+                raise ValueError(no_tokenizer_reason(self.model_dir))
             token_ids = self.tokenizer.encode(prompt).ids
         else:
             token_ids = list(prompt)

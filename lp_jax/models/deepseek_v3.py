@@ -21,50 +21,83 @@ attention: no per-head key or value for cached tokens), steps with prefill token
 expanded (kv_b_proj on each page of latents). Both forms sit in the one step program
 (`lax.cond` on the step's decode_only flag), so no program is added.
 
+Quantised at load (`quantization="int8" | "fp8"`, per output channel): the latent
+projections, kv_b_proj included, are int8 / e4m3 with a float32 scale as every other
+model's (`quantized_params`). kv_b_proj's scale is one value per head and output channel,
+so it leaves the weight exactly in both forms: W_UK's scale multiplies the query's nope
+part (score = sum_h q_h s_h (c @ W_UK_q)_h) and W_UV's the attention output, and the
+latent attention reads the unscaled int8 / e4m3 values, which bf16 holds exactly. An FP8
+checkpoint's latent projections are dequantised once at load instead (loader._mla_sources):
+its 128 x 128 block scales vary along the latent, which absorption would have to undo.
+
 Only the XLA attention path exists (`serving_backends` refuses the Pallas backends); the
 refusals of not-yet-served features are in ModelConfig._check_mla.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lp_jax.config import ModelConfig
+from lp_jax.models import qwen3_moe
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.layers import (
     apply_rope,
     apply_rope_interleaved,
-    dot,
     param,
     rms_norm,
     rope_frequencies,
 )
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.qwen3_moe import Qwen3MoeDecoderLayers, Qwen3MoeForCausalLM
+from lp_jax.quant.config import AT_LOAD
+from lp_jax.quant.linear import linear, scale_of, set_weight
 from pallas_kernels.attention import resolve_backend
 from pallas_kernels.attention.mla_ref import ref_mla_paged_attention, write_latent
 
 
+def mla_linears(cfg: ModelConfig) -> tuple[str, ...]:
+    """The latent-attention projections of cfg's checkpoint (self_attn.<name>)."""
+    q = ("q_a_proj", "q_b_proj") if cfg.q_lora_rank else ("q_proj",)
+    return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+@functools.cache
+def quantized_params(cfg: ModelConfig):
+    """qwen3_moe.quantized_params for the MoE blocks, with the latent projections: the
+    at-load scheme (int8, fp8), or None (16-bit; an FP8 checkpoint's are dequantised)."""
+    out = {k: s for k, s in qwen3_moe.quantized_params(cfg).items()
+           if not k.startswith("self_attn.")}
+    q = cfg.quantization
+    scheme = q.scheme if q is not None and q.method in AT_LOAD else None
+    return out | {f"self_attn.{name}": scheme for name in mla_linears(cfg)}
+
+
 class MlaAttention(nnx.Module):
     """Latent attention's projections, stacked over the layers, [in, out] as the other
-    models' linears (names as in the checkpoint)."""
+    models' linears (names as in the checkpoint), each with a `_scale` when quantised."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
         L, D, N = num_layers, cfg.hidden_size, cfg.num_attention_heads
         A, R, Q = cfg.kv_lora_rank, cfg.head_dim, cfg.q_lora_rank
         H, O = cfg.qk_nope_head_dim, cfg.v_head_dim
+        shapes = {"q_a_proj": ((L, D, Q), ("layers", "embed", None)),
+                  "q_b_proj": ((L, Q, N * (H + R)), ("layers", None, "q_heads")),
+                  "q_proj": ((L, D, N * (H + R)), ("layers", "embed", "q_heads")),
+                  "kv_a_proj_with_mqa": ((L, D, A + R), ("layers", "embed", None)),
+                  "kv_b_proj": ((L, A, N * (H + O)), ("layers", None, "q_heads")),
+                  "o_proj": ((L, N * O, D), ("layers", "q_heads", "embed"))}
+        quant = quantized_params(cfg)
+        for name in mla_linears(cfg):
+            shape, axes = shapes[name]
+            set_weight(self, name, rngs, shape, axes, dtype, quant[f"self_attn.{name}"])
         if Q:
-            self.q_a_proj = param(rngs, (L, D, Q), ("layers", "embed", None), dtype)
             self.q_a_layernorm = param(rngs, (L, Q), ("layers", None), dtype, ones=True)
-            self.q_b_proj = param(rngs, (L, Q, N * (H + R)), ("layers", None, "q_heads"), dtype)
-        else:
-            self.q_proj = param(rngs, (L, D, N * (H + R)), ("layers", "embed", "q_heads"), dtype)
-        self.kv_a_proj_with_mqa = param(rngs, (L, D, A + R), ("layers", "embed", None), dtype)
         self.kv_a_layernorm = param(rngs, (L, A), ("layers", None), dtype, ones=True)
-        self.kv_b_proj = param(rngs, (L, A, N * (H + O)), ("layers", None, "q_heads"), dtype)
-        self.o_proj = param(rngs, (L, N * O, D), ("layers", "q_heads", "embed"), dtype)
 
 
 class DeepseekV3DecoderLayers(Qwen3MoeDecoderLayers):
@@ -92,6 +125,13 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                              "yet; use attention_backend='xla' (or 'auto')")
         return backends
 
+    def _mla_proj(self, name: str, i, x_TK):
+        """x @ self_attn.name[i], quantised (lp_jax.quant.linear) when the format is."""
+        attn = self.model.layers.self_attn
+        scale = scale_of(attn, name)
+        return linear(x_TK, getattr(attn, name)[i], None if scale is None else scale[i],
+                      quantized_params(self.config)[f"self_attn.{name}"])
+
     def mla_inputs(self, i, h_TD, positions_T):
         """Layer i's (q_nope_TNH, q_pe_TNR, latent_TX): queries split into their nope and
         rotary parts, and the pool row [normed latent | rotated shared key] of each token."""
@@ -99,12 +139,13 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         T, N = h_TD.shape[0], cfg.num_attention_heads
         A, H = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         if cfg.q_lora_rank:
-            q_TQ = rms_norm(dot(h_TD, attn.q_a_proj[i]), attn.q_a_layernorm[i], cfg.rms_norm_eps)
-            q_TX = dot(q_TQ, attn.q_b_proj[i])
+            q_TQ = rms_norm(self._mla_proj("q_a_proj", i, h_TD), attn.q_a_layernorm[i],
+                            cfg.rms_norm_eps)
+            q_TX = self._mla_proj("q_b_proj", i, q_TQ)
         else:
-            q_TX = dot(h_TD, attn.q_proj[i])
+            q_TX = self._mla_proj("q_proj", i, h_TD)
         q_TNX = q_TX.reshape(T, N, -1)
-        kv_TX = dot(h_TD, attn.kv_a_proj_with_mqa[i])
+        kv_TX = self._mla_proj("kv_a_proj_with_mqa", i, h_TD)
         latent_TA = rms_norm(kv_TX[:, :A], attn.kv_a_layernorm[i], cfg.rms_norm_eps)
         inv_freq_R2, scale = rope_frequencies(cfg)
         rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope
@@ -126,7 +167,11 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         page_offset = i * (P_total // cfg.num_hidden_layers)
         slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
         kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
-        w_kv_ANX = attn.kv_b_proj[i].reshape(cfg.kv_lora_rank, N, H + O)
+        w_kv_ANX = attn.kv_b_proj[i].astype(h_TD.dtype).reshape(cfg.kv_lora_rank, N, H + O)
+        kv_b_scale = scale_of(attn, "kv_b_proj")
+        if kv_b_scale is not None:  # per (head, channel): W_UK's into q, W_UV's after
+            s_NX = kv_b_scale[i].reshape(N, H + O)
+            q_nope_TNH = (q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]).astype(h_TD.dtype)
 
         def attend(absorbed: bool):
             return ref_mla_paged_attention(
@@ -138,4 +183,6 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             o_TNO = attend(decode_only)
         else:
             o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
-        return x_TD + dot(o_TNO.reshape(T, N * O), attn.o_proj[i]), kv_pages_PS1X
+        if kv_b_scale is not None:
+            o_TNO = (o_TNO.astype(jnp.float32) * s_NX[:, H:]).astype(x_TD.dtype)
+        return x_TD + self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O)), kv_pages_PS1X

@@ -138,6 +138,7 @@ class OpenAIServer:
             raise ValueError("the API key is empty: that would turn authentication off; "
                              "give a key, or none (no --api-key, LP_API_KEY unset)")
         model_dir = getattr(engine, "model_dir", None)
+        self.model_dir = model_dir
         # The default name is the directory's, never its path: /v1/models is public.
         self.served_model_names = list(served_model_names or [])
         if not self.served_model_names:

@@ -22,6 +22,7 @@ from lp_jax.core.metrics import RequestMetrics
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.served import EngineLimits, QueueState
 from lp_jax.core.slo import SLO, SLOTracker, parse_slo_classes, request_slo
+from lp_jax.paths import no_tokenizer_reason
 
 
 @dataclass
@@ -91,7 +92,7 @@ class MockEngine:
         slo = None if slo is None else self.resolve_slo(slo)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer")
+                raise ValueError(no_tokenizer_reason(self.model_dir))
             prompt = self.tokenizer.encode(prompt).ids
         prompt = list(prompt)
         if not prompt:

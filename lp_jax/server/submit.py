@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import time
 
+from lp_jax.paths import no_tokenizer_reason
 from lp_jax.server import harmony, protocol, reasoning, tool_formats, tools
 from lp_jax.server.chat import ChatTemplateError
 from lp_jax.server.choice import Choice
@@ -65,12 +66,11 @@ def _tokenize(server, req, prompt) -> list[int]:
         except ChatTemplateError as exc:
             raise protocol.bad(str(exc), "messages") from None
         if server.tokenizer is None:
-            raise protocol.bad("chat needs a tokenizer and this model has none", "messages")
+            raise protocol.bad(no_tokenizer_reason(server.model_dir), "messages")
         ids = server.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
     elif isinstance(prompt, str):
         if server.tokenizer is None:
-            raise protocol.bad("this model has no tokenizer: send 'prompt' as a list of "
-                               "token ids", "prompt")
+            raise protocol.bad(no_tokenizer_reason(server.model_dir), "prompt")
         ids = server.tokenizer.encode_batch([prompt])[0].ids
     else:
         ids = list(prompt)
