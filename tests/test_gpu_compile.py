@@ -16,6 +16,9 @@ threads and grid as the kernel is written (one 128-thread warpgroup per SM for t
 MoE's persistent grid; 4 and 8 warps for decode and prefill attention); shared memory
 within the H200's 227 KiB a block; and the occupancy the design counts on (decode
 attention: at least 3 blocks an SM). The figures are in BENCHMARKS.md.
+
+One more small compile checks the model's one-row projection dot (`row_dot`): it reads
+its weight once instead of storing the float32 product.
 """
 
 from __future__ import annotations
