@@ -19,11 +19,14 @@ Where work depends on run-time values, the estimate assumes:
   every token is real (no mask). R = T*k routed rows; the expected experts with a row,
   E * (1 - (1 - k/E)^T), each have their weights read once (once per row tile when the
   kernel's grid walks weight blocks within a tile, which refetches them per tile).
-* Attention, a full page table: after this step every one of the B sequences holds
-  C * S keys (C pages of S), and the T new tokens are spread evenly over the B
-  sequences as the last ones of each context, attending causally. A work item of
-  block_q tokens reads its sequence's pages up to its last token. Sliding windows are
-  left out (an upper bound for sliding layers: the window is a traced value).
+* Attention, one context length for every sequence: after this step each of the B
+  sequences holds `context_len` keys (default C * S, a full page table of C pages of
+  S), and the T new tokens are spread evenly over the B sequences as the last ones of
+  each context, attending causally. A work item of block_q tokens reads its sequence's
+  pages up to its last token: the kernels walk only the pages below each sequence's
+  run-time length, so the work follows the contexts, not the page table's width, and
+  a static estimate must be told the contexts it assumes. Sliding windows are left out
+  (an upper bound for sliding layers: the window is a traced value).
 """
 
 from __future__ import annotations
@@ -107,13 +110,19 @@ def _token_split(tokens: int, seqs: int) -> list[int]:
 
 def paged_attention(*, tokens: int, seqs: int, pages_per_seq: int, page_size: int,
                     heads: int, kv_heads: int, head_dim: int, q_itemsize: int,
-                    kv_itemsize: int, block_q: int = 1, out_bytes: int | None = None
-                    ) -> KernelCost:
-    """Causal paged attention of T new tokens over a full page table (the module
-    docstring): flops 4 * N * H per visible (query, key) pair, one exp per pair, the K
-    and V rows of every key an item sees, q in and o out (out_bytes: if the kernel
-    writes something else, e.g. float32 partials)."""
+                    kv_itemsize: int, block_q: int = 1, out_bytes: int | None = None,
+                    context_len: int | None = None) -> KernelCost:
+    """Causal paged attention of T new tokens, each sequence at `context_len` keys after
+    the step (None: the full page table, C * S; the module docstring): flops 4 * N * H
+    per visible (query, key) pair, one exp per pair, the K and V rows of every key an
+    item sees, q in and o out (out_bytes: if the kernel writes something else, e.g.
+    float32 partials)."""
     ctx = pages_per_seq * page_size
+    if context_len is not None:
+        if not 1 <= context_len <= ctx:
+            raise ValueError(f"context_len {context_len} is outside the page table's "
+                             f"1..{ctx} keys ({pages_per_seq} pages of {page_size})")
+        ctx = context_len
     pairs = keys_read = 0
     for q in _token_split(tokens, seqs):
         q = min(q, ctx)

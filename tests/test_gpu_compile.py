@@ -16,6 +16,9 @@ threads and grid as the kernel is written (one 128-thread warpgroup per SM for t
 MoE's persistent grid; 4 and 8 warps for decode and prefill attention); shared memory
 within the H200's 227 KiB a block; and the occupancy the design counts on (decode
 attention: at least 3 blocks an SM). The figures are in BENCHMARKS.md.
+
+One more small compile checks the model's one-row projection dot (`row_dot`): it reads
+its weight once instead of storing the float32 product.
 """
 
 from __future__ import annotations
@@ -147,3 +150,28 @@ def test_attention_kernels_launch_as_written(kernels, program):
     assert decode["threads"] == [128, 1, 1] and decode["grid"][:2] == [8, K]
     assert blocks_per_sm(decode) >= 3
     assert prefill["threads"] == [256, 1, 1] and prefill["grid"][1:] == [K, 1]
+
+
+def test_one_row_projection_reads_its_weight_once():
+    """A one-row projection of a stacked [L, K, N] weight (Qwen3's k_proj: 2048 x 512):
+    written as a plain dot, XLA:GPU stores the whole float32 product [K, N] (4 MiB here)
+    and reduces it in a second fusion; `row_dot`'s partial dots fuse the multiply into
+    the reduce, so the temporaries are the [K / 512, N] partials. The sliced form is the
+    plain dot's value (float32 sums in another order)."""
+    import numpy as np
+
+    from lp_jax.quant.linear import linear, sliced_row_dot
+
+    L, K, N = 2, 2048, 512
+
+    def layers(w_LKN, x_1K):
+        return jax.lax.fori_loop(0, L, lambda i, x: jnp.tanh(
+            jnp.tile(linear(x, w_LKN[i]), (1, K // N))), x_1K)
+
+    compiled = compile_targets.compile_cuda(layers, (sd((L, K, N), bf16), sd((1, K), bf16)))
+    assert compiled.memory_analysis().temp_size_in_bytes < K * N * 4 // 16
+    assert f"f32[1,{K},{N}]" not in compiled.as_text()
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (1, K), jnp.float32)
+    w = jax.random.normal(kw, (K, N), jnp.float32)
+    np.testing.assert_allclose(sliced_row_dot(x, w), x @ w, rtol=1e-4, atol=1e-3)

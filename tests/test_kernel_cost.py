@@ -207,6 +207,22 @@ def test_gpu_and_shipped_attention_estimates_match(case):
     _assert_close("tpu_jax", cost.estimate(cost.TPU_JAX_ATTENTION, **shapes), *count)
 
 
+def test_attention_estimate_follows_the_assumed_context_not_the_table():
+    """The kernels walk only the pages below each sequence's run-time length, so the
+    estimate takes the context it assumes: a 4-page table read as 2-page contexts costs
+    what a 2-page table costs, and None is the full table."""
+    shapes = dict(tokens=B, seqs=B, page_size=S, heads=4, kv_heads=2, head_dim=128,
+                  q_itemsize=2, kv_itemsize=2)
+    full = cost.paged_attention(pages_per_seq=C, **shapes)
+    assert cost.paged_attention(pages_per_seq=C, context_len=C * S, **shapes) == full
+    half = cost.paged_attention(pages_per_seq=C, context_len=2 * S, **shapes)
+    assert half == cost.paged_attention(pages_per_seq=2, **shapes)
+    assert half.bytes_accessed < full.bytes_accessed and half.flops < full.flops
+    for bad in (0, C * S + 1):
+        with pytest.raises(ValueError, match="outside the page table"):
+            cost.paged_attention(pages_per_seq=C, context_len=bad, **shapes)
+
+
 def test_unknown_kernel_names_the_known_ones():
     with pytest.raises(KeyError, match="lp_tpu_moe_down"):
         cost.estimate("no_such_kernel")

@@ -101,8 +101,27 @@ def test_cli_prints_the_table_and_the_analytic_comparison(aot_dirs, capsys):
     assert roofline_main(["--aot", str(aot_dirs[4]), "--eff-compute", "0.5"]) == 0
     text = capsys.readouterr().out
     assert "TPU v6e" in text and "ASSUMED" in text and "compute 0.5" in text
-    assert "uniform routing, a full page table" in text
+    assert "every sequence at 4096 keys after the step (max_model_len" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("64 |"))
     assert len(row.split("|")) == 6  # rows | outside | layer | call | analytic, ratio | XLA
     assert "analytic ms" in text
     assert "within 10%" in text or "compiled / analytic =" in text
+
+
+def test_the_assumed_context_is_an_input_stated_in_the_table(aot_dirs, capsys):
+    """The attention kernels do work for the real contexts, which no static reading sees:
+    --context-len sets the keys per sequence that cost.py's attention estimate and the
+    analytic model assume, and the table says which."""
+    summary = json.loads((aot_dirs[4] / "summary.json").read_text())
+    _, _, [full] = compiled.read_aot(aot_dirs[4])
+    _, _, [short] = compiled.read_aot(aot_dirs[4], context_len=256)
+    p = compiled.program_of(summary, 64, context_len=256)
+    assert short.kernels[cost.TPU_ATTENTION] == compiled.kernel_cost(cost.TPU_ATTENTION, p)
+    assert short.kernels[cost.TPU_ATTENTION] != full.kernels[cost.TPU_ATTENTION]
+    assert short.body.by_class["attention"] < full.body.by_class["attention"]
+    assert short.analytic_by_class["attention"] < full.analytic_by_class["attention"]
+    assert short.body.by_class["experts"] == full.body.by_class["experts"]
+    assert roofline_main(["--aot", str(aot_dirs[4]), "--context-len", "256"]) == 0
+    assert "every sequence at 256 keys after the step," in capsys.readouterr().out
+    with pytest.raises(ValueError, match="outside 1..max_model_len"):
+        compiled.read_aot(aot_dirs[4], context_len=4097)

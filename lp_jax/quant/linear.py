@@ -6,6 +6,9 @@ pallas_kernels.quant) and `name_scale` (float32 [.., k, n]), declared by
 `weight_params`. The scale's logical axes are the weight's, except a per-channel
 scale's K axis (size 1), which is unsharded.
 
+`row_dot` is the projections' dot, x @ w accumulated in float32. On a GPU, one row is
+written as partial dots over 512-row slices of w, summed after (its docstring says why).
+
 `linear` is the dense projections' quantized dot:
 * per output channel (int8, fp8): (x @ w_q) * scale. The scale is constant along K,
   so it multiplies the float32 accumulator after the dot; the only conversion is
@@ -36,7 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lp_jax.quant.mxfp4 import quantize_mxfp4
+from pallas_kernels.platform import target_platform
 from pallas_kernels.quant import QuantScheme, ref_dequantize, ref_quantize
+
+ROW_SLICE_K = 512  # rows of w per partial product in a one-row GPU dot (`row_dot`)
 
 
 def quantize(w: jax.Array, scheme: QuantScheme) -> tuple[jax.Array, jax.Array]:
@@ -74,13 +80,50 @@ def scale_of(module: nnx.Module, name: str) -> nnx.Param | None:
     return getattr(module, name + "_scale", None)
 
 
+def row_dot(x_TK: jax.Array, w_KN: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32, returned in float32.
+
+    A plain dot, except for one row on a GPU. XLA:GPU rewrites a dot whose left side is
+    one row into multiply + reduce over K. When the reduce keeps few outputs for its
+    length (N = 2048 over K = 4096: o_proj; N = 512: k_proj, v_proj), its cost model
+    leaves the multiply in a fusion of its own, which writes the whole float32 product
+    [K, N] to memory and reads it back: 4x the bytes of a 16-bit weight, and K * N * 4
+    bytes of temporaries. Here that dot is written as S = K / 512 partial dots over
+    512-row slices of w, added after: the reduce keeps S * N outputs, the multiply fuses
+    into it, and w is read once, as a plain dot would read it; the partials [S, N] are the
+    only temporaries. Autotuning does not touch reduce fusions, so a device's program
+    keeps this form. On TPU the one-row dot reads w once as it is.
+    """
+    T, K = x_TK.shape if x_TK.ndim == 2 else (0, 0)
+    S = K // ROW_SLICE_K
+    if T != 1 or S < 2 or K % ROW_SLICE_K or target_platform() != "gpu":
+        return jnp.dot(x_TK, w_KN, preferred_element_type=jnp.float32)
+    return sliced_row_dot(x_TK, w_KN)
+
+
+def sliced_row_dot(x_1K: jax.Array, w_KN: jax.Array) -> jax.Array:
+    """x @ w for one row as K / ROW_SLICE_K partial dots added one by one (float32).
+    The adds are written out: XLA merges a sum over the slices into the reduce over K,
+    which undoes the split. The row stays an axis of the partial dots: without it XLA
+    transposes the product instead of fusing it."""
+    S = x_1K.shape[1] // ROW_SLICE_K
+    p_1SN = jnp.einsum("tsk,skn->tsn", x_1K.reshape(1, S, ROW_SLICE_K),
+                       w_KN.reshape(S, ROW_SLICE_K, w_KN.shape[1]),
+                       preferred_element_type=jnp.float32)
+    y_1N = p_1SN[:, 0]
+    for s in range(1, S):
+        y_1N = y_1N + p_1SN[:, s]
+    return y_1N
+
+
 def linear(x_TK: jax.Array, w_KN: jax.Array, scale_kn: jax.Array | None = None,
            scheme: QuantScheme | None = None) -> jax.Array:
-    """x @ w accumulated in float32, in x's dtype; w quantized when `scale_kn` is given."""
+    """x @ w accumulated in float32 (`row_dot`), in x's dtype; w quantized when `scale_kn`
+    is given."""
     if scale_kn is None:
-        return jnp.dot(x_TK, w_KN, preferred_element_type=jnp.float32).astype(x_TK.dtype)
+        return row_dot(x_TK, w_KN).astype(x_TK.dtype)
     if scheme.block_k is None:  # per output channel: the scale after the dot
-        y_TN = jnp.dot(x_TK, w_KN.astype(x_TK.dtype), preferred_element_type=jnp.float32)
+        y_TN = row_dot(x_TK, w_KN.astype(x_TK.dtype))
         return (y_TN * scale_kn[0]).astype(x_TK.dtype)
     w_KN = ref_dequantize(w_KN, scale_kn, scheme, dtype=x_TK.dtype)
-    return jnp.dot(x_TK, w_KN, preferred_element_type=jnp.float32).astype(x_TK.dtype)
+    return row_dot(x_TK, w_KN).astype(x_TK.dtype)

@@ -77,6 +77,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eff-compute", type=float, default=compiled.EFF_COMPUTE,
                    help="--aot: share of peak FLOP/s an op reaches (default %(default)s, "
                         "ASSUMED until fitted on the H200)")
+    p.add_argument("--context-len", type=int, default=None, metavar="KEYS",
+                   help="--aot: keys per sequence after the step that the attention "
+                        "estimates and the analytic model assume (default: max_model_len, "
+                        "a full page table; the kernels do work for the real lengths)")
     p.add_argument("--eff-mem", type=float, default=compiled.EFF_MEM,
                    help="--aot: share of HBM bandwidth an op reaches (default %(default)s, "
                         "ASSUMED until fitted on the H200)")
@@ -126,8 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.aot is not None:
         summary, hw, rooflines = compiled.read_aot(args.aot, eff_compute=args.eff_compute,
-                                                   eff_mem=args.eff_mem)
-        print(compiled.render(summary, hw, rooflines, args.eff_compute, args.eff_mem))
+                                                   eff_mem=args.eff_mem,
+                                                   context_len=args.context_len)
+        print(compiled.render(summary, hw, rooflines, args.eff_compute, args.eff_mem,
+                              args.context_len))
         return 0
     if args.ep_comm:
         print_ep_comm()

@@ -20,14 +20,18 @@ conditional costs its costliest branch (the MoE branch, the ragged attention pat
 sampling), except prompt scoring (`_score_prompt`, off unless a request asks for
 prompt log-probabilities), which costs its skip branch. A Pallas call's cost is
 `cost.estimate(kernel, ...)` at the program's rows: uniform routing over the experts,
-and a full page table (every sequence at max_model_len, the new rows spread evenly
-over min(rows, max_num_seqs) sequences). Bytes: an op moves its operands and result,
-except that an in-place update moves its update, and an operand that a fusion only
-slices or gathers from (stacked layer weights, the embedding), directly or in a fusion
-nested in it, moves the slice. Every asynchronous copy (copy-start, slice-start) moves
-its bytes, a cross-program prefetch and its end-of-program copy both: the second lets
-the next call of the same program skip the first, but a call after another program's
-does not, so a call is charged both.
+and every sequence at one context length after the step, the new rows spread evenly
+over min(rows, max_num_seqs) sequences. The attention kernels walk only the pages
+below each sequence's run-time length, which no static reading can see, so the
+context is an input (`--context-len`, default max_model_len: a full page table); the
+analytic model takes the same contexts, and the tables state them.
+
+Bytes: an op moves its operands and result, except that an in-place update moves its
+update, and an operand that a fusion only slices or gathers from (stacked layer weights,
+the embedding), directly or in a fusion nested in it, moves the slice. Every
+asynchronous copy (copy-start, slice-start) moves its bytes, a cross-program prefetch
+and its end-of-program copy both: the second lets the next call of the same program skip
+the first, but a call after another program's does not, so a call is charged both.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ CLASSES = ("attention", "experts", "dense matmuls", "logits/sampling", "collecti
 # What explains a class's gap to the analytic model (cost_model.py).
 WHY = {
     "attention": "attention runs on every device of the expert axis (the formula splits "
-                 "tokens over ep) and cost.py reads whole pages for a full page table",
+                 "tokens over ep) and cost.py reads whole pages of every sequence's "
+                 "context",
     "experts": "the MoE kernels' cost.py estimates (uniform routing) against the "
                "formula's expert GEMMs",
     "dense matmuls": "q/k/v/o, router and dense-MLP matmuls as compiled: float32 "
@@ -111,11 +116,13 @@ class Program:
     tp: int
     ep: int
     shape: ModelShape
+    context_len: int  # keys per sequence after the step, assumed (<= pages_per_seq * S)
 
 
 def kernel_cost(name: str, p: Program) -> cost.KernelCost:
     """`cost.estimate(name, ...)` at the program's rows, per device: uniform routing over
-    the experts (a device holds 1/ep of them and their rows), a full page table."""
+    the experts (a device holds 1/ep of them and their rows), every sequence at
+    p.context_len keys."""
     s, b = p.shape, p.shape.dtype_bytes
     if name in (cost.TPU_ATTENTION, cost.TPU_JAX_ATTENTION, cost.GPU_DECODE_ATTENTION,
                 cost.GPU_PREFILL_ATTENTION):
@@ -124,7 +131,7 @@ def kernel_cost(name: str, p: Program) -> cost.KernelCost:
         return cost.estimate(
             name, tokens=tokens, seqs=p.seqs, pages_per_seq=p.pages_per_seq,
             page_size=p.page_size, heads=heads, kv_heads=kv_heads, head_dim=s.head_dim,
-            q_itemsize=b, kv_itemsize=b,
+            q_itemsize=b, kv_itemsize=b, context_len=p.context_len,
             block_q=max(1, BLOCK_ROWS.get(name, 1) // (heads // kv_heads)))
     glu = "gate_up" in name
     F = s.expert_width // p.tp
@@ -378,9 +385,10 @@ class Part:
 
 
 def step_tokens(p: Program) -> StepTokens:
-    """The analytic model's step for a program's rows, as cost.py's kernels assume it: a
-    full page table, the rows spread over min(rows, max_num_seqs) sequences."""
-    ctx = p.pages_per_seq * p.page_size
+    """The analytic model's step for a program's rows, as cost.py's kernels assume it:
+    every sequence at p.context_len keys, the rows spread over min(rows, max_num_seqs)
+    sequences."""
+    ctx = p.context_len
     if p.rows <= p.seqs:
         return StepTokens(decode_seqs=p.rows, decode_context=ctx)
     chunk = p.rows // p.seqs
@@ -415,19 +423,26 @@ def target_hardware(target: str) -> Hardware:
     return get_hardware(target)
 
 
-def program_of(summary: dict, rows: int) -> Program:
-    """A program of an AOT run's summary.json."""
+def program_of(summary: dict, rows: int, context_len: int | None = None) -> Program:
+    """A program of an AOT run's summary.json; context_len as `_program`."""
     shape_d = dict(summary["model_shape"])
     for key in ("dense_layers", "sliding_layers"):
         shape_d[key] = tuple(shape_d[key])
-    return _program(ModelShape(**shape_d), summary["config"], rows)
+    return _program(ModelShape(**shape_d), summary["config"], rows, context_len)
 
 
-def _program(shape: ModelShape, cfg: dict, rows: int) -> Program:
+def _program(shape: ModelShape, cfg: dict, rows: int, context_len: int | None = None
+             ) -> Program:
+    """context_len: the keys per sequence the estimates assume (None: max_model_len).
+    Raises ValueError outside 1..max_model_len."""
     _, ep, tp = cfg["mesh_shape"]
+    ctx = cfg["max_model_len"] if context_len is None else context_len
+    if not 1 <= ctx <= cfg["max_model_len"]:
+        raise ValueError(f"context length {ctx} is outside 1..max_model_len "
+                         f"({cfg['max_model_len']}) of the compiled programs")
     return Program(rows=rows, seqs=min(rows, cfg["max_num_seqs"]),
                    pages_per_seq=math.ceil(cfg["max_model_len"] / cfg["page_size"]),
-                   page_size=cfg["page_size"], tp=tp, ep=ep, shape=shape)
+                   page_size=cfg["page_size"], tp=tp, ep=ep, shape=shape, context_len=ctx)
 
 
 def kernel_estimates(hlo_text: str, model_cfg, aot_cfg, rows: int) -> list[dict]:
@@ -442,7 +457,8 @@ def kernel_estimates(hlo_text: str, model_cfg, aot_cfg, rows: int) -> list[dict]
                 name = kernel_name(ins, p)
                 counts[name] = counts.get(name, 0) + 1
     return [{"kernel": name, "calls_in_hlo": n, **dataclasses.asdict(kernel_cost(name, p)),
-             "assumes": "uniform routing, a full page table"}
+             "assumes": "uniform routing, a full page table (every sequence at "
+                        "max_model_len)"}
             for name, n in sorted(counts.items())]
 
 
@@ -474,9 +490,10 @@ class ProgramRoofline:
 
 def program_roofline(hlo_text: str, summary: dict, rows: int, *, hw: Hardware | None = None,
                      eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
-                     xla_flops: float | None = None) -> ProgramRoofline:
+                     xla_flops: float | None = None, context_len: int | None = None
+                     ) -> ProgramRoofline:
     hw = hw or target_hardware(summary["target"])
-    p = program_of(summary, rows)
+    p = program_of(summary, rows, context_len)
     walker = Walker(hlo.parse(hlo_text), p, hw, eff_compute, eff_mem)
     outside, body = walker.split()
     kernels = {op.kernel: kernel_cost(op.kernel, p) for op in outside + body if op.kernel}
@@ -487,8 +504,10 @@ def program_roofline(hlo_text: str, summary: dict, rows: int, *, hw: Hardware | 
                            a_cls, xla_flops)
 
 
-def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM
-             ) -> tuple[dict, Hardware, list[ProgramRoofline]]:
+def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
+             context_len: int | None = None) -> tuple[dict, Hardware, list[ProgramRoofline]]:
+    """Every program of an AOT run, costed with each sequence at context_len keys (None:
+    max_model_len)."""
     out_dir = Path(out_dir)
     summary = json.loads((out_dir / "summary.json").read_text())
     if "model_shape" not in summary:
@@ -504,22 +523,27 @@ def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float 
         xla = (prog.get("cost_analysis") or {}).get("flops")
         rooflines.append(program_roofline((out_dir / name).read_text(), summary, prog["rows"],
                                           hw=hw, eff_compute=eff_compute, eff_mem=eff_mem,
-                                          xla_flops=xla))
+                                          xla_flops=xla, context_len=context_len))
     return summary, hw, rooflines
 
 
 def render(summary: dict, hw: Hardware, rooflines: list[ProgramRoofline],
-           eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM) -> str:
+           eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
+           context_len: int | None = None) -> str:
     L = summary["num_layers"]
     mesh = summary["config"]["mesh_shape"]
+    max_len = summary["config"]["max_model_len"]
+    ctx = max_len if context_len is None else context_len
+    full = " (max_model_len: a full page table)" if ctx == max_len else ""
     lines = [
         f"compiled-program roofline: {summary['model']} on {hw.name} (mesh data,expert,tensor "
         f"= {tuple(mesh)}), {len(rooflines)} programs, per device; a call runs all {L} layers",
         f"efficiencies ASSUMED (not fitted): compute {eff_compute:g} of "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s, memory {eff_mem:g} of {hw.hbm_bw / 1e12:.2f} "
         "TB/s (links: half the bidirectional bandwidth x memory efficiency)",
-        "Pallas calls costed by pallas_kernels/cost.py by kernel name: uniform routing, a full "
-        "page table (every sequence at max_model_len)",
+        "Pallas calls costed by pallas_kernels/cost.py by kernel name: uniform routing; "
+        f"context ASSUMED (--context-len): every sequence at {ctx} keys after the step{full}, "
+        "in the kernels' estimates and the analytic model alike",
         "",
         f"{'rows':>6} | {'outside GFLOP':>13} {'MB':>8} {'ms':>7} | {'layer GFLOP':>11} "
         f"{'MB':>8} {'ms':>7} | {'call ms':>8} | {'analytic ms':>11} {'ratio':>6} | "

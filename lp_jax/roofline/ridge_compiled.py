@@ -111,7 +111,8 @@ def layer_cost(hlo_text: str, shape: ModelShape, rows: int, hw: Hardware) -> Lay
     """The LayerCost of one compiled MoE-layer program (no layer loop: every op counted
     once; a while loop, if any, one trip as compiled.Walker counts nested ones)."""
     module = hlo.parse(hlo_text)
-    program = Program(rows=rows, seqs=1, pages_per_seq=1, page_size=1, tp=1, ep=1, shape=shape)
+    program = Program(rows=rows, seqs=1, pages_per_seq=1, page_size=1, tp=1, ep=1, shape=shape,
+                      context_len=1)
     walker = Walker(module, program, hw, EFF_COMPUTE, EFF_MEM)
     loops: dict[str, list] = {}
     ops = walker.walk(module.computations[module.entry], loops, top=True)
