@@ -113,6 +113,21 @@ def kv_head_replicas(num_kv_heads: int, num_q_heads: int, mesh) -> int:
     return t // K if t > K and t % K == 0 and N % t == 0 else 1
 
 
+def kv_head_columns(K: int, H: int, r: int, block: int = 1) -> np.ndarray | None:
+    """Which column of K heads of H each column of the same K r heads reads (copy j of
+    head k at k r + j, as the pool holds them); with `block` > 1, which column block
+    (of `block` columns, the last one partial) each block reads: a block-quantized
+    weight's scales. None when a block of the copies would read from two blocks (the
+    blocks do not align with the heads). r = 1 gives the identity."""
+    new_C = np.arange(K * r * H)
+    source_C = new_C // (H * r) * H + new_C % H
+    source_block_C = source_C // block
+    first = source_block_C[::block]
+    if not np.array_equal(source_block_C, np.repeat(first, block)[: len(new_C)]):
+        return None
+    return first
+
+
 def parallel_mesh_shape(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                         enable_expert_parallel: bool = False, mesh_shape=None,
                         has_experts: bool = True) -> dict[str, int]:

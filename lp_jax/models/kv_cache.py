@@ -85,13 +85,19 @@ def pool_kv_heads(kv_pages_PSJH: jax.Array, head_dim: int) -> int:
 
 
 def repeat_to_pool(k_TKH: jax.Array, v_TKH: jax.Array, kv_pages_PSJH: jax.Array):
-    """k_TKH and v_TKH with each head repeated to the pool's K r heads (copy j of head k
-    at k r + j); unchanged when the pool holds K."""
+    """k_TKH and v_TKH as the pool's heads: each of their heads repeated to the pool's
+    copies (copy j of head k at k r + j), or, where the projections already hold more
+    copies than the pool (loader.kv_columns' layout beside a pool built for one
+    device), every r-th head; unchanged when the counts agree."""
     K, H = k_TKH.shape[1:]
-    r = pool_kv_heads(kv_pages_PSJH, H) // K
-    if r == 1:
+    J = pool_kv_heads(kv_pages_PSJH, H)
+    if J == K:
         return k_TKH, v_TKH
-    return jnp.repeat(k_TKH, r, axis=1), jnp.repeat(v_TKH, r, axis=1)
+    if J % K == 0:
+        return jnp.repeat(k_TKH, J // K, axis=1), jnp.repeat(v_TKH, J // K, axis=1)
+    if K % J == 0:
+        return k_TKH[:, :: K // J], v_TKH[:, :: K // J]
+    raise ValueError(f"k/v projections of {K} heads cannot fill a pool of {J}")
 
 
 def layer_kv_scales(cfg: ModelConfig, i) -> dict:
