@@ -15,7 +15,8 @@ A dimension whose size is not divisible by its mesh axes is replicated instead, 
 keeps every mesh shape runnable. The KV heads are the exception that matters: with
 more tensor chips t than KV heads K (Qwen3-30B-A3B: K = 4 on 8 chips) the pool keeps
 t / K copies of each head (`kv_head_replicas`), so each chip stores the one head its
-query heads read rather than all K.
+query heads read rather than all K; the k/v projections' columns hold the same copies
+(`kv_head_columns`), so each chip computes that whole head itself.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ pair or more per device. With more devices t than KV heads K the pool keeps r = 
 copies of each head (`sharding.kv_head_replicas`): it holds K r heads, copy j of head k
 at k r + j, so that query head n still reads head n // G of the copied pool (G = N /
 (K r)) and each device stores only the head its query heads read: 1 / t of an
-unreplicated pool per device instead of all of it. The model writes whatever heads the
-pool has (`repeat_to_pool`); which r is a layout choice, made where the pool is built.
+unreplicated pool per device instead of all of it. The loader lays k_proj / v_proj out
+with the same copies (`loader.kv_columns`), so each device computes the head it writes;
+the model fits whatever heads its projections give to the heads the pool has
+(`repeat_to_pool`). Which r is a layout choice, made where the pool is built.
 
 FP8 KV cache (cfg.kv_cache_dtype "fp8", vLLM's fp8 / fp8_e4m3): the pool is
 float8_e4m3fn, one byte a value, so a page takes half a bf16 page's bytes and the
