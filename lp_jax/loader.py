@@ -27,6 +27,7 @@ before anything is read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -54,7 +55,7 @@ from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.quant.mxfp4 import packed_from_blocks as mxfp4_packed_from_blocks
 from lp_jax.quant.mxfp4 import scales_from_checkpoint as mxfp4_scales
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
-from lp_jax.sharding import make_mesh, named_sharding
+from lp_jax.sharding import kv_head_columns, kv_head_replicas, make_mesh, named_sharding
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy", "orbax")
 logger = logging.getLogger(__name__)
@@ -366,12 +367,62 @@ class HFCheckpoint:
         return np.stack(blocks).reshape(*[len(r) for r in stack_ranges], *blocks[0].shape)
 
 
-def abstract_model(cfg: ModelConfig, dtype=None):
+def abstract_model(cfg: ModelConfig, dtype=None, mesh: Mesh | None = None):
     """(graphdef, abstract state) of the model (the class of cfg.model_type) without
-    allocating anything."""
+    allocating anything; with `mesh`, the KV heads' columns laid out for it
+    (`kv_columns`), else the checkpoint's."""
     cls = model_class(cfg.model_type)
     model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    return nnx.split(model)
+    graphdef, state = nnx.split(model)
+    columns = kv_columns(cfg, state, mesh)
+    if columns:
+        state = _with_values(state, lambda p, v: v.get_value() if p not in columns else
+                             jax.ShapeDtypeStruct((*v.shape[:-1], len(columns[p])), v.dtype))
+    return graphdef, state
+
+
+def kv_columns(cfg: ModelConfig, abstract_state, mesh: Mesh | None) -> dict[tuple, np.ndarray]:
+    """The parameters whose last logical axis is "kv_heads" (k_proj, v_proj, their
+    biases and scales), each with the checkpoint column that each of its columns holds
+    on `mesh` (a block scale: the column block; `sharding.kv_head_columns`).
+
+    When the pool keeps r = `kv_head_replicas` copies of each KV head, so do these
+    parameters: copy j of head k at k r + j, as in the pool, so that each device holds
+    the whole head it stores and its query heads read. Split into K heads over t = K r
+    devices instead, a device would hold H / r columns of a head: the projection would
+    exchange head halves every layer, and on TPU a shard under 128 columns is relaid
+    out every call (docs/benchmarks/layout.md). {} (the checkpoint's K heads) when r is
+    1, and when a block scale does not align with the heads; `kv_cache.repeat_to_pool`
+    then copies the heads each layer."""
+    if mesh is None or cfg.is_mla:
+        return {}
+    K, H = cfg.num_key_value_heads, cfg.head_dim
+    r = kv_head_replicas(K, cfg.num_attention_heads, mesh)
+    if r == 1:
+        return {}
+    blocks = {scale_path(p): s.block_n for p, s in param_schemes(cfg).items()}
+    out = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        if var.get_metadata().get("logical_axes", (None,))[-1] == "kv_heads":
+            out[path] = kv_head_columns(K, H, r, blocks.get(path, 1))
+            if out[path] is None:
+                return {}
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _take_columns(a, columns: tuple[int, ...], sharding):
+    """a[..., columns], made in `sharding` (load time only)."""
+    return jax.lax.with_sharding_constraint(a[..., np.asarray(columns)], sharding)
+
+
+def _lay_out_kv_columns(state, columns: dict, shardings):
+    """`state` in the checkpoint's layout (K heads) -> the layout `columns` gives
+    (`kv_columns`), on device."""
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    return _with_values(state, lambda p, v: v.get_value() if p not in columns else
+                        _take_columns(v.get_value(), tuple(map(int, columns[p])),
+                                      flat_shardings[p]))
 
 
 def param_shardings(abstract_state, mesh: Mesh):
@@ -457,10 +508,13 @@ def load_model(
     if load_format == "orbax":
         return restore_params(config, Path(model_dir) / "orbax", mesh=mesh, dtype=dtype)
 
-    graphdef, abstract = abstract_model(config, dtype)
+    graphdef, abstract = abstract_model(config, dtype, mesh)
     shardings = param_shardings(abstract, mesh)
-    if load_format == "dummy":
-        return nnx.merge(graphdef, _dummy_state(config, abstract, shardings, seed))
+    columns = kv_columns(config, abstract, mesh)
+    if load_format == "dummy":  # drawn in the checkpoint's layout: the same on every mesh
+        _, drawn = abstract_model(config, dtype)
+        state = _dummy_state(config, drawn, param_shardings(drawn, mesh), seed)
+        return nnx.merge(graphdef, _lay_out_kv_columns(state, columns, shardings))
 
     ckpt = HFCheckpoint(model_dir)
     _log_skipped_mtp(ckpt, config)
@@ -471,6 +525,9 @@ def load_model(
         raise AssertionError(f"no checkpoint mapping for parameters {sorted(missing)}")
     check_fp8_checkpoint(ckpt, config, sources)
     ckpt.check(sources)
+    for path, cols in columns.items():  # each entry built whole, then its heads copied
+        sources[path] = dataclasses.replace(
+            sources[path], build=lambda a, src=sources[path], c=cols: src.build(a)[..., c])
     flat_shardings = dict(nnx.to_flat_state(shardings))
 
     def make_value(path, var):
@@ -519,29 +576,48 @@ def _dummy_state(config: ModelConfig, abstract, shardings, seed: int):
 
 # ------------------------------------------------------------------ orbax
 def save_params(model: StackedCausalLM, path: str | Path):
-    """Saves converted parameters with orbax (a directory; must not exist)."""
+    """Saves converted parameters with orbax (a directory; must not exist), the KV heads'
+    columns in the checkpoint's layout (K heads), so that any mesh restores them."""
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(Path(path).absolute(), nnx.to_pure_dict(nnx.state(model)))
+        ckptr.save(Path(path).absolute(), _checkpoint_layout(model))
+
+
+def _checkpoint_layout(model: StackedCausalLM) -> dict:
+    """The model's parameters (a pure dict), each copied KV head (`kv_columns`) kept
+    once."""
+    cfg, state = model.config, nnx.state(model)
+    K, H = cfg.num_key_value_heads, cfg.head_dim
+    blocks = {scale_path(p): s.block_n for p, s in param_schemes(cfg).items()}
+    kv = {p: v.get_value() for p, v in nnx.to_flat_state(state)
+          if v.get_metadata().get("logical_axes", (None,))[-1] == "kv_heads"}
+    r = max((a.shape[-1] // (K * H) for p, a in kv.items() if p not in blocks), default=1)
+    pure = nnx.to_pure_dict(state)
+    for p, a in kv.items() if r > 1 else ():
+        columns = kv_head_columns(K, H, r, blocks.get(p, 1))
+        _get_path(pure, p[:-1])[p[-1]] = a[..., np.unique(columns, return_index=True)[1]]
+    return pure
 
 
 def restore_params(cfg: ModelConfig, path: str | Path, *, mesh: Mesh | None = None,
                    dtype=None) -> StackedCausalLM:
-    """Restores `save_params` output straight into the target sharding."""
+    """Restores `save_params` output straight into the target sharding (the KV heads'
+    columns then laid out for `mesh`, `kv_columns`)."""
     import orbax.checkpoint as ocp
 
     mesh = mesh or make_mesh()
-    graphdef, abstract = abstract_model(cfg, dtype)
-    shardings = param_shardings(abstract, mesh)
+    graphdef, abstract = abstract_model(cfg, dtype, mesh)
+    _, saved = abstract_model(cfg, dtype)
     target = jax.tree.map(
         lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-        nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings),
+        nnx.to_pure_dict(saved), nnx.to_pure_dict(param_shardings(saved, mesh)),
     )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(Path(path).absolute(), target)
-    state = _with_values(abstract, lambda p, v: _get_path(restored, p))
-    return nnx.merge(graphdef, state)
+    state = _with_values(saved, lambda p, v: _get_path(restored, p))
+    return nnx.merge(graphdef, _lay_out_kv_columns(
+        state, kv_columns(cfg, abstract, mesh), param_shardings(abstract, mesh)))
 
 
 def _get_path(tree, path):

@@ -15,7 +15,8 @@ A dimension whose size is not divisible by its mesh axes is replicated instead, 
 keeps every mesh shape runnable. The KV heads are the exception that matters: with
 more tensor chips t than KV heads K (Qwen3-30B-A3B: K = 4 on 8 chips) the pool keeps
 t / K copies of each head (`kv_head_replicas`), so each chip stores the one head its
-query heads read rather than all K.
+query heads read rather than all K; the k/v projections' columns hold the same copies
+(`kv_head_columns`), so each chip computes that whole head itself.
 """
 
 from __future__ import annotations
@@ -111,6 +112,21 @@ def kv_head_replicas(num_kv_heads: int, num_q_heads: int, mesh) -> int:
     t = axes_size(mesh_axes("kv_combined_heads", mesh), mesh)
     K, N = num_kv_heads, num_q_heads
     return t // K if t > K and t % K == 0 and N % t == 0 else 1
+
+
+def kv_head_columns(K: int, H: int, r: int, block: int = 1) -> np.ndarray | None:
+    """Which column of K heads of H each column of the same K r heads reads (copy j of
+    head k at k r + j, as the pool holds them); with `block` > 1, which column block
+    (of `block` columns, the last one partial) each block reads: a block-quantized
+    weight's scales. None when a block of the copies would read from two blocks (the
+    blocks do not align with the heads). r = 1 gives the identity."""
+    new_C = np.arange(K * r * H)
+    source_C = new_C // (H * r) * H + new_C % H
+    source_block_C = source_C // block
+    first = source_block_C[::block]
+    if not np.array_equal(source_block_C, np.repeat(first, block)[: len(new_C)]):
+        return None
+    return first
 
 
 def parallel_mesh_shape(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1,

@@ -3,21 +3,29 @@ CPUs): the layout rules, vLLM's parallel sizes, and engines on TP 4 with more de
 than KV heads giving the single-device model's tokens under chunked and layered, for
 Qwen3-MoE and GPT-OSS, with no compile while serving and within the program budget."""
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from checkpoints import make_tiny_quant as mtq
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
 from lp_jax.aot import AotConfig, build, load_config
 from lp_jax.engine.config import EngineConfig
-from lp_jax.loader import load_model
+from lp_jax.loader import load_model, restore_params, save_params
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import kv_page_bytes
 from lp_jax.models.simple import greedy_generate
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.roofline.layout import chip_layout, sim_parallelism
 from lp_jax.roofline.model_shape import QWEN3_30B_A3B
-from lp_jax.sharding import kv_head_replicas, make_mesh, parallel_mesh_shape, partition_spec
+from lp_jax.sharding import (
+    kv_head_columns,
+    kv_head_replicas,
+    make_mesh,
+    parallel_mesh_shape,
+    partition_spec,
+)
 from lp_jax.sim.simulator import SimConfig, derive_num_pages
 from pallas_kernels import compile_targets
 
@@ -52,6 +60,11 @@ def test_kv_head_replicas_keep_one_head_per_device():
     assert kv_head_replicas(4, 32, make_mesh(1, 8, 1)) == 1  # attention not split
     assert kv_head_replicas(3, 24, tp8) == 1  # 3 does not divide 8: replicated pool
     assert kv_head_replicas(2, 4, tp8) == 1  # 4 query heads cannot split 8 ways
+    # The k/v projections' columns follow the pool: Qwen3-30B-A3B's 4 heads of 128, twice.
+    assert list(kv_head_columns(4, 128, 2)[::128]) == [0, 0, 128, 128, 256, 256, 384, 384]
+    assert list(kv_head_columns(4, 128, 2, block=128)) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert list(kv_head_columns(2, 16, 2, block=128)) == [0]  # one partial block
+    assert kv_head_columns(2, 192, 2, block=128) is None  # a block would mix two heads
     cfg = load_config("qwen3-30b-a3b")
     whole = kv_page_bytes(cfg, 16)
     assert kv_page_bytes(cfg, 16, mesh=make_mesh(1, 8, 1)) == whole
@@ -116,6 +129,61 @@ def test_the_simulator_sees_the_layouts_kv_room():
         sim_parallelism((1, 8, 1))
 
 
+def _kv_projections(model) -> dict[str, np.ndarray]:
+    """Every k/v projection weight and bias of `model` in float32, a quantized weight
+    dequantised by its scale (numpy, per block of the format's scheme)."""
+    attn, q = model.model.layers.self_attn, model.config.quantization
+    out = {}
+    for name in ("k_proj", "v_proj", "k_proj_bias", "v_proj_bias"):
+        if not hasattr(attn, name):
+            continue
+        w = np.asarray(getattr(attn, name)[...]).astype(np.float32)
+        if hasattr(attn, name + "_scale"):
+            s = np.asarray(getattr(attn, name + "_scale")[...])
+            bk, bn = q.scheme.block_k_for(w.shape[-2]), q.scheme.block_n
+            w = w * np.repeat(np.repeat(s, bk, -2), bn, -1)[..., :w.shape[-2], :w.shape[-1]]
+        out[name] = w
+    return out
+
+
+@pytest.mark.parametrize("preset,kw", [
+    ("tiny-glm", {}),  # biases, q/k norms
+    ("tiny-fp8", {}),  # HF FP8 blocks: a 128-column block spans both heads
+    ("tiny-fp8-base", {"quantization": "int8"}),  # per channel, at load
+])
+def test_kv_projections_hold_whole_heads_on_more_devices_than_kv_heads(preset, kw):
+    """TP 4 over 2 KV heads: the k/v projections hold each head twice, as the pool does,
+    so each device holds one whole head (no head-half exchange in the layer, no
+    relayout of a sub-lane shard on TPU); in every format the loader produces, with the
+    single-device model's values."""
+    d = mtq.ensure_tiny_quant(preset) if preset.startswith("tiny-fp8") else ensure_tiny(
+        preset=preset)
+    one, tp4 = load_model(d, **kw), load_model(d, mesh=make_mesh(1, 1, 4), **kw)
+    K, H = one.config.num_key_value_heads, one.config.head_dim
+    want = {n: np.repeat(w.reshape(*w.shape[:-1], K, H), 2, axis=-2).reshape(
+        *w.shape[:-1], 2 * K * H) for n, w in _kv_projections(one).items()}
+    got = _kv_projections(tp4)
+    assert got.keys() == want.keys() and {"k_proj", "v_proj"} <= set(got)
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)
+    k = tp4.model.layers.self_attn.k_proj[...]
+    assert k.sharding.spec[-1] == "tensor" and k.sharding.shard_shape(k.shape)[-1] == H
+
+
+def test_saved_params_keep_the_checkpoints_kv_heads(tmp_path, tiny_dir, tiny_model):
+    """Saved from TP 4 (heads copied), the parameters are the checkpoint's K heads: one
+    device restores the single-device model, TP 4 the copies again."""
+    tp4 = load_model(tiny_dir, mesh=make_mesh(1, 1, 4))
+    save_params(tp4, tmp_path / "ckpt")
+    for model, mesh in ((tiny_model, None), (tp4, make_mesh(1, 1, 4))):
+        restored = restore_params(tiny_model.config, tmp_path / "ckpt", mesh=mesh)
+        for name in ("k_proj", "v_proj", "q_proj"):
+            a = getattr(restored.model.layers.self_attn, name)[...]
+            b = getattr(model.model.layers.self_attn, name)[...]
+            assert a.sharding.spec == b.sharding.spec, name
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def references():
     """{preset: greedy tokens of the single-device model} (xla kernels)."""
@@ -164,6 +232,8 @@ def test_tp_attention_with_experts_on_the_same_devices(references, tp_engines, p
     K = llm.engine.model_config.num_key_value_heads
     assert kv.shape[2] == 2 * K * 2 and kv.sharding.spec == P(None, None, "tensor")
     assert kv.sharding.shard_shape(kv.shape)[2] == 2  # one (K, V) pair per device
+    k_proj = runner.state["model"]["layers"]["self_attn"]["k_proj"][...]  # heads copied too
+    assert k_proj.sharding.shard_shape(k_proj.shape)[-1] == llm.engine.model_config.head_dim
     experts = runner.state["model"]["layers"]["mlp"]["experts_gate_up_proj"][...]
     assert experts.sharding.spec[1] == "tensor" and len(experts.sharding.device_set) == 4
     stats = llm.stats()

@@ -195,7 +195,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
     sched_cfg = scheduler_config(model_cfg, cfg, pages)
     buckets = step_buckets(sched_cfg, cfg.token_buckets)
-    graphdef, abstract_state = abstract_model(model_cfg, dtype)
+    graphdef, abstract_state = abstract_model(model_cfg, dtype, mesh)
     shardings = param_shardings(abstract_state, mesh)
     state = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),

@@ -157,10 +157,11 @@ class GptOssForCausalLM(StackedCausalLM):
     def _qkv(self, i, h_TD, positions_T):
         cfg = self.config
         T = h_TD.shape[0]
-        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        N, H = cfg.num_attention_heads, cfg.head_dim
         q_TNH = self._linear(i, h_TD, "q_proj").reshape(T, N, H)
-        k_TKH = self._linear(i, h_TD, "k_proj").reshape(T, K, H)
-        v_TKH = self._linear(i, h_TD, "v_proj").reshape(T, K, H)
+        # K heads, or the K r the loader laid out for the mesh (loader.kv_columns).
+        k_TKH = self._linear(i, h_TD, "k_proj").reshape(T, -1, H)
+        v_TKH = self._linear(i, h_TD, "v_proj").reshape(T, -1, H)
         inv_freq_H2, scale = rope_frequencies(cfg)
         return (apply_rope(q_TNH, positions_T, inv_freq_H2, scale),
                 apply_rope(k_TKH, positions_T, inv_freq_H2, scale), v_TKH)

@@ -15,8 +15,10 @@ pair or more per device. With more devices t than KV heads K the pool keeps r = 
 copies of each head (`sharding.kv_head_replicas`): it holds K r heads, copy j of head k
 at k r + j, so that query head n still reads head n // G of the copied pool (G = N /
 (K r)) and each device stores only the head its query heads read: 1 / t of an
-unreplicated pool per device instead of all of it. The model writes whatever heads the
-pool has (`repeat_to_pool`); which r is a layout choice, made where the pool is built.
+unreplicated pool per device instead of all of it. The loader lays k_proj / v_proj out
+with the same copies (`loader.kv_columns`), so each device computes the head it writes;
+the model fits whatever heads its projections give to the heads the pool has
+(`repeat_to_pool`). Which r is a layout choice, made where the pool is built.
 
 FP8 KV cache (cfg.kv_cache_dtype "fp8", vLLM's fp8 / fp8_e4m3): the pool is
 float8_e4m3fn, one byte a value, so a page takes half a bf16 page's bytes and the
@@ -85,13 +87,19 @@ def pool_kv_heads(kv_pages_PSJH: jax.Array, head_dim: int) -> int:
 
 
 def repeat_to_pool(k_TKH: jax.Array, v_TKH: jax.Array, kv_pages_PSJH: jax.Array):
-    """k_TKH and v_TKH with each head repeated to the pool's K r heads (copy j of head k
-    at k r + j); unchanged when the pool holds K."""
+    """k_TKH and v_TKH as the pool's heads: each of their heads repeated to the pool's
+    copies (copy j of head k at k r + j), or, where the projections already hold more
+    copies than the pool (loader.kv_columns' layout beside a pool built for one
+    device), every r-th head; unchanged when the counts agree."""
     K, H = k_TKH.shape[1:]
-    r = pool_kv_heads(kv_pages_PSJH, H) // K
-    if r == 1:
+    J = pool_kv_heads(kv_pages_PSJH, H)
+    if J == K:
         return k_TKH, v_TKH
-    return jnp.repeat(k_TKH, r, axis=1), jnp.repeat(v_TKH, r, axis=1)
+    if J % K == 0:
+        return jnp.repeat(k_TKH, J // K, axis=1), jnp.repeat(v_TKH, J // K, axis=1)
+    if K % J == 0:
+        return k_TKH[:, :: K // J], v_TKH[:, :: K // J]
+    raise ValueError(f"k/v projections of {K} heads cannot fill a pool of {J}")
 
 
 def layer_kv_scales(cfg: ModelConfig, i) -> dict:

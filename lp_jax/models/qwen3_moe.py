@@ -200,14 +200,15 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
         cfg.rotary_dim channels of each head."""
         cfg, attn = self.config, self.model.layers.self_attn
         T = h_TD.shape[0]
-        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        N, H = cfg.num_attention_heads, cfg.head_dim
         q_TNH = self._proj(attn, "self_attn", "q_proj", i, h_TD).reshape(T, N, H)
-        k_TKH = self._proj(attn, "self_attn", "k_proj", i, h_TD).reshape(T, K, H)
-        v_TKH = self._proj(attn, "self_attn", "v_proj", i, h_TD).reshape(T, K, H)
+        # K heads, or the K r the loader laid out for the mesh (loader.kv_columns).
+        k_TKH = self._proj(attn, "self_attn", "k_proj", i, h_TD).reshape(T, -1, H)
+        v_TKH = self._proj(attn, "self_attn", "v_proj", i, h_TD).reshape(T, -1, H)
         if cfg.attention_bias:
             q_TNH = q_TNH + attn.q_proj_bias[i].reshape(N, H)
-            k_TKH = k_TKH + attn.k_proj_bias[i].reshape(K, H)
-            v_TKH = v_TKH + attn.v_proj_bias[i].reshape(K, H)
+            k_TKH = k_TKH + attn.k_proj_bias[i].reshape(-1, H)
+            v_TKH = v_TKH + attn.v_proj_bias[i].reshape(-1, H)
         if cfg.use_qk_norm:
             q_TNH = rms_norm(q_TNH, attn.q_norm[i], cfg.rms_norm_eps)
             k_TKH = rms_norm(k_TKH, attn.k_norm[i], cfg.rms_norm_eps)

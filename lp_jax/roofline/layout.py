@@ -8,8 +8,8 @@ replicated over "expert"); the KV pool's heads split over t, each of the K KV he
 t / K times when t > K (`sharding.kv_head_replicas`), so a chip holds K / t heads, or one;
 a K that t does not fit keeps all K on every chip. Per chip, at T rows a step:
 
-* weights: attention / t, experts / n, embedding and lm_head / t (when t divides V);
-  norms and the router whole;
+* weights: attention / t (k/v projections with the pool's copies of each head), experts
+  / n, embedding and lm_head / t (when t divides V); norms and the router whole;
 * KV bytes a token (all layers), and the KV room: tokens of KV that fit beside the
   weights in HBM x utilization - reserve (the pool is one array; each chip holds its
   heads of every page, so this is also what the slice holds);
@@ -76,7 +76,9 @@ def chip_layout(shape: ModelShape, mesh: tuple[int, int, int]) -> ChipLayout:
     heads = _split(2 * K * replicas, t) / 2  # whole (K, V) pairs per chip, else all
     vocab = _split(shape.vocab_size, t)
     embed = vocab * d * b * (1 if shape.tie_word_embeddings else 2)
-    attention = shape.num_layers * shape.attention_weight_bytes / t
+    # k_proj / v_proj hold the pool's copies of each head (loader.kv_columns)
+    kv_proj = 0 if shape.mla_ranks else 2 * shape.linear_bytes(d, K * shape.head_dim)
+    attention = shape.num_layers * (shape.attention_weight_bytes + (replicas - 1) * kv_proj) / t
     experts = shape.num_moe_layers * shape.expert_bytes_per_layer / _expert_ways(shape, mesh)
     dense = shape.dense_layers_count * shape.dense_mlp_bytes / t
     router = shape.num_moe_layers * d * shape.num_experts * b
