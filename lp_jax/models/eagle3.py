@@ -245,7 +245,8 @@ def to_target(p: Eagle3Params, draft_ids):
 
 
 def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T,
-            meta: AttentionMetadata, last_row_B, *, k: int, backend="auto"):
+            meta: AttentionMetadata, last_row_B, *, k: int, backend="auto",
+            num_pages_B=None):
     """k greedy drafts per sequence, in one program: an extend over the batch's rows,
     then k - 1 chained one-row steps.
 
@@ -254,7 +255,9 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     batch, as the target ran them; last_row_B: the row each sequence drafts from (its
     last row whose next token is known; padding sequences ignored). Returns (drafts_BK
     target ids, kv_pages_PSJH). Chained step s writes the KV of position
-    positions_T[last_row_B] + s, where the next verification's rows will rewrite it."""
+    positions_T[last_row_B] + s, where the next verification's rows will rewrite it;
+    with `num_pages_B` (the pages each sequence holds), a step whose position lies past
+    them writes nothing, and it and the steps after it draft -1 (no draft)."""
     D = cfg.hidden_size
     g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * D), p.w_fc_3DD)
     logits_TW, h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
@@ -266,15 +269,21 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     real_B = jnp.arange(B) < meta.num_seqs
     S = kv_pages_PSJH.shape[1]
     page_table_BC = meta.page_table_BC
+    C = page_table_BC.shape[1]
+    if num_pages_B is None:
+        num_pages_B = jnp.full((B,), C, jnp.int32)
+    held_B = jnp.minimum(num_pages_B, C)
 
     def chained(s, carry):
         draft_B, h_BD, kv, drafts_BK = carry
         tok_B = to_target(p, draft_B)
         drafts_BK = drafts_BK.at[:, s - 1].set(tok_B)
         pos = pos_B + s
-        slot_B = jnp.take_along_axis(page_table_BC, (pos // S)[:, None], axis=1)[:, 0] * S + pos % S
+        page_B = jnp.take_along_axis(page_table_BC, jnp.minimum(pos // S, C - 1)[:, None],
+                                     axis=1)[:, 0]
+        write_B = real_B & (pos // S < held_B)
         step_meta = AttentionMetadata(
-            positions_T=pos, slots_T=jnp.where(real_B, slot_B, -1),
+            positions_T=pos, slots_T=jnp.where(write_B, page_B * S + pos % S, -1),
             query_start_B1=jnp.minimum(jnp.arange(B + 1, dtype=jnp.int32), meta.num_seqs),
             seq_lens_B=jnp.where(real_B, pos + 1, 0), page_table_BC=page_table_BC,
             num_seqs=meta.num_seqs)
@@ -285,7 +294,9 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     draft_B, _, kv_pages_PSJH, drafts_BK = jax.lax.fori_loop(
         1, k, chained, (draft_B, h_BD, kv_pages_PSJH, drafts_BK))
     drafts_BK = drafts_BK.at[:, k - 1].set(to_target(p, draft_B))
-    return drafts_BK, kv_pages_PSJH
+    s_K = jnp.arange(k)
+    held_BK = (pos_B[:, None] + s_K[None, :]) // S < held_B[:, None]
+    return jnp.where(held_BK | (s_K == 0)[None, :], drafts_BK, -1), kv_pages_PSJH
 
 
 def propose_program(cfg: Eagle3Config, *, k: int, backend="auto"):

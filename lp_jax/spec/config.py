@@ -4,6 +4,7 @@ error before anything is compiled.
 
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
+    {"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": k}
 
 A speculating sequence runs k + 1 verification rows per step (its last token and k
 drafts), so k is bounded: MAX_SPECULATIVE_TOKENS keeps max_num_seqs x (k + 1) rows
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-METHODS = ("ngram",)  # EAGLE-3 and MTP drafts need a draft model: not yet
+METHODS = ("ngram", "eagle3")  # MTP drafts: not yet
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64  # n-gram lengths searched per step: a host-side scan each
 
@@ -35,11 +36,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None  # an EAGLE-3 head's directory (lp_jax/models/eagle3.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)}, "
                              f"got {self.method!r}")
+        if (self.method == "eagle3") != isinstance(self.model, str):
+            raise ValueError(f"speculative_config: method {self.method!r} takes "
+                             + ("a draft 'model' path" if self.method == "eagle3"
+                                else "no 'model'") + f", got model={self.model!r}")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in "
