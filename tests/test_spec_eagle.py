@@ -5,6 +5,7 @@ published definition."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -178,3 +179,171 @@ def test_paged_chained_proposer_matches_dense_recompute_and_rolls_back(target, h
     # A keeps positions 0..3 and is extended over 4..8 with the rows that stand.
     drafts, kv = run(kv, [(4, 5, pages_a)], aux_a[4:9], next_a[4:9], [4])
     assert drafts[0].tolist() == _dense_drafts(head, embed, aux_a[:9], next_a[:9], K_DRAFTS)
+
+
+# ------------------------------------------------------------ in the engine
+GOLDEN = "tests/golden/{}.npz"
+# Drafts of the two-token head: 289 and 194, which the golden greedy outputs of the tiny
+# Qwen3-MoE checkpoint repeat (prompts 0 and 2), so some drafts stand.
+TWO_TOKENS = (289, 194)
+_aux_cache = {}
+
+
+def _two_token_head(target_dir, out):
+    """A head whose lm_head has two nonzero rows, v and -v: its draft is TWO_TOKENS[0] or
+    [1] by the sign of norm(h) . v, a function of every computation before it, so a wrong
+    aux state, next token, KV entry or drafting row flips it half the time."""
+    from safetensors.numpy import load_file, save_file
+
+    head = write_eagle3_dir(out, target_dir, draft_vocab_size=96)
+    t = load_file(str(head / "model.safetensors"))
+    v = t["lm_head.weight"][0].copy()
+    t["lm_head.weight"][:] = 0
+    t["lm_head.weight"][0], t["lm_head.weight"][1] = v, -v
+    t["d2t"][:2] = TWO_TOKENS[0], TWO_TOKENS[1] - 1
+    save_file(t, str(head / "model.safetensors"), metadata={"format": "pt"})
+    return head
+
+
+def _target_aux(llm, tokens):
+    """The target's aux states at every position of `tokens` (one full prefill run by
+    the engine's own model, outside the engine), float64 [T, 3, D]."""
+    from flax import nnx
+
+    from lp_jax.models.kv_cache import init_kv_cache
+
+    key = (llm.engine.model_config.model_type, tuple(tokens))
+    if key not in _aux_cache:
+        runner = llm.engine.runner
+        model = nnx.merge(runner.graphdef, runner.state)
+        cfg, T = model.config, len(tokens)
+        pages = -(-T // 16)
+        meta = jax.tree.map(jnp.asarray, build_metadata(
+            [(0, T, list(range(pages)))], page_size=16, num_tokens=T, num_seqs=1,
+            pages_per_seq=pages))
+        kv = init_kv_cache(cfg, pages, 16, model.dtype)
+        aux = jnp.zeros((T, 3, cfg.hidden_size), model.dtype)
+        _, _, _, aux = model.run_units(
+            model.embed(jnp.asarray(tokens)), kv, meta, 0, 2 * cfg.num_hidden_layers,
+            aux_layers=default_aux_layers(cfg.num_hidden_layers), aux_NAD=aux)
+        _aux_cache[key] = np.asarray(aux, np.float64)
+    return _aux_cache[key]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])
+@pytest.mark.parametrize("policy", ["orca", "chunked", "layered"])
+def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
+        engines, tmp_path, preset, policy):
+    """An engine with an EAGLE-3 head (k = 3, the two-token head) reproduces the Hugging
+    Face greedy tokens under every policy: its prompts' aux states cross layer groups and
+    chunks, drafts are accepted and rejected. Every draft the engine proposed equals a
+    dense recompute of the head over the target's own aux states at that point (the
+    engine's draft KV, rolled back past rejected rows, gives the same as none). No
+    program beyond one per row bucket, no compile while serving, every page back."""
+    from lp_jax import LLM, SamplingParams
+
+    golden = np.load(GOLDEN.format(preset))
+    target_dir = ensure_tiny(preset=preset)
+    head = _two_token_head(target_dir, tmp_path / "head")
+    kw = dict(engines.kwargs(policy), model=str(target_dir))
+    llm = LLM(**kw, speculative_config={"method": "eagle3", "model": str(head),
+                                        "num_speculative_tokens": K_DRAFTS})
+    seen = []  # (tokens so far, the drafts proposed after them)
+    commit = llm.engine.scheduler.commit
+
+    def recording(plan, result, now):
+        done = commit(plan, result, now)
+        for seq in plan.sampling_seqs:
+            if not seq.is_finished and not seq.num_pending_tokens:
+                seen.append((list(seq.token_ids), seq.draft_tokens))
+        return done
+
+    llm.engine.scheduler.commit = recording
+    prompts = [golden[f"prompt_{i}"].tolist() for i in (0, 2)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_tokens=32, ignore_eos=True))
+    for i, out in zip((0, 2), outs, strict=True):
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist()
+    embed = np.asarray(llm.engine.runner.draft_params.embed_VE, np.float64)
+    assert len(seen) > 40
+    for tokens, drafts in seen:
+        full = next(p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)
+                    if (p + o.outputs[0].token_ids)[:len(tokens)] == tokens)
+        aux = _target_aux(llm, full)[: len(tokens) - 1]
+        want = _dense_drafts(head, embed, aux, np.asarray(tokens[1:]), K_DRAFTS)
+        assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(tokens), drafts)
+    s = llm.stats()
+    if preset == "tiny":
+        assert s["spec_decode_num_accepted_tokens"] > 0
+    assert s["spec_decode_num_draft_tokens"] > s["spec_decode_num_accepted_tokens"]
+    assert s["programs"] == len(kw["token_buckets"])
+    assert s["compilations_after_warmup"] == 0
+    assert s["free_pages"] == s["total_pages"]
+
+
+def test_greedy_draft_model_chains_keep_the_target_distribution():
+    """part 1's distribution test with drafts as an EAGLE-3 head makes them: a greedy
+    chain of a draft model's own argmax (here of a bigram table q unlike the target),
+    so each draft is a point mass that depends on the context. Every verification row is
+    sampled from the target given the drafts before it and compared
+    (lp_jax/spec/accept.py), as the step does: the 3-token sequences follow the
+    target's law. Treating the same argmax drafts as samples of q (the general test,
+    min(1, p / q) and the residual p - q) does not, and fails the same test."""
+    from test_spec import _B, _BIGRAM_STEP, _N, _START, _TABLE_VV, _chi2_pvalue
+
+    from lp_jax.spec.accept import accept_sampled
+
+    p_VV = np.exp(_TABLE_VV)
+    q_VV = np.full((5, 5), 0.1) + 0.5 * np.eye(5)[[3, 4, 0, 1, 2]]
+    q_VV /= q_VV.sum(1, keepdims=True)
+    greedy_V = q_VV.argmax(1)
+    k, B = 2, _B
+    rng = np.random.default_rng(4)
+
+    def point_masses(ctx_B, drafts_BK, count_B):
+        rows_BK = np.concatenate([ctx_B[:, None], drafts_BK], 1)
+        u_BK = rng.random(rows_BK.shape)
+        sampled_BK = (np.cumsum(p_VV[rows_BK], 2) < u_BK[..., None]).sum(2)
+        runs = [accept_sampled(d, x) for d, x in zip(drafts_BK.tolist(), sampled_BK.tolist(),
+                                                      strict=True)]
+        tokens_BK = np.concatenate([drafts_BK, np.zeros((B, 1), np.int64)], 1)
+        tokens_BK[np.arange(B), [a for a, _ in runs]] = [t for _, t in runs]
+        return tokens_BK, np.array([a for a, _ in runs])
+
+    def as_samples_of_q(ctx_B, drafts_BK, count_B):
+        return map(np.asarray, _BIGRAM_STEP(jnp.asarray(ctx_B, jnp.int32),
+                                            jnp.asarray(drafts_BK, jnp.int32),
+                                            jnp.asarray(count_B, jnp.int32), jnp.asarray(q_VV)))
+
+    def generate(verify) -> np.ndarray:
+        out_BN = np.full((B, _N + k + 1), -1)
+        count_B = np.zeros(B, np.int64)
+        while (count_B < _N).any():
+            ctx_B = np.where(count_B == 0, _START,
+                             out_BN[np.arange(B), np.maximum(count_B - 1, 0)])
+            drafts_BK = np.stack([greedy_V[ctx_B], greedy_V[greedy_V[ctx_B]]], 1)
+            tokens_BK, acc_B = verify(ctx_B, drafts_BK, count_B)
+            for j in range(k + 1):
+                put = (j <= acc_B) & (count_B < _N)
+                out_BN[put, count_B[put] + j] = tokens_BK[put, j]
+            count_B = np.where(count_B < _N, count_B + acc_B + 1, count_B)
+        return out_BN[:, :_N]
+
+    assert _chi2_pvalue(generate(point_masses)) > 1e-3
+    assert _chi2_pvalue(generate(as_samples_of_q)) < 1e-6
+
+
+def test_config_and_lp_serve_take_eagle3(engines, tmp_path):
+    """{"method": "eagle3", "model": path} parses on LLM() and `lp-serve
+    --speculative-config`; a path without a head fails at LLM() with the path named."""
+    from lp_jax import LLM, serve
+
+    spec = '{"method": "eagle3", "model": "/heads/x", "num_speculative_tokens": 2}'
+    args = serve.build_parser().parse_args(["--speculative-config", spec])
+    sc = serve.engine_config(args).speculative_config
+    assert (sc.method, sc.model, sc.num_speculative_tokens) == ("eagle3", "/heads/x", 2)
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--speculative-config", '{"method": "eagle3"}'])
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(**engines.kwargs("chunked"),
+            speculative_config={"method": "eagle3", "model": str(tmp_path)})

@@ -241,14 +241,14 @@ class ModelRunner:
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
         self.draft_params = self.draft_state = None
         if draft:
-            kv_1 = kv_cache_shape(cfg.replace(num_hidden_layers=1), num_pages, page_size,
-                                  packed=packed, replicas=replicas)
+            one = cfg.replace(num_hidden_layers=1, layer_types=(), kv_scales=())
+            kv_1 = kv_cache_shape(one, num_pages, page_size, packed=packed, replicas=replicas)
             embed = draft[1].embed_VE  # the target's table stays where it is
             self.draft_params = dataclasses.replace(
                 jax.device_put(dataclasses.replace(draft[1], embed_VE=None), self._replicated),
                 embed_VE=embed)
             self.draft_state = {
-                "kv": init_kv_cache(cfg.replace(num_hidden_layers=1), num_pages, page_size,
+                "kv": init_kv_cache(one, num_pages, page_size,
                                     model.dtype, packed=packed, replicas=replicas,
                                     sharding=named_sharding(KV_CACHE_AXES, kv_1, mesh)),
                 "aux_RAD": jax.device_put(np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size),

@@ -318,7 +318,7 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
     last_row_B = inputs["sample_rows_S"][last_s_B]
     drafts_BK, kv_pages = eagle3.propose(cfg, params, kv_pages, aux_NAD, tok_N, inputs["meta"],
                                          last_row_B, k=spec.draft_k, backend=backend,
-                                         num_pages_B=d["num_pages_B"])
+                                         num_pages_B=d["num_pages_B"], drafting_B=first_B >= 0)
     return jnp.where((first_B >= 0)[:, None], drafts_BK, -1), kv_pages
 
 

@@ -246,7 +246,7 @@ def to_target(p: Eagle3Params, draft_ids):
 
 def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T,
             meta: AttentionMetadata, last_row_B, *, k: int, backend="auto",
-            num_pages_B=None):
+            num_pages_B=None, drafting_B=None):
     """k greedy drafts per sequence, in one program: an extend over the batch's rows,
     then k - 1 chained one-row steps.
 
@@ -257,7 +257,9 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     target ids, kv_pages_PSJH). Chained step s writes the KV of position
     positions_T[last_row_B] + s, where the next verification's rows will rewrite it;
     with `num_pages_B` (the pages each sequence holds), a step whose position lies past
-    them writes nothing, and it and the steps after it draft -1 (no draft)."""
+    them writes nothing, and it and the steps after it draft -1 (no draft). Sequences
+    not `drafting_B` (a prompt chunk that samples nothing) chain nothing: their KV past
+    the extend is left as it is."""
     D = cfg.hidden_size
     g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * D), p.w_fc_3DD)
     logits_TW, h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
@@ -267,6 +269,8 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     h_BD = h_TD[last_row_B]
     pos_B = meta.positions_T[last_row_B]
     real_B = jnp.arange(B) < meta.num_seqs
+    if drafting_B is not None:
+        real_B = real_B & drafting_B
     S = kv_pages_PSJH.shape[1]
     page_table_BC = meta.page_table_BC
     C = page_table_BC.shape[1]
