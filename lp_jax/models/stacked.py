@@ -227,9 +227,10 @@ class StackedCausalLM(nnx.Module):
         token_mask_T = meta.token_mask()
 
         def layer(i, carry):
-            x, kv, n, aux = carry
+            x, kv, n, *aux = carry
             for j, at in enumerate(aux_layers):  # the layer's input, if it runs here
-                aux = aux.at[:, j].set(jnp.where((i == at) & (2 * i >= lo), x, aux[:, j]))
+                aux[0] = aux[0].at[:, j].set(
+                    jnp.where((i == at) & (2 * i >= lo), x, aux[0][:, j]))
             x, kv = jax.lax.cond(
                 2 * i >= lo,
                 lambda x, kv: self._attention(i, x, kv, meta, decode_only, backends.attention),
@@ -237,10 +238,8 @@ class StackedCausalLM(nnx.Module):
             x, activated = jax.lax.cond(
                 2 * i + 1 < hi, lambda x: self._mlp(i, x, token_mask_T, backends),
                 lambda x: (x, jnp.int32(0)), x)
-            return x, kv, n + activated, aux
+            return x, kv, n + activated, *aux
 
-        if aux_NAD is None:
-            aux_layers, aux_NAD = (), jnp.zeros((0,), x_TD.dtype)
-        out = jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
-                                (x_TD, kv_pages_PSJH, jnp.int32(0), aux_NAD))
-        return out if aux_layers else out[:3]
+        aux = (aux_NAD,) if aux_layers else ()
+        return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
+                                 (x_TD, kv_pages_PSJH, jnp.int32(0), *aux))
