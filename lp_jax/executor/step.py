@@ -39,6 +39,12 @@ bias and the penalties; all ones for a row without a grammar. It is an input of 
 program, so constrained requests compile nothing, and the mask is skipped (lax.cond)
 when no row has one.
 
+EAGLE-3 drafts (`draft`, spec.draft_k > 0; docs/speculative.md): the layer loop keeps the
+residual stream entering the head's three aux layers per row, carried in
+`draft_state["aux_RAD"]` beside hidden_RD, and the call whose rows leave the last layer runs
+the head (`_draft`) after sampling: its KV for every row, then k drafts per sampling
+sequence, out as `drafts_RK`. It is a branch of the same programs, not a program of its own.
+
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
 """
