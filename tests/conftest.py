@@ -39,7 +39,7 @@ import pytest  # noqa: E402
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
 # longest-first keeps one long file from running alone at the end. Ordered by the
 # 2026-12-06 clean-clone run's test time per file (1cf429d; files of 5 s or more).
-SLOWEST_FIRST = ("test_moe_kernels.py", "test_pallas_end_to_end.py",
+SLOWEST_FIRST = ("test_moe_kernels.py", "test_spec_eagle.py", "test_pallas_end_to_end.py",
                  "test_sharded_kernels.py", "test_quant_loading.py",
                  "test_attention_kernels.py", "test_gpu_validate.py", "test_gpt_oss.py",
                  "test_parallel_layout.py", "test_deepseek_v3.py", "test_glm4_moe.py",

@@ -26,7 +26,10 @@ def test_config_vllm_shape_and_defaults():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle3"}, "method must be one of"),
+    ({"method": "mtp"}, "method must be one of"),
+    ({"method": "eagle3", "model": "/m", "num_speculative_tokens": "auto"}, "fixed k"),
+    ({"method": "eagle3"}, "takes a draft 'model' path"),
+    ({"method": "ngram", "model": "x"}, "takes no 'model'"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),

@@ -1,6 +1,12 @@
-"""n-gram speculation on the demo model, against plain decoding, in one run.
+"""n-gram (or EAGLE-3) speculation on the demo model, against plain decoding, in one run.
 
     python -m lp_jax.bench.speculative [--num-speculative-tokens 3] [--max-tokens 96]
+    python -m lp_jax.bench.speculative --method eagle3
+
+With `--method eagle3` the draft is a random EAGLE-3 head for the model
+(checkpoints/make_tiny_eagle3.py, aux layers (0, L // 2, L - 1)): its drafts are
+almost never accepted, so the run measures what the head costs (programs, compile
+time, memory, time per token), not what it gains.
 
 Each prompt is the start of one of Aesop's fables and then its first words again, so
 the demo model (checkpoints/train_demo.py, which knows the fables by heart) continues
@@ -59,6 +65,7 @@ def main(argv=None) -> int:
     from lp_jax.llm import LLM
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", choices=("ngram", "eagle3"), default="ngram")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=20)
@@ -79,9 +86,12 @@ def main(argv=None) -> int:
             "prompt_lookup_max": args.prompt_lookup_max}
     engine = dict(scheduling=args.scheduling, max_num_seqs=args.max_num_seqs,
                   max_model_len=512, async_scheduling=not args.no_async_scheduling, log=None)
-    base = measure(LLM(**engine), prompts, params * len(prompts), args.repeats)
-    fast = measure(LLM(**engine, speculative_config=spec), prompts, params * len(prompts),
-                   args.repeats)
+    if args.method == "eagle3":
+        spec = {"method": "eagle3", "model": random_head(),
+                "num_speculative_tokens": args.num_speculative_tokens}
+    llms = (LLM(**engine), LLM(**engine, speculative_config=spec))
+    base = measure(llms[0], prompts, params * len(prompts), args.repeats)
+    fast = measure(llms[1], prompts, params * len(prompts), args.repeats)
     k, d = args.num_speculative_tokens, fast["d"]
     drafts = d.get("spec_decode_num_drafts", 0)
     print(f"prompts: {len(prompts)} fables (their first 12 words, then their first 3 "
@@ -92,7 +102,12 @@ def main(argv=None) -> int:
           f"{args.max_num_seqs}, async_scheduling {engine['async_scheduling']}; "
           f"speculative_config {spec}")
     print(f"same tokens as without speculation: {fast['outs'] == base['outs']}")
-    for name, r in (("without", base), ("n-gram", fast)):
+    for name, llm in zip(("without", args.method), llms, strict=True):
+        st = llm.stats()
+        print(f"{name:>8}: {st['programs']} programs, {st['startup_compilations']} start-up "
+              f"compilations, {st['compile_seconds']:.1f} s compiling, memory (MB) "
+              f"{ {k: round(v / 1e6, 3) for k, v in llm.engine.runner.memory().items()} }")
+    for name, r in (("without", base), (args.method, fast)):
         print(f"{name:>8}: {r['tokens']} tokens in {r['steps']} steps "
               f"({r['steps'] / r['tokens']:.3f} steps per token), "
               f"{1e3 * r['seconds'] / r['tokens']:.2f} ms per token (median of "
@@ -105,6 +120,20 @@ def main(argv=None) -> int:
               f"{[round(x, 3) for x in per_pos]}; tokens per speculating step "
               f"{1 + d['spec_decode_num_accepted_tokens'] / drafts:.2f}")
     return 0
+
+
+def random_head() -> str:
+    """A random EAGLE-3 head for the demo model, in a temporary directory."""
+    import json
+    import tempfile
+
+    from checkpoints.make_tiny_eagle3 import write_eagle3_dir
+    from checkpoints.train_demo import ensure_demo
+
+    target = ensure_demo()
+    L = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    return str(write_eagle3_dir(tempfile.mkdtemp(prefix="eagle3_head_"), target,
+                                aux_layer_ids=(0, L // 2, L - 1)))
 
 
 if __name__ == "__main__":

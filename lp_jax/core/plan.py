@@ -185,6 +185,8 @@ class StepResult:
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     accepted: dict[int, tuple[int, ...]] = field(default_factory=dict)
     accepted_logprobs: dict[int, tuple[dict[int, float], ...]] = field(default_factory=dict)
+    # A draft model's proposals for each sampling sequence's next decode (EAGLE-3).
+    next_drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     prompt_logprobs: tuple[tuple[int, int, dict[int, float]], ...] = ()
     experts_activated: tuple[int, ...] = ()
     prefill_call: int | None = None

@@ -458,8 +458,10 @@ class Scheduler:
                 self.block_manager.truncate(decode[i], len(drafts[i]))
 
     def _draft(self, decode: list[Sequence]) -> list[tuple[int, ...]]:
-        """Each decode's drafts: up to k n-gram tokens, fewer where max_tokens or
-        max_model_len leaves room for less, none where their pages are not free."""
+        """Each decode's drafts: up to k n-gram tokens, or the k an EAGLE-3 head
+        proposed in the step that made its last token (`Sequence.draft_tokens`), fewer
+        where max_tokens or max_model_len leaves room for less, none where their pages
+        are not free."""
         sc = self.config.speculative_config
         k_plan = sc.num_speculative_tokens if sc is not None else 0
         if self.spec_auto is not None:
@@ -471,7 +473,9 @@ class Scheduler:
                 k = min(k_plan,
                         seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_model_len - seq.num_tokens - 1)
-                if k > 0:
+                if k > 0 and sc.method == "eagle3":  # the last step proposed them
+                    d = list(seq.draft_tokens[:k])
+                elif k > 0:
                     d = propose_ngram(seq.token_ids, k, sc.prompt_lookup_min,
                                       sc.prompt_lookup_max)
                 if d and self.block_manager.can_append(seq, len(d)):
@@ -513,6 +517,7 @@ class Scheduler:
         self._free_slot(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.draft_tokens = ()
         seq.prefill_target = seq.num_tokens
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_key)
@@ -525,6 +530,7 @@ class Scheduler:
         rules (the rest is dropped once one stops it), then gives back the pages only
         rejected `drafts` wrote, and counts them."""
         sid = seq.seq_id
+        seq.draft_tokens = result.next_drafts.get(sid, ())
         accepted = tuple(result.accepted.get(sid, ()))
         lps = (*result.accepted_logprobs.get(sid, ()), result.logprobs.get(sid))
         for i, tok in enumerate((*accepted, result.tokens[sid])):

@@ -68,6 +68,7 @@ class Sequence:
         "prompt_logprobs",
         "index",
         "slot",
+        "draft_tokens",
     )
 
     def __init__(
@@ -112,6 +113,8 @@ class Sequence:
         # Its slot among the admitted sequences, in [0, max_num_seqs), while admitted: the
         # executor keeps its on-device state there (the penalties' token counts).
         self.slot: int | None = None
+        # A draft model's proposals for its next decode (EAGLE-3), set by each commit.
+        self.draft_tokens: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return (

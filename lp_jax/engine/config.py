@@ -188,7 +188,8 @@ class EngineConfig:
     # lp_jax/spec/config.py checks it (a dict, its JSON, or a SpeculativeConfig).
     speculative_config: dict | str | SpeculativeConfig | None = engine_arg(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
-        '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m} '
+        '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m} or '
+        '{"method": "eagle3", "model": head_dir, "num_speculative_tokens": k} '
         "(docs/speculative.md)", type="speculative_config", default_help="off")
 
     def __post_init__(self):

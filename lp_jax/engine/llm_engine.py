@@ -177,6 +177,7 @@ class LLMEngine:
         model = load_model(self.model_dir, config=model_cfg, load_format=config.load_format,
                            mesh=self.mesh, dtype=config.dtype)
         self._compiles_loaded = compile_guard.compilations()
+        self._eagle3 = self._load_draft(model, model_cfg)
         backends, self.kernel_report = check_backends(
             model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
                                       moe_dispatch=config.moe_dispatch),
@@ -199,8 +200,25 @@ class LLMEngine:
             max_model_len=sched_cfg.max_model_len, max_num_seqs=config.max_num_seqs,
             token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
             backends=backends, seed=config.seed,
-            channel=self.channel if self.channel is not None and self.is_leader else None)
+            channel=self.channel if self.channel is not None and self.is_leader else None,
+            draft=self._eagle3)
         return runner, sched_cfg
+
+    def _load_draft(self, model, model_cfg: ModelConfig):
+        """(Eagle3Config, Eagle3Params, k) of speculative_config's EAGLE-3 head, with the
+        target's embedding where the head ships none; None for other methods."""
+        sc = self.config.speculative_config
+        if sc is None or sc.method != "eagle3":
+            return None
+        from lp_jax.models.eagle3 import load_eagle3
+
+        if self.process.multi_process:
+            raise ValueError("speculative_config method 'eagle3' runs in one process")
+        ecfg, params = load_eagle3(sc.model, model_cfg, model.model.embed_tokens[...],
+                                   dtype=model.dtype)
+        self.log(f"EAGLE-3 draft {sc.model}: aux layers {list(ecfg.aux_layer_ids)}, draft "
+                 f"vocabulary {ecfg.draft_vocab_size}, k = {sc.num_speculative_tokens}")
+        return ecfg, params, sc.num_speculative_tokens
 
     def _structured_outputs(self, model_dir):
         """The grammar engine (lp_jax/structured) over the model's tokenizer, shared with
@@ -291,6 +309,8 @@ class LLMEngine:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
             # An FP8 page: half of bf16's; a device holds its share of the heads.
             page_bytes = kv_page_bytes(cfg, S, model.dtype, self.mesh)
+            if self._eagle3 is not None:  # the head's one-layer pool on the same pages
+                page_bytes += page_bytes // cfg.num_hidden_layers
             want = min(want, int(free // page_bytes))
         return max(want, 1)
 

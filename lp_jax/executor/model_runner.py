@@ -100,6 +100,9 @@ class StepHandle:
     channel: object = None  # a multi-process leader's channel: it records the tokens
     # seq_id -> the drafts its rows after rows[seq_id] verify (speculating decodes only)
     drafts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # An EAGLE-3 head's proposals: [R, k] device array (-1: none) and seq_id -> its row
+    next_drafts_RK: jax.Array | None = None
+    next_draft_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def collect(self) -> StepResult:
         """Waits for the step; its tokens, log-probabilities and expert counts. A
@@ -117,8 +120,15 @@ class StepHandle:
         if self.channel is not None:
             self.channel.record_tokens(self.step_id, tokens_R)
         lps, accepted_lps = self._logprobs(tokens, accepted)
+        next_drafts = {}
+        if self.next_drafts_RK is not None:
+            drafts_RK = host_array(self.next_drafts_RK)
+            for sid, b in self.next_draft_rows.items():
+                row = drafts_RK[b].tolist()
+                next_drafts[sid] = tuple(row[: row.index(-1)] if -1 in row else row)
         return StepResult(
             tokens=tokens, logprobs=lps, accepted=accepted, accepted_logprobs=accepted_lps,
+            next_drafts=next_drafts,
             prompt_logprobs=self._prompt_logprobs(),
             experts_activated=tuple(int(host_array(c)) for c in self.counts),
             prefill_call=self.prefill_call, dispatched_at=self.dispatched_at,
@@ -183,15 +193,21 @@ class _Call:
     count_output: np.ndarray | None = None  # per row: an output (not prompt) token
     score_target: np.ndarray | None = None  # per row: the prompt token it scores, or -1
     scored: list = dataclasses.field(default_factory=list)  # (seq, position, row, rows)
+    objs: list = dataclasses.field(default_factory=list)  # the Sequence of each of `seqs`
+    check: list = dataclasses.field(default_factory=list)  # per sampled row: next draft, -1
 
 
 class ModelRunner:
     def __init__(self, model: StackedCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
-                 hidden_rows: int, backends: KernelBackends, seed: int = 0, channel=None):
+                 hidden_rows: int, backends: KernelBackends, seed: int = 0, channel=None,
+                 draft=None):
         """`token_buckets` and `hidden_rows`: the program family the scheduler config
         needs (lp_jax/core/programs.py). `channel`: a multi-process leader's
-        LeaderChannel (plan_channel.py), which every dispatched step goes through."""
+        LeaderChannel (plan_channel.py), which every dispatched step goes through.
+        `draft`: (Eagle3Config, Eagle3Params, k) of an EAGLE-3 head whose k drafts every
+        step proposes (`StepResult.next_drafts`); its KV is a one-layer pool on the same
+        logical pages, its aux states a buffer beside the hidden one."""
         cfg = self.cfg = model.config
         if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
             raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
@@ -205,7 +221,10 @@ class ModelRunner:
             num_layers=self.L, hidden_size=cfg.hidden_size, page_size=page_size,
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
             hidden_rows=hidden_rows,
-            buckets=tuple(token_buckets), vocab_size=cfg.vocab_size)
+            buckets=tuple(token_buckets), vocab_size=cfg.vocab_size,
+            draft_k=draft[2] if draft else 0)
+        if draft and channel is not None:
+            raise ValueError("EAGLE-3 drafts run on one process only (no plan channel)")
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)
@@ -220,9 +239,24 @@ class ModelRunner:
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         on_vocab = counts_sharding(self.spec, cfg.vocab_size, mesh)
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
+        self.draft_params = self.draft_state = None
+        if draft:
+            one = cfg.replace(num_hidden_layers=1, layer_types=(), kv_scales=())
+            kv_1 = kv_cache_shape(one, num_pages, page_size, packed=packed, replicas=replicas)
+            embed = draft[1].embed_VE  # the target's table stays where it is
+            self.draft_params = dataclasses.replace(
+                jax.device_put(dataclasses.replace(draft[1], embed_VE=None), self._replicated),
+                embed_VE=embed)
+            self.draft_state = {
+                "kv": init_kv_cache(one, num_pages, page_size,
+                                    model.dtype, packed=packed, replicas=replicas,
+                                    sharding=named_sharding(KV_CACHE_AXES, kv_1, mesh)),
+                "aux_RAD": jax.device_put(np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size),
+                                                   model.dtype), self._replicated)}
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
-                                       replicated=self._replicated, counts_sharding=on_vocab),
-                             donate_argnums=(1, 2, 4))
+                                       replicated=self._replicated, counts_sharding=on_vocab,
+                                       draft=draft[0] if draft else None),
+                             donate_argnums=(1, 2, 4, 6) if draft else (1, 2, 4))
         self.programs: dict[int, jax.stages.Compiled] = {}
         # The engine's StructuredOutputs (lp_jax/structured), which fills the bitmask rows
         # of constrained samples; None: no request may carry a grammar.
@@ -245,7 +279,9 @@ class ModelRunner:
             return sum(x.nbytes for x in jax.tree.leaves(tree))
 
         return {"weights": nbytes(self.state), "kv": nbytes(self.kv_pages),
-                "hidden": nbytes(self.hidden_RD)}
+                "hidden": nbytes(self.hidden_RD),
+                **({"draft": nbytes(self.draft_params) + nbytes(self.draft_state)}
+                   if self.draft_state else {})}
 
     # ------------------------------------------------------------ programs
     def warmup(self, log=print):
@@ -270,8 +306,9 @@ class ModelRunner:
 
     def _compile(self, N: int) -> jax.stages.Compiled:
         platform = self._replicated.mesh.devices.flat[0].platform
+        draft = (self.draft_params, self.draft_state) if self.draft_state else ()
         return self._step.lower(self.state, self.kv_pages, self.hidden_RD,
-                                empty_inputs(self.spec, N), self.counts).compile(
+                                empty_inputs(self.spec, N), self.counts, *draft).compile(
             compiler_options=compiler_options(platform))
 
     def _program(self, N: int):
@@ -299,8 +336,9 @@ class ModelRunner:
         none = np.full(n_dec, -1, np.int32)
         dec_tokens = np.zeros(n_dec, np.int32)
         dec_prev = none.copy()
-        dec_seqs, dec_sampling, r = [], [], 0
+        dec_seqs, dec_sampling, dec_check, r = [], [], [], 0
         for s, d in zip(decode, drafts, strict=True):
+            dec_check += [*d, -1]
             if s.num_pending_tokens:
                 dec_prev[r] = prev.rows[s.seq_id]
             else:
@@ -356,15 +394,36 @@ class ModelRunner:
             count_slot=np.concatenate(count_slot),
             count_output=np.concatenate([np.zeros(n_dec, bool), *count_output]),
             score_target=np.concatenate(score_target), scored=scored)
+        mixed.objs = decode + [c.seq for c in plan.prefill]
         if not after:
             mixed.sample_rows = list(range(n_dec)) + sample_rows
             mixed.sampling = dec_sampling + sampling
+            mixed.check = dec_check + [-1] * len(sampling)
         calls.append(mixed)
         mixed_index = len(calls) - 1 if plan.prefill else None
         if after:
             calls.append(_Call((b, 2 * L), dec_seqs, np.zeros(n_dec, np.int32), dec_rows,
-                               none, none, one_row, list(range(n_dec)), dec_sampling))
+                               none, none, one_row, list(range(n_dec)), dec_sampling,
+                               objs=decode, check=dec_check))
         return calls, mixed_index
+
+    def _draft_inputs(self, call: _Call, d: dict) -> None:
+        """Fills inputs["draft"] (step._draft) for a call whose rows leave the last
+        layer: each row's next token, and where each sequence's sampled rows are."""
+        sampled = {r: s for s, r in enumerate(call.sample_rows)}
+        d["check_S"][: len(call.check)] = call.check
+        row = 0
+        for b, ((first, n, pages), seq) in enumerate(zip(call.seqs, call.objs, strict=True)):
+            mine = [sampled[r] for r in range(row, row + n) if r in sampled]
+            for j in range(n):
+                s = sampled.get(row + j)
+                p = first + j + 1  # a row's next token: sampled there, or the prompt's
+                d["next_token_N"][row + j] = (-1 - s if s is not None else
+                                              seq.token_ids[p] if p < len(seq.token_ids) else 0)
+            if mine:
+                d["first_S_B"][b], d["rows_B"][b] = mine[0], len(mine)
+            d["num_pages_B"][b] = len(pages)
+            row += n
 
     @staticmethod
     def _score_targets(chunk, offset: int) -> np.ndarray:
@@ -405,6 +464,8 @@ class ModelRunner:
             inputs["score_target_N"][:n] = call.score_target
         if "bitmask_SW" in inputs["sampling"]:  # None: all ones (run_calls)
             inputs["sampling"]["bitmask_SW"] = None
+        if "draft" in inputs and call.units[1] == 2 * self.L:
+            self._draft_inputs(call, inputs["draft"])
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
@@ -505,10 +566,18 @@ class ModelRunner:
         wants = {s.seq_id: s.sampling_params.logprobs for s in plan.sampling_seqs
                  if s.sampling_params.logprobs is not None}
         sample = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_sample"]), None)
+        last = next((i for i, c in enumerate(calls) if c.units[1] == 2 * self.L), None)
+        next_drafts_RK, draft_rows = None, {}
+        if self.draft_state is not None and last is not None:
+            next_drafts_RK = outs[last]["drafts_RK"]
+            sampling_ids = {s.seq_id for s in plan.sampling_seqs}
+            draft_rows = {q.seq_id: b for b, q in enumerate(calls[last].objs)
+                          if q.seq_id in sampling_ids}
         score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
         return StepHandle(
             plan=plan, tokens_R=None if sample is None else sample["tokens_R"], counts=counts,
             prefill_call=mixed, rows=rows, drafts=drafts, dispatched_at=t0, step_id=step_id,
+            next_drafts_RK=next_drafts_RK, next_draft_rows=draft_rows,
             logprobs=(sample["logprob_R"], sample["top_logprob_RK"], sample["top_id_RK"])
             if wants and sample is not None else None,
             wants_logprobs=wants or None,
@@ -527,9 +596,12 @@ class ModelRunner:
             s = inputs["sampling"]
             if "bitmask_SW" in s and s["bitmask_SW"] is None:
                 s["bitmask_SW"] = self._all_ones[len(s["position"])]
+            draft = (self.draft_params, self.draft_state) if self.draft_state else ()
             self.kv_pages, self.hidden_RD, out = self._program(N)(
-                self.state, self.kv_pages, self.hidden_RD, inputs, self.counts)
+                self.state, self.kv_pages, self.hidden_RD, inputs, self.counts, *draft)
             self.counts = out["counts"]
+            if draft:
+                self.draft_state = out["draft_state"]
             counts.append(out["experts_activated"])
             outs.append(out)
         return counts, outs

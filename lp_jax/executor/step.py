@@ -39,6 +39,12 @@ bias and the penalties; all ones for a row without a grammar. It is an input of 
 program, so constrained requests compile nothing, and the mask is skipped (lax.cond)
 when no row has one.
 
+EAGLE-3 drafts (`draft`, spec.draft_k > 0; docs/speculative.md): the layer loop keeps the
+residual stream entering the head's three aux layers per row, carried in
+`draft_state["aux_RAD"]` beside hidden_RD, and the call whose rows leave the last layer runs
+the head (`_draft`) after sampling: its KV for every row, then k drafts per sampling
+sequence, out as `drafts_RK`. It is a branch of the same programs, not a program of its own.
+
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
 """
@@ -63,6 +69,7 @@ from lp_jax.executor.sampler import (
     sample,
     token_logprobs,
 )
+from lp_jax.models import eagle3
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.sharding import named_sharding
@@ -90,6 +97,7 @@ class StepSpec:
     hidden_rows: int
     buckets: tuple[int, ...]
     vocab_size: int  # required: a program family without the bitmask input would differ
+    draft_k: int = 0  # drafts an EAGLE-3 head proposes per sequence (0: no draft model)
 
     @property
     def mask_words(self) -> int:
@@ -180,9 +188,11 @@ def _score_prompt(model, x_ND, target_N):
 
 
 def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=None,
-              counts_sharding=None):
-    """step(state, kv_pages, hidden_RD, inputs, counts=None) -> (kv_pages, hidden_RD, out);
-    jit it with kv_pages, hidden_RD and counts donated. On a mesh, `replicated` (its
+              counts_sharding=None, draft=None):
+    """step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
+    draft_state=None) -> (kv_pages, hidden_RD, out); jit it with kv_pages, hidden_RD,
+    counts and draft_state donated. `draft`: an EAGLE-3 head's Eagle3Config, whose
+    drafts the step then proposes (spec.draft_k of them, `_draft`). On a mesh, `replicated` (its
     replicated sharding) pins the bitmask input the host keeps replicated, and
     `counts_sharding` (`counts_sharding()`) pins out["counts"] to the counts' input
     sharding. Otherwise sharding propagation from the vocab-sharded logits would choose
@@ -190,7 +200,8 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
     not match its program."""
     R = spec.max_num_seqs
 
-    def step(state, kv_pages, hidden_RD, inputs, counts=None):
+    def step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
+             draft_state=None):
         model = nnx.merge(graphdef, state)
         prev_N = inputs["prev_rows_N"]  # >= 0: the token is in the previous step's tokens_R
         tokens_N = jnp.where(prev_N >= 0, inputs["prev_tokens_R"][jnp.maximum(prev_N, 0)],
@@ -199,11 +210,19 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         x_ND = jnp.where((src_N < 0)[:, None], model.embed(tokens_N),
                          hidden_RD[jnp.maximum(src_N, 0)])
         lo, hi = inputs["units"][0], inputs["units"][1]
-        x_ND, kv_pages, activated = model.run_units(
+        aux = {}
+        if draft is not None:  # the rows' aux states so far: carried rows bring theirs
+            aux = {"aux_layers": draft.aux_layer_ids,
+                   "aux_NAD": jnp.where((src_N < 0)[:, None, None], 0,
+                                        draft_state["aux_RAD"][jnp.maximum(src_N, 0)])}
+        x_ND, kv_pages, activated, *aux_NAD = model.run_units(
             x_ND, kv_pages, inputs["meta"], lo, hi, decode_only=inputs["decode_only"],
-            backends=backends)
+            backends=backends, **aux)
         dst_N = jnp.where(inputs["dst_N"] < 0, hidden_RD.shape[0], inputs["dst_N"])
         hidden_RD = hidden_RD.at[dst_N].set(x_ND, mode="drop")
+        if draft is not None:
+            draft_state = dict(draft_state, aux_RAD=draft_state["aux_RAD"].at[dst_N].set(
+                aux_NAD[0], mode="drop"))
 
         if counts is not None:
             counts = _count_tokens(counts, inputs, tokens_N)
@@ -267,9 +286,46 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         if counts is not None:
             out["counts"] = counts if counts_sharding is None else jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
+        if draft is not None:
+            drafts_BK, draft_kv = jax.lax.cond(
+                hi == 2 * spec.num_layers,
+                lambda kv: _draft(draft, spec, draft_params, kv, aux_NAD[0], inputs,
+                                  tokens_R, backends.attention),
+                lambda kv: (jnp.full((S, spec.draft_k), -1, jnp.int32), kv),
+                draft_state["kv"])
+            out["drafts_RK"] = jnp.pad(drafts_BK, ((0, R - S), (0, 0)), constant_values=-1)
+            out["draft_state"] = dict(draft_state, kv=draft_kv)
         return kv_pages, hidden_RD, out
 
     return step
+
+
+def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, backend):
+    """An EAGLE-3 head's drafts for the call's sequences, in the call whose rows leave
+    the last layer: every row extends the head's KV (lp_jax/models/eagle3.py), then
+    each drafting sequence proposes from its last row that stands.
+
+    inputs["draft"]: `next_token_N`, the token after each row (the next prompt token;
+    -1 - s: the token sampled at sampled row s); per sequence of the call, `first_S_B`
+    its first sampled row (-1: it does not draft), `rows_B` its sampled rows, and
+    `num_pages_B` the pages it holds (a chained step past them writes nothing and
+    drafts nothing); per sampled row, `check_S` the draft that the next row verifies
+    (-1: none). Its accepted rows are those whose predecessors sampled their draft."""
+    d = inputs["draft"]
+    S = spec.seqs_for(aux_NAD.shape[0])
+    tokens_S = tokens_R[:S]
+    next_N = d["next_token_N"]
+    tok_N = jnp.where(next_N >= 0, next_N, tokens_S[jnp.clip(-1 - next_N, 0, S - 1)])
+    first_B, K1 = d["first_S_B"], spec.draft_k + 1
+    j_K = jnp.arange(K1)
+    s_BK = jnp.clip(first_B[:, None] + j_K[None, :], 0, S - 1)
+    match_BK = (tokens_S[s_BK] == d["check_S"][s_BK]) & (j_K[None, :] < d["rows_B"][:, None] - 1)
+    last_s_B = jnp.clip(first_B + jnp.sum(jnp.cumprod(match_BK, axis=1), axis=1), 0, S - 1)
+    last_row_B = inputs["sample_rows_S"][last_s_B]
+    drafts_BK, kv_pages = eagle3.propose(cfg, params, kv_pages, aux_NAD, tok_N, inputs["meta"],
+                                         last_row_B, k=spec.draft_k, backend=backend,
+                                         num_pages_B=d["num_pages_B"], drafting_B=first_B >= 0)
+    return jnp.where((first_B >= 0)[:, None], drafts_BK, -1), kv_pages
 
 
 def empty_inputs(spec: StepSpec, N: int) -> dict:
@@ -305,6 +361,8 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
                      "bias_ids": np.full((B, BIAS_SLOTS), -1, np.int32),
                      "bias": np.zeros((B, BIAS_SLOTS), np.float32),
                      **({"bitmask_SW": all_ones_mask(spec, B)} if spec.vocab_size else {})},
+        **({"draft": {"next_token_N": i32(N), "first_S_B": i32(B, -1), "rows_B": i32(B),
+                      "num_pages_B": i32(B), "check_S": i32(B, -1)}} if spec.draft_k else {}),
     }
 
 

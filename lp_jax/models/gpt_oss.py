@@ -204,8 +204,8 @@ class GptOssForCausalLM(StackedCausalLM):
         return serving_backends(backends)
 
     def run_units(self, x_TD, kv_pages_PSJH, meta, lo, hi, *, decode_only=False,
-                  backends: KernelBackends = KernelBackends()):
+                  backends: KernelBackends = KernelBackends(), **aux):
         """`StackedCausalLM.run_units` with the backends GPT-OSS layers can run
         (`serving_backends`; the executor applies it too, so idempotent)."""
         return super().run_units(x_TD, kv_pages_PSJH, meta, lo, hi, decode_only=decode_only,
-                                 backends=serving_backends(backends))
+                                 backends=serving_backends(backends), **aux)

@@ -199,6 +199,8 @@ class StackedCausalLM(nnx.Module):
         *,
         decode_only=False,
         backends: KernelBackends = KernelBackends(),
+        aux_layers: tuple[int, ...] = (),
+        aux_NAD: jax.Array | None = None,
     ):
         """Runs operator units [lo, hi) on x_TD: unit 2i is layer i's attention half, unit
         2i + 1 its MLP half, so a range may start or stop between a layer's two halves.
@@ -213,6 +215,11 @@ class StackedCausalLM(nnx.Module):
         and costs nothing, so a one-unit segment (FlowPrefill's operator granularity)
         computes one half. The KV pool passes through the untaken branch in place (no
         copy: the AOT audit checks the compiled programs).
+
+        With `aux_layers` (A static layer ids) and `aux_NAD`, the residual stream entering
+        each of those layers whose attention half runs here is kept in aux_NAD[:, j]
+        (an EAGLE-3 draft's inputs, lp_jax/models/eagle3.py), and the result gains it as a
+        fourth element: rows carried between calls carry their aux states too.
         """
         L2 = 2 * self.config.num_hidden_layers
         if isinstance(lo, int) and isinstance(hi, int) and not 0 <= lo <= hi <= L2:
@@ -220,7 +227,10 @@ class StackedCausalLM(nnx.Module):
         token_mask_T = meta.token_mask()
 
         def layer(i, carry):
-            x, kv, n = carry
+            x, kv, n, *aux = carry
+            for j, at in enumerate(aux_layers):  # the layer's input, if it runs here
+                aux[0] = aux[0].at[:, j].set(
+                    jnp.where((i == at) & (2 * i >= lo), x, aux[0][:, j]))
             x, kv = jax.lax.cond(
                 2 * i >= lo,
                 lambda x, kv: self._attention(i, x, kv, meta, decode_only, backends.attention),
@@ -228,7 +238,8 @@ class StackedCausalLM(nnx.Module):
             x, activated = jax.lax.cond(
                 2 * i + 1 < hi, lambda x: self._mlp(i, x, token_mask_T, backends),
                 lambda x: (x, jnp.int32(0)), x)
-            return x, kv, n + activated
+            return x, kv, n + activated, *aux
 
+        aux = (aux_NAD,) if aux_layers else ()
         return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
-                                 (x_TD, kv_pages_PSJH, jnp.int32(0)))
+                                 (x_TD, kv_pages_PSJH, jnp.int32(0), *aux))

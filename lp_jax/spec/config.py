@@ -4,6 +4,7 @@ error before anything is compiled.
 
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
+    {"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": k}
 
 `"num_speculative_tokens": "auto"` lets the engine choose k in [0, MAX_SPECULATIVE_TOKENS]
 each step from a cost model and the acceptance it measures (auto.py).
@@ -19,7 +20,7 @@ import dataclasses
 import json
 
 AUTO = "auto"
-METHODS = ("ngram",)  # EAGLE-3 and MTP drafts need a draft model: not yet
+METHODS = ("ngram", "eagle3")  # MTP drafts: not yet
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64  # n-gram lengths searched per step: a host-side scan each
 
@@ -39,15 +40,23 @@ class SpeculativeConfig:
     num_speculative_tokens: int | str = 3  # or AUTO
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None  # an EAGLE-3 head's directory (lp_jax/models/eagle3.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)}, "
                              f"got {self.method!r}")
+        if (self.method == "eagle3") != isinstance(self.model, str):
+            raise ValueError(f"speculative_config: method {self.method!r} takes "
+                             + ("a draft 'model' path" if self.method == "eagle3"
+                                else "no 'model'") + f", got model={self.model!r}")
         k = self.num_speculative_tokens
         if k != AUTO and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"num_speculative_tokens must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}, got {k!r}")
+        if k == AUTO and self.method == "eagle3":
+            raise ValueError(f"num_speculative_tokens {AUTO!r} is for n-gram drafts: the "
+                             "EAGLE-3 head's chained draft steps are compiled for a fixed k")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or not 1 <= v <= MAX_PROMPT_LOOKUP):
