@@ -64,6 +64,41 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps order
 
 
+# XLA:CPU compiles at -O0 (LLVM's cheap pipeline) in tests: the suite is compile-bound
+# (tiny engines whose programs run for milliseconds after seconds of LLVM, and Pallas
+# kernels interpreted as many small programs), and -O0 cuts its CPU time by about a
+# fifth to a half per file (docs/benchmarks/ci.md). Only XLA:CPU programs change: the
+# compile-only TPU and GPU programs keep their compilers' defaults, and the HLO passes
+# are the same at every level. LP_TEST_CPU_O0=0 runs everything at XLA's default.
+_cpu_o0 = os.environ.get("LP_TEST_CPU_O0", "1") == "1"
+# The same level for the CPU-only subprocesses a test starts (XLA_FLAGS reach every
+# backend of a process, so only processes that compile for no chip take them).
+CPU_O0_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+                    if _cpu_o0 else "")
+
+
+def _install_cpu_o0():
+    """Wraps jax's compile options so that XLA:CPU programs compile at -O0 (the
+    persistent cache keys on the options, so no program of another level is read)."""
+    from jax._src import compiler
+
+    get = compiler.get_compile_options
+
+    def get_compile_options(*args, backend=None, **kwargs):
+        options = get(*args, backend=backend, **kwargs)
+        if backend is not None and backend.platform == "cpu":
+            debug = options.executable_build_options.debug_options
+            debug.xla_backend_optimization_level = 0
+            debug.xla_llvm_disable_expensive_passes = True
+        return options
+
+    compiler.get_compile_options = get_compile_options
+
+
+if _cpu_o0:
+    _install_cpu_o0()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_programs_after_each_module():
     """Each module's programs go when it ends (an xdist worker runs ~20 modules, and

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CPU_O0_XLA_FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "gpu_validate.py"
@@ -40,6 +41,7 @@ def gv():
 
 def test_cpu_smoke_runs_every_section(tmp_path, cache_dir):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env["XLA_FLAGS"] = CPU_O0_XLA_FLAGS  # the smoke path compiles for the CPU only
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out), "--cache-dir",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CPU_O0_XLA_FLAGS
 
 from lp_jax.bench.processes import free_port, process_env
 from lp_jax.executor import distributed
@@ -36,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _env(pid, port):
     env = process_env(pid, 2, port, cpu_devices=4)
     env["PYTHONPATH"] = str(ROOT)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CPU_O0_XLA_FLAGS}".strip()
     return env
 
 
