@@ -187,6 +187,8 @@ class LLMEngine:
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
+        if not config.kv_pages:  # data-parallel ranks take equal shares of the pool
+            num_pages -= num_pages % config.data_parallel_size
         if self.process.multi_process:  # every process must build the same programs
             num_pages, backends = self._join_processes(model_cfg, num_pages, backends)
         sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
@@ -402,6 +404,8 @@ class LLMEngine:
             predicted = self.scheduler.latency.peek_plan(plan)
         if self.trace is not None:
             self.trace.plan(plan, now, predicted, self.scheduler)
+        if self.config.data_parallel_size > 1 and plan.phase != "idle":
+            self.scheduler.block_manager.count_rows(plan)
         handle = self.runner.dispatch(plan, prev) if plan.phase != "idle" else None
         if handle is not None:
             self.clock.dispatched(plan.step_id, predicted)
@@ -523,6 +527,8 @@ class LLMEngine:
         )
         if self.channel is not None and self.is_leader:
             s["plan_channel"] = self.channel.stats()
+        if self.config.data_parallel_size > 1:  # per rank: dp_placement.balance
+            s["data_parallel"] = self.scheduler.block_manager.balance()
         return s
 
 
