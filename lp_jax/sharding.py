@@ -39,7 +39,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",  # dense MLP width
     "experts": ("data", "expert", "tensor"),  # expert parallelism over every chip
     "expert_mlp": None,  # fused [gate | up] must stay whole per shard; see docs
-    "kv_pages": None,
+    "kv_pages": "data",  # a rank-major pool's rows (kv_cache.kv_cache_axes)
     "kv_combined_heads": "tensor",  # J = 2K axis of the KV cache
 }
 

@@ -4,16 +4,19 @@ flags, and engines on DP 2 and DP 4 with the experts over every chip giving the
 single-device model's tokens under chunked and layered, with no compile while serving
 and within the program budget."""
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from checkpoints.make_tiny import ensure_tiny
 from lp_jax import LLM, SamplingParams
+from lp_jax.aot import load_config
 from lp_jax.core.dp_placement import RankedBlockManager
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.engine.config import EngineConfig
 from lp_jax.loader import load_model
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import layer_pages, layer_slots
 from lp_jax.models.simple import greedy_generate
 from lp_jax.sharding import make_mesh, parallel_mesh_shape, partition_spec
 from tests.conftest import make_sched_cfg, make_seq
@@ -98,6 +101,20 @@ def test_padding_of_the_spmd_step_is_counted():
     assert bal["rows"] == [9, 2] and bal["padded_rows"] == 7  # rank 1 runs 9 rows: 7 pad
 
 
+def test_a_rank_major_pool_keeps_each_ranks_pages_of_every_layer_together():
+    cfg = load_config("qwen3-30b-a3b").replace(num_hidden_layers=3)
+    pages = np.arange(8)  # P = 8 logical pages, pool of L P = 24 rows
+    rows = np.stack([np.asarray(layer_pages(cfg, i, pages, 24)) for i in range(3)])
+    assert (rows == pages + 8 * np.arange(3)[:, None]).all()  # one rank: layer-major
+    rows = np.stack([np.asarray(layer_pages(cfg.replace(kv_ranks=2), i, pages, 24))
+                     for i in range(3)])
+    assert sorted(rows[:, :4].ravel()) == list(range(12))  # rank 0: rows [0, 12)
+    assert sorted(rows[:, 4:].ravel()) == list(range(12, 24))  # rank 1: rows [12, 24)
+    slots = np.array([-1, 0, 5, 4 * 4 + 3])  # page size 4
+    got = np.asarray(layer_slots(cfg.replace(kv_ranks=2), 1, slots, 24, 4))
+    assert list(got) == [-1, 4 * 4, 5 * 4 + 1, (12 + 4) * 4 + 3]
+
+
 def test_flags_map_data_parallel_attention_onto_the_mesh():
     assert parallel_mesh_shape(data_parallel_size=2, tensor_parallel_size=4,
                                enable_expert_parallel=True) == {"data": 2, "expert": 1,
@@ -166,6 +183,9 @@ def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, 
     assert [o.token_ids for o in outs] == reference
     experts = llm.engine.runner.state["model"]["layers"]["mlp"]["experts_gate_up_proj"][...]
     assert len(experts.sharding.device_set) == dp * tp
+    kv = llm.engine.runner.kv_pages  # each rank's devices hold only its own pages
+    assert kv.sharding.spec[0] == "data"
+    assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
     stats = llm.stats()
     bal = stats["data_parallel"]
     assert min(bal["rows"]) > 0 and bal["free_pages"] == [8] * dp  # every rank ran rows

@@ -60,7 +60,7 @@ from lp_jax.executor.step import (
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import (
-    KV_CACHE_AXES,
+    kv_cache_axes,
     kv_cache_shape,
     kv_dtype,
     packs_kv,
@@ -205,7 +205,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel),
                               replicas=kv_head_replicas(model_cfg.num_key_value_heads,
                                                         model_cfg.num_attention_heads, mesh))
-    kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
+    kv_sharding = named_sharding(kv_cache_axes(model_cfg), kv_shape, mesh)
     kv = jax.ShapeDtypeStruct(kv_shape, kv_dtype(model_cfg, dtype), sharding=kv_sharding)
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
                     pages_per_seq=math.ceil(cfg.max_model_len / S),

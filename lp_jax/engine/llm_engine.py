@@ -97,6 +97,8 @@ class LLMEngine:
         if kv_format == "fp8":
             model_cfg = model_cfg.replace(kv_cache_dtype="fp8", kv_scales=read_kv_scales(
                 None if config.load_format == "dummy" else model_dir, model_cfg))
+        if config.data_parallel_size > 1:  # a rank-major pool, split over the data ranks
+            model_cfg = model_cfg.replace(kv_ranks=config.data_parallel_size)
         max_model_len = (config.max_model_len
                          or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
