@@ -217,3 +217,33 @@ def test_the_scheduler_refuses_a_request_larger_than_a_ranks_pool():
     sched.add(make_seq(1, 16, max_tokens=1))  # 4 pages: fits one rank
     with pytest.raises(ValueError, match="split evenly"):
         make_sched_cfg("chunked", num_pages=9, data_parallel_size=2)
+
+
+def test_the_roofline_gives_dp_attention_the_kv_room_tp_cannot():
+    """DeepSeek-V3 FP8 on 64 v6e chips: TP attention keeps every token's latent on every
+    chip; DP 16 x TP 4 keeps each token on one rank only, so the slice holds 16 times one
+    chip's room; DP 64 (t = 1) copies attention on every chip and does not fit."""
+    from lp_jax.roofline.dp_attention import (
+        dp_chip_layout,
+        dp_link_bytes_per_layer,
+        padded_rows,
+        slice_kv_tokens,
+    )
+    from lp_jax.roofline.hardware import get_hardware
+    from lp_jax.roofline.layout import chip_layout
+    from lp_jax.roofline.model_shape import DEEPSEEK_V3
+
+    hw, shape = get_hardware("TPU v6e"), DEEPSEEK_V3.with_formats("fp8_block", None)
+    tp, dp = chip_layout(shape, (1, 1, 64)), dp_chip_layout(shape, 16, 4)
+    assert dp.kv_bytes_per_token == tp.kv_bytes_per_token  # the latent, whole, either way
+    experts = shape.num_moe_layers * shape.expert_bytes_per_layer
+    assert dp.weight_bytes - chip_layout(shape, (1, 1, 4)).weight_bytes == pytest.approx(
+        experts / 64 - experts / 4)
+    assert slice_kv_tokens(shape, (16, 1, 4), hw.hbm_bytes) == 16 * dp.kv_tokens(hw.hbm_bytes)
+    assert slice_kv_tokens(shape, (16, 1, 4), hw.hbm_bytes) > 10 * slice_kv_tokens(
+        shape, (1, 1, 64), hw.hbm_bytes)
+    assert slice_kv_tokens(shape, (64, 1, 1), hw.hbm_bytes) == 0
+    one = dp_link_bytes_per_layer(shape, 16, 4, 64)
+    assert one["attention"] == 2 * 3 / 4 * 64 * shape.hidden_size * 2
+    assert dp_link_bytes_per_layer(shape, 16, 4, 128)["dispatch"] == 2 * one["dispatch"]
+    assert padded_rows([9, 2]) == 7 and padded_rows([4, 4]) == 0
