@@ -127,6 +127,9 @@ def test_flags_map_data_parallel_attention_onto_the_mesh():
     with pytest.raises(ValueError, match="independent replicas"):
         EngineConfig(data_parallel_size=4)
     EngineConfig(data_parallel_size=4, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="not served under data-parallel attention yet"):
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
+                     attention_backend="tpu")
     # The experts spread over every chip, attention's heads over "tensor" only.
     mesh = make_mesh(2, 1, 4)
     assert partition_spec(("layers", "experts", "embed", "expert_mlp"), (2, 8, 4, 4),
