@@ -19,6 +19,7 @@ from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import layer_pages, layer_slots
 from lp_jax.models.simple import greedy_generate
 from lp_jax.sharding import make_mesh, parallel_mesh_shape, partition_spec
+from pallas_kernels import compile_targets
 from tests.conftest import make_sched_cfg, make_seq
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 311, 64, 128, 9], list(range(1, 21)),
@@ -250,3 +251,35 @@ def test_the_roofline_gives_dp_attention_the_kv_room_tp_cannot():
     assert one["attention"] == 2 * 3 / 4 * 64 * shape.hidden_size * 2
     assert dp_link_bytes_per_layer(shape, 16, 4, 128)["dispatch"] == 2 * one["dispatch"]
     assert padded_rows([9, 2]) == 7 and padded_rows([4, 4]) == 0
+
+
+@pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
+def test_the_aot_plans_deepseek_v3_with_a_kv_pool_split_over_the_data_ranks():
+    """DeepSeek-V3 on 64 v5p chips (abstract build, nothing compiled): TP attention keeps
+    the whole latent pool on every chip; DP 16 x TP 4 keeps 1 / 16 of it a chip."""
+    from lp_jax.aot import AotConfig, build
+
+    cfg, aot = load_config("deepseek-v3"), dict(platform="tpu", topology="v5p:4x4x4",
+                                                max_model_len=8192, max_num_seqs=64)
+    tp, dp = (build(cfg, AotConfig(mesh_shape=mesh, **aot)) for mesh in ((1, 1, 64),
+                                                                         (16, 1, 4)))
+    assert dp.args[1].sharding.spec[0] == "data" and tp.args[1].sharding.spec[0] is None
+    assert dp.kv_bytes_per_device * 16 == tp.kv_bytes_per_device
+    assert dp.model_config.kv_ranks == 16
+
+
+@pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
+def test_deepseek_v3_steps_trace_in_bfloat16():
+    """DeepSeek-V3's attention half keeps the model's dtype (its reference attention
+    returns float32), so run_units' skip-or-run branches agree and the pod-scale AOT, which
+    runs bfloat16, can lower the step. The CPU engines run float32 and never see it."""
+    import jax
+
+    from lp_jax.aot import AotConfig, _abstract_counts, _abstract_inputs, build
+
+    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek"))), AotConfig(
+        platform="tpu", topology="v6e:2x2", mesh_shape=(2, 1, 1), dtype="bfloat16",
+        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(20,)))
+    with jax.set_mesh(b.mesh):
+        jax.jit(b.step).trace(*b.args, _abstract_inputs(b.spec, 20, b.mesh),
+                              _abstract_counts(b))

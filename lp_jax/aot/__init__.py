@@ -193,6 +193,9 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     mesh = make_mesh(data, expert, tensor, devices=_devices(cfg))
     L, S = model_cfg.num_hidden_layers, cfg.page_size
     pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
+    if data > 1:  # data-parallel attention: a rank-major pool, an equal share per rank
+        model_cfg = model_cfg.replace(kv_ranks=data)
+        pages = -(-pages // data) * data
     sched_cfg = scheduler_config(model_cfg, cfg, pages)
     buckets = step_buckets(sched_cfg, cfg.token_buckets)
     graphdef, abstract_state = abstract_model(model_cfg, dtype)
@@ -214,7 +217,9 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     vocab_size=model_cfg.vocab_size)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
-    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
+    # XLA's attention under data-parallel attention, as the engine serves it.
+    step = make_step(graphdef, spec, KernelBackends(moe=kernel,
+                                                    attention=kernel if data == 1 else "xla",
                                                     moe_dispatch=cfg.moe_dispatch),
                      replicated=replicated(mesh),
                      counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))

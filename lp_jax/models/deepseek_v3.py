@@ -139,4 +139,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             o_TNO = attend(decode_only)
         else:
             o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
-        return x_TD + dot(o_TNO.reshape(T, N * O), attn.o_proj[i]), kv_pages_PS1X
+        # The reference attention returns float32; the residual stays in the model's dtype
+        # (lax.cond in run_units needs both branches alike).
+        o_TD = dot(o_TNO.reshape(T, N * O), attn.o_proj[i])
+        return (x_TD + o_TD).astype(x_TD.dtype), kv_pages_PS1X
