@@ -283,3 +283,26 @@ def test_deepseek_v3_steps_trace_in_bfloat16():
     with jax.set_mesh(b.mesh):
         jax.jit(b.step).trace(*b.args, _abstract_inputs(b.spec, 20, b.mesh),
                               _abstract_counts(b))
+
+
+def test_a_full_rank_preempts_only_its_own_sequences():
+    """Rank 0's two 8-token sequences need a third page each at once while the global
+    tail (the lowest priority) sits on rank 1, whose shorter sequences need none yet: the
+    preemption takes rank 0's tail, whose pages help, and leaves rank 1 alone."""
+    from lp_jax.core.plan import StepResult
+    from lp_jax.core.scheduler import Scheduler
+
+    sched = Scheduler(make_sched_cfg("chunked", num_pages=8, data_parallel_size=2,
+                                     max_num_seqs=4))
+    seqs = [make_seq(i, list(range(10 * i + 1, 10 * i + 1 + n)), max_tokens=7, priority=p)
+            for i, (n, p) in enumerate(((8, 0), (5, 0), (8, 0), (5, 1)))]
+    for s in seqs:
+        sched.add(s)
+    now, ranks = 0.0, None
+    while not any(s.num_preemptions for s in seqs):
+        now += 1.0
+        plan = sched.schedule(now)
+        ranks = ranks or [sched.block_manager.rank_of(s) for s in seqs]
+        sched.commit(plan, StepResult(tokens={s.seq_id: 5 for s in plan.sampling_seqs}), now)
+    assert ranks == [0, 1, 0, 1]
+    assert [s.num_preemptions for s in seqs] == [0, 0, 1, 0]

@@ -64,6 +64,12 @@ class RankedBlockManager:
         """The rank whose pages seq holds; None while it holds none."""
         return self._rank_of.get(seq.seq_id)
 
+    def same_rank(self, a: Sequence, b: Sequence) -> bool:
+        """Whether a and b hold pages on the same rank (a preemption for b's page frees
+        only a victim of b's rank)."""
+        r = self._rank_of.get(a.seq_id)
+        return r is not None and r == self._rank_of.get(b.seq_id)
+
     def balance(self) -> dict:
         """Per rank: sequences holding pages, pages in use, free pages, rows run; and the
         rows the SPMD step padded (`count_rows`)."""

@@ -487,7 +487,7 @@ class Scheduler:
                         self._preempt(victim)
                     preempted += paused
                     continue
-                victim = queue.pop() if queue else seq
+                victim = self._victim(queue, seq)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -496,6 +496,16 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 decode.append(seq)
         return decode, preempted
+
+    def _victim(self, queue: list[Sequence], seq: Sequence) -> Sequence:
+        """Pops the decode to preempt for seq's page: the queue's tail, or under
+        data-parallel attention the tail among the sequences on seq's rank (another rank's
+        pages would not help); seq itself when there is none."""
+        same_rank = getattr(self.block_manager, "same_rank", None)
+        for j in range(len(queue) - 1, -1, -1):
+            if same_rank is None or same_rank(queue[j], seq):
+                return queue.pop(j)
+        return seq
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style: drop the KV, keep the outputs, prefill everything again later."""
