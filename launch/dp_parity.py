@@ -18,10 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 311, 64, 128, 9], list(range(1, 21)),
            [7, 7, 1, 2, 3], [300, 200, 100, 50, 25, 12, 6, 3]]
@@ -34,6 +30,10 @@ def main(argv=None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     preset, dp, tp, policy = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX loads: 8 CPU devices
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
     from checkpoints.make_tiny import ensure_tiny
     from lp_jax import LLM, SamplingParams
     from lp_jax.loader import load_model
