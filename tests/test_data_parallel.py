@@ -90,6 +90,26 @@ def test_prefix_hits_pull_a_sequence_to_the_rank_that_cached_them():
     assert not bm.reset_prefix_cache()  # pages still held
 
 
+def test_prefix_affinity_gives_way_to_load():
+    """Each hit page counts as a page saved: copies of one prompt gather on the rank that
+    cached it until that rank's load outweighs the hit, then go to the idle rank."""
+    bm = _pool(caching=True, seqs=4)
+    prompt = list(range(100, 113))  # 4 pages, 3 of them hit-able
+    filler = make_seq(0, list(range(16)))
+    bm.allocate(filler, 16)  # rank 0: 4 pages
+    first = make_seq(1, list(prompt))
+    bm.allocate(first, 13)  # rank 1
+    bm.publish(first, 13)
+    bm.free(filler)  # rank 0 idle
+    copies = [make_seq(i, list(prompt)) for i in range(2, 5)]
+    for s in copies:
+        bm.allocate(s, 13)
+    # Rank 1 at 4 then 5 pages: 1 fresh page less 3 hit beats rank 0's 4 fresh ones; at
+    # 6 pages they tie and the rank with fewer sequences takes the third copy, unhit.
+    assert [bm.rank_of(s) for s in copies] == [1, 1, 0]
+    assert [len(set(s.page_ids) & set(first.page_ids)) for s in copies] == [3, 3, 0]
+
+
 def test_padding_of_the_spmd_step_is_counted():
     bm = _pool(seqs=4)
     a, b = make_seq(0, list(range(9))), make_seq(1, [1, 2])

@@ -9,8 +9,9 @@ later call (append, publish, truncate, free) goes to that rank's manager. Prefix
 is per rank too: a page published on rank r can only be hit by a sequence placed there.
 
 Placement (`place`): among the ranks with a free sequence slot and the pages the
-sequence needs, the one whose cache holds the most of its prompt (prefix affinity), then
-the one with the fewest pages in use after the allocation (tokens held, in pages), then
+sequence needs, the one with the fewest pages in use after the allocation (tokens held,
+in pages) less the pages its prefix cache already holds of the prompt (each hit page is
+a page neither allocated nor prefilled: prefix affinity, weighed against the load), then
 the fewest sequences, then the lowest rank. A preempted sequence frees its pages and is
 placed again when it is readmitted.
 
@@ -86,9 +87,9 @@ class RankedBlockManager:
         for r, bm in enumerate(self.ranks):
             if self._seqs[r] >= self.max_seqs_per_rank or not bm.can_allocate(seq, num_tokens):
                 continue
-            hit = bm.cached_prefix(seq, num_tokens)
-            used = bm.num_pages - bm.num_free_pages + self.pages_for(num_tokens)
-            key = (-hit, used, self._seqs[r], r)
+            hit = self.pages_for(bm.cached_prefix(seq, num_tokens))
+            used = bm.num_pages - bm.num_free_pages + self.pages_for(num_tokens) - hit
+            key = (used - hit, self._seqs[r], r)
             if best_key is None or key < best_key:
                 best, best_key = r, key
         return best
