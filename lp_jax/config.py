@@ -162,6 +162,9 @@ class ModelConfig:
     # with per-layer (k_scale, v_scale) read from the checkpoint; () means 1.0 everywhere.
     kv_cache_dtype: str = "auto"
     kv_scales: tuple[tuple[float, float], ...] = ()
+    # Data-parallel attention (set by the engine): the KV pool's ranks, each holding its
+    # own pages of every layer as one contiguous block of rows (kv_cache.layer_pages).
+    kv_ranks: int = 1
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -170,7 +173,7 @@ class ModelConfig:
                 f"lp_jax supports {SUPPORTED_MODEL_TYPES}"
             )
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
+                     "num_key_value_heads", "head_dim", "kv_ranks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:

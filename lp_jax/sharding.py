@@ -5,10 +5,12 @@ Parameters declare *logical* axes where they are created (`embed`, `q_heads`,
 changing the parallelism layout is a one-line edit here, not a model change.
 
 The mesh has three axes, (data, expert, tensor). Attention heads, the vocabulary and
-the dense MLPs split over "tensor"; the experts over "expert" and "tensor" together, so
-one mesh of t chips on "tensor" holds tensor-parallel attention and t-way expert
-parallelism over the same chips (vLLM's TP with expert parallelism), while (1, e, 1)
-keeps attention whole on every chip and splits only the experts. A rule naming several
+the dense MLPs split over "tensor"; the experts over all three axes together, so one
+mesh of t chips on "tensor" holds tensor-parallel attention and t-way expert
+parallelism over the same chips (vLLM's TP with expert parallelism), (1, e, 1) keeps
+attention whole on every chip and splits only the experts, and (d, 1, t) is
+data-parallel attention: d ranks of t-way attention, the experts over all d t chips
+(EP = DP x TP, docs/data_parallel.md). A rule naming several
 axes keeps those of size above 1 (`mesh_axes`), so the usual meshes see one axis name.
 
 A dimension whose size is not divisible by its mesh axes is replicated instead, which
@@ -36,9 +38,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",  # K*H columns of k_proj / v_proj
     "head_dim": None,
     "mlp": "tensor",  # dense MLP width
-    "experts": ("expert", "tensor"),  # expert parallelism over every non-data chip
+    "experts": ("data", "expert", "tensor"),  # expert parallelism over every chip
     "expert_mlp": None,  # fused [gate | up] must stay whole per shard; see docs
-    "kv_pages": None,
+    "kv_pages": "data",  # a rank-major pool's rows (kv_cache.kv_cache_axes)
     "kv_combined_heads": "tensor",  # J = 2K axis of the KV cache
 }
 
@@ -131,7 +133,7 @@ def kv_head_columns(K: int, H: int, r: int, block: int = 1) -> np.ndarray | None
 
 def parallel_mesh_shape(*, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                         enable_expert_parallel: bool = False, mesh_shape=None,
-                        has_experts: bool = True) -> dict[str, int]:
+                        has_experts: bool | None = True) -> dict[str, int]:
     """vLLM's parallel sizes as a mesh shape {data, expert, tensor} (`parse_mesh_shape`'s
     form); an explicit `mesh_shape` when the sizes are left at their defaults.
 
@@ -139,9 +141,12 @@ def parallel_mesh_shape(*, tensor_parallel_size: int = 1, data_parallel_size: in
     vocabulary and dense MLPs split t ways and, by LOGICAL_RULES, the experts over the
     same t chips. lp_jax splits experts only whole (expert parallelism), so an MoE model
     with t > 1 needs enable_expert_parallel: vLLM's other reading, each expert's width
-    split t ways, is not built. data_parallel_size > 1 is refused: neither vLLM's
-    independent replicas nor data-parallel attention beside expert parallelism is served
-    yet. Raises ValueError naming the conflict."""
+    split t ways, is not built. data_parallel_size d > 1 with enable_expert_parallel is
+    data-parallel attention, (d, 1, t): d attention ranks of t chips, the experts over
+    all d t. Without expert parallelism (vLLM's independent replicas) or on a model
+    without experts, d > 1 is refused. `has_experts` None: the model is not known yet
+    (EngineConfig's own check), so only the model-free conflicts are refused. Raises
+    ValueError naming the conflict."""
     for name, v in (("tensor_parallel_size", tensor_parallel_size),
                     ("data_parallel_size", data_parallel_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -155,17 +160,19 @@ def parallel_mesh_shape(*, tensor_parallel_size: int = 1, data_parallel_size: in
                 f"mesh_shape={mesh_shape!r} names the layout itself; it cannot be combined "
                 "with tensor_parallel_size / data_parallel_size / enable_expert_parallel")
         return parse_mesh_shape(mesh_shape)
-    if data_parallel_size > 1:
-        raise ValueError(
-            f"data_parallel_size={data_parallel_size} is not served yet: independent "
-            "replicas and data-parallel attention beside expert parallelism come in the next "
-            "issue; run one engine per replica, or name mesh_shape")
+    if data_parallel_size > 1 and (not enable_expert_parallel or has_experts is False):
+        why = ("data-parallel attention needs experts to spread over the ranks; this "
+               "model has none" if enable_expert_parallel else
+               "data_parallel_size without enable_expert_parallel means independent "
+               "replicas, which one engine does not serve")
+        raise ValueError(f"data_parallel_size={data_parallel_size}: {why}; run one engine "
+                         "per replica, or add --enable-expert-parallel (docs/data_parallel.md)")
     if tensor_parallel_size > 1 and has_experts and not enable_expert_parallel:
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} on an MoE model needs "
             "enable_expert_parallel: lp_jax splits the experts whole over the same chips "
             "(expert parallelism), not each expert's width")
-    return {"data": 1, "expert": 1, "tensor": tensor_parallel_size}
+    return {"data": data_parallel_size, "expert": 1, "tensor": tensor_parallel_size}
 
 
 def partition_spec(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

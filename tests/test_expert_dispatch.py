@@ -315,10 +315,13 @@ def test_auto_runs_what_ep_comm_chooses(T, top_k):
     # The tensor axis carries expert parallelism too (attention's chips hold experts).
     assert resolve_moe_dispatch(make_mesh(tensor=8), "auto", x_TD, w_gate_up, top_k) == (
         resolve_moe_dispatch(mesh, "auto", x_TD, w_gate_up, top_k))
-    # ep == 1 (only the data axis; or the axes do not divide E = 8): no dispatch.
-    for no_ep in (make_mesh(data=8), make_mesh(expert=3)):
-        assert resolve_moe_dispatch(no_ep, "auto", x_TD, w_gate_up, top_k) == "allreduce"
-        assert resolve_moe_dispatch(no_ep, "all_to_all", x_TD, w_gate_up, top_k) == "allreduce"
+    # So does the data axis (data-parallel attention: EP = DP x TP).
+    assert resolve_moe_dispatch(make_mesh(data=8), "auto", x_TD, w_gate_up, top_k) == (
+        resolve_moe_dispatch(mesh, "auto", x_TD, w_gate_up, top_k))
+    # ep == 1 (the axes do not divide E = 8): no dispatch.
+    no_ep = make_mesh(expert=3)
+    assert resolve_moe_dispatch(no_ep, "auto", x_TD, w_gate_up, top_k) == "allreduce"
+    assert resolve_moe_dispatch(no_ep, "all_to_all", x_TD, w_gate_up, top_k) == "allreduce"
 
 
 def test_auto_cases_see_both_schemes():

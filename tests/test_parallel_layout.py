@@ -78,8 +78,8 @@ def test_vllm_parallel_sizes_map_onto_the_mesh():
     assert parallel_mesh_shape(tensor_parallel_size=4, has_experts=False)["tensor"] == 4
     with pytest.raises(ValueError, match="needs enable_expert_parallel"):
         parallel_mesh_shape(tensor_parallel_size=8)
-    with pytest.raises(ValueError, match="next issue"):
-        parallel_mesh_shape(data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="independent replicas"):
+        parallel_mesh_shape(data_parallel_size=2)
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineConfig(mesh_shape=(1, 8), tensor_parallel_size=8)
     with pytest.raises(ValueError, match="positive int"):

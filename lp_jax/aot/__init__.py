@@ -60,7 +60,7 @@ from lp_jax.executor.step import (
 from lp_jax.loader import abstract_model, param_shardings
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.kv_cache import (
-    KV_CACHE_AXES,
+    kv_cache_axes,
     kv_cache_shape,
     kv_dtype,
     packs_kv,
@@ -193,6 +193,9 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     mesh = make_mesh(data, expert, tensor, devices=_devices(cfg))
     L, S = model_cfg.num_hidden_layers, cfg.page_size
     pages = cfg.kv_pages or cfg.max_num_seqs * math.ceil(cfg.max_model_len / S)
+    if data > 1:  # data-parallel attention: a rank-major pool, an equal share per rank
+        model_cfg = model_cfg.replace(kv_ranks=data)
+        pages = -(-pages // data) * data
     sched_cfg = scheduler_config(model_cfg, cfg, pages)
     buckets = step_buckets(sched_cfg, cfg.token_buckets)
     graphdef, abstract_state = abstract_model(model_cfg, dtype, mesh)
@@ -205,7 +208,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     kv_shape = kv_cache_shape(model_cfg, pages, S, packed=packs_kv(model_cfg, kernel),
                               replicas=kv_head_replicas(model_cfg.num_key_value_heads,
                                                         model_cfg.num_attention_heads, mesh))
-    kv_sharding = named_sharding(KV_CACHE_AXES, kv_shape, mesh)
+    kv_sharding = named_sharding(kv_cache_axes(model_cfg), kv_shape, mesh)
     kv = jax.ShapeDtypeStruct(kv_shape, kv_dtype(model_cfg, dtype), sharding=kv_sharding)
     spec = StepSpec(num_layers=L, hidden_size=model_cfg.hidden_size, page_size=S,
                     pages_per_seq=math.ceil(cfg.max_model_len / S),
@@ -214,7 +217,9 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     vocab_size=model_cfg.vocab_size)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
-    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
+    # XLA's attention under data-parallel attention, as the engine serves it.
+    step = make_step(graphdef, spec, KernelBackends(moe=kernel,
+                                                    attention=kernel if data == 1 else "xla",
                                                     moe_dispatch=cfg.moe_dispatch),
                      replicated=replicated(mesh),
                      counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))

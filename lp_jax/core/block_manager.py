@@ -55,14 +55,19 @@ def hash_page(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, *, enable_caching: bool = False) -> None:
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages, page_size >= 1, got {num_pages}, {page_size}")
+    def __init__(self, num_pages: int, page_size: int, *, enable_caching: bool = False,
+                 first_page: int = 0) -> None:
+        """Pages [first_page, first_page + num_pages) of the pool: a data-parallel rank's
+        share of it (dp_placement.py) is a range of the global page ids."""
+        if num_pages < 1 or page_size < 1 or first_page < 0:
+            raise ValueError(f"need num_pages, page_size >= 1 and first_page >= 0, got "
+                             f"{num_pages}, {page_size}, {first_page}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
         self._holders: dict[int, set[int]] = {}  # page id -> seq ids, for held pages only
-        self._free_plain: deque[int] = deque(range(num_pages))  # free, no hash
+        # Free pages without a hash.
+        self._free_plain: deque[int] = deque(range(first_page, first_page + num_pages))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, hashed; LRU first
         self._hash_of: dict[int, bytes] = {}  # published page -> its hash
         self._page_of: dict[bytes, int] = {}  # hash -> the page that holds it

@@ -15,7 +15,8 @@ from lp_jax.spec.config import SpeculativeConfig
 GRANULARITIES = ("operator", "layer", "group")  # where a preemptible prefill may pause
 FLOWPREFILL_RULES = ("reference", "lp_jax")  # FlowPrefill's ranking and batching rules
 _POSITIVE_FIELDS = (
-    "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups"
+    "num_layers max_model_len page_size num_pages vocab_size max_num_seqs max_layer_groups "
+    "data_parallel_size"
 ).split()
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
@@ -57,6 +58,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     # Speculative decoding (lp_jax/spec): drafts verified as k + 1 decode rows; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Data-parallel attention (dp_placement.py): the sequences and the KV pages split over
+    # this many ranks, each with num_pages / d pages and ceil(max_num_seqs / d) sequences.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         pol = self.policy
@@ -68,6 +72,9 @@ class SchedulerConfig:
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {x!r}")
         check_mode(self.layer_groups)
+        if self.num_pages % self.data_parallel_size:
+            raise ValueError(f"num_pages {self.num_pages} must split evenly over "
+                             f"data_parallel_size {self.data_parallel_size} ranks")
         if self.tbt_slo_s is not None and not (isinstance(self.tbt_slo_s, int | float)
                                                and 0 < self.tbt_slo_s < 86400):
             raise ValueError(f"tbt_slo_s must be a positive number of seconds, got "

@@ -52,6 +52,7 @@ from collections import Counter
 
 from lp_jax.core.block_manager import BlockManager
 from lp_jax.core.config import SchedulerConfig
+from lp_jax.core.dp_placement import RankedBlockManager
 from lp_jax.core.latency import LatencyModel, ModelDims
 from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.policies.base import Policy
@@ -82,8 +83,12 @@ class Scheduler:
         # What a step costs, as far as the policy knows (FlowPrefill's slack); refreshed
         # from measured steps through observe().
         self.latency = latency or LatencyModel(ModelDims(config.num_layers))
-        self.block_manager = BlockManager(config.num_pages, config.page_size,
-                                          enable_caching=config.enable_prefix_caching)
+        d = config.data_parallel_size
+        self.block_manager = BlockManager(
+            config.num_pages, config.page_size, enable_caching=config.enable_prefix_caching,
+        ) if d == 1 else RankedBlockManager(
+            config.num_pages, config.page_size, d, max_seqs_per_rank=-(-config.max_num_seqs // d),
+            enable_caching=config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.prefilling: list[Sequence] = []  # admitted, prefill not complete
         self.running: list[Sequence] = []  # decoding
@@ -149,10 +154,12 @@ class Scheduler:
         # max_model_len (a prompt of exactly max_model_len still yields one token).
         final = min(n + seq.sampling_params.max_tokens, max(cfg.max_model_len, n + 1))
         need = self.block_manager.pages_for(final - 1)
-        if need > cfg.num_pages:
+        room = cfg.num_pages // cfg.data_parallel_size  # a sequence's pages are on one rank
+        if need > room:
+            pool = "the pool" if room == cfg.num_pages else "a data-parallel rank's pool"
             raise ValueError(
                 f"seq {seq.seq_id} may need {need} KV pages ({final - 1} tokens), "
-                f"the pool has only {cfg.num_pages}"
+                f"{pool} has only {room}"
             )
         self._live[seq.seq_id] = seq
         leader = prefill_after
@@ -500,7 +507,7 @@ class Scheduler:
                         self._preempt(victim)
                     preempted += paused
                     continue
-                victim = queue.pop() if queue else seq
+                victim = self._victim(queue, seq)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -509,6 +516,16 @@ class Scheduler:
                 self.block_manager.append_slot(seq)
                 decode.append(seq)
         return decode, preempted
+
+    def _victim(self, queue: list[Sequence], seq: Sequence) -> Sequence:
+        """Pops the decode to preempt for seq's page: the queue's tail, or under
+        data-parallel attention the tail among the sequences on seq's rank (another rank's
+        pages would not help); seq itself when there is none."""
+        same_rank = getattr(self.block_manager, "same_rank", None)
+        for j in range(len(queue) - 1, -1, -1):
+            if same_rank is None or same_rank(queue[j], seq):
+                return queue.pop(j)
+        return seq
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style: drop the KV, keep the outputs, prefill everything again later."""

@@ -124,10 +124,11 @@ class EngineConfig:
         "model with more than 1 also needs --enable-expert-parallel (not with --mesh-shape)",
         type="positive_int")
     data_parallel_size: int = engine_arg(
-        1, "data-parallel replicas; more than 1 is refused (not served yet)",
+        1, "data-parallel attention ranks, each with its own sequences and KV pages; more "
+        "than 1 needs --enable-expert-parallel (docs/data_parallel.md)",
         type="positive_int")
     enable_expert_parallel: bool = engine_arg(
-        False, "split the experts over the tensor-parallel chips (EP = TP, as vLLM's flag)")
+        False, "split the experts over every chip (EP = DP x TP, as vLLM's flag)")
     dtype: str | None = engine_arg(None, "weights' and activations' dtype",
                              default_help="the checkpoint's")
     quantization: str | None = engine_arg(
@@ -217,7 +218,18 @@ class EngineConfig:
                              f"{self.quantization!r} (a quantized checkpoint is detected "
                              "from its config.json)")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
-        parallel_mesh_shape(**self.parallel_sizes(), has_experts=False)  # raises on a conflict
+        parallel_mesh_shape(**self.parallel_sizes(), has_experts=None)  # raises on a conflict
+        if self.data_parallel_size > 1 and self.attention_backend not in ("auto", "xla"):
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} with data_parallel_size > 1: "
+                "the Pallas attention kernels split the KV pool by heads only, not by data "
+                "rank, so they are not served under data-parallel attention yet; use 'auto' "
+                "(which picks 'xla' there) or 'xla'")
+        sc = self.speculative_config
+        if self.data_parallel_size > 1 and sc is not None and sc.method == "eagle3":
+            raise ValueError("speculative_config method 'eagle3' with data_parallel_size > 1: "
+                             "the head's one-layer KV pool is not split over the data ranks "
+                             "yet; use n-gram drafts or one data rank")
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:

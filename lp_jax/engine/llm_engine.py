@@ -99,6 +99,8 @@ class LLMEngine:
         if kv_format == "fp8":
             model_cfg = model_cfg.replace(kv_cache_dtype="fp8", kv_scales=read_kv_scales(
                 None if config.load_format == "dummy" else model_dir, model_cfg))
+        if config.data_parallel_size > 1:  # a rank-major pool, split over the data ranks
+            model_cfg = model_cfg.replace(kv_ranks=config.data_parallel_size)
         max_model_len = (config.max_model_len
                          or default_max_model_len(model_cfg.max_position_embeddings))
         # Every argument is checked before anything is loaded or compiled; the page count
@@ -178,8 +180,11 @@ class LLMEngine:
                            mesh=self.mesh, dtype=config.dtype)
         self._compiles_loaded = compile_guard.compilations()
         self._eagle3 = self._load_draft(model, model_cfg)
+        # Under data-parallel attention XLA partitions the attention over the data-split
+        # pool; the Pallas kernels' shard_map splits heads only (EngineConfig refuses them).
+        attention_backend = "xla" if config.data_parallel_size > 1 else config.attention_backend
         backends, self.kernel_report = check_backends(
-            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
+            model_cfg, KernelBackends(moe=config.moe_backend, attention=attention_backend,
                                       moe_dispatch=config.moe_dispatch),
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
             experts=model_experts(model))  # quantized: the stored weights and their scales
@@ -192,6 +197,8 @@ class LLMEngine:
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
         num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
+        if not config.kv_pages:  # data-parallel ranks take equal shares of the pool
+            num_pages -= num_pages % config.data_parallel_size
         if self.process.multi_process:  # every process must build the same programs
             num_pages, backends = self._join_processes(model_cfg, num_pages, backends)
         sched_cfg = dataclasses.replace(sched_cfg, num_pages=num_pages)
@@ -426,6 +433,8 @@ class LLMEngine:
             predicted = self.scheduler.latency.peek_plan(plan)
         if self.trace is not None:
             self.trace.plan(plan, now, predicted, self.scheduler)
+        if self.config.data_parallel_size > 1 and plan.phase != "idle":
+            self.scheduler.block_manager.count_rows(plan)
         handle = self.runner.dispatch(plan, prev) if plan.phase != "idle" else None
         if handle is not None:
             self.clock.dispatched(plan.step_id, predicted)
@@ -547,6 +556,8 @@ class LLMEngine:
         )
         if self.channel is not None and self.is_leader:
             s["plan_channel"] = self.channel.stats()
+        if self.config.data_parallel_size > 1:  # per rank: dp_placement.balance
+            s["data_parallel"] = self.scheduler.block_manager.balance()
         return s
 
 

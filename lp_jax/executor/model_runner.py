@@ -68,7 +68,7 @@ from lp_jax.executor.step import (
     make_step,
 )
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import KV_CACHE_AXES, init_kv_cache, kv_cache_shape, packs_kv
+from lp_jax.models.kv_cache import init_kv_cache, kv_cache_axes, kv_cache_shape, packs_kv
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
@@ -232,7 +232,7 @@ class ModelRunner:
         kv_shape = kv_cache_shape(cfg, num_pages, page_size, packed=packed, replicas=replicas)
         self.kv_pages = init_kv_cache(cfg, num_pages, page_size, model.dtype, packed=packed,
                                       replicas=replicas,
-                                      sharding=named_sharding(KV_CACHE_AXES, kv_shape, mesh))
+                                      sharding=named_sharding(kv_cache_axes(cfg), kv_shape, mesh))
         self._replicated = replicated(mesh)
         self.hidden_RD = jax.device_put(
             np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)

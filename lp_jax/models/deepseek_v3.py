@@ -45,6 +45,7 @@ from flax import nnx
 from lp_jax.config import ModelConfig
 from lp_jax.models import qwen3_moe
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.kv_cache import layer_pages, layer_slots
 from lp_jax.models.layers import (
     apply_rope,
     apply_rope_interleaved,
@@ -164,8 +165,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         q_nope_TNH, q_pe_TNR, latent_TX = self.mla_inputs(i, h_TD, meta.positions_T)
 
         P_total, S = kv_pages_PS1X.shape[:2]
-        page_offset = i * (P_total // cfg.num_hidden_layers)
-        slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
+        slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
+        page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
         kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
         w_kv_ANX = attn.kv_b_proj[i].astype(h_TD.dtype).reshape(cfg.kv_lora_rank, N, H + O)
         kv_b_scale = scale_of(attn, "kv_b_proj")
@@ -176,7 +177,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         def attend(absorbed: bool):
             return ref_mla_paged_attention(
                 q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
-                meta.query_start_B1, meta.seq_lens_B, meta.page_table_BC + page_offset,
+                meta.query_start_B1, meta.seq_lens_B, page_table_BC,
                 meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed)
 
         if isinstance(decode_only, bool):
@@ -185,4 +186,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
         if kv_b_scale is not None:
             o_TNO = (o_TNO.astype(jnp.float32) * s_NX[:, H:]).astype(x_TD.dtype)
-        return x_TD + self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O)), kv_pages_PS1X
+        # The reference attention returns float32; the residual stays in the model's dtype
+        # (lax.cond in run_units needs both branches alike).
+        o_TD = self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O))
+        return (x_TD + o_TD).astype(x_TD.dtype), kv_pages_PS1X

@@ -6,9 +6,15 @@ and its one shared rotary key, once per token and layer, not once per head
 (pallas_kernels/attention/mla_ref.py reads it). It is never split over heads.
 
 kv_pages_PSJH is [L * P, S, 2K, H]: layer i owns pages [i P, (i + 1) P), and K and V of
-KV head k sit at J = 2k, 2k + 1. A model's attention half offsets the logical page ids
-by its layer's first page (`StackedCausalLM._attention`), so the page table is the same
-for every layer. `packs_kv` says when the pool takes the packed [.., S, K, 2H] form.
+KV head k sit at J = 2k, 2k + 1. A model's attention half maps the logical page ids to
+its layer's rows (`layer_pages`), so the page table is the same for every layer.
+`packs_kv` says when the pool takes the packed [.., S, K, 2H] form.
+
+Data-parallel attention (cfg.kv_ranks R > 1, docs/data_parallel.md) makes the pool
+rank-major: rank r owns the logical pages [r P_r, (r + 1) P_r) (P_r = P / R) and holds
+them for every layer as the one block of rows [r L P_r, (r + 1) L P_r), layer i's at
+r L P_r + i P_r. Split over the "data" mesh axis (LOGICAL_RULES' "kv_pages"), each rank's
+devices then hold only its own pages: 1 / R of the pool.
 
 Tensor-parallel attention splits the J axis over the heads' devices, one whole (K, V)
 pair or more per device. With more devices t than KV heads K the pool keeps r = t / K
@@ -40,10 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
-from lp_jax.sharding import axes_size, axis_dividing, kv_head_replicas
+from lp_jax.sharding import axes_size, axis_dividing, kv_head_replicas, mesh_axes
 from pallas_kernels import attention
 
 KV_CACHE_AXES = ("kv_pages", None, "kv_combined_heads", None)  # logical axes of the pool
+
+
+def kv_cache_axes(cfg: ModelConfig) -> tuple:
+    """The pool's logical axes: its rows split over the data ranks only when it is
+    rank-major (cfg.kv_ranks > 1); otherwise a data axis would cut it between layers."""
+    return KV_CACHE_AXES if cfg.kv_ranks > 1 else (None, *KV_CACHE_AXES[1:])
 
 
 def packs_kv(cfg: ModelConfig, attention_backend: str) -> bool:
@@ -69,7 +81,8 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None) -> in
     cfg.kv_latent_dim values a token a layer, whole on every device."""
     if cfg.is_mla:
         return (cfg.num_hidden_layers * page_size * cfg.kv_latent_dim
-                * kv_dtype(cfg, dtype).itemsize)
+                * kv_dtype(cfg, dtype).itemsize) // (1 if mesh is None else
+                                                      _data_shards(cfg, mesh))
     whole = (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
              * kv_dtype(cfg, dtype).itemsize)
     if mesh is None:
@@ -77,7 +90,13 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None) -> in
     r = kv_head_replicas(cfg.num_key_value_heads, cfg.num_attention_heads, mesh)
     J = 2 * cfg.num_key_value_heads * r
     shards = axes_size(axis_dividing("kv_combined_heads", J, mesh), mesh)
-    return whole * r // shards
+    return whole * r // shards // _data_shards(cfg, mesh)
+
+
+def _data_shards(cfg: ModelConfig, mesh) -> int:
+    """Devices a rank-major pool's pages split over (one rank's devices hold 1 / R of the
+    pages): the data axis when cfg.kv_ranks > 1, else 1."""
+    return axes_size(mesh_axes("kv_pages", mesh), mesh) if cfg.kv_ranks > 1 else 1
 
 
 def pool_kv_heads(kv_pages_PSJH: jax.Array, head_dim: int) -> int:
@@ -148,6 +167,22 @@ def read_kv_scales(model_dir: str | Path | None, cfg: ModelConfig) -> tuple:
                 pair.append(1.0)
         pairs.append(tuple(pair))
     return tuple(pairs) if any(p != (1.0, 1.0) for p in pairs) else ()
+
+
+def layer_pages(cfg: ModelConfig, i, page_ids, pool_rows: int):
+    """Logical page ids -> layer i's rows of a pool of `pool_rows` rows: page p of rank
+    r = p // P_r at r L P_r + i P_r + p % P_r, i.e. p + i P_r + r (L - 1) P_r (one rank:
+    p + i P)."""
+    L = cfg.num_hidden_layers
+    P_r = pool_rows // (L * cfg.kv_ranks)
+    return page_ids + i * P_r + (page_ids // P_r) * ((L - 1) * P_r)
+
+
+def layer_slots(cfg: ModelConfig, i, slots_T, pool_rows: int, page_size: int):
+    """Logical KV slots (page * S + offset; -1: none) -> layer i's slots of the pool."""
+    S = page_size
+    rows_T = layer_pages(cfg, i, jnp.maximum(slots_T, 0) // S, pool_rows)
+    return jnp.where(slots_T >= 0, rows_T * S + slots_T % S, -1)
 
 
 def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,

@@ -24,7 +24,7 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import layer_kv_scales, repeat_to_pool
+from lp_jax.models.kv_cache import layer_kv_scales, layer_pages, layer_slots, repeat_to_pool
 from lp_jax.models.layers import param, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.sharded_kernels import (
@@ -131,13 +131,12 @@ class StackedCausalLM(nnx.Module):
 
         # Logical pages -> this layer's physical pages in the shared pool.
         P_total, S = kv_pages_PSJH.shape[:2]
-        page_offset = i * (P_total // cfg.num_hidden_layers)
-        slots_T = jnp.where(meta.slots_T >= 0, meta.slots_T + page_offset * S, -1)
+        slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
         # An FP8 pool (kv_cache.py): the layer's k_scale / v_scale quantise here and
         # dequantise in the kernel; {} for a 16-bit pool.
         scales = layer_kv_scales(cfg, i) if is_fp8(kv_pages_PSJH) else {}
         kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T, **scales)
-        page_table_BC = meta.page_table_BC + page_offset
+        page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
         o_TNH = self._attend(i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only,
                              backend, scales)
         x_TD = x_TD + self._o_proj(i, o_TNH.reshape(T, N * H))
