@@ -250,7 +250,7 @@ class ModelRunner:
             self.draft_state = {
                 "kv": init_kv_cache(one, num_pages, page_size,
                                     model.dtype, packed=packed, replicas=replicas,
-                                    sharding=named_sharding(KV_CACHE_AXES, kv_1, mesh)),
+                                    sharding=named_sharding(kv_cache_axes(one), kv_1, mesh)),
                 "aux_RAD": jax.device_put(np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size),
                                                    model.dtype), self._replicated)}
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
