@@ -1,0 +1,279 @@
+"""lp_jax's compiled programs beside sglang-jax's, on one basis, per device.
+
+Design note. Both engines are compiled here, compile-only, for the same TPU slice and
+the same shapes (`launch/compare_sglang_jax.py` drives the compiles), and this module
+reads the optimized HLO of both with lp_jax's own reader (`roofline/hlo.py`) and op
+coster (`roofline/compiled.Walker`). Three rules put the two on one basis:
+
+- Per layer: each engine is compiled with 1 and 2 decoder layers; one layer costs
+  T(2) - T(1) and outside the layers costs T(1) - layer. lp_jax runs its layers in a
+  loop over stacked weights (the loop's body counted once per layer), sglang-jax
+  unrolls them in Python (no loop), so only the difference treats both alike.
+- Pallas calls: XLA counts a Pallas call as its `pl.CostEstimate` declares, and the two
+  engines declare differently (sglang-jax's ragged paged attention v3 declares nothing,
+  its `gmm_v2` every routed row and the whole expert stack). Here every Pallas call of
+  both engines is costed by `pallas_kernels/cost.py` at the same shapes: a MoE grouped
+  matmul under uniform routing (a device holds 1/ep of the experts and their rows), an
+  attention call over a full page table (every sequence at max_model_len).
+- Sampling: lp_jax's step program samples; sglang-jax samples in a second program
+  (`jitted_sampler`), which is compiled too and added outside the layers.
+
+Costs are per device, in HBM bytes, flops and interconnect bytes, and a predicted time
+at the roofline's assumed efficiencies (`compiled.EFF_COMPUTE`, `EFF_MEM`): a like-for-
+like reading of compiled programs, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from lp_jax.roofline import compiled, hlo
+from lp_jax.roofline.hardware import Hardware
+from lp_jax.roofline.model_shape import ModelShape
+from pallas_kernels import cost
+
+SHAPES = (("decode", 8), ("decode", 64), ("decode", 128), ("prefill", 512))
+# sglang-jax's Pallas kernels, by the names their pallas_call gives them
+_GMM = re.compile(r"\bgmm(?:_v2)?-g_(\d+)-m_(\d+)-k_(\d+)-n_(\d+)")
+_RPA = re.compile(r"\bRPA\w*-p_\d+")
+
+
+@dataclasses.dataclass
+class TaggedOp(compiled.Op):
+    tag: str = ""  # a collective's opcode or a Pallas call's kernel name
+
+
+def program(mode: str, tokens: int, shape: ModelShape, *, max_model_len: int,
+            page_size: int, tp: int, ep: int) -> compiled.Program:
+    """The shapes both engines' Pallas calls are costed at: a decode step of `tokens`
+    sequences, or one prompt of `tokens` rows."""
+    return compiled.Program(rows=tokens, seqs=tokens if mode == "decode" else 1,
+                            pages_per_seq=-(-max_model_len // page_size),
+                            page_size=page_size, tp=tp, ep=ep, shape=shape)
+
+
+def sglang_kernel(ins: hlo.Instr) -> tuple[str, dict] | None:
+    """(kind, dims) of a sglang-jax Pallas call: ("gmm", {g, m, k, n}) or ("rpa", {})."""
+    text = ins.name + " " + ins.attrs
+    m = _GMM.search(text)
+    if m:
+        return "gmm", dict(zip("gmkn", map(int, m.groups()), strict=True))
+    if _RPA.search(text):
+        return "rpa", {}
+    return None
+
+
+class BasisWalker(compiled.Walker):
+    """compiled.Walker with sglang-jax's kernels costed by cost.py, and every collective
+    and Pallas call tagged so that they can be counted."""
+
+    def op(self, comp: hlo.Computation, ins: hlo.Instr) -> compiled.Op | None:
+        if (ins.opcode == "custom-call"
+                and ins.attr("custom_call_target") in compiled.PALLAS_TARGETS):
+            found = sglang_kernel(ins)
+            if found is not None:
+                return self._sglang(*found)
+        op = super().op(comp, ins)
+        if op is None:
+            return None
+        tag = op.kernel or (ins.opcode if ins.opcode in compiled._COLLECTIVES else "")
+        return TaggedOp(**dataclasses.asdict(op), tag=tag)
+
+    def _sglang(self, kind: str, dims: dict) -> TaggedOp:
+        p, s = self.p, self.p.shape
+        if kind == "rpa":
+            c = compiled.kernel_cost(cost.TPU_ATTENTION, p)
+            return TaggedOp("attention", c.flops, c.bytes_accessed, kernel="sglang rpa_v3",
+                            tag="sglang rpa_v3")
+        b = s.dtype_bytes
+        c = cost.moe_matmul(tokens=p.rows, top_k=s.top_k, experts=s.num_experts, k=dims["k"],
+                            n=dims["n"], glu=False, lhs_itemsize=b, w_itemsize=b,
+                            out_itemsize=b)
+        return TaggedOp("experts", c.flops / p.ep, c.bytes_accessed / p.ep,
+                        kernel="sglang gmm", tag="sglang gmm")
+
+
+@dataclasses.dataclass
+class Tally:
+    """Summed costs of some ops: totals, seconds by class, and counts / bytes by tag."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    link_bytes: float = 0.0
+    seconds: float = 0.0
+    by_class: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(compiled.CLASSES, 0.0))
+    calls: dict = dataclasses.field(default_factory=dict)  # tag -> count
+    tag_bytes: dict = dataclasses.field(default_factory=dict)  # tag -> interconnect bytes
+
+    @classmethod
+    def of(cls, ops, hw: Hardware, times: float = 1.0) -> Tally:
+        t = cls()
+        for op in ops:
+            s = op.seconds(hw, compiled.EFF_COMPUTE, compiled.EFF_MEM)
+            t.flops, t.bytes = t.flops + times * op.flops, t.bytes + times * op.bytes
+            t.link_bytes += times * op.link_bytes
+            t.seconds += times * s
+            t.by_class[op.cls] += times * s
+            tag = getattr(op, "tag", "")
+            if tag:
+                t.calls[tag] = t.calls.get(tag, 0) + times
+                t.tag_bytes[tag] = t.tag_bytes.get(tag, 0) + times * op.link_bytes
+        return t
+
+    def combine(self, other: Tally, k: float = 1.0) -> Tally:
+        """self + k * other."""
+        keys = lambda a, b: set(a) | set(b)  # noqa: E731
+        return Tally(self.flops + k * other.flops, self.bytes + k * other.bytes,
+                     self.link_bytes + k * other.link_bytes, self.seconds + k * other.seconds,
+                     {c: self.by_class[c] + k * other.by_class[c] for c in compiled.CLASSES},
+                     {t: self.calls.get(t, 0) + k * other.calls.get(t, 0)
+                      for t in keys(self.calls, other.calls)},
+                     {t: self.tag_bytes.get(t, 0) + k * other.tag_bytes.get(t, 0)
+                      for t in keys(self.tag_bytes, other.tag_bytes)})
+
+
+def program_tally(hlo_text: str, p: compiled.Program, hw: Hardware, *, layers: int,
+                  layer_loop: bool) -> Tally:
+    """One program's whole cost per call. layer_loop: the program runs its layers in a
+    while loop (lp_jax), whose body counts `layers` times; otherwise (sglang-jax's
+    unrolled layers, its sampler) every loop counts one trip."""
+    w = BasisWalker(hlo.parse(hlo_text), p, hw, compiled.EFF_COMPUTE, compiled.EFF_MEM)
+    if layer_loop:
+        outside, body = w.split()
+        return Tally.of(outside, hw).combine(Tally.of(body, hw), layers)
+    return Tally.of(w.walk(w.m.computations[w.m.entry], {}, top=False), hw)
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One engine's compile of one shape at one layer count: its programs' HLO texts
+    (with whether each runs a layer loop), compile seconds and memory analysis."""
+
+    engine: str
+    layers: int
+    mode: str
+    tokens: int
+    hlo_texts: list  # [(text, layer_loop)]
+    compile_s: float
+    argument_bytes: int
+    temp_bytes: int
+
+
+def total(c: Compiled, p: compiled.Program, hw: Hardware) -> Tally:
+    """All of a compile's programs, one call each."""
+    out = Tally()
+    for text, loop in c.hlo_texts:
+        out = out.combine(program_tally(text, p, hw, layers=c.layers, layer_loop=loop))
+    return out
+
+
+def per_layer(one: Compiled, two: Compiled, p: compiled.Program, hw: Hardware) -> dict:
+    """One layer and outside the layers by the 1- and 2-layer difference (Tallies and
+    argument bytes), with the 2-layer compile's temporaries and compile seconds."""
+    t1, t2 = total(one, p, hw), total(two, p, hw)
+    layer = t2.combine(t1, -1.0)
+    return {"layer": layer, "outside": t1.combine(layer, -1.0),
+            "argument_layer": two.argument_bytes - one.argument_bytes,
+            "argument_outside": 2 * one.argument_bytes - two.argument_bytes,
+            "temp": two.temp_bytes, "compile_s": two.compile_s}
+
+
+def load_lp_jax(aot_dirs: dict[int, Path]) -> list[Compiled]:
+    """lp_jax's compiles from `python -m lp_jax.aot` runs, one directory per layer count."""
+    out = []
+    for layers, d in aot_dirs.items():
+        summary = json.loads((Path(d) / "summary.json").read_text())
+        for prog in summary["programs"]:
+            text = (Path(d) / prog["optimized_hlo_file"]).read_text()
+            mode = "prefill" if prog["rows"] > summary["config"]["max_num_seqs"] else "decode"
+            out.append(Compiled("lp_jax", layers, mode, prog["rows"], [(text, True)],
+                                prog["compile_s"], prog["memory"]["argument"],
+                                prog["memory"]["temp"]))
+    return out
+
+
+def load_sglang(out_dir: Path) -> list[Compiled]:
+    """sglang-jax's compiles from `launch/sglang_jax_compile.py`'s summary.json: its model
+    program first, its sampler second."""
+    out_dir = Path(out_dir)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    out = []
+    for prog in summary["programs"]:
+        parts = [prog["model"], prog["sampler"]]
+        out.append(Compiled(
+            "sglang-jax", prog["layers"], prog["mode"], prog["tokens"],
+            [((out_dir / part["hlo"]).read_text(), False) for part in parts],
+            sum(part["compile_s"] for part in parts), prog["model"]["memory"]["argument"],
+            max(part["memory"]["temp"] for part in parts)))
+    return out
+
+
+def compare(compiles: list[Compiled], shape: ModelShape, hw: Hardware, *, max_model_len: int,
+            page_size: int, tp: int, ep: int) -> list[dict]:
+    """For each shape that both engines compiled at 1 and 2 layers: {'mode', 'tokens',
+    engine: per_layer(...)}."""
+    index = {(c.engine, c.mode, c.tokens, c.layers): c for c in compiles}
+    out = []
+    for mode, tokens in SHAPES:
+        p = program(mode, tokens, shape, max_model_len=max_model_len, page_size=page_size,
+                    tp=tp, ep=ep)
+        row = {"mode": mode, "tokens": tokens}
+        for engine in ("lp_jax", "sglang-jax"):
+            one, two = index.get((engine, mode, tokens, 1)), index.get((engine, mode, tokens, 2))
+            if one is not None and two is not None:
+                row[engine] = per_layer(one, two, p, hw)
+        if "lp_jax" in row and "sglang-jax" in row:
+            out.append(row)
+    return out
+
+
+def _calls(t: Tally, collectives: bool) -> str:
+    tags = sorted(k for k, n in t.calls.items()
+                  if round(n) and (k in compiled._COLLECTIVES) == collectives)
+    if collectives:
+        return ", ".join(f"{k} {t.calls[k]:.0f} ({t.tag_bytes[k] / 2**10:,.0f} KiB)"
+                         for k in tags) or "none"
+    return ", ".join(f"{k} {t.calls[k]:.0f}" for k in tags) or "none"
+
+
+def quantities(r: dict) -> list[tuple[str, float | str, float | str]]:
+    """(name, lp_jax, sglang-jax) of one shape's comparison."""
+    a, b = r["lp_jax"], r["sglang-jax"]
+    mib, mflop = 2**20, 1e6
+    rows = []
+    for part in ("layer", "outside"):
+        label = "per layer" if part == "layer" else "outside the layers"
+        rows += [(f"HBM MiB {label}", a[part].bytes / mib, b[part].bytes / mib),
+                 (f"MFLOP {label}", a[part].flops / mflop, b[part].flops / mflop),
+                 (f"predicted us {label}", a[part].seconds * 1e6, b[part].seconds * 1e6),
+                 (f"interconnect KiB {label}", a[part].link_bytes / 2**10,
+                  b[part].link_bytes / 2**10)]
+    rows += [("argument MiB per layer", a["argument_layer"] / mib, b["argument_layer"] / mib),
+             ("argument MiB outside", a["argument_outside"] / mib, b["argument_outside"] / mib),
+             ("temporaries MiB (2 layers)", a["temp"] / mib, b["temp"] / mib),
+             ("collectives per layer", _calls(a["layer"], True), _calls(b["layer"], True)),
+             ("Pallas calls per layer", _calls(a["layer"], False), _calls(b["layer"], False)),
+             ("compile s (2 layers)", a["compile_s"], b["compile_s"])]
+    for cls in compiled.CLASSES:
+        rows.append((f"  us per layer: {cls}", a["layer"].by_class[cls] * 1e6,
+                     b["layer"].by_class[cls] * 1e6))
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """A markdown table per shape: lp_jax, sglang-jax and their ratio."""
+    lines = []
+    for r in rows:
+        lines += [f"\n{r['mode']} {r['tokens']} rows, per device\n",
+                  "| quantity | lp_jax | sglang-jax | lp_jax / sglang-jax |",
+                  "| --- | ---: | ---: | ---: |"]
+        for name, x, y in quantities(r):
+            if isinstance(x, str):
+                lines.append(f"| {name} | {x} | {y} | |")
+                continue
+            ratio = f"{x / y:.2f}" if abs(y) > 1e-9 else "n/a"
+            lines.append(f"| {name} | {x:,.1f} | {y:,.1f} | {ratio} |")
+    return "\n".join(lines)
