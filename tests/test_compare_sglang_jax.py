@@ -25,9 +25,10 @@ def text(name: str) -> str:
 def test_sglang_kernels_are_named_and_costed_by_cost_py():
     module = hlo.parse(text("sglang_1L_decode8_model.hlo.txt"))
     entry = module.computations[module.entry]
-    gmm, rpa = entry.instrs["gmm_v2.0"], entry.instrs["RPAd-p_16-bq_8_8-bkv_512_128.0"]
+    gmm, rpa = entry.instrs["gmm_v2.0"], entry.instrs["RPAd-p_16-bq_1_1-bkv_4096_4096.0"]
+    mixed = entry.instrs["RPAm-p_16-bq_4_4-bkv_1024_512.0"]
     assert csj.sglang_kernel(gmm) == ("gmm", {"g": 16, "m": 64, "k": 2048, "n": 768})
-    assert csj.sglang_kernel(rpa) == ("rpa", {})
+    assert csj.sglang_kernel(rpa) == ("rpa", {"case": "d"})
     assert csj.sglang_kernel(entry.instrs["all-reduce.0"]) is None
     # lp_jax's own walker knows no sglang-jax kernel: costing it is this module's job
     with pytest.raises(KeyError, match="names no kernel"):
@@ -40,9 +41,17 @@ def test_sglang_kernels_are_named_and_costed_by_cost_py():
     # m=64 rows x all 16 local experts' weights
     assert op.cls == "experts" and op.flops == pytest.approx(want.flops / 8)
     assert op.bytes == pytest.approx(want.bytes_accessed / 8)
+    # a decode step's attention is charged once, to the decode case's call
     att = walker.op(entry, rpa)
     assert (att.cls, att.bytes) == ("attention",
                                     compiled.kernel_cost(cost.TPU_ATTENTION, P8).bytes_accessed)
+    assert walker.op(entry, mixed).bytes == 0
+    prompt = csj.program("prefill", 512, SHAPE, max_model_len=4096, page_size=16, tp=8, ep=8)
+    walker = csj.BasisWalker(module, prompt, HW, 0.6, 0.8)
+    assert walker.op(entry, rpa).bytes == 0 and walker.op(entry, mixed).bytes > 0
+    # a Pallas call no estimate names (the router's top-k) moves its operands and result
+    topk = walker.op(entry, entry.instrs["topk.0"])
+    assert (topk.tag, topk.bytes) == ("topk", 8 * 2048 * 2 + 8 * 8 * 8)
 
 
 def _compile(engine, layers, texts):
@@ -56,7 +65,8 @@ def test_per_layer_difference_treats_a_loop_and_unrolled_layers_alike():
     got = csj.per_layer(*sg, P8, HW)
     layer, outside = got["layer"], got["outside"]
     assert {k: round(v) for k, v in layer.calls.items()} == {
-        "sglang rpa_v3": 1, "sglang gmm": 1, "all-reduce": 1}
+        "sglang rpa_v3 (d)": 1, "sglang rpa_v3 (m)": 1, "topk": 1, "sglang gmm": 1,
+        "all-reduce": 1}
     assert {k: round(v) for k, v in outside.calls.items() if round(v)} == {}
     # outside: the LM head dot only, 2 * 8 * 2048 * 18992 flops
     assert outside.flops == pytest.approx(2 * 8 * 2048 * 18992)

@@ -38,7 +38,7 @@ from pallas_kernels import cost
 SHAPES = (("decode", 8), ("decode", 64), ("decode", 128), ("prefill", 512))
 # sglang-jax's Pallas kernels, by the names their pallas_call gives them
 _GMM = re.compile(r"\bgmm(?:_v2)?-g_(\d+)-m_(\d+)-k_(\d+)-n_(\d+)")
-_RPA = re.compile(r"\bRPA\w*-p_\d+")
+_RPA = re.compile(r"\bRPA([dpm])\w*-p_\d+")  # its decode / prefill / mixed case
 
 
 @dataclasses.dataclass
@@ -56,19 +56,35 @@ def program(mode: str, tokens: int, shape: ModelShape, *, max_model_len: int,
 
 
 def sglang_kernel(ins: hlo.Instr) -> tuple[str, dict] | None:
-    """(kind, dims) of a sglang-jax Pallas call: ("gmm", {g, m, k, n}) or ("rpa", {})."""
+    """(kind, dims) of a sglang-jax Pallas call: ("gmm", {g, m, k, n}) or
+    ("rpa", {case}), case "d", "p" or "m"."""
     text = ins.name + " " + ins.attrs
     m = _GMM.search(text)
     if m:
         return "gmm", dict(zip("gmkn", map(int, m.groups()), strict=True))
-    if _RPA.search(text):
-        return "rpa", {}
+    m = _RPA.search(text)
+    if m:
+        return "rpa", {"case": m.group(1)}
     return None
 
 
 class BasisWalker(compiled.Walker):
     """compiled.Walker with sglang-jax's kernels costed by cost.py, and every collective
-    and Pallas call tagged so that they can be counted."""
+    and Pallas call tagged so that they can be counted.
+
+    sglang-jax's attention is three Pallas calls per layer (decode, prefill and mixed
+    cases), each running its share of the batch's sequences; the layer's whole attention
+    (one cost.py estimate) is charged to the case that runs this program's batch: decode
+    for a decode step, prefill (else mixed) for a prompt. A Pallas call that neither
+    engine's estimates name (sglang-jax's router top-k) moves its operands and result."""
+
+    def __init__(self, module: hlo.Module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        cases = {found[1]["case"] for comp in module.computations.values()
+                 for ins in comp.instrs.values()
+                 if (found := sglang_kernel(ins)) is not None and found[0] == "rpa"}
+        decode = self.p.seqs == self.p.rows
+        self.attention_case = "d" if decode else ("p" if "p" in cases else "m")
 
     def op(self, comp: hlo.Computation, ins: hlo.Instr) -> compiled.Op | None:
         if (ins.opcode == "custom-call"
@@ -76,6 +92,12 @@ class BasisWalker(compiled.Walker):
             found = sglang_kernel(ins)
             if found is not None:
                 return self._sglang(*found)
+            try:
+                compiled.kernel_name(ins, self.p)
+            except KeyError:
+                moved = sum(self._bytes_of(comp, o) for o in ins.operands) + self.hbm(ins.type)
+                name = re.sub(r"\.\d+$", "", ins.name)
+                return TaggedOp("other", 0.0, moved, kernel=name, tag=name)
         op = super().op(comp, ins)
         if op is None:
             return None
@@ -85,9 +107,11 @@ class BasisWalker(compiled.Walker):
     def _sglang(self, kind: str, dims: dict) -> TaggedOp:
         p, s = self.p, self.p.shape
         if kind == "rpa":
+            name = f"sglang rpa_v3 ({dims['case']})"
+            if dims["case"] != self.attention_case:
+                return TaggedOp("attention", kernel=name, tag=name)
             c = compiled.kernel_cost(cost.TPU_ATTENTION, p)
-            return TaggedOp("attention", c.flops, c.bytes_accessed, kernel="sglang rpa_v3",
-                            tag="sglang rpa_v3")
+            return TaggedOp("attention", c.flops, c.bytes_accessed, kernel=name, tag=name)
         b = s.dtype_bytes
         c = cost.moe_matmul(tokens=p.rows, top_k=s.top_k, experts=s.num_experts, k=dims["k"],
                             n=dims["n"], glu=False, lhs_itemsize=b, w_itemsize=b,
