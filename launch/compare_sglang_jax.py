@@ -172,11 +172,11 @@ def main(argv=None) -> int:
 
     compiles = csj.load_lp_jax(lp_dirs) + csj.load_sglang(args.out / "sglang")
     hw = get_hardware(args.topology.split(":")[0])
-    rows = csj.compare(compiles, ModelShape.from_json(CONFIG), hw,
-                       max_model_len=args.max_model_len, page_size=args.page_size,
-                       tp=args.tp, ep=args.tp)
     sg = json.loads((args.out / "sglang" / "summary.json").read_text())
     lp = json.loads((lp_dirs[1] / "summary.json").read_text())
+    _, ep, tp = lp["config"]["mesh_shape"]
+    rows = csj.compare(compiles, ModelShape.from_json(CONFIG), hw,
+                       max_model_len=args.max_model_len, page_size=args.page_size, tp=tp, ep=ep)
     head = (f"Qwen3-30B-A3B compiled for {args.topology} on this host; sglang-jax "
             f"{SGLANG_JAX_COMMIT[:12]} (jax {sg['jax']}), lp_jax (jax {lp['jax']}); KV pool "
             f"tokens: lp_jax {lp['kv_tokens']:,}, sglang-jax {sg['max_total_num_tokens']:,}")

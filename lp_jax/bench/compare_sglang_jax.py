@@ -13,8 +13,10 @@ coster (`roofline/compiled.Walker`). Three rules put the two on one basis:
   engines declare differently (sglang-jax's ragged paged attention v3 declares nothing,
   its `gmm_v2` every routed row and the whole expert stack). Here every Pallas call of
   both engines is costed by `pallas_kernels/cost.py` at the same shapes: a MoE grouped
-  matmul under uniform routing (a device holds 1/ep of the experts and their rows), an
-  attention call over a full page table (every sequence at max_model_len).
+  matmul under uniform routing (a device holds its share of the experts and of their
+  rows: lp_jax's as `compiled.kernel_cost` has it for its mesh, sglang-jax's the `g`
+  experts its gmm call names), an attention call over a full page table (every sequence
+  at max_model_len).
 - Sampling: lp_jax's step program samples; sglang-jax samples in a second program
   (`jitted_sampler`), which is compiled too and added outside the layers.
 
@@ -41,6 +43,16 @@ _GMM = re.compile(r"\bgmm(?:_v2)?-g_(\d+)-m_(\d+)-k_(\d+)-n_(\d+)")
 _RPA = re.compile(r"\bRPA([dpm])\w*-p_\d+")  # its decode / prefill / mixed case
 
 
+_KERNEL_METADATA = re.compile(r"kernel_metadata=\{[^{}]*\}")
+
+
+def one_line_instructions(text: str) -> str:
+    """HLO text with every instruction on one line, as hlo.parse reads it: a Pallas call's
+    kernel_metadata (sglang-jax's gmm_v2 writes its configuration there as JSON, one
+    field a line) is joined onto its instruction's line."""
+    return _KERNEL_METADATA.sub(lambda m: m.group(0).replace("\n", " "), text)
+
+
 @dataclasses.dataclass
 class TaggedOp(compiled.Op):
     tag: str = ""  # a collective's opcode or a Pallas call's kernel name
@@ -49,7 +61,9 @@ class TaggedOp(compiled.Op):
 def program(mode: str, tokens: int, shape: ModelShape, *, max_model_len: int,
             page_size: int, tp: int, ep: int) -> compiled.Program:
     """The shapes both engines' Pallas calls are costed at: a decode step of `tokens`
-    sequences, or one prompt of `tokens` rows."""
+    sequences, or one prompt of `tokens` rows. tp, ep: lp_jax's mesh axes (its
+    `--tensor-parallel-size 8 --enable-expert-parallel` is tp 8, ep 1: the experts are
+    split over the tensor axis)."""
     return compiled.Program(rows=tokens, seqs=tokens if mode == "decode" else 1,
                             pages_per_seq=-(-max_model_len // page_size),
                             page_size=page_size, tp=tp, ep=ep, shape=shape)
@@ -116,7 +130,8 @@ class BasisWalker(compiled.Walker):
         c = cost.moe_matmul(tokens=p.rows, top_k=s.top_k, experts=s.num_experts, k=dims["k"],
                             n=dims["n"], glu=False, lhs_itemsize=b, w_itemsize=b,
                             out_itemsize=b)
-        return TaggedOp("experts", c.flops / p.ep, c.bytes_accessed / p.ep,
+        share = dims["g"] / s.num_experts  # the device's experts, and their rows
+        return TaggedOp("experts", c.flops * share, c.bytes_accessed * share,
                         kernel="sglang gmm", tag="sglang gmm")
 
 
@@ -164,7 +179,8 @@ def program_tally(hlo_text: str, p: compiled.Program, hw: Hardware, *, layers: i
     """One program's whole cost per call. layer_loop: the program runs its layers in a
     while loop (lp_jax), whose body counts `layers` times; otherwise (sglang-jax's
     unrolled layers, its sampler) every loop counts one trip."""
-    w = BasisWalker(hlo.parse(hlo_text), p, hw, compiled.EFF_COMPUTE, compiled.EFF_MEM)
+    w = BasisWalker(hlo.parse(one_line_instructions(hlo_text)), p, hw, compiled.EFF_COMPUTE,
+                    compiled.EFF_MEM)
     if layer_loop:
         outside, body = w.split()
         return Tally.of(outside, hw).combine(Tally.of(body, hw), layers)
