@@ -113,6 +113,6 @@ def test_loaders_and_table(tmp_path):
                        page_size=16, tp=8, ep=1)
     assert [(r["mode"], r["tokens"]) for r in rows] == [("decode", 8)]
     table = csj.render(rows)
-    assert "| argument MiB per layer |" in table
+    assert "| argument MiB per layer |" in table and "| predicted ms per step, 48 layers |" in table
     assert "| compile s (2 layers) | 3.0 | 3.0 | 1.00 |" in table
     assert "sglang gmm 2" in table and "lp_tpu_moe_down 1" in table  # model + "sampler"

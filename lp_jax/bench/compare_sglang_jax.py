@@ -260,7 +260,7 @@ def compare(compiles: list[Compiled], shape: ModelShape, hw: Hardware, *, max_mo
     for mode, tokens in SHAPES:
         p = program(mode, tokens, shape, max_model_len=max_model_len, page_size=page_size,
                     tp=tp, ep=ep)
-        row = {"mode": mode, "tokens": tokens}
+        row = {"mode": mode, "tokens": tokens, "num_layers": shape.num_layers}
         for engine in ("lp_jax", "sglang-jax"):
             one, two = index.get((engine, mode, tokens, 1)), index.get((engine, mode, tokens, 2))
             if one is not None and two is not None:
@@ -291,6 +291,10 @@ def quantities(r: dict) -> list[tuple[str, float | str, float | str]]:
                  (f"predicted us {label}", a[part].seconds * 1e6, b[part].seconds * 1e6),
                  (f"interconnect KiB {label}", a[part].link_bytes / 2**10,
                   b[part].link_bytes / 2**10)]
+    n = r["num_layers"]
+    rows.append((f"predicted ms per step, {n} layers",
+                 (a["outside"].seconds + n * a["layer"].seconds) * 1e3,
+                 (b["outside"].seconds + n * b["layer"].seconds) * 1e3))
     rows += [("argument MiB per layer", a["argument_layer"] / mib, b["argument_layer"] / mib),
              ("argument MiB outside", a["argument_outside"] / mib, b["argument_outside"] / mib),
              ("temporaries MiB (2 layers)", a["temp"] / mib, b["temp"] / mib),
