@@ -83,6 +83,10 @@ def test_per_layer_difference_treats_a_loop_and_unrolled_layers_alike():
         "all-reduce": 1, cost.TPU_MOE_DOWN: 1}
     assert got["outside"].flops == pytest.approx(2 * 8 * 2048 * 18992)
     assert got["layer"].tag_bytes["all-reduce"] == 8 * 2048 * 2
+    # a layer loop's costs come from the 2-layer program alone (a one-trip loop over a
+    # one-layer stack compiles differently); the 1-layer compile gives argument bytes
+    lp[0].hlo_texts = [(text("sglang_1L_decode8_model.hlo.txt"), False)]
+    assert csj.per_layer(*lp, P8, HW)["layer"].calls == got["layer"].calls
 
 
 def test_loaders_and_table(tmp_path):

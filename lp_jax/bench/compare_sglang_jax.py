@@ -5,10 +5,12 @@ the same shapes (`launch/compare_sglang_jax.py` drives the compiles), and this m
 reads the optimized HLO of both with lp_jax's own reader (`roofline/hlo.py`) and op
 coster (`roofline/compiled.Walker`). Three rules put the two on one basis:
 
-- Per layer: each engine is compiled with 1 and 2 decoder layers; one layer costs
-  T(2) - T(1) and outside the layers costs T(1) - layer. lp_jax runs its layers in a
-  loop over stacked weights (the loop's body counted once per layer), sglang-jax
-  unrolls them in Python (no loop), so only the difference treats both alike.
+- Per layer: each engine is compiled with 1 and 2 decoder layers. sglang-jax unrolls
+  its layers in Python: one layer costs T(2) - T(1), outside the layers T(1) - layer.
+  lp_jax runs its layers in a loop over stacked weights: one layer is the 2-layer
+  program's loop body, outside is the rest of that program (`per_layer` says why the
+  1-layer program is not used there). Both are one layer as a program of two or more
+  layers runs it.
 - Pallas calls: XLA counts a Pallas call as its `pl.CostEstimate` declares, and the two
   engines declare differently (sglang-jax's ragged paged attention v3 declares nothing,
   its `gmm_v2` every routed row and the whole expert stack). Here every Pallas call of
@@ -174,17 +176,17 @@ class Tally:
                       for t in keys(self.tag_bytes, other.tag_bytes)})
 
 
-def program_tally(hlo_text: str, p: compiled.Program, hw: Hardware, *, layers: int,
-                  layer_loop: bool) -> Tally:
-    """One program's whole cost per call. layer_loop: the program runs its layers in a
-    while loop (lp_jax), whose body counts `layers` times; otherwise (sglang-jax's
-    unrolled layers, its sampler) every loop counts one trip."""
+def program_parts(hlo_text: str, p: compiled.Program, hw: Hardware, *, layer_loop: bool
+                  ) -> tuple[Tally, Tally | None]:
+    """(outside the layer loop, the loop's body once) of one program. layer_loop: the
+    program runs its layers in a while loop (lp_jax); otherwise (sglang-jax's unrolled
+    layers, its sampler) every loop counts one trip and there is no body: (all, None)."""
     w = BasisWalker(hlo.parse(one_line_instructions(hlo_text)), p, hw, compiled.EFF_COMPUTE,
                     compiled.EFF_MEM)
     if layer_loop:
         outside, body = w.split()
-        return Tally.of(outside, hw).combine(Tally.of(body, hw), layers)
-    return Tally.of(w.walk(w.m.computations[w.m.entry], {}, top=False), hw)
+        return Tally.of(outside, hw), Tally.of(body, hw)
+    return Tally.of(w.walk(w.m.computations[w.m.entry], {}, top=False), hw), None
 
 
 @dataclasses.dataclass
@@ -202,20 +204,33 @@ class Compiled:
     temp_bytes: int
 
 
-def total(c: Compiled, p: compiled.Program, hw: Hardware) -> Tally:
-    """All of a compile's programs, one call each."""
-    out = Tally()
+def split(c: Compiled, p: compiled.Program, hw: Hardware) -> tuple[Tally, Tally | None]:
+    """(outside, one layer's loop body or None) over all of a compile's programs."""
+    outside, body = Tally(), None
     for text, loop in c.hlo_texts:
-        out = out.combine(program_tally(text, p, hw, layers=c.layers, layer_loop=loop))
-    return out
+        o, b = program_parts(text, p, hw, layer_loop=loop)
+        outside = outside.combine(o)
+        body = b if body is None else (body if b is None else body.combine(b))
+    return outside, body
 
 
 def per_layer(one: Compiled, two: Compiled, p: compiled.Program, hw: Hardware) -> dict:
-    """One layer and outside the layers by the 1- and 2-layer difference (Tallies and
-    argument bytes), with the 2-layer compile's temporaries and compile seconds."""
-    t1, t2 = total(one, p, hw), total(two, p, hw)
-    layer = t2.combine(t1, -1.0)
-    return {"layer": layer, "outside": t1.combine(layer, -1.0),
+    """One layer and outside the layers (Tallies), argument bytes of each, and the 2-layer
+    compile's temporaries and compile seconds.
+
+    Unrolled layers: one layer = T(2) - T(1), outside = T(1) - one layer. A layer loop:
+    the 2-layer program's loop body and the rest of it, which is the same difference
+    had the 1-layer program the same body; it does not (XLA compiles a one-trip loop
+    over a one-layer weight stack differently), so the 1-layer program is read only for
+    its argument bytes."""
+    outside2, body2 = split(two, p, hw)
+    if body2 is not None:
+        layer, outside = body2, outside2
+    else:
+        t1 = split(one, p, hw)[0]
+        layer = outside2.combine(t1, -1.0)
+        outside = t1.combine(layer, -1.0)
+    return {"layer": layer, "outside": outside,
             "argument_layer": two.argument_bytes - one.argument_bytes,
             "argument_outside": 2 * one.argument_bytes - two.argument_bytes,
             "temp": two.temp_bytes, "compile_s": two.compile_s}
