@@ -1,6 +1,7 @@
 """The sglang-jax comparison's reading of stored HLO: its kernels costed by cost.py, the
 1- and 2-layer difference, and the table (no sglang-jax, no compile)."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -120,3 +121,15 @@ def test_loaders_and_table(tmp_path):
     assert "| argument MiB per layer |" in table and "| predicted ms per step, 48 layers |" in table
     assert "| compile s (2 layers) | 3.0 | 3.0 | 1.00 |" in table
     assert "sglang gmm 2" in table and "lp_tpu_moe_down 1" in table  # model + "sampler"
+
+
+def test_the_harness_names_a_moved_sglang_jax_name():
+    spec = importlib.util.spec_from_file_location(
+        "sglang_jax_compile", Path(__file__).parents[1] / "launch" / "sglang_jax_compile.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)  # stdlib imports only: it runs in sglang-jax's venv
+    assert worker.require("json", "dumps") == [json.dumps]
+    with pytest.raises(worker.MovedName, match=r"json\.no_such_name"):
+        worker.require("json", "no_such_name")
+    with pytest.raises(worker.MovedName, match="no_such_module is gone"):
+        worker.require("no_such_module")
