@@ -25,9 +25,9 @@ def text(name: str) -> str:
 
 def test_sglang_kernels_are_named_and_costed_by_cost_py():
     raw = text("sglang_1L_decode8_model.hlo.txt")
-    # gmm_v2 writes its configuration over several lines; read as is, the entry ends there
-    assert "logits" not in hlo.parse(raw).computations["main.1"].instrs
-    module = hlo.parse(csj.one_line_instructions(raw))
+    # gmm_v2 writes its configuration over several lines: the parser reads on past them
+    assert "\n}" in raw.split("kernel_metadata=", 1)[1].split("metadata=", 1)[0]
+    module = hlo.parse(raw)
     assert "logits" in module.computations["main.1"].instrs
     entry = module.computations[module.entry]
     gmm, rpa = entry.instrs["gmm_v2.0"], entry.instrs["RPAd-p_16-bq_1_1-bkv_4096_4096.0"]

@@ -45,16 +45,6 @@ _GMM = re.compile(r"\bgmm(?:_v2)?-g_(\d+)-m_(\d+)-k_(\d+)-n_(\d+)")
 _RPA = re.compile(r"\bRPA([dpm])\w*-p_\d+")  # its decode / prefill / mixed case
 
 
-_KERNEL_METADATA = re.compile(r"kernel_metadata=\{[^{}]*\}")
-
-
-def one_line_instructions(text: str) -> str:
-    """HLO text with every instruction on one line, as hlo.parse reads it: a Pallas call's
-    kernel_metadata (sglang-jax's gmm_v2 writes its configuration there as JSON, one
-    field a line) is joined onto its instruction's line."""
-    return _KERNEL_METADATA.sub(lambda m: m.group(0).replace("\n", " "), text)
-
-
 @dataclasses.dataclass
 class TaggedOp(compiled.Op):
     tag: str = ""  # a collective's opcode or a Pallas call's kernel name
@@ -68,7 +58,8 @@ def program(mode: str, tokens: int, shape: ModelShape, *, max_model_len: int,
     split over the tensor axis)."""
     return compiled.Program(rows=tokens, seqs=tokens if mode == "decode" else 1,
                             pages_per_seq=-(-max_model_len // page_size),
-                            page_size=page_size, tp=tp, ep=ep, shape=shape)
+                            page_size=page_size, tp=tp, ep=ep, shape=shape,
+                            context_len=max_model_len)  # a full page table, for both
 
 
 def sglang_kernel(ins: hlo.Instr) -> tuple[str, dict] | None:
@@ -181,7 +172,7 @@ def program_parts(hlo_text: str, p: compiled.Program, hw: Hardware, *, layer_loo
     """(outside the layer loop, the loop's body once) of one program. layer_loop: the
     program runs its layers in a while loop (lp_jax); otherwise (sglang-jax's unrolled
     layers, its sampler) every loop counts one trip and there is no body: (all, None)."""
-    w = BasisWalker(hlo.parse(one_line_instructions(hlo_text)), p, hw, compiled.EFF_COMPUTE,
+    w = BasisWalker(hlo.parse(hlo_text), p, hw, compiled.EFF_COMPUTE,
                     compiled.EFF_MEM)
     if layer_loop:
         outside, body = w.split()

@@ -184,7 +184,13 @@ def _stack_frames(lines: list[str]) -> dict[int, tuple[str, ...]]:
     return out
 
 
+# A Pallas call's kernel_metadata may span lines (JSON, one field a line): joined onto
+# its instruction's line, so a continuation line's "}" never reads as a computation's end.
+_KERNEL_METADATA = re.compile(r"kernel_metadata=\{[^{}]*\}")
+
+
 def parse(text: str) -> Module:
+    text = _KERNEL_METADATA.sub(lambda m: m.group(0).replace("\n", " "), text)
     lines = text.splitlines()
     comps: dict[str, Computation] = {}
     entry, current = None, None
