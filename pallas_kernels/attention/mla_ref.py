@@ -27,12 +27,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.ref import MASK_VALUE, token_positions
+from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_positions
 
 
-def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Array):
-    """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped."""
+def check_mla_layout(name: str, q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
+    """Raises ValueError unless the pool is [P, S, 1, A + R] for q_lat [T, N, A] and
+    q_pe [T, N, R]."""
+    if q_lat_TNA.ndim != 3 or q_pe_TNR.shape[:2] != q_lat_TNA.shape[:2]:
+        raise ValueError(f"{name}: q_lat {q_lat_TNA.shape} and q_pe {q_pe_TNR.shape} must "
+                         "be [T, N, A] and [T, N, R]")
+    A, R = q_lat_TNA.shape[-1], q_pe_TNR.shape[-1]
+    if kv_pages_PS1X.ndim != 4 or kv_pages_PS1X.shape[2:] != (1, A + R):
+        raise ValueError(f"{name}: latent pool {kv_pages_PS1X.shape} must be "
+                         f"[P, S, 1, {A + R}] (kv_lora_rank {A} + rope dim {R})")
+
+
+def quantize_latent(latent_TX: jax.Array, kv_scale) -> jax.Array:
+    """A latent row as an FP8 pool stores it: x / scale, saturated to e4m3's range."""
+    limit = float(jnp.finfo(FP8_DTYPE).max)
+    x = latent_TX.astype(jnp.float32) / jnp.asarray(kv_scale, jnp.float32)
+    return jnp.clip(x, -limit, limit).astype(FP8_DTYPE)
+
+
+def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Array,
+                 kv_scale=None):
+    """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped.
+    An FP8 pool stores it divided by `kv_scale` (None: 1.0)."""
     P, S = kv_pages_PS1X.shape[:2]
+    if is_fp8(kv_pages_PS1X):
+        latent_TX = quantize_latent(latent_TX, 1.0 if kv_scale is None else kv_scale)
     page_T = jnp.where(slots_T < 0, P, slots_T // S)  # page P is out of range: dropped
     return kv_pages_PS1X.at[page_T, slots_T % S, 0].set(
         latent_TX.astype(kv_pages_PS1X.dtype), mode="drop")
@@ -52,9 +75,11 @@ def ref_mla_paged_attention(
     sm_scale: float,
     absorbed: bool,
     block_q: int = 64,
+    kv_scale=None,
 ) -> jax.Array:
     """Causal latent attention for a ragged batch; o_TNO in q's dtype. `absorbed` picks
-    the form (module docstring); both read the same pool and agree to rounding."""
+    the form (module docstring); both read the same pool and agree to rounding. An FP8
+    pool is read as x * kv_scale (None: 1.0) in float32."""
     T, N, _ = q_nope_TNH.shape
     A = w_uk_ANH.shape[0]
     O = w_uv_ANO.shape[-1]
@@ -67,6 +92,9 @@ def ref_mla_paged_attention(
     q_pe_TNR = q_pe_TNR.astype(jnp.float32) * sm_scale
     if absorbed:  # W_UK folded into the query
         q_nope_TNH = jnp.einsum("tnh,anh->tna", q_nope_TNH, w_uk_ANH)
+    dequant = 1.0
+    if is_fp8(kv_pages_PS1X) and kv_scale is not None:
+        dequant = jnp.asarray(kv_scale, jnp.float32)
     Y = A if absorbed else O  # what p multiplies: latents, or per-head values
 
     block_q = min(block_q, T)
@@ -84,7 +112,7 @@ def ref_mla_paged_attention(
 
         def body(c, carry):
             m_bN, l_bN, acc_bNY = carry
-            kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32)
+            kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32) * dequant
             lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:]
             s_bNS = jnp.einsum("bnr,bsr->bns", qr_bNR, k_pe_bSR)
             if absorbed:
