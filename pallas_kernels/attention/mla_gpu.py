@@ -24,8 +24,9 @@ Cost: the Triton lowering drops `cost_estimate`; `cost.estimate(cost.GPU_MLA_DEC
 
 Constraints (ValueError naming the failed one): A and R powers of two >= 16 with R
 dividing A (the k_pe view's block index), page size a power of two, block_h a power of
-two >= 16 dividing N (tl.dot's minimum M; DeepSeek-V3's 128 and Kimi-K2's 64 heads
-divide), q in {float32, bfloat16, float16}, the pool q's dtype or float8_e4m3fn.
+two >= 16 (tl.dot's minimum M; fewer heads than a multiple of it are padded with zero
+rows, DeepSeek-V3's 128 and Kimi-K2's 64 need none), q in {float32, bfloat16,
+float16}, the pool q's dtype or float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ def check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, block_h: int) -> None:
                          "two >= 16 with R dividing A (Triton block shapes; the k_pe view)")
     if not _is_pow2(S):
         raise ValueError(f"gpu mla: page_size S={S} must be a power of two")
-    if not (_is_pow2(block_h) and block_h >= 16 and N % block_h == 0):
-        raise ValueError(f"gpu mla: block_h={block_h} must be a power of two >= 16 dividing "
-                         f"the {N} heads (tl.dot's minimum M)")
+    if not (_is_pow2(block_h) and block_h >= 16):
+        raise ValueError(f"gpu mla: block_h={block_h} must be a power of two >= 16 "
+                         "(tl.dot's minimum M)")
     ok = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
     if q_lat_TNA.dtype not in ok or kv_pages_PS1X.dtype not in (
             q_lat_TNA.dtype, jnp.dtype(FP8_DTYPE)):
@@ -138,7 +139,10 @@ def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq
     if not _is_pow2(ppb):
         raise ValueError(f"gpu mla: pages_per_block={ppb} must be a power of two")
     total_blocks = pl.cdiv(C, ppb)
-    heads = N // block_h
+    heads = -(-N // block_h)
+    if heads * block_h != N:  # zero query rows up to whole head blocks, dropped below
+        pad = ((0, 0), (0, heads * block_h - N), (0, 0))
+        q_lat_TNA, q_pe_TNR = jnp.pad(q_lat_TNA, pad), jnp.pad(q_pe_TNR, pad)
     splits = num_splits or max(1, min(total_blocks, pl.cdiv(TARGET_PROGRAMS, T * heads)))
     C_pad = total_blocks * ppb
     seq_T, pos_T, valid_T = token_positions(
@@ -173,9 +177,9 @@ def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq
             pl.BlockSpec((None, None, block_h), lambda t, h, s: (t, s, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((T, splits, N, A), jnp.float32),
-            jax.ShapeDtypeStruct((T, splits, N), jnp.float32),
-            jax.ShapeDtypeStruct((T, splits, N), jnp.float32),
+            jax.ShapeDtypeStruct((T, splits, heads * block_h, A), jnp.float32),
+            jax.ShapeDtypeStruct((T, splits, heads * block_h), jnp.float32),
+            jax.ShapeDtypeStruct((T, splits, heads * block_h), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -188,4 +192,5 @@ def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq
     l_TN = jnp.sum(l_TXN * w_TXN, axis=1)
     o_TNA = jnp.sum(o_TXNA * w_TXN[..., None], axis=1)
     o_TNA = o_TNA / jnp.where(l_TN == 0.0, 1.0, l_TN)[..., None]
-    return jnp.where(valid_T[:, None, None], o_TNA, 0.0).astype(q_lat_TNA.dtype)
+    o_TNA = jnp.where(valid_T[:, None, None], o_TNA[:, :N], 0.0)
+    return o_TNA.astype(q_lat_TNA.dtype)

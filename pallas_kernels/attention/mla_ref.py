@@ -7,6 +7,11 @@ Pool layout (lp_jax/models/kv_cache.py):
                                   kv_lora_rank) then its shared rotary key k_pe (R =
                                   qk_rope_head_dim), once per token, for all heads
 
+X may exceed A + R (lanes past A + R are padding, never read): the TPU kernel's pool
+rounds X up to a multiple of 128 (576 -> 640 for DeepSeek-V3), since XLA lays a pool
+whose last axis is not a multiple of 128 lanes out page-minor and would copy it whole
+before every kernel call (mla_tpu.py).
+
 Head n of a key is [c @ W_UK[:, n] (H = qk_nope_head_dim), k_pe] and its value c @ W_UV[:, n]
 (O = v_head_dim), with kv_b_proj = [W_UK | W_UV] per head ([A, N, H + O]). Two forms give
 the same attention:
@@ -31,15 +36,16 @@ from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_po
 
 
 def check_mla_layout(name: str, q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
-    """Raises ValueError unless the pool is [P, S, 1, A + R] for q_lat [T, N, A] and
-    q_pe [T, N, R]."""
+    """Raises ValueError unless the pool is [P, S, 1, X >= A + R] for q_lat [T, N, A]
+    and q_pe [T, N, R]."""
     if q_lat_TNA.ndim != 3 or q_pe_TNR.shape[:2] != q_lat_TNA.shape[:2]:
         raise ValueError(f"{name}: q_lat {q_lat_TNA.shape} and q_pe {q_pe_TNR.shape} must "
                          "be [T, N, A] and [T, N, R]")
     A, R = q_lat_TNA.shape[-1], q_pe_TNR.shape[-1]
-    if kv_pages_PS1X.ndim != 4 or kv_pages_PS1X.shape[2:] != (1, A + R):
+    if (kv_pages_PS1X.ndim != 4 or kv_pages_PS1X.shape[2] != 1
+            or kv_pages_PS1X.shape[3] < A + R):
         raise ValueError(f"{name}: latent pool {kv_pages_PS1X.shape} must be "
-                         f"[P, S, 1, {A + R}] (kv_lora_rank {A} + rope dim {R})")
+                         f"[P, S, 1, X >= {A + R}] (kv_lora_rank {A} + rope dim {R})")
 
 
 def quantize_latent(latent_TX: jax.Array, kv_scale) -> jax.Array:
@@ -53,7 +59,8 @@ def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Ar
                  kv_scale=None):
     """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped.
     An FP8 pool stores it divided by `kv_scale` (None: 1.0)."""
-    P, S = kv_pages_PS1X.shape[:2]
+    P, S, _, X = kv_pages_PS1X.shape
+    latent_TX = jnp.pad(latent_TX, ((0, 0), (0, X - latent_TX.shape[-1])))
     if is_fp8(kv_pages_PS1X):
         latent_TX = quantize_latent(latent_TX, 1.0 if kv_scale is None else kv_scale)
     page_T = jnp.where(slots_T < 0, P, slots_T // S)  # page P is out of range: dropped
@@ -81,7 +88,7 @@ def ref_mla_paged_attention(
     the form (module docstring); both read the same pool and agree to rounding. An FP8
     pool is read as x * kv_scale (None: 1.0) in float32."""
     T, N, _ = q_nope_TNH.shape
-    A = w_uk_ANH.shape[0]
+    A, R = w_uk_ANH.shape[0], q_pe_TNR.shape[-1]
     O = w_uv_ANO.shape[-1]
     S = kv_pages_PS1X.shape[1]
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
@@ -113,7 +120,7 @@ def ref_mla_paged_attention(
         def body(c, carry):
             m_bN, l_bN, acc_bNY = carry
             kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32) * dequant
-            lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:]
+            lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:A + R]
             s_bNS = jnp.einsum("bnr,bsr->bns", qr_bNR, k_pe_bSR)
             if absorbed:
                 s_bNS += jnp.einsum("bna,bsa->bns", qn_bNx, lat_bSA)

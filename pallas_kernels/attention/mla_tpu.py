@@ -17,8 +17,9 @@ megacore chip splits it). A token walks its sequence's pages in blocks of
 `pages_per_block`, up to its own position only: the work follows each token's real
 context, not the page table's width, and padding tokens run no block. The pool stays
 in HBM (memory_space ANY) viewed as [P, S, X] (its [P, S, 1, X] shape without the
-unit axis); each page is one DMA of S whole rows into a double-buffered VMEM block
-(block j + 1 in flight while block j computes). A DMA semaphore counts bytes, so each
+unit axis, a bitcast: X is padded to whole lanes, below); each page is one DMA of S
+whole rows into a double-buffered VMEM block (block j + 1 in flight while block j
+computes). A DMA semaphore counts bytes, so each
 page's wait reuses its own descriptor. Only the last block of a token can hold keys
 past its position or stale slots; it alone takes the masks (stale rows of c are zeroed
 too, as 0 * NaN is NaN).
@@ -37,7 +38,15 @@ Cost estimate: `cost.mla_decode` with the context length it assumes as an argume
 
 Constraints (ValueError naming the failed one): A a multiple of 128 (lanes), page size
 a multiple of 8 (sublanes), q in {float32, bfloat16}, the pool q's dtype or
-float8_e4m3fn, the pool [P, S, 1, A + R].
+float8_e4m3fn, the pool [P, S, 1, X] with X >= A + R a multiple of 128.
+
+The pool's padded row. A [P, S, 1, 576] pool (DeepSeek-V3) gets a page-minor TPU layout
+from XLA (576 is not a multiple of 128 lanes), and every call would copy all of it into
+the row-major layout the kernel DMAs from (168 MB of temporaries for a 151 MB pool at
+v6e; the compile shows the copy). So the TPU pool rounds each token's row up to 640
+values (kv_cache.packs_kv; lanes past A + R are padding, never read): 11% more pool
+memory and DMA bytes, against a whole-pool copy per layer. Two tokens a 1152-lane row
+would avoid the padding at the cost of unaligned lane slices; not done.
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ def check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
     A, S = q_lat_TNA.shape[-1], kv_pages_PS1X.shape[1]
     if A % 128:
         raise ValueError(f"tpu mla: kv_lora_rank A={A} must be a multiple of 128 (lanes)")
+    X = kv_pages_PS1X.shape[-1]
+    if X % 128:
+        raise ValueError(f"tpu mla: the pool's row of X={X} values must be padded to a "
+                         "multiple of 128 (kv_cache.packs_kv): XLA lays a narrower last "
+                         "axis out page-minor and would copy the whole pool every call")
     if S % 8:
         raise ValueError(f"tpu mla: page_size S={S} must be a multiple of 8 (sublanes)")
     ok = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
@@ -148,7 +162,7 @@ def _flash_step(qc_ref, qr_ref, kv_ref, acc_ref, m_ref, l_ref, live, score_scale
     X = kv_ref.shape[0]
     dtype = qc_ref.dtype
     c_XA = kv_ref[:, pl.ds(0, A)].astype(dtype)  # e4m3 -> bf16 is exact
-    pe_XR = kv_ref[:, pl.ds(A, kv_ref.shape[1] - A)].astype(dtype)
+    pe_XR = kv_ref[:, pl.ds(A, qr_ref.shape[1])].astype(dtype)
     if live is not None:  # stale slots (maybe NaN) out of p @ c
         live_X1 = jax.lax.broadcasted_iota(jnp.int32, (X, 1), 0) < live
         c_XA = jnp.where(live_X1, c_XA, 0).astype(dtype)
