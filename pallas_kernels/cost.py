@@ -61,7 +61,7 @@ GPU_MOE_DOWN = "lp_gpu_moe_down"
 GPU_DECODE_ATTENTION = "lp_paged_decode_attention"
 GPU_PREFILL_ATTENTION = "lp_paged_prefill_attention"
 TPU_MLA_DECODE = "lp_tpu_mla_decode"
-GPU_MLA_DECODE = "lp_gpu_mla_decode"
+GPU_MLA_DECODE = "lp_paged_mla_decode"  # "lp_paged": aot.resources counts it ours
 
 
 class Routing(NamedTuple):

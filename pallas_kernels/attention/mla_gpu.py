@@ -8,8 +8,11 @@ array, like gpu.py's K and V views: c (lanes [0, A)) and k_pe (lanes [A, A + R),
 index A / R of the last axis), each gathered page by page with the token's page table.
 
 Grid (T, N / block_h, splits). Heads go in blocks of `block_h` rows: the [block_h, A]
-float32 accumulator lives in registers (A = 512: block_h 16 at 4 warps is 64 registers a
-thread), so the latent is read once per head block (from L2 after the first). The page
+float32 accumulator lives in registers (A = 512: block_h 16 at 8 warps is 32 registers a
+thread), so the latent is read once per head block (from L2 after the first). ptxas at
+DeepSeek-V3's shapes (launch/compile_mla_kernels.py): 8 warps take 124 registers and no
+spills, two blocks (16 warps) an SM; 4 warps took 243 registers for the same two blocks
+(8 warps), and block_h 32 at 8 warps 170 registers, one block an SM. The page
 axis is split ("flash decoding") so that a small batch still fills the SMs: the number
 of splits is static (enough for ~TARGET_PROGRAMS programs), each split takes an equal
 share of its token's own key blocks at run time (work follows the real context, not the
@@ -125,7 +128,7 @@ def _kernel(*refs, has_scale, sm_scale, pages_per_block, page_size):
                                              "interpret", "assumed_context"))
 def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq_lens_B,
                          page_table_BC, num_seqs, *, sm_scale, kv_scale=None,
-                         pages_per_block=None, num_splits=None, block_h=16, num_warps=4,
+                         pages_per_block=None, num_splits=None, block_h=16, num_warps=8,
                          num_stages=2, interpret=False, assumed_context=None):
     """Absorbed latent attention of a ragged batch's tokens: o_lat_TNA in q's dtype,
     zeros for padding tokens (mla_tpu.mla_decode_attention's contract). num_splits:
