@@ -132,13 +132,14 @@ def paged_attention(*, tokens: int, seqs: int, pages_per_seq: int, page_size: in
 
 def mla_decode(*, tokens: int, seqs: int, context: int, heads: int, latent_dim: int,
                rope_dim: int, q_itemsize: int, kv_itemsize: int,
-               out_bytes: int | None = None) -> KernelCost:
+               out_bytes: int | None = None, row_dim: int | None = None) -> KernelCost:
     """Absorbed latent attention (MLA decode kernels) of T tokens spread evenly over B
     sequences of `context` keys each after this step (the context the caller assumes),
     the tokens the last of their contexts. Per visible (token, key) pair: 2 N (A + R)
     flops for the scores and 2 N A for p @ c, one exp per head; each token reads the
-    A + R latent row of every key it sees once for all N heads; q_lat and q_pe in, o_lat
-    out (out_bytes: if the kernel writes something else, e.g. float32 partials)."""
+    latent row of every key it sees once for all N heads (row_dim values, default A + R;
+    the TPU pool pads it to whole lanes); q_lat and q_pe in, o_lat out (out_bytes: if
+    the kernel writes something else, e.g. float32 partials)."""
     pairs = 0
     for q in _token_split(tokens, seqs):
         q = min(q, context)
@@ -147,7 +148,7 @@ def mla_decode(*, tokens: int, seqs: int, context: int, heads: int, latent_dim: 
     return KernelCost(
         flops=2 * heads * (2 * latent_dim + rope_dim) * pairs,
         transcendentals=heads * pairs,
-        bytes_accessed=pairs * (latent_dim + rope_dim) * kv_itemsize
+        bytes_accessed=pairs * (row_dim or latent_dim + rope_dim) * kv_itemsize
         + tokens * heads * (latent_dim + rope_dim) * q_itemsize
         + (out if out_bytes is None else out_bytes),
     )

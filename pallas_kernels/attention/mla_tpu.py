@@ -254,6 +254,6 @@ def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq
         name=cost.TPU_MLA_DECODE,
         cost_estimate=cost.mla_decode(
             tokens=T, seqs=B, context=assumed_context or C * S, heads=N, latent_dim=A,
-            rope_dim=R, q_itemsize=q_itemsize, kv_itemsize=kv_itemsize).pallas(),
+            rope_dim=R, q_itemsize=q_itemsize, kv_itemsize=kv_itemsize, row_dim=X).pallas(),
     )(seq_T, stop_T, pages_flat, *inputs)
     return jnp.where(valid_T[:, None, None], o_TNA, jnp.zeros_like(o_TNA))
