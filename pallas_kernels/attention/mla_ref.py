@@ -88,6 +88,7 @@ def ref_mla_paged_attention(
     the form (module docstring); both read the same pool and agree to rounding. An FP8
     pool is read as x * kv_scale (None: 1.0) in float32."""
     T, N, _ = q_nope_TNH.shape
+    out_dtype = q_pe_TNR.dtype
     A, R = w_uk_ANH.shape[0], q_pe_TNR.shape[-1]
     O = w_uv_ANO.shape[-1]
     S = kv_pages_PS1X.shape[1]
@@ -153,4 +154,4 @@ def ref_mla_paged_attention(
     o_TNY = o_QbNY.reshape(num_blocks * block_q, N, Y)[:T]
     if absorbed:  # W_UV after attention
         o_TNY = jnp.einsum("tna,ano->tno", o_TNY, w_uv_ANO)
-    return jnp.where(valid_T[:, None, None], o_TNY, 0.0).astype(q_pe_TNR.dtype)
+    return jnp.where(valid_T[:, None, None], o_TNY, 0.0).astype(out_dtype)
