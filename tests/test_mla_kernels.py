@@ -190,3 +190,14 @@ def test_start_up_check_falls_back_to_xla_not_the_shipped_gqa_kernel(mla_cfg, mo
                                     jnp.float32, page_size=S, log=logs.append)
     assert chosen.attention == "xla" and "Mosaic" in report["attention"][1]
     assert len(logs) == 1 and logs[0].startswith("WARNING") and "'xla'" in logs[0]
+
+
+def test_kernel_refusal_names_shapes_a_kernel_cannot_take():
+    """What serving_backends consults before "auto" picks a kernel: DeepSeek-V3's and
+    Kimi-K2's heads fit both kernels; the tiny presets' 32-wide latent fits neither."""
+    for heads in (128, 64):
+        assert mla.kernel_refusal("tpu", heads, 512, 64) is None
+        assert mla.kernel_refusal("gpu", heads, 512, 64) is None
+    assert "multiple of 128" in mla.kernel_refusal("tpu", 4, 32, 8)
+    assert "powers of two >= 16" in mla.kernel_refusal("gpu", 4, 32, 8)
+    assert mla.kernel_refusal("xla", 4, 32, 8) is None

@@ -92,11 +92,18 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
     def serving_backends(self, backends: KernelBackends) -> KernelBackends:
         """Latent attention runs on "auto", "xla", "tpu" and "gpu" (pallas_kernels/
-        attention/mla.py); "tpu_jax" is refused before anything compiles."""
+        attention/mla.py); "tpu_jax" is refused before anything compiles. "auto" becomes
+        "xla" where the platform's kernel cannot take the model's head shapes (the tiny
+        presets' 32-wide latent); a kernel named for them raises at its first call."""
         if backends.attention == "tpu_jax":
             raise ValueError(f"{self.config.model_type}: attention backend 'tpu_jax' (JAX's "
                              "shipped GQA kernel) has no latent-attention (MLA) form; use "
                              "attention_backend 'auto', 'tpu', 'gpu' or 'xla'")
+        cfg = self.config
+        if backends.attention == "auto" and mla.kernel_refusal(
+                "auto", cfg.num_attention_heads, cfg.kv_lora_rank, cfg.head_dim):
+            return KernelBackends(moe=backends.moe, attention="xla",
+                                  moe_dispatch=backends.moe_dispatch)
         mla.resolve_mla_backend(backends.attention)
         return backends
 

@@ -16,6 +16,7 @@ the Pallas interpreter; a kernel asked for on another platform is an error).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import _kernel_backend
@@ -36,6 +37,29 @@ def resolve_mla_backend(backend: str) -> str:
     from pallas_kernels.attention import resolve_backend
 
     return resolve_backend(backend)
+
+
+def kernel_refusal(backend: str, heads: int, latent_dim: int, rope_dim: int,
+                   dtype=jnp.bfloat16) -> str | None:
+    """Why `backend`'s MLA kernel cannot serve these head shapes (16-token pages, the
+    TPU row padded to whole lanes), or None when it can, or for "xla"."""
+    resolved = resolve_mla_backend(backend)
+    if resolved == "xla":
+        return None
+    row = latent_dim + rope_dim
+    if resolved == "tpu":
+        row = -(-row // 128) * 128
+    q_lat = jax.ShapeDtypeStruct((1, heads, latent_dim), dtype)
+    q_pe = jax.ShapeDtypeStruct((1, heads, rope_dim), dtype)
+    pool = jax.ShapeDtypeStruct((1, 16, 1, row), dtype)
+    try:
+        if resolved == "tpu":
+            _tpu.check_constraints(q_lat, q_pe, pool)
+        else:
+            _gpu.check_constraints(q_lat, q_pe, pool, block_h=16)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def absorb_query(q_nope_TNH, w_uk_ANH):
@@ -68,4 +92,4 @@ def mla_paged_attention(q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO,
 
 
 __all__ = ["BACKENDS", "mla_paged_attention", "absorb_query", "resolve_mla_backend",
-           "write_latent"]
+           "kernel_refusal", "write_latent"]
