@@ -63,6 +63,8 @@ GPU_MOE_GATE_UP = "lp_gpu_moe_gate_up"
 GPU_MOE_DOWN = "lp_gpu_moe_down"
 GPU_DECODE_ATTENTION = "lp_paged_decode_attention"
 GPU_PREFILL_ATTENTION = "lp_paged_prefill_attention"
+TPU_MLA_DECODE = "lp_tpu_mla_decode"
+GPU_MLA_DECODE = "lp_paged_mla_decode"  # "lp_paged": aot.resources counts it ours
 
 
 class Routing(NamedTuple):
@@ -137,6 +139,30 @@ def paged_attention(*, tokens: int, seqs: int, pages_per_seq: int, page_size: in
     )
 
 
+def mla_decode(*, tokens: int, seqs: int, context: int, heads: int, latent_dim: int,
+               rope_dim: int, q_itemsize: int, kv_itemsize: int,
+               out_bytes: int | None = None, row_dim: int | None = None) -> KernelCost:
+    """Absorbed latent attention (MLA decode kernels) of T tokens spread evenly over B
+    sequences of `context` keys each after this step (the context the caller assumes),
+    the tokens the last of their contexts. Per visible (token, key) pair: 2 N (A + R)
+    flops for the scores and 2 N A for p @ c, one exp per head; each token reads the
+    latent row of every key it sees once for all N heads (row_dim values, default A + R;
+    the TPU pool pads it to whole lanes); q_lat and q_pe in, o_lat out (out_bytes: if
+    the kernel writes something else, e.g. float32 partials)."""
+    pairs = 0
+    for q in _token_split(tokens, seqs):
+        q = min(q, context)
+        pairs += q * (context - q) + q * (q + 1) // 2
+    out = tokens * heads * latent_dim * q_itemsize
+    return KernelCost(
+        flops=2 * heads * (2 * latent_dim + rope_dim) * pairs,
+        transcendentals=heads * pairs,
+        bytes_accessed=pairs * (row_dim or latent_dim + rope_dim) * kv_itemsize
+        + tokens * heads * (latent_dim + rope_dim) * q_itemsize
+        + (out if out_bytes is None else out_bytes),
+    )
+
+
 ESTIMATES = {
     TPU_MOE_GATE_UP_GATHER: moe_matmul,
     TPU_MOE_GATE_UP: moe_matmul,
@@ -147,12 +173,14 @@ ESTIMATES = {
     TPU_JAX_ATTENTION: paged_attention,
     GPU_DECODE_ATTENTION: paged_attention,
     GPU_PREFILL_ATTENTION: paged_attention,
+    TPU_MLA_DECODE: mla_decode,
+    GPU_MLA_DECODE: mla_decode,
 }
 
 
 def estimate(name: str, **shapes) -> KernelCost:
     """The cost of kernel `name` at the given shapes (the keyword arguments of its
-    function: `moe_matmul` or `paged_attention`)."""
+    function: `moe_matmul`, `paged_attention` or `mla_decode`)."""
     if name not in ESTIMATES:
         raise KeyError(f"no cost estimate for kernel {name!r}; known: {sorted(ESTIMATES)}")
     return ESTIMATES[name](**shapes)

@@ -66,9 +66,9 @@ def test_not_yet_served_features_are_refused_by_name():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'.*latent attention"):
         cfg.replace(kv_cache_dtype="fp8")
     model = load_model(ensure_tiny(preset="tiny-deepseek-groups"))
-    with pytest.raises(ValueError, match="'tpu' has no latent-attention"):
-        model.serving_backends(KernelBackends(attention="tpu"))
-    assert model.serving_backends(KernelBackends()).attention == "xla"
+    with pytest.raises(ValueError, match="'tpu_jax'.*no latent-attention"):
+        model.serving_backends(KernelBackends(attention="tpu_jax"))
+    assert model.serving_backends(KernelBackends()).attention == "auto"
 
 
 def test_pool_holds_the_latent_once_a_token():

@@ -7,7 +7,8 @@ Model shapes in bfloat16: the MoE at Qwen3-30B-A3B's (D 2048, 128 experts, top-8
 and GPT-OSS-20B's (D = F = 2880, 32 experts, top-4, expert biases and the clamped
 SwiGLU), weights stacked [L=2, ...] with a traced layer; attention (decode and ragged
 prefill, one program each model) at Qwen3's heads (32 / 4, head_dim 128) and GPT-OSS's
-(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages. Four compiles
+(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages; the MLA decode
+kernel at DeepSeek-V3's heads (128, latent 512 + 64) over an FP8 pool. Five compiles
 in all, shared by the checks (a module fixture); each kernel's resources come from
 ptxas's own report (`lp_jax.aot.resources`).
 
@@ -73,11 +74,28 @@ def _attention(N: int, K: int, H: int, gpt_oss: bool):
     return fn, args
 
 
+def _mla_deepseek_v3():
+    """The MLA decode kernel at DeepSeek-V3's heads (128, latent 512 + 64), FP8 pool."""
+    from pallas_kernels.attention import mla_gpu
+
+    B, C, S, N, A, R = 8, 16, 16, 128, 512, 64
+    args = [sd((B, N, A), bf16), sd((B, N, R), bf16),
+            sd((4096, S, 1, A + R), jnp.float8_e4m3fn), sd((B + 1,), i32), sd((B,), i32),
+            sd((B, C), i32), sd((), i32), sd((), jnp.float32)]
+
+    def fn(q_lat, q_pe, pool, starts, lens, table, n, scale):
+        return mla_gpu.mla_decode_attention(q_lat, q_pe, pool, starts, lens, table, n,
+                                            sm_scale=0.1, kv_scale=scale)
+
+    return fn, args
+
+
 PROGRAMS = {
     "moe_qwen3": lambda: _moe(QWEN, biases=False),
     "moe_gpt_oss": lambda: _moe(GPT_OSS, biases=True),
     "attention_qwen3": lambda: _attention(32, 4, 128, gpt_oss=False),
     "attention_gpt_oss": lambda: _attention(64, 8, 64, gpt_oss=True),
+    "mla_deepseek_v3": _mla_deepseek_v3,
 }
 
 
@@ -116,7 +134,8 @@ def _by_weights(ks: list[dict], shape: str) -> dict:
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_no_kernel_of_ours_spills_or_uses_stack(kernels, program):
     ks = kernels[program]
-    assert len(ks) == 2, [k["name"] for k in ks]  # MoE gate/up + down; ragged + decode
+    # MoE gate/up + down; ragged + decode; MLA decode alone
+    assert len(ks) == (1 if program.startswith("mla") else 2), [k["name"] for k in ks]
     assert resources.problems(ks) == []
     for k in ks:
         assert k["arch"] == "sm_90a" and k["spill_stores"] == k["spill_loads"] == 0
@@ -175,3 +194,11 @@ def test_one_row_projection_reads_its_weight_once():
     x = jax.random.normal(kx, (1, K), jnp.float32)
     w = jax.random.normal(kw, (K, N), jnp.float32)
     np.testing.assert_allclose(sliced_row_dot(x, w), x @ w, rtol=1e-4, atol=1e-3)
+
+
+def test_mla_kernel_launches_as_written(kernels):
+    """8 warps, grid (tokens, head blocks of 16, splits), two blocks an SM."""
+    (k,) = kernels["mla_deepseek_v3"]
+    assert k["name"] == "lp_paged_mla_decode"
+    assert k["threads"] == [256, 1, 1] and k["grid"][:2] == [8, 128 // 16]
+    assert blocks_per_sm(k) >= 2

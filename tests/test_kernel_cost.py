@@ -12,6 +12,9 @@ misleads both the roofline and XLA:TPU's scheduler. For each kernel, at tiny sha
   shipped TPU kernel's registry entry): a full page table, run densely over contiguous
   K and V; XLA's cost analysis of that, scaled by the pairs the causal mask keeps
   (counted with numpy), and its argument and output bytes.
+* MLA decode (TPU, GPU; absorbed form): dense latent attention over contiguous
+  latent rows, counted the same way, at the full table and at half the context the
+  estimate is told to assume.
 
 TPU kernels' estimates are read off the pallas_call in the traced program (what
 XLA:TPU gets), GPU kernels' from the registry, by the kernel's name. Tolerance: a
@@ -221,6 +224,51 @@ def test_attention_estimate_follows_the_assumed_context_not_the_table():
     for bad in (0, C * S + 1):
         with pytest.raises(ValueError, match="outside the page table"):
             cost.paged_attention(pages_per_seq=C, context_len=bad, **shapes)
+
+
+def _mla_count(q_len, N, A, R):
+    """Absorbed latent attention of q_len new tokens a sequence over B contiguous
+    contexts of C * S latent rows: XLA's count scaled by the pairs the mask keeps; bytes:
+    q_lat, q_pe, the rows, o_lat."""
+    ctx = C * S
+
+    def dense(q_lat_BqNA, q_pe_BqNR, c_BcA, pe_BcR):
+        s = (jnp.einsum("bqna,bca->bnqc", q_lat_BqNA, c_BcA, preferred_element_type=jnp.float32)
+             + jnp.einsum("bqnr,bcr->bnqc", q_pe_BqNR, pe_BcR,
+                          preferred_element_type=jnp.float32))
+        visible = np.arange(ctx)[None, :] <= np.arange(ctx - q_len, ctx)[:, None]
+        p = jax.nn.softmax(jnp.where(visible, s, -1e30), axis=-1)
+        return jnp.einsum("bnqc,bca->bqna", p.astype(bf16), c_BcA)
+
+    c = _xla_cost(dense, sd((B, q_len, N, A), bf16), sd((B, q_len, N, R), bf16),
+                  sd((B, ctx, A), bf16), sd((B, ctx, R), bf16))
+    kept = np.sum(np.arange(ctx)[None, :] <= np.arange(ctx - q_len, ctx)[:, None]) / (q_len * ctx)
+    return c["flops"] * kept, c["transcendentals"] * kept, c["io_bytes"]
+
+
+def test_mla_kernels_declare_the_latent_work_at_the_assumed_context():
+    """TPU (read off its pallas_call; its pool rows padded to 256 values, which it
+    reads) and GPU (the registry) MLA decode kernels, one token a sequence over a full
+    table; assumed_context, the estimate's input, halves
+    the context and with it the pairs and the latent bytes."""
+    from pallas_kernels.attention import mla_tpu
+
+    N, A, R = 8, 128, 64
+    args = (sd((B, N, A), bf16), sd((B, N, R), bf16), sd((B * C, S, 1, 256), bf16),
+            sd((B + 1,), jnp.int32), sd((B,), jnp.int32), sd((B, C), jnp.int32),
+            sd((), jnp.int32))
+    declared = _declared(lambda *a: mla_tpu.mla_decode_attention(*a, sm_scale=0.1), *args)
+    assert set(declared) == {cost.TPU_MLA_DECODE}
+    count = _mla_count(1, N, A, R)
+    _assert_close("tpu mla", declared[cost.TPU_MLA_DECODE], *count)
+    shapes = dict(tokens=B, seqs=B, context=C * S, heads=N, latent_dim=A, rope_dim=R,
+                  q_itemsize=2, kv_itemsize=2)
+    _assert_close("gpu mla", cost.estimate(cost.GPU_MLA_DECODE, **shapes), *count)
+    half = _declared(lambda *a: mla_tpu.mla_decode_attention(
+        *a, sm_scale=0.1, assumed_context=C * S // 2), *args)[cost.TPU_MLA_DECODE]
+    full = declared[cost.TPU_MLA_DECODE]
+    assert half.flops < 0.51 * full.flops and half.transcendentals < 0.51 * full.transcendentals
+    assert half.bytes_accessed < full.bytes_accessed
 
 
 def test_unknown_kernel_names_the_known_ones():

@@ -250,3 +250,22 @@ def test_decode_attention_llo_splits_heads_without_shuffles_or_spills(chip, tmp_
     llo = _decode_kernel_llo(CHIPS[chip], tmp_path)
     assert llo.count("vrot.slane") < 64
     assert llo.count("_spill]") < 256  # each a vld or vst of a spill slot
+
+
+def test_mla_decode_reads_the_padded_latent_pool_in_place():
+    """The MLA decode kernel at DeepSeek-V3's heads (128, latent 512 + 64) on v6e: the
+    pool, its rows padded to 640 values (kv_cache.packs_kv), reaches the Mosaic call as
+    the parameter (a 576-wide pool is laid out page-minor and copied whole every call:
+    launch/compile_mla_kernels.py --unpadded-tpu)."""
+    from pallas_kernels.attention import mla_tpu
+
+    B, C, n, A, R = 8, 16, 128, 512, 64
+    pool = sd((4096, S, 1, 640), jnp.bfloat16)
+    args = (sd((B, n, A), jnp.bfloat16), sd((B, n, R), jnp.bfloat16), pool,
+            sd((B + 1,), jnp.int32), sd((B,), jnp.int32), sd((B, C), jnp.int32),
+            sd((), jnp.int32))
+    compiled = compile_targets.compile_tpu(
+        lambda *a: mla_tpu.mla_decode_attention(*a, sm_scale=0.1), args,
+        topology=CHIPS["v6e"], mesh_shape=(1,))
+    # 3 scalar-prefetch operands, q_lat, q_pe, then the pool
+    assert _kernel_operand_root(compiled.as_text(), 5) == ("parameter", "bf16[4096,16,1,640]")

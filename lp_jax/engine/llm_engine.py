@@ -52,7 +52,7 @@ from lp_jax.executor.plan_channel import (
     warm_broadcasts,
 )
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import kv_page_bytes, read_kv_scales
+from lp_jax.models.kv_cache import kv_page_bytes, packs_kv, read_kv_scales
 from lp_jax.paths import no_tokenizer_reason
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline import spec_pays
@@ -196,7 +196,8 @@ class LLMEngine:
                                  "FP8 KV cache; use attention_backend='tpu' or 'xla'")
         # Expert bytes count in the dtype the engine runs, not the checkpoint's.
         self.model_config = model_cfg.replace(dtype=np.dtype(model.dtype).name)
-        num_pages = config.kv_pages or self._default_kv_pages(model, sched_cfg.max_model_len)
+        num_pages = config.kv_pages or self._default_kv_pages(
+            model, sched_cfg.max_model_len, packed=packs_kv(model_cfg, backends.attention))
         if not config.kv_pages:  # data-parallel ranks take equal shares of the pool
             num_pages -= num_pages % config.data_parallel_size
         if self.process.multi_process:  # every process must build the same programs
@@ -306,7 +307,7 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.close()
 
-    def _default_kv_pages(self, model, max_model_len: int) -> int:
+    def _default_kv_pages(self, model, max_model_len: int, packed: bool = False) -> int:
         """Enough pages for max_num_seqs full-length sequences, capped by free memory."""
         cfg, S = self.model_config, self.config.page_size
         want = self.config.max_num_seqs * math.ceil(max_model_len / S)
@@ -315,7 +316,7 @@ class LLMEngine:
         if limit:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
             # An FP8 page: half of bf16's; a device holds its share of the heads.
-            page_bytes = kv_page_bytes(cfg, S, model.dtype, self.mesh)
+            page_bytes = kv_page_bytes(cfg, S, model.dtype, self.mesh, packed=packed)
             if self._eagle3 is not None:  # the head's one-layer pool on the same pages
                 page_bytes += page_bytes // cfg.num_hidden_layers
             want = min(want, int(free // page_bytes))

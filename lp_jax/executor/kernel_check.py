@@ -5,11 +5,13 @@ device, checked against the `ref` version: the MoE on the last layer of the engi
 loaded expert weights (the first device's shard of the stack, addressed by a traced layer
 index as the step does, so a stride or offset that overflows at full depth shows; no
 second stack is allocated), or of a small random stack when none is given; attention on
-a small random paged pool with the model's head shapes. A compile error, a runtime error
+a small random paged pool with the model's head shapes (latent attention, cfg.is_mla:
+the MLA decode kernel, absorbed form, on a random latent pool). A compile error, a runtime error
 or a mismatch logs one warning naming the backend and the error, and switches that
 operation to its safe backend: the MoE to `xla_tiles` (cost follows the routing, never
 reads an idle expert), attention to `xla`, or on a TPU to `tpu_jax` (JAX's shipped
-kernel) if it passes the same check. `mode="strict"` raises instead, `mode="off"` skips the check.
+kernel) if it passes the same check (never for latent attention, which it lacks).
+`mode="strict"` raises instead, `mode="off"` skips the check.
 
 A one-shot test catches what a first contact with a compiler finds (a layout Mosaic
 rejects, a kernel that faults, wrong numbers), not a rare race; the lowered-module tests
@@ -172,6 +174,50 @@ def check_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> No
         raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
 
 
+def check_mla_attention(cfg: ModelConfig, backend: str, dtype, page_size: int) -> None:
+    """Runs `backend`'s latent-attention (MLA) kernel, absorbed form, on a ragged batch
+    (decode tokens, two tokens of one sequence, a padding token) over a small random
+    latent pool of the model's shapes; raises on a mismatch with the reference."""
+    from pallas_kernels.attention import mla
+    from pallas_kernels.attention.mla_ref import quantize_latent, ref_mla_paged_attention
+
+    N, A, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.head_dim  # R: rotary width
+    H, O, S = cfg.qk_nope_head_dim, cfg.v_head_dim, page_size
+    pages_per_seq, num_pages = 4, 16
+    rng = np.random.default_rng(3)  # numpy: no random-number programs to compile
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale)
+
+    shape = kv_cache_shape(cfg.replace(num_hidden_layers=1), num_pages, S,
+                           packed=packs_kv(cfg, backend))
+    kv = normal(*shape)
+    q_lens, ctx = [1, 2, 1], [2 * S + 3, 5, 3 * S - 2]  # context after this step
+    T = sum(q_lens) + 1  # one padding token
+    extras = {}
+    if cfg.kv_cache_dtype == "fp8":  # the pool the engine serves: e4m3, scaled
+        kv = quantize_latent(kv, 0.5)
+        extras = dict(kv_scale=jnp.float32(0.5))
+    else:
+        kv = kv.astype(dtype)
+    q_nope = normal(T, N, H).astype(dtype)
+    q_pe = normal(T, N, R).astype(dtype)
+    w_uk = normal(A, N, H, scale=A**-0.5).astype(dtype)
+    w_uv = normal(A, N, O, scale=A**-0.5).astype(dtype)
+    table = jnp.asarray(rng.permutation(num_pages)[: 3 * pages_per_seq].reshape(
+        3, pages_per_seq), jnp.int32)
+    args = (q_nope, q_pe, kv, w_uk, w_uv, jnp.asarray(np.cumsum([0, *q_lens]), jnp.int32),
+            jnp.asarray(ctx, jnp.int32), table, jnp.int32(3))
+    scale = (H + R) ** -0.5
+    got = jax.jit(lambda *a, **e: mla.mla_paged_attention(
+        *a, sm_scale=scale, absorbed=True, backend=backend, **e))(*args, **extras)
+    want = jax.jit(lambda *a, **e: ref_mla_paged_attention(
+        *a, sm_scale=scale, absorbed=True, **e))(*args, **extras)
+    err = _rel_err(got, want)
+    if not err <= _tolerance(dtype):
+        raise KernelCheckError(f"output differs from the reference: relative error {err:.3g}")
+
+
 def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_size: int,
                    mode: str = "fallback", log=print,
                    experts: tuple | None = None) -> tuple[KernelBackends, dict]:
@@ -192,10 +238,11 @@ def check_backends(cfg: ModelConfig, backends: KernelBackends, dtype, *, page_si
     if mode == "off":
         return dataclasses.replace(backends, **chosen), report
     platform = jax.default_backend()
+    attention_check = check_mla_attention if cfg.is_mla else check_attention
     checks = {"moe": (lambda b: check_moe(cfg, b, dtype, experts), SAFE_MOE,
                       chosen["moe"] in ("tpu", "gpu") and bool(cfg.moe_layers)),
-              "attention": (lambda b: check_attention(cfg, b, dtype, page_size),
-                            SAFE_ATTENTION.get(platform, ("xla",)),
+              "attention": (lambda b: attention_check(cfg, b, dtype, page_size),
+                            ("xla",) if cfg.is_mla else SAFE_ATTENTION.get(platform, ("xla",)),
                             chosen["attention"] != "xla")}
     for op, (check, safe, is_pallas) in checks.items():
         if not is_pallas:

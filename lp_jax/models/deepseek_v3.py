@@ -14,12 +14,13 @@ tests/test_deepseek_v3.py):
   with mscale in cos/sin and mscale_all_dim in the softmax scale (cfg.softmax_scale).
 
 The KV pool holds what transformers' cache holds: the normed latent and the rotated
-shared key, kv_lora_rank + qk_rope_head_dim values a token a layer (kv_cache.py), written
-once per token. Attention reads it in one of two forms (pallas_kernels/attention/
-mla_ref.py): decode-only steps run absorbed (W_UK folded into the query, W_UV after
-attention: no per-head key or value for cached tokens), steps with prefill tokens run
-expanded (kv_b_proj on each page of latents). Both forms sit in the one step program
-(`lax.cond` on the step's decode_only flag), so no program is added.
+shared key, kv_lora_rank + qk_rope_head_dim values a token a layer (kv_cache.py; padded
+to whole 128-lane rows for the TPU kernel), written once per token. Attention reads it
+in one of two forms (pallas_kernels/attention/mla_ref.py): decode-only steps run
+absorbed (W_UK folded into the query, W_UV after attention: no per-head key or value
+for cached tokens), steps with prefill tokens run expanded (kv_b_proj on each page of
+latents). Both forms sit in the one step program (`lax.cond` on the step's decode_only
+flag), so no program is added.
 
 Quantised at load (`quantization="int8" | "fp8"`, per output channel): the latent
 projections, kv_b_proj included, are int8 / e4m3 with a float32 scale as every other
@@ -30,8 +31,12 @@ latent attention reads the unscaled int8 / e4m3 values, which bf16 holds exactly
 checkpoint's latent projections are dequantised once at load instead (loader._mla_sources):
 its 128 x 128 block scales vary along the latent, which absorption would have to undo.
 
-Only the XLA attention path exists (`serving_backends` refuses the Pallas backends); the
-refusals of not-yet-served features are in ModelConfig._check_mla.
+Backends (pallas_kernels/attention/mla.py): the absorbed form runs the Pallas MLA decode
+kernel on TPU and GPU ("auto", or "tpu" / "gpu" by name), the XLA reference elsewhere;
+the expanded form is XLA's on every backend. "tpu_jax" (JAX's shipped GQA kernel) has
+no latent form and is refused. On a multi-device mesh the kernel runs per head shard
+(shard_map; the latent pool is whole on every device). The refusals of not-yet-served
+features are in ModelConfig._check_mla.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from lp_jax.config import ModelConfig
 from lp_jax.models import qwen3_moe
@@ -55,10 +61,12 @@ from lp_jax.models.layers import (
 )
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.models.qwen3_moe import Qwen3MoeDecoderLayers, Qwen3MoeForCausalLM
+from lp_jax.models.sharded_kernels import kernel_mesh
 from lp_jax.quant.config import AT_LOAD
 from lp_jax.quant.linear import linear, scale_of, set_weight
-from pallas_kernels.attention import resolve_backend
-from pallas_kernels.attention.mla_ref import ref_mla_paged_attention, write_latent
+from lp_jax.sharding import axes_size, mesh_axes
+from pallas_kernels.attention import mla
+from pallas_kernels.attention.mla_ref import write_latent
 
 
 def mla_linears(cfg: ModelConfig) -> tuple[str, ...]:
@@ -115,15 +123,20 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                          decoder_layers=DeepseekV3DecoderLayers)
 
     def serving_backends(self, backends: KernelBackends) -> KernelBackends:
-        """Latent attention runs on the XLA path only: "auto" becomes "xla", a Pallas
-        attention backend asked for by name is refused before anything compiles."""
-        if backends.attention == "auto":
+        """Latent attention runs on "auto", "xla", "tpu" and "gpu" (pallas_kernels/
+        attention/mla.py); "tpu_jax" is refused before anything compiles. "auto" becomes
+        "xla" where the platform's kernel cannot take the model's head shapes (the tiny
+        presets' 32-wide latent); a kernel named for them raises at its first call."""
+        if backends.attention == "tpu_jax":
+            raise ValueError(f"{self.config.model_type}: attention backend 'tpu_jax' (JAX's "
+                             "shipped GQA kernel) has no latent-attention (MLA) form; use "
+                             "attention_backend 'auto', 'tpu', 'gpu' or 'xla'")
+        cfg = self.config
+        if backends.attention == "auto" and mla.kernel_refusal(
+                "auto", cfg.num_attention_heads, cfg.kv_lora_rank, cfg.head_dim):
             return KernelBackends(moe=backends.moe, attention="xla",
                                   moe_dispatch=backends.moe_dispatch)
-        if resolve_backend(backends.attention) != "xla":
-            raise ValueError(f"{self.config.model_type}: attention backend "
-                             f"{backends.attention!r} has no latent-attention (MLA) kernel "
-                             "yet; use attention_backend='xla' (or 'auto')")
+        mla.resolve_mla_backend(backends.attention)
         return backends
 
     def _mla_proj(self, name: str, i, x_TK):
@@ -175,10 +188,11 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             q_nope_TNH = (q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]).astype(h_TD.dtype)
 
         def attend(absorbed: bool):
-            return ref_mla_paged_attention(
+            return _sharded_mla(
                 q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
                 meta.query_start_B1, meta.seq_lens_B, page_table_BC,
-                meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed)
+                meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
+                backend=backend)
 
         if isinstance(decode_only, bool):
             o_TNO = attend(decode_only)
@@ -190,3 +204,25 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         # (lax.cond in run_units needs both branches alike).
         o_TD = self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O))
         return (x_TD + o_TD).astype(x_TD.dtype), kv_pages_PS1X
+
+
+def _sharded_mla(q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO, *rest, sm_scale,
+                 absorbed, backend):
+    """`mla.mla_paged_attention`; a Pallas kernel on a multi-device mesh runs per head
+    shard (GSPMD cannot split a kernel, and would gather every head onto each device):
+    queries, W_UK and W_UV split over the query heads' axes, the pool and the batch
+    metadata whole."""
+    kernel = functools.partial(mla.mla_paged_attention, sm_scale=sm_scale,
+                               absorbed=absorbed, backend=backend)
+    mesh = kernel_mesh(w_uk_ANH)
+    if mesh is None or not absorbed or mla.resolve_mla_backend(backend) == "xla":
+        return kernel(q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO, *rest)
+    heads = mesh_axes("q_heads", mesh)
+    if heads is not None and q_nope_TNH.shape[1] % axes_size(heads, mesh):
+        heads = None
+    q, w = P(None, heads, None), P(None, heads, None)
+    rest = tuple(jnp.asarray(r, jnp.int32) for r in rest)
+    return jax.shard_map(
+        kernel, mesh=mesh, in_specs=(q, q, P(), w, w, *(P() for _ in rest)),
+        out_specs=q, check_vma=False)(q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH,
+                                       w_uv_ANO, *rest)

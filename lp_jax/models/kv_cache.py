@@ -3,7 +3,9 @@
 Latent pool (multi-head latent attention, cfg.is_mla: DeepSeek-V3): [L * P, S, 1, X]
 with X = kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3): a token's normed latent
 and its one shared rotary key, once per token and layer, not once per head
-(pallas_kernels/attention/mla_ref.py reads it). It is never split over heads.
+(pallas_kernels/attention/mla_ref.py reads it). It is never split over heads. For the
+TPU MLA kernel (`packs_kv`) each row is padded to whole 128-lane tiles (576 -> 640
+values), since XLA would lay a 576-wide last axis out page-minor and copy the pool.
 
 kv_pages_PSJH is [L * P, S, 2K, H]: layer i owns pages [i P, (i + 1) P), and K and V of
 KV head k sit at J = 2k, 2k + 1. A model's attention half maps the logical page ids to
@@ -62,8 +64,18 @@ def packs_kv(cfg: ModelConfig, attention_backend: str) -> bool:
     """Whether the pool takes the packed [L * P, S, K, 2H] form: for our TPU kernel when
     head_dim is not a multiple of 128 (GPT-OSS: 64). The same bytes as [.., 2K, H], but
     a last axis under 128 lanes would make XLA's TPU layout page-minor and copy the
-    whole pool before every kernel call (pallas_kernels/attention/tpu.py)."""
-    return attention.resolve_backend(attention_backend) == "tpu" and cfg.head_dim % 128 != 0
+    whole pool before every kernel call (pallas_kernels/attention/tpu.py). A latent pool
+    (cfg.is_mla) "packs" as rows padded to whole lanes (`latent_row`), for the same
+    reason (pallas_kernels/attention/mla_tpu.py)."""
+    if attention.resolve_backend(attention_backend) != "tpu":
+        return False
+    return cfg.kv_latent_dim % 128 != 0 if cfg.is_mla else cfg.head_dim % 128 != 0
+
+
+def latent_row(cfg: ModelConfig, packed: bool = False) -> int:
+    """Values a token a layer of a latent pool: kv_latent_dim, rounded up to a multiple
+    of 128 lanes when packed for the TPU kernel (`packs_kv`)."""
+    return -(-cfg.kv_latent_dim // 128) * 128 if packed else cfg.kv_latent_dim
 
 
 def kv_dtype(cfg: ModelConfig, dtype=None):
@@ -74,13 +86,14 @@ def kv_dtype(cfg: ModelConfig, dtype=None):
     return jnp.dtype(dtype or cfg.dtype)
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None) -> int:
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype=None, mesh=None, *,
+                  packed: bool = False) -> int:
     """Bytes of one logical page over all layers (K and V of every KV head); with `mesh`,
     the bytes one device holds of it (the pool's heads split, or replicated, over the
     mesh as `sharding.LOGICAL_RULES` lays them out). A latent pool holds
-    cfg.kv_latent_dim values a token a layer, whole on every device."""
+    `latent_row` values a token a layer, whole on every device."""
     if cfg.is_mla:
-        return (cfg.num_hidden_layers * page_size * cfg.kv_latent_dim
+        return (cfg.num_hidden_layers * page_size * latent_row(cfg, packed)
                 * kv_dtype(cfg, dtype).itemsize) // (1 if mesh is None else
                                                       _data_shards(cfg, mesh))
     whole = (cfg.num_hidden_layers * page_size * 2 * cfg.num_key_value_heads * cfg.head_dim
@@ -189,9 +202,10 @@ def kv_cache_shape(cfg: ModelConfig, pages_per_layer: int, page_size: int, *,
                    packed: bool = False, replicas: int = 1) -> tuple[int, int, int, int]:
     """[L * pages_per_layer, S, 2K, H], or the packed [.., S, K, 2H] (`packs_kv`); with
     `replicas` r (`sharding.kv_head_replicas`), K r heads in place of K. A latent
-    pool (cfg.is_mla) is [L * pages_per_layer, S, 1, kv_latent_dim] in any case."""
+    pool (cfg.is_mla) is [L * pages_per_layer, S, 1, latent_row(cfg, packed)]."""
     if cfg.is_mla:
-        return (cfg.num_hidden_layers * pages_per_layer, page_size, 1, cfg.kv_latent_dim)
+        return (cfg.num_hidden_layers * pages_per_layer, page_size, 1,
+                latent_row(cfg, packed))
     K, H = cfg.num_key_value_heads * replicas, cfg.head_dim
     heads = (K, 2 * H) if packed else (2 * K, H)
     return (cfg.num_hidden_layers * pages_per_layer, page_size, *heads)

@@ -133,6 +133,12 @@ def kernel_cost(name: str, p: Program) -> cost.KernelCost:
             page_size=p.page_size, heads=heads, kv_heads=kv_heads, head_dim=s.head_dim,
             q_itemsize=b, kv_itemsize=b, context_len=p.context_len,
             block_q=max(1, BLOCK_ROWS.get(name, 1) // (heads // kv_heads)))
+    if name in (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE):  # s.mla_ranks: (Q, A, R, O)
+        _, A, R, _ = s.mla_ranks
+        return cost.estimate(name, tokens=p.rows, seqs=p.seqs,
+                             context=p.pages_per_seq * p.page_size,
+                             heads=max(s.num_q_heads // p.tp, 1), latent_dim=A, rope_dim=R,
+                             q_itemsize=b, kv_itemsize=b)
     glu = "gate_up" in name
     F = s.expert_width // p.tp
     k, n = (s.hidden_size, F) if glu else (F, s.hidden_size)

@@ -7,6 +7,11 @@ Pool layout (lp_jax/models/kv_cache.py):
                                   kv_lora_rank) then its shared rotary key k_pe (R =
                                   qk_rope_head_dim), once per token, for all heads
 
+X may exceed A + R (lanes past A + R are padding, never read): the TPU kernel's pool
+rounds X up to a multiple of 128 (576 -> 640 for DeepSeek-V3), since XLA lays a pool
+whose last axis is not a multiple of 128 lanes out page-minor and would copy it whole
+before every kernel call (mla_tpu.py).
+
 Head n of a key is [c @ W_UK[:, n] (H = qk_nope_head_dim), k_pe] and its value c @ W_UV[:, n]
 (O = v_head_dim), with kv_b_proj = [W_UK | W_UV] per head ([A, N, H + O]). Two forms give
 the same attention:
@@ -27,12 +32,37 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.ref import MASK_VALUE, token_positions
+from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_positions
 
 
-def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Array):
-    """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped."""
-    P, S = kv_pages_PS1X.shape[:2]
+def check_mla_layout(name: str, q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
+    """Raises ValueError unless the pool is [P, S, 1, X >= A + R] for q_lat [T, N, A]
+    and q_pe [T, N, R]."""
+    if q_lat_TNA.ndim != 3 or q_pe_TNR.shape[:2] != q_lat_TNA.shape[:2]:
+        raise ValueError(f"{name}: q_lat {q_lat_TNA.shape} and q_pe {q_pe_TNR.shape} must "
+                         "be [T, N, A] and [T, N, R]")
+    A, R = q_lat_TNA.shape[-1], q_pe_TNR.shape[-1]
+    if (kv_pages_PS1X.ndim != 4 or kv_pages_PS1X.shape[2] != 1
+            or kv_pages_PS1X.shape[3] < A + R):
+        raise ValueError(f"{name}: latent pool {kv_pages_PS1X.shape} must be "
+                         f"[P, S, 1, X >= {A + R}] (kv_lora_rank {A} + rope dim {R})")
+
+
+def quantize_latent(latent_TX: jax.Array, kv_scale) -> jax.Array:
+    """A latent row as an FP8 pool stores it: x / scale, saturated to e4m3's range."""
+    limit = float(jnp.finfo(FP8_DTYPE).max)
+    x = latent_TX.astype(jnp.float32) / jnp.asarray(kv_scale, jnp.float32)
+    return jnp.clip(x, -limit, limit).astype(FP8_DTYPE)
+
+
+def write_latent(kv_pages_PS1X: jax.Array, latent_TX: jax.Array, slots_T: jax.Array,
+                 kv_scale=None):
+    """Scatters each token's [c | k_pe] row into its physical slot; slot < 0 is skipped.
+    An FP8 pool stores it divided by `kv_scale` (None: 1.0)."""
+    P, S, _, X = kv_pages_PS1X.shape
+    latent_TX = jnp.pad(latent_TX, ((0, 0), (0, X - latent_TX.shape[-1])))
+    if is_fp8(kv_pages_PS1X):
+        latent_TX = quantize_latent(latent_TX, 1.0 if kv_scale is None else kv_scale)
     page_T = jnp.where(slots_T < 0, P, slots_T // S)  # page P is out of range: dropped
     return kv_pages_PS1X.at[page_T, slots_T % S, 0].set(
         latent_TX.astype(kv_pages_PS1X.dtype), mode="drop")
@@ -52,11 +82,14 @@ def ref_mla_paged_attention(
     sm_scale: float,
     absorbed: bool,
     block_q: int = 64,
+    kv_scale=None,
 ) -> jax.Array:
     """Causal latent attention for a ragged batch; o_TNO in q's dtype. `absorbed` picks
-    the form (module docstring); both read the same pool and agree to rounding."""
+    the form (module docstring); both read the same pool and agree to rounding. An FP8
+    pool is read as x * kv_scale (None: 1.0) in float32."""
     T, N, _ = q_nope_TNH.shape
-    A = w_uk_ANH.shape[0]
+    out_dtype = q_pe_TNR.dtype
+    A, R = w_uk_ANH.shape[0], q_pe_TNR.shape[-1]
     O = w_uv_ANO.shape[-1]
     S = kv_pages_PS1X.shape[1]
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
@@ -67,6 +100,9 @@ def ref_mla_paged_attention(
     q_pe_TNR = q_pe_TNR.astype(jnp.float32) * sm_scale
     if absorbed:  # W_UK folded into the query
         q_nope_TNH = jnp.einsum("tnh,anh->tna", q_nope_TNH, w_uk_ANH)
+    dequant = 1.0
+    if is_fp8(kv_pages_PS1X) and kv_scale is not None:
+        dequant = jnp.asarray(kv_scale, jnp.float32)
     Y = A if absorbed else O  # what p multiplies: latents, or per-head values
 
     block_q = min(block_q, T)
@@ -84,8 +120,8 @@ def ref_mla_paged_attention(
 
         def body(c, carry):
             m_bN, l_bN, acc_bNY = carry
-            kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32)
-            lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:]
+            kv_bSX = kv_pages_PS1X[pages_bC[:, c], :, 0].astype(jnp.float32) * dequant
+            lat_bSA, k_pe_bSR = kv_bSX[..., :A], kv_bSX[..., A:A + R]
             s_bNS = jnp.einsum("bnr,bsr->bns", qr_bNR, k_pe_bSR)
             if absorbed:
                 s_bNS += jnp.einsum("bna,bsa->bns", qn_bNx, lat_bSA)
@@ -118,4 +154,4 @@ def ref_mla_paged_attention(
     o_TNY = o_QbNY.reshape(num_blocks * block_q, N, Y)[:T]
     if absorbed:  # W_UV after attention
         o_TNY = jnp.einsum("tna,ano->tno", o_TNY, w_uv_ANO)
-    return jnp.where(valid_T[:, None, None], o_TNY, 0.0).astype(q_pe_TNR.dtype)
+    return jnp.where(valid_T[:, None, None], o_TNY, 0.0).astype(out_dtype)
