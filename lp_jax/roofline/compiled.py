@@ -136,7 +136,7 @@ def kernel_cost(name: str, p: Program) -> cost.KernelCost:
     if name in (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE):  # s.mla_ranks: (Q, A, R, O)
         _, A, R, _ = s.mla_ranks
         return cost.estimate(name, tokens=p.rows, seqs=p.seqs,
-                             context=p.pages_per_seq * p.page_size,
+                             context=p.context_len,
                              heads=max(s.num_q_heads // p.tp, 1), latent_dim=A, rope_dim=R,
                              q_itemsize=b, kv_itemsize=b)
     glu = "gate_up" in name
