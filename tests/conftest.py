@@ -72,7 +72,6 @@ def pytest_collection_modifyitems(items):
 # compile-only TPU and GPU programs keep their compilers' defaults, and the HLO passes
 # are the same at every level. LP_TEST_CPU_O0=0 runs everything at XLA's default.
 _cpu_o0 = os.environ.get("LP_TEST_CPU_O0", "1") == "1"
-_cpu_o0_now = _cpu_o0  # this module's level (CPU_DEFAULT_LEVEL_FILES below)
 # The same level for the CPU-only subprocesses a test starts (XLA_FLAGS reach every
 # backend of a process, so only processes that compile for no chip take them).
 CPU_O0_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -88,7 +87,7 @@ def _install_cpu_o0():
 
     def get_compile_options(*args, backend=None, **kwargs):
         options = get(*args, backend=backend, **kwargs)
-        if _cpu_o0_now and backend is not None and backend.platform == "cpu":
+        if backend is not None and backend.platform == "cpu":
             debug = options.executable_build_options.debug_options
             debug.xla_backend_optimization_level = 0
             debug.xla_llvm_disable_expensive_passes = True
@@ -99,22 +98,6 @@ def _install_cpu_o0():
 
 if _cpu_o0:
     _install_cpu_o0()
-
-# Run-bound files keep XLA's default level: their engines run hundreds of steps of one
-# wide program (chat_harmony: 16 samples of 100 tokens at 256 rows), and at -O0 they
-# ran longer than the compile saved (2026-12-07 clean clones: test_chat_harmony 9.3 s at
-# the default level, 18.1 s at -O0).
-CPU_DEFAULT_LEVEL_FILES = frozenset({"test_chat_harmony.py", "test_soak_engine.py",
-                                     "test_server_api.py", "test_logprobs.py"})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _cpu_compile_level(request):
-    global _cpu_o0_now
-    saved = _cpu_o0_now
-    _cpu_o0_now = _cpu_o0 and request.path.name not in CPU_DEFAULT_LEVEL_FILES
-    yield
-    _cpu_o0_now = saved
 
 
 @pytest.fixture(autouse=True, scope="module")
