@@ -15,3 +15,13 @@ def target_platform() -> str:
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     platform = device.platform if device is not None else jax.default_backend()
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def tpu_interpret(interpret):
+    """A TPU pallas_call's `interpret` argument from a kernel's: its InterpretParams as
+    given, the defaults for True, False (compiled) otherwise."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams() if interpret else False

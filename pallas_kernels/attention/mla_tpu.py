@@ -62,6 +62,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import cost
 from pallas_kernels.attention.mla_ref import check_mla_layout
 from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_positions
+from pallas_kernels.platform import tpu_interpret
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 LOG2_E = math.log2(math.e)
@@ -87,12 +88,6 @@ def check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
         raise ValueError(f"tpu mla: dtypes q={q_lat_TNA.dtype}, cache={kv_pages_PS1X.dtype} "
                          "not supported; q float32 or bfloat16, the cache q's dtype or "
                          "float8_e4m3fn")
-
-
-def _interpret_arg(interpret):
-    if isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    return pltpu.InterpretParams() if interpret else False
 
 
 def _kernel(*refs, has_scale, sm_scale, pages_per_block, page_size, pages_per_seq):
@@ -250,7 +245,7 @@ def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq
             dimension_semantics=("parallel",),
             vmem_limit_bytes=max(32 << 20, int(vmem_bytes * 1.5)),
         ),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name=cost.TPU_MLA_DECODE,
         cost_estimate=cost.mla_decode(
             tokens=T, seqs=B, context=assumed_context or C * S, heads=N, latent_dim=A,

@@ -115,6 +115,7 @@ from pallas_kernels.attention.ref import (
     query_blocks,
     token_positions,
 )
+from pallas_kernels.platform import tpu_interpret
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
 LOG2_E = math.log2(math.e)
@@ -143,12 +144,6 @@ def check_constraints(q_xNH, kv_pages_PSJH) -> None:
         raise ValueError(f"tpu attention: dtypes q={q_xNH.dtype}, cache={kv_pages_PSJH.dtype} "
                          "not supported; use float32 or bfloat16 (the cache also "
                          "float8_e4m3fn)")
-
-
-def _interpret_arg(interpret):
-    if isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    return pltpu.InterpretParams() if interpret else False
 
 
 def _item(meta_ref, i):
@@ -453,7 +448,7 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
             dimension_semantics=("arbitrary",),  # an item prefetches the next one's keys
             vmem_limit_bytes=max(32 << 20, int(vmem_bytes * 1.5)),
         ),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name=cost.TPU_ATTENTION,
         cost_estimate=cost.paged_attention(
             tokens=T, seqs=B, pages_per_seq=C, page_size=S, heads=N, kv_heads=K, head_dim=H,

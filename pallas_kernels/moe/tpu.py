@@ -117,6 +117,7 @@ from pallas_kernels.moe.ref import (
     route,
     stacked_experts,
 )
+from pallas_kernels.platform import tpu_interpret
 
 GATHER_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -143,12 +144,6 @@ def _pick_block(dim: int, cap: int) -> int:
         if dim % b == 0:
             return b
     return dim
-
-
-def _interpret_arg(interpret):
-    if isinstance(interpret, pltpu.InterpretParams):
-        return interpret
-    return pltpu.InterpretParams() if interpret else False
 
 
 def _row_pack(dtype) -> int:
@@ -449,7 +444,7 @@ def gate_up_gather(
                                 w_dtype=w_gate_up_GDF2.dtype, out_dtype=x_TD.dtype,
                                 bias=b_gate_up, tm=tm, blocks=tiles_n * tiles_k,
                                 scale=s_gate_up, w_pack=2 if mx else 1),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name=cost.TPU_MOE_GATE_UP_GATHER,
     )(tile_group_M, tile_rows_M, token_ids_P, pack_rows(x_TD)[:, None],
       *([w_GPKF2] * len(offsets)), *bias_args, *scale_args)
@@ -608,7 +603,7 @@ def tile_gmm(
                                 w_dtype=rhs_GKN2.dtype, out_dtype=out_dtype, bias=bias, tm=tm,
                                 blocks=tiles_n * tiles_k, scale=scale,
                                 w_pack=2 if mx else 1),
-        interpret=_interpret_arg(interpret),
+        interpret=tpu_interpret(interpret),
         name=cost.TPU_MOE_GATE_UP if swiglu else cost.TPU_MOE_DOWN,
     )(tile_group_M, lhs_in, *([rhs_GKN2] * n_rhs), *bias_args, *scale_args)
 
