@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import GOLDEN_ENGINES, run_golden_prompts
 from flax import nnx
 
 from checkpoints.make_tiny import DEEPSEEK_PRESETS, ensure_tiny, weights_digest
@@ -202,12 +203,7 @@ def test_matches_transformers(preset, caplog):
     np.testing.assert_allclose(absorbed, expanded, rtol=0, atol=1e-5 * np.abs(expanded).max())
 
 
-ENGINES = {  # one row bucket each, as tests/test_glm4_moe.py's
-    "orca": dict(scheduling="orca", max_num_batched_tokens=32, token_buckets=(84,)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(84,)),
-    "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
-                    token_buckets=(68,)),
-}
+ENGINES = GOLDEN_ENGINES
 
 
 @pytest.fixture(scope="module")
@@ -233,14 +229,7 @@ def test_engine_policies_match_golden_greedy(policy, deepseek_engines):
     the pool is the latent one."""
     golden = np.load(GOLDEN.format("tiny-deepseek"))
     llm = deepseek_engines(policy)
-    eng, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ids, outs, step = {}, {}, 0
-    while len(outs) < 3:
-        if step in (0, 2):
-            for i in ((0,) if step == 0 else (1, 2)):
-                ids[eng.add_request(golden[f"prompt_{i}"].tolist(), params)] = i
-        outs.update({ids[o.request_id]: o for o in eng.step() if o.finished})
-        step += 1
+    outs = run_golden_prompts(llm.engine, golden)
     for i in range(3):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()

@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import GOLDEN_ENGINES, run_golden_prompts
 
 from checkpoints.make_tiny import GLM_PRESETS, ensure_tiny, weights_digest
 from lp_jax import LLM, SamplingParams
@@ -75,12 +76,7 @@ def test_matches_transformers(preset, caplog):
         assert tokens == want, f"{preset} prompt {i}: greedy continuation differs"
 
 
-ENGINES = {  # one row bucket each, as tests/test_gpt_oss.py's
-    "orca": dict(scheduling="orca", max_num_batched_tokens=32, token_buckets=(84,)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(84,)),
-    "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
-                    token_buckets=(68,)),
-}
+ENGINES = GOLDEN_ENGINES
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +101,7 @@ def test_engine_policies_match_golden_greedy(policy, glm_engines):
     beside decodes; one program per row bucket (dense and MoE layers share it)."""
     golden = np.load(GOLDEN.format("tiny-glm-groups"))
     llm = glm_engines(policy)
-    eng, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ids, outs, step = {}, {}, 0
-    while len(outs) < 3:
-        if step in (0, 2):
-            for i in ((0,) if step == 0 else (1, 2)):
-                ids[eng.add_request(golden[f"prompt_{i}"].tolist(), params)] = i
-        outs.update({ids[o.request_id]: o for o in eng.step() if o.finished})
-        step += 1
+    outs = run_golden_prompts(llm.engine, golden)
     for i in range(3):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()

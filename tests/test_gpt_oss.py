@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import GOLDEN_ENGINES, run_golden_prompts
 from flax import nnx
 
 from checkpoints.make_tiny import GPT_OSS_PRESETS, ensure_tiny, weights_digest
-from lp_jax import LLM, SamplingParams
+from lp_jax import LLM
 from lp_jax.config import ModelConfig
 from lp_jax.loader import abstract_model, dequantize_mxfp4, load_model, param_shardings
 from lp_jax.models import GptOssForCausalLM, KernelBackends, gpt_oss
@@ -266,13 +267,7 @@ def test_mesh_all_to_all_matches_transformers():
 
 # ------------------------------------------------------------------------ engine
 ENGINES = {
-    # One row bucket each, the largest call's: orca (a whole 40-token prompt beside the
-    # decodes, up to max_model_len + 4 rows) and chunked hold the same program (no carried
-    # hidden rows), shared through the run's compilation cache; decode steps run in it too.
-    "orca": dict(scheduling="orca", max_num_batched_tokens=32, token_buckets=(84,)),
-    "chunked": dict(scheduling="chunked", max_num_batched_tokens=32, token_buckets=(84,)),
-    "layered": dict(scheduling="layered", layer_groups=2, max_num_batched_tokens=64,
-                    token_buckets=(68,)),
+    **GOLDEN_ENGINES,
     # FlowPrefill: operator-level preemption points, slack-aware EDF over the prefills
     "flowprefill": dict(scheduling="flowprefill", max_num_batched_tokens=64,
                         token_buckets=(68,)),
@@ -286,14 +281,7 @@ def test_engine_policies_match_golden_greedy(policy):
     golden = np.load(GOLDEN.format("tiny-gpt-oss"))
     llm = LLM(str(ensure_tiny(preset="tiny-gpt-oss")), max_num_seqs=4, max_model_len=80,
               log=None, **ENGINES[policy])
-    eng, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    ids, outs, step = {}, {}, 0
-    while len(outs) < 3:
-        if step in (0, 2):  # prompt 0 first; prompts 1 and 2 two steps later
-            for i in ((0,) if step == 0 else (1, 2)):
-                ids[eng.add_request(golden[f"prompt_{i}"].tolist(), params)] = i
-        outs.update({ids[o.request_id]: o for o in eng.step() if o.finished})
-        step += 1
+    outs = run_golden_prompts(llm.engine, golden)
     for i in range(3):
         assert outs[i].token_ids == golden[f"greedy_{i}"].tolist(), f"{policy} prompt {i}"
     stats = llm.stats()
