@@ -15,3 +15,6 @@ GOLDEN_TOKENS = [_GOLDEN[f"greedy_{i}"][:NEW_TOKENS].tolist() for i in range(2)]
 # program is the worker's, read back from the run's compilation cache.
 ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(36,),
                    layer_groups=2)
+# The DP 2 x TP 4 run's pages a rank: both prompts' KV (17 + 6 tokens, 16-token pages) fit
+# one rank, so the placement, not the room, spreads them.
+DP_PAGES = 4

@@ -6,6 +6,9 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
   plan channel) and layered (device broadcast); the leader's shutdown ends the follower
   (exit 0), and no program compiles while serving.
+* Data-parallel attention over the two processes, DP 2 x TP 4 with the experts over all 8
+  devices: a data rank a process, each holding only its rank's half of the KV pool; the
+  two prompts go to the two ranks and give the golden tokens; every page returns.
 * lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
   line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
@@ -29,7 +32,13 @@ from lp_jax.bench.processes import free_port, process_env
 from lp_jax.executor import distributed
 from lp_jax.executor.plan_channel import StepCodec
 from lp_jax.executor.step import StepSpec, empty_inputs
-from tests.multiprocess_common import ENGINE_ARGS, GOLDEN_TOKENS, NEW_TOKENS, PROMPTS
+from tests.multiprocess_common import (
+    DP_PAGES,
+    ENGINE_ARGS,
+    GOLDEN_TOKENS,
+    NEW_TOKENS,
+    PROMPTS,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,6 +75,14 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
                                              "expert_devices": 8}
         channel = results[policy]["plan_channel"]
         assert channel["transport"] == transport and channel["steps_sent"] >= NEW_TOKENS
+    dp = results["dp"]
+    assert dp["tokens"] == GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
+    layout = dp["layout"]
+    assert layout["rank_processes"] == [[0], [1]] and layout["expert_devices"] == 8
+    assert layout["pool_rows_per_device"] * 2 == layout["pool_rows"]
+    bal = layout["data_parallel"]
+    assert bal["seqs"] == [0, 0] and min(bal["rows"]) > 0  # a prompt on each rank
+    assert bal["free_pages"] == [DP_PAGES] * 2 and layout["free_pages"] == [2 * DP_PAGES] * 2
     assert "leader of 2 processes (8 devices)" in logs[0]
 
 
