@@ -192,7 +192,6 @@ class CostModelExecutor:
             if self._window:
                 w = self._window
                 slide = (sum(min(n, w) for n in rows), sum(min(n, w) for n in last))
-        b_time = self._bucket(B, self._buckets) if B else 0
         partial: list[tuple[int, int]] = []  # (layer, half with the prefill rows)
         if chunks:
             us, ue = plan.unit_start, plan.unit_end
@@ -202,10 +201,10 @@ class CostModelExecutor:
             if ue % 2:
                 partial.append((ue // 2, 0))
             n_pre = sum(c.end - c.start for c in chunks)
-            t_mix = self._bucket(n_pre + B, self._buckets)
             pre = [(c.end - c.start, c.start) for c in chunks]
         else:
-            mixed, n_pre, t_mix, pre = None, 0, 0, []
+            mixed, n_pre, pre = None, 0, []
+        b_time, t_mix = self._time_rows(plan, B, n_pre)
         cut = [0] * len(self._kinds)  # half-prefill layers of each kind
         for layer, _ in partial:
             cut[self._kind_of[layer]] += 1
@@ -229,13 +228,25 @@ class CostModelExecutor:
         rows = (b_time, t_mix), (B, n_pre + B)  # (bucketed, real) rows: decodes, + prefill
         for layer, half in partial:
             self._add_half_layer(acc, self._kind_of[layer], half, rows, pre, ctx, slide)
-        n_rows = B + (sum(c.samples for c in chunks) if plan.is_last_group else 0)
+        n_rows = self._head_rows(plan)
         if n_rows:
             c, m, fl, by = self._lm_head(n_rows)
             acc.terms.append((1, c, m))
             acc.flops += fl
             acc.nbytes += by
         return acc.terms, acc.flops, acc.nbytes, acc.expert_bytes, acc.layers
+
+    def _time_rows(self, plan: StepPlan, B: int, n_pre: int) -> tuple[int, int]:
+        """The rows the step's calls are timed at: the decodes alone, and the prefill
+        tokens beside them (0 without chunks), each padded to the engine's row bucket."""
+        b_time = self._bucket(B, self._buckets) if B else 0
+        return b_time, self._bucket(n_pre + B, self._buckets) if plan.prefill else 0
+
+    def _head_rows(self, plan: StepPlan) -> int:
+        """Rows the lm_head runs: every decode row, and each chunk's samples in the last
+        layer group."""
+        samples = sum(c.samples for c in plan.prefill) if plan.is_last_group else 0
+        return plan.num_decode_rows + samples
 
     def _add_half_layer(self, acc: _Acc, k: int, half: int, rows, pre, ctx: tuple,
                         slide: tuple):
@@ -261,12 +272,17 @@ class CostModelExecutor:
     ) -> None:
         """B decode rows; ctx and slide: (summed visible context of the rows, of the
         sequences), the first costing FLOPs and the second KV bytes."""
+        c, m, fl, by = self._decode_attention(k, B, ctx, slide)
+        acc.terms.append((count, c, m))
+        acc.flops += count * fl
+        acc.nbytes += count * by
+
+    def _decode_attention(self, k: int, B: int, ctx: tuple, slide: tuple):
+        """(compute_s, memory_s, FLOPs, bytes) of B decode rows' attention in one layer."""
         f1, f0, b1, b0 = self._attn_dec[k]
         vis_rows, vis_seqs = slide if self._kinds[k][1] else ctx
         fl, by = f1 * vis_rows + f0 * B, b1 * vis_seqs + b0 * B
-        acc.terms.append((count, fl / self._peak, by / self._bw))
-        acc.flops += count * fl
-        acc.nbytes += count * by
+        return fl / self._peak, by / self._bw, fl, by
 
     def _add_prefill_attention(self, acc: _Acc, k: int, count: int, pre) -> None:
         c_sum = m_sum = 0.0

@@ -27,6 +27,13 @@ page's KV bytes on that device (KV heads split over tp, replicated when tp > K);
 parallel attention groups multiply the pool. Weights count their stored bytes and the KV
 cache its format's (the shape's `weight_format` / `kv_format`): an FP8 cache holds twice
 the tokens in the same room.
+
+`dp` > 1 is the engine's data-parallel attention, mesh (dp, 1, tp) with the experts over
+all dp x tp chips: the scheduler places each sequence on a rank (its RankedBlockManager,
+as the engine's does), each rank's pool is one chip's KV room beside that mesh's weights
+(`roofline.dp_attention.dp_chip_layout`), and `dp_executor.DPCostModelExecutor` costs
+each step as the busiest rank's, with DP attention's link bytes. The result's `extra`
+reports the rows each rank ran and the rows the SPMD step padded (`dp_stats`).
 """
 
 from __future__ import annotations
@@ -46,12 +53,14 @@ from lp_jax.core.policies import resolve_policy
 from lp_jax.core.sampling_params import SamplingParams
 from lp_jax.core.scheduler import Scheduler
 from lp_jax.core.sequence import Sequence
+from lp_jax.roofline.dp_attention import dp_chip_layout
 from lp_jax.roofline.hardware import Hardware
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.roofline.routing import Routing
 from lp_jax.sim.calibration import Calibration, prior_calibration
 from lp_jax.sim.compiled_cost import CompiledCalibration
 from lp_jax.sim.compiled_executor import CompiledCostExecutor
+from lp_jax.sim.dp_executor import DPCostModelExecutor
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor
 from lp_jax.sim.muxwise import MuxWisePolicy, muxwise_policy
@@ -71,6 +80,8 @@ class SimConfig:
     policy: str | type = "layered"
     tp: int = 1
     ep: int = 1
+    # Data-parallel attention ranks (mesh (dp, 1, tp), experts over dp x tp; module note).
+    dp: int = 1
     max_num_batched_tokens: int | None = None  # None: the policy's default (512 / 8192)
     layer_groups: str | int = "paper"
     max_layer_groups: int = 16
@@ -115,8 +126,12 @@ class SimConfig:
     muxwise: MuxWiseOptions | None = None
 
     def __post_init__(self) -> None:
-        if self.tp < 1 or self.ep < 1:
-            raise ValueError("tp and ep must be >= 1")
+        if self.tp < 1 or self.ep < 1 or self.dp < 1:
+            raise ValueError("tp, ep and dp must be >= 1")
+        if self.dp > 1 and (self.ep != 1 or self.policy == "muxwise"
+                            or self.compiled_cost is not None):
+            raise ValueError("dp > 1 (data-parallel attention, mesh (dp, 1, tp)) takes ep 1, "
+                             "the analytic cost model and a scheduler policy")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.tbt_slo_s is not None and not (math.isfinite(self.tbt_slo_s)
@@ -160,6 +175,14 @@ def kv_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
 
 
 def derive_num_pages(cfg: SimConfig) -> int:
+    if cfg.dp > 1:  # each rank's pool: one chip's room beside the (dp, 1, tp) weights
+        chip = dp_chip_layout(cfg.shape, cfg.dp, cfg.tp)
+        tokens = chip.kv_tokens(cfg.hardware.hbm_bytes, cfg.memory_utilization,
+                                cfg.activation_reserve_bytes)
+        if tokens < cfg.page_size:
+            raise ValueError(f"{cfg.shape.name} on mesh ({cfg.dp}, 1, {cfg.tp}) of "
+                             f"{cfg.hardware.name}: no room for KV beside the weights")
+        return cfg.dp * (tokens // cfg.page_size)
     per_device = cfg.hardware.hbm_bytes * cfg.memory_utilization
     free = per_device - weight_bytes(cfg.shape) / (cfg.tp * cfg.ep) - cfg.activation_reserve_bytes
     page = kv_bytes_per_token(cfg.shape, cfg.tp) * cfg.page_size
@@ -253,6 +276,10 @@ class Simulator:
         if executor is None and cc is not None:
             executor = CompiledCostExecutor(config.shape, config.hardware, compiled=cc,
                                             **options)
+        if executor is None and config.dp > 1:
+            del options["ep"]  # the data ranks are the experts' other axis
+            executor = DPCostModelExecutor(config.shape, config.hardware, dp=config.dp,
+                                           **options)
         self.executor = executor or CostModelExecutor(config.shape, config.hardware, **options)
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)
@@ -277,7 +304,7 @@ class Simulator:
             preemption_granularity=c.preemption_granularity, preemptible=c.preemptible,
             slo_alpha=c.slo_alpha, max_paused_prefills=c.max_paused_prefills,
             flowprefill_rules=c.flowprefill_rules, tbt_slo_s=c.tbt_slo_s,
-            flowprefill_lookahead=c.flowprefill_lookahead,
+            flowprefill_lookahead=c.flowprefill_lookahead, data_parallel_size=c.dp,
         )  # fmt: skip
 
     @property
@@ -318,6 +345,10 @@ class Simulator:
                              num_layers=sched.config.num_layers, clock="simulated") as w:
                 return self.run(requests, trace=w)
         run_step = self._step_function(sched)
+        ranked = self.config.dp > 1
+        if ranked:  # the executor costs each rank's share of a plan
+            self.executor.rank_of = sched.block_manager.rank_of
+            dp_totals = dict(rows=0.0, padded=0.0, link_bytes=0.0)
         observe = sched.observe if self.observes_latency else None
         expert_size = self.config.shape.expert_bytes or 1
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))
@@ -356,6 +387,10 @@ class Simulator:
                     raise RuntimeError(f"simulation stuck at t={now:.3f}: nothing can run")
                 now = max(now, requests[order[nxt]].arrival)
                 continue
+            if ranked:  # the rows each rank runs, and the SPMD step's padding
+                sched.block_manager.count_rows(plan)
+                for key, value in self.executor.balance(plan).items():
+                    dp_totals[key] += value
             cost = run_step(plan)
             if trace is not None:
                 trace.step_done(plan, cost.seconds, now, now + cost.seconds)
@@ -378,6 +413,8 @@ class Simulator:
         if self.energy is not None:
             energy = self.energy.joules(span, flops, nbytes, devices=self.executor.devices)
         extra = sched.policy.stats() if isinstance(sched.policy, MuxWisePolicy) else {}
+        if ranked:
+            extra.update(dp_stats(sched.block_manager.balance(), dp_totals))
         return SimResult(
             requests=list(requests),
             metrics=[s.metrics() for s in seqs],
@@ -393,6 +430,23 @@ class Simulator:
             extra=extra,
             latency=sched.latency,
         )
+
+
+def dp_stats(balance: dict, totals: dict) -> dict[str, float]:
+    """A run's data-parallel balance: from the scheduler's RankedBlockManager.balance, the
+    rows each rank ran (`dp_rows_<r>`, a plan's rows counted once per plan, as the engine
+    counts them) and the rows padded; from the executor's per-layer counts
+    (`DPCostModelExecutor.balance` summed), the share of row-layers that were padding, the
+    busiest rank's rows over the mean (1 when balanced), and one chip's link bytes."""
+    rows = balance["rows"]
+    total = sum(rows)
+    out = {f"dp_rows_{r}": float(n) for r, n in enumerate(rows)}
+    run, pad = totals["rows"], totals["padded"]
+    out.update(dp_padded_rows=float(balance["padded_rows"]),
+               dp_padding=pad / (run + pad) if run else 0.0,
+               dp_imbalance=max(rows) * len(rows) / total if total else 1.0,
+               dp_link_bytes=totals["link_bytes"])
+    return out
 
 
 def simulate(config: SimConfig, requests: list[Request], trace=None) -> SimResult:
