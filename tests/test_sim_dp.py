@@ -4,7 +4,7 @@ x TP 4 for the step costs). Host-only, milliseconds each."""
 
 import pytest
 
-from lp_jax.core.plan import StepPlan
+from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.roofline.dp_attention import dp_chip_layout, dp_link_bytes_per_layer
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.roofline.model_shape import DEEPSEEK_V3, LLAMA3_8B
@@ -37,25 +37,31 @@ def test_each_rank_gets_one_chips_kv_room_and_its_own_pool():
 
 
 def test_the_step_waits_for_the_busiest_rank():
-    """SPMD: one decode alone costs what one decode on each rank costs (the idle rank pads
-    to the busy one's rows), and two decodes on one rank cost more than one a rank."""
+    """SPMD: the same rows cost more packed on one rank than spread one a rank (the other
+    rank pads to the busy one's rows); the padding and the link bytes are counted."""
     ex = DPCostModelExecutor(SHAPE, HW, dp=2, tp=4)
+    L = SHAPE.num_layers
     a, b = (make_seq(i, 4000, decoding=True) for i in range(2))
-    two = StepPlan(step_id=0, num_layers=SHAPE.num_layers, decode=(a, b))
-    ex.rank_of = lambda s: s.seq_id  # a on rank 0, b on rank 1
-    spread = ex.run(two).seconds
-    assert ex.balance(two)["padded"] == 0
-    one = StepPlan(step_id=1, num_layers=SHAPE.num_layers, decode=(a,))
-    assert ex.run(one).seconds == pytest.approx(spread, rel=1e-12)
-    assert ex.balance(one) == pytest.approx(dict(
-        rows=SHAPE.num_layers, padded=SHAPE.num_layers,
-        link_bytes=ex.balance(two)["link_bytes"]))
+    two = StepPlan(step_id=0, num_layers=L, decode=(a, b))
+    ex.rank_of = lambda s: s.seq_id % 2  # a on rank 0, b on rank 1
+    spread, spread_bal = ex.run(two).seconds, ex.balance(two)
+    assert spread_bal["rows"] == 2 * L and spread_bal["padded"] == 0
     ex.rank_of = lambda s: 0  # both on rank 0
-    assert ex.run(two).seconds > spread * 1.05
+    assert ex.run(two).seconds > spread  # rank 0 reads both sequences' KV
+    assert ex.balance(two)["padded"] == 2 * L
+    # Prefill: 2,048 tokens as one chunk on one rank, or 1,024 on each.
+    c, d = (make_seq(i, 2048) for i in (2, 3))
+    lone = StepPlan(step_id=1, num_layers=L, prefill_batch_id=0,
+                    prefill=(PrefillChunk(c, 0, 2048),))
+    halves = StepPlan(step_id=2, num_layers=L, prefill_batch_id=0,
+                      prefill=(PrefillChunk(c, 0, 1024), PrefillChunk(d, 0, 1024)))
+    ex.rank_of = lambda s: s.seq_id % 2
+    assert ex.run(lone).seconds > 1.3 * ex.run(halves).seconds
+    assert ex.balance(lone)["padded"] == 2048 * L and ex.balance(halves)["padded"] == 0
     # The link bytes a layer are the roofline's DP terms at the busiest rank's rows.
-    link = dp_link_bytes_per_layer(SHAPE, 2, 4, 2)
-    moe = SHAPE.num_moe_layers / SHAPE.num_layers
-    assert ex.balance(two)["link_bytes"] == pytest.approx(SHAPE.num_layers * (
+    link = dp_link_bytes_per_layer(SHAPE, 2, 4, 1)
+    moe = SHAPE.num_moe_layers / L
+    assert spread_bal["link_bytes"] == pytest.approx(L * (
         link["attention"] + moe * (link["dispatch"] + link["combine"] + link["gather"])))
 
 

@@ -10,6 +10,9 @@ roofline cost model instead of the JAX executor:
                    CSV / JSONL traces loaded through grain; multi-SLO task classes
                    (FlowPrefill's QwenTrace) whose TTFT SLOs are k x a solo TTFT;
 - `simulator`   -- `SimConfig`, `Simulator.run(requests) -> SimResult`;
+- `dp_executor` -- `DPCostModelExecutor`: data-parallel attention beside expert
+                   parallelism (`SimConfig(dp=...)`), each sequence on the rank the
+                   engine's scheduler places it, a step the busiest rank's;
 - `muxwise_cost` -- MuxWise's SM-partition cost model of concurrent prefill / decode
                    streams, and its executor;
 - `muxwise`     -- MuxWise's policy (`SimConfig(policy="muxwise", tbt_slo_s=...)`);
@@ -28,6 +31,7 @@ roofline cost model instead of the JAX executor:
 
 from lp_jax.sim.calibration import GPU_PRIOR, Calibration, StepFeatures, prior_calibration
 from lp_jax.sim.disagg import DisaggConfig, DisaggResult, replicated, run_disaggregated
+from lp_jax.sim.dp_executor import DPCostModelExecutor
 from lp_jax.sim.energy import EnergyModel, energy_model_for
 from lp_jax.sim.executor import CostModelExecutor, StepCost
 from lp_jax.sim.kv_link import KVLink, kv_link
@@ -82,6 +86,7 @@ __all__ = [
     "SHAREGPT_8K",
     "Calibration",
     "CostModelExecutor",
+    "DPCostModelExecutor",
     "DisaggConfig",
     "DisaggResult",
     "EmpiricalLengths",

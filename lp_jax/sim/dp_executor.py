@@ -8,10 +8,11 @@ in its own pages; the experts split over all n chips. The scheduler is the engin
 the executor asks it which rank holds each sequence (`rank_of`). The step is SPMD in the
 per-rank row layout the engine is built towards, so per chip:
 
-* every token-linear op (projections, router, experts, shared experts, dense MLP) runs
+* every op on a rank's own rows (projections, router, shared experts, dense MLP) runs
   the busiest rank's rows, max_r n_r, on every rank: the base executor's ops timed at
-  d max_r n_r rows over ep = d ranks, i.e. the idle ranks' padding costs time (the expert
-  traffic metric still counts the real rows' activated experts);
+  d max_r n_r rows over ep = d ranks, i.e. the idle ranks' padding costs time; the
+  routed experts run the real rows only (the all_to_all is ragged: padding reaches no
+  expert), spread over all n chips;
 * attention is the busiest rank's: each rank's decodes and chunks on its own t chips,
   and the step waits for the rank whose attention takes longest;
 * the lm_head runs the busiest rank's sampled rows;
@@ -33,7 +34,7 @@ import dataclasses
 from lp_jax.core.plan import StepPlan
 from lp_jax.roofline.cost_model import LayerCost, StepTokens
 from lp_jax.roofline.dp_attention import dp_link_bytes_per_layer
-from lp_jax.sim.executor import CostModelExecutor
+from lp_jax.sim.executor import _ATTENTION_HALF, _ATTENTION_OPS, CostModelExecutor, _Ops
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +62,7 @@ class DPCostModelExecutor(CostModelExecutor):
         self.dp = dp  # before the base's set-up, which costs layers through _layer
         super().__init__(shape, hardware, tp=tp, ep=dp, **options)
         self.rank_of = None
+        self._ragged_cache: dict[tuple, _Ops] = {}
         self._ranks: list[_RankRows] = []  # the plan being costed, split by rank
 
     # ------------------------------------------------------------- the split
@@ -155,6 +157,32 @@ class DPCostModelExecutor(CostModelExecutor):
     def _op_seconds(self, cost) -> float:
         cal = self.calibration
         return max(cost[0] / cal.compute_efficiency, cost[1] / cal.bandwidth_efficiency)
+
+    # ------------------------------------------------------- token-linear ops
+    # Every op on a rank's rows runs the padded rows; the experts run the real ones: the
+    # all_to_all is ragged, so padding reaches no expert (the link time is still the
+    # busiest rank's, from `_layer`).
+    def _lin(self, k: int, tokens: int, real: int | None = None) -> _Ops:
+        return self._ragged_ops(k, tokens, None, real)
+
+    def _lin_half(self, k: int, tokens: int, half: int, real: int | None = None) -> _Ops:
+        return self._ragged_ops(k, tokens, half, real)
+
+    def _ragged_ops(self, k: int, tokens: int, half: int | None, real: int | None) -> _Ops:
+        key = (k, tokens, half, real)
+        ops = self._ragged_cache.get(key)
+        if ops is None:
+            padded = self._layer(k, StepTokens(decode_seqs=tokens, decode_context=1))
+            run = (self._layer(k, StepTokens(decode_seqs=real, decode_context=1))
+                   if real and real != tokens else padded)
+            kept = [dataclasses.replace(run.op("experts"), comm_bytes=op.comm_bytes)
+                    if op.name == "experts" else op for op in padded.ops
+                    if op.name not in _ATTENTION_OPS
+                    and (half is None or (op.name in _ATTENTION_HALF) == (half == 0))]
+            ops = self._ragged_cache[key] = _Ops(
+                tuple(self._seconds(op) for op in kept),
+                sum(op.flops + op.pad_flops for op in kept), sum(op.bytes for op in kept))
+        return ops
 
     # ------------------------------------------------------------ link bytes
     def _layer(self, k: int, step: StepTokens) -> LayerCost:

@@ -218,7 +218,7 @@ class CostModelExecutor:
                 if not count:
                     continue
                 acc.layers += count
-                acc.add_ops(self._lin(k, t_time), count)
+                acc.add_ops(self._lin(k, t_time, t_real), count)
                 if self._kinds[k][0]:
                     acc.expert_bytes += count * self._expert_bytes(t_real)
                 if B:
@@ -258,7 +258,7 @@ class CostModelExecutor:
             t_time, t_real = (t_mix, t_all) if h == half else (b_time, B)
             if not t_real:
                 continue
-            acc.add_ops(self._lin_half(k, t_time, h), 1)
+            acc.add_ops(self._lin_half(k, t_time, h, t_real), 1)
             if h == 0:
                 if B:
                     self._add_decode_attention(acc, k, 1, B, ctx, slide)
@@ -316,15 +316,17 @@ class CostModelExecutor:
             routing=self._fixed_routing, tile=self.tile,
         )  # fmt: skip
 
-    def _lin(self, k: int, tokens: int) -> _Ops:
-        """The token-linear ops of a whole layer (all but attention itself)."""
+    def _lin(self, k: int, tokens: int, real: int | None = None) -> _Ops:
+        """The token-linear ops of a whole layer (all but attention itself) at `tokens`
+        rows; `real`: those rows less padding, which this executor runs through every op
+        as the engine's row buckets do (a subclass may not)."""
         key = (k, tokens)
         ops = self._lin_cache.get(key)
         if ops is None:
             ops = self._lin_cache[key] = self._linear_ops(k, tokens, None)
         return ops
 
-    def _lin_half(self, k: int, tokens: int, half: int) -> _Ops:
+    def _lin_half(self, k: int, tokens: int, half: int, real: int | None = None) -> _Ops:
         """The token-linear ops of one half layer: 0 = qkv_proj + o_proj, 1 = the MLP."""
         key = (k, tokens, half)
         ops = self._half_cache.get(key)
