@@ -19,9 +19,10 @@ requests, max_num_seqs 512 over the slice (ceil(512 / d) a rank).
 Per row: TTFT p50 / p99, the p99 of each request's longest inter-token gap, mean E2E,
 output tokens a second, routed-expert GB read per 100 requests, the share of row-layers
 that were an idle or lighter rank's padding, the busiest rank's rows over the mean, one
-chip's link GB per output token, and KV tokens a rank. The cost model is the roofline with
-the documented GPU prior (lp_jax/sim/calibration.py) and Zipf routing fitted for Qwen3
-reused at E = 256, k = 8: assumptions, not a TPU measurement.
+chip's link GB per output token, KV tokens a rank, and preemptions (a rank out of pages).
+The cost model is the roofline with the documented GPU prior (lp_jax/sim/calibration.py)
+and Zipf routing fitted for Qwen3 reused at E = 256, k = 8: assumptions, not a TPU
+measurement.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def main(argv=None) -> int:
           f"requests a workload, seed {args.seed}")
     print("| workload @ rate | mesh (d, 1, t) | policy | TTFT p50 / p99 (s) | max ITL p99 (ms) "
           "| E2E mean (s) | output tok/s | expert GB / 100 req | padding | imbalance "
-          "| link GB / out token | KV tokens / rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| link GB / out token | KV tokens / rank | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for lengths, rate in (("sharegpt", args.sharegpt_rate), ("arxiv", args.arxiv_rate)):
         requests = synthesize(lengths, args.n, rate, seed=args.seed)
         for d, t in meshes:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                       f"{p['e2e_mean']:.1f} | {p['tokens_per_s']:,.0f} | "
                       f"{p['expert_gb_per_100']:,.0f} | {p['padding']:.0%} | "
                       f"{p['imbalance']:.2f} | {p['link_gb_per_token']:.3f} | "
-                      f"{p['kv_tokens_per_rank']:,d} |", flush=True)
+                      f"{p['kv_tokens_per_rank']:,d} | {p['preemptions']:.0f} |", flush=True)
     print(f"({time.time() - t0:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
