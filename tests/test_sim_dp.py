@@ -8,7 +8,7 @@ from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.roofline.dp_attention import dp_chip_layout, dp_link_bytes_per_layer
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.roofline.model_shape import DEEPSEEK_V3, LLAMA3_8B
-from lp_jax.sim import Request, SimConfig, Simulator, simulate
+from lp_jax.sim import CostModelExecutor, Request, SimConfig, Simulator, simulate
 from lp_jax.sim.dp_executor import DPCostModelExecutor
 from tests.conftest import make_seq
 
@@ -34,6 +34,8 @@ def test_each_rank_gets_one_chips_kv_room_and_its_own_pool():
         _config(ep=2)
     with pytest.raises(ValueError, match="has none"):
         DPCostModelExecutor(LLAMA3_8B, HW, dp=2)
+    with pytest.raises(ValueError, match="needs a DPCostModelExecutor"):
+        Simulator(_config(), executor=CostModelExecutor(SHAPE, HW, tp=4, ep=16))
 
 
 def test_the_step_waits_for_the_busiest_rank():

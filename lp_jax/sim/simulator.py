@@ -281,6 +281,9 @@ class Simulator:
             executor = DPCostModelExecutor(config.shape, config.hardware, dp=config.dp,
                                            **options)
         self.executor = executor or CostModelExecutor(config.shape, config.hardware, **options)
+        if config.dp > 1 and not isinstance(self.executor, DPCostModelExecutor):
+            raise ValueError(f"dp = {config.dp} needs a DPCostModelExecutor, got "
+                             f"{type(self.executor).__name__}")
         self.energy = config.energy or energy_model_for(config.hardware)
         self.num_pages = config.num_pages or derive_num_pages(config)
         self.partition: PartitionCostModel | None = None
