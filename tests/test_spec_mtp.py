@@ -3,6 +3,7 @@ published names (checkpoints/make_tiny_mtp.py writes them), refusals, and the en
 drafts under the policies against a recompute of the layer from its published definition
 over the target's own last hidden states."""
 
+import functools
 import json
 import shutil
 
@@ -21,7 +22,9 @@ from lp_jax.models.metadata import build_metadata
 from lp_jax.safetensors_io import CheckpointError
 
 K_DRAFTS = 3
-ROWS, PAGE = 96, 16  # the recompute's fixed row count: one compile for every length
+# The recompute's one batch shape (one compile for every length): up to BATCH sequences.
+ROWS, PAGE, BATCH = 1024, 16, 16
+POOL_PAGES = ROWS // PAGE + BATCH
 # Tokens the tiny-deepseek golden greedy outputs repeat (prompt 0 emits 237 three times
 # in a row), which the two-token head below drafts, so some drafts stand.
 TWO_TOKENS = (237, 446)
@@ -112,12 +115,47 @@ def _rms(x, w, eps):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run_units(graphdef, cfg, units, state, x_ND, meta):
+    """Units [0, units) of a model over a ragged batch on a fresh pool: [N, D]."""
+    model = nnx.merge(graphdef, state)
+    kv = init_kv_cache(cfg, POOL_PAGES, PAGE, x_ND.dtype)
+    return model.run_units(x_ND, kv, meta, 0, units)[0]
+
+
+def _ragged(rows: list[np.ndarray]):
+    """Sequences of rows from position 0, packed into one ROWS-row batch: (x_ND, meta)."""
+    x_ND, seqs, r, page = np.zeros((ROWS, rows[0].shape[1]), rows[0].dtype), [], 0, 0
+    for x in rows:
+        n = len(x)
+        seqs.append((0, n, list(range(page, page + -(-n // PAGE)))))
+        x_ND[r:r + n], r, page = x, r + n, page + -(-n // PAGE)
+    meta = build_metadata(seqs, page_size=PAGE, num_tokens=ROWS, num_seqs=BATCH,
+                          pages_per_seq=ROWS // PAGE)
+    return x_ND, jax.tree.map(jnp.asarray, meta)
+
+
+def _batches(items, n_rows):
+    """items in groups whose rows fit one ragged batch."""
+    group, used = [], 0
+    for it in items:
+        if group and (used + n_rows(it) > ROWS - PAGE * BATCH or len(group) == BATCH):
+            yield group
+            group, used = [], 0
+        group.append(it)
+        used += n_rows(it)
+    if group:
+        yield group
+
+
 class _Recompute:
-    """The target's last hidden states (before the final norm) of a whole sequence, and
-    the MTP layer's drafts after a prefix from its published definition: the
-    embedding (zero at position 0) and hidden state normed and concatenated, eh_proj,
-    the decoder layer over the whole sequence at positions 0.. (causal, a fresh pool), and
-    shared_head: k steps, each recomputing everything with its draft appended."""
+    """The target's last hidden states (before the final norm) of whole sequences, and the
+    MTP layer's drafts after prefixes from its published definition: the embedding (zero
+    at position 0) and hidden state normed and concatenated, eh_proj, the decoder layer over
+    the whole sequence at positions 0.. (causal, a fresh pool), and shared_head; k steps,
+    each recomputing everything with its draft appended. The norms, the projection and the
+    head are numpy, from the checkpoint's tensors by name; the decoder layer is the loaded
+    one (its tensors are checked against their names above)."""
 
     def __init__(self, llm, model_dir):
         runner = llm.engine.runner
@@ -125,52 +163,53 @@ class _Recompute:
         self.mcfg, self.p, _ = llm.engine._draft_model
         self.cfg = runner.cfg
         self.t, self.at = _tensors(model_dir), f"model.layers.{self.cfg.num_hidden_layers}."
-        self.hidden = {}
-        meta = build_metadata([(0, ROWS, list(range(ROWS // PAGE)))], page_size=PAGE,
-                              num_tokens=ROWS, num_seqs=1, pages_per_seq=ROWS // PAGE)
-        self.meta = jax.tree.map(jnp.asarray, meta)
 
-        def run(graphdef, cfg, units, state, x_ND):
-            model = nnx.merge(graphdef, state)
-            kv = init_kv_cache(cfg, ROWS // PAGE, PAGE, x_ND.dtype)
-            return model.run_units(x_ND, kv, self.meta, 0, units)[0]
+    def last_hidden(self, fulls):
+        """{tuple(sequence): its hidden states [T, D] float64}."""
+        graphdef, state = self.target
+        model = nnx.merge(graphdef, state)
+        out = {}
+        for group in _batches(fulls, len):
+            x_ND, meta = _ragged([np.asarray(model.embed(jnp.asarray(f))) for f in group])
+            h_ND = np.asarray(_run_units(graphdef, self.cfg, 2 * self.cfg.num_hidden_layers,
+                                         state, jnp.asarray(x_ND), meta), np.float64)
+            r = 0
+            for f in group:
+                out[tuple(f)], r = h_ND[r:r + len(f)], r + len(f)
+        return out
 
-        L2 = 2 * self.cfg.num_hidden_layers
-        self._target = jax.jit(lambda s, tok: run(self.target[0], self.cfg, L2, s,
-                                                  nnx.merge(self.target[0], s).embed(tok)))
-        self._layer = jax.jit(lambda s, x: run(self.mcfg.graphdef, self.mcfg.model_cfg, 2, s, x))
-
-    def last_hidden(self, tokens):
-        key = tuple(tokens)
-        if key not in self.hidden:
-            tok = np.zeros(ROWS, np.int32)
-            tok[:len(tokens)] = tokens
-            self.hidden[key] = np.asarray(self._target(self.target[1], tok), np.float64)
-        return self.hidden[key][:len(tokens)]
-
-    def drafts(self, h_TD, next_T, k):
+    def drafts(self, cases, k):
+        """k drafts for each (h_TD, next_T) case: the target's hidden states of a prefix's
+        positions and the token after each."""
         t, at, eps, D = self.t, self.at, self.cfg.rms_norm_eps, self.cfg.hidden_size
         embed = t.get(at + "embed_tokens.weight", t["model.embed_tokens.weight"])
         head = t.get(at + "shared_head.head.weight", t.get("lm_head.weight"))
-        tokens, g, out = list(next_T), h_TD, []
+        state = [[list(nxt), h, []] for h, nxt in cases]  # tokens, hidden rows, drafts
         for _ in range(k):
-            e = embed[tokens, :D].copy()
-            e[0] = 0
-            x = np.concatenate([_rms(e, t[at + "enorm.weight"], eps),
-                                _rms(g, t[at + "hnorm.weight"], eps)], -1)
-            x = x @ t[at + "eh_proj.weight"].T
-            x_N = np.zeros((ROWS, D), np.float32)
-            x_N[:len(x)] = x
-            o = np.asarray(self._layer(self.p.state, x_N), np.float64)[:len(x)]
-            out.append(int(np.argmax(_rms(o[-1], t[at + "shared_head.norm.weight"], eps)
-                                     @ head.T)))
-            tokens.append(out[-1])
-            g = np.concatenate([g, o[-1:]])
-        return out
+            for group in _batches(state, lambda c: len(c[0])):
+                xs = []
+                for tokens, g, _ in group:
+                    e = embed[tokens, :D].copy()
+                    e[0] = 0
+                    x = np.concatenate([_rms(e, t[at + "enorm.weight"], eps),
+                                        _rms(g, t[at + "hnorm.weight"], eps)], -1)
+                    xs.append((x @ t[at + "eh_proj.weight"].T).astype(np.float32))
+                x_ND, meta = _ragged(xs)
+                o_ND = np.asarray(_run_units(self.mcfg.graphdef, self.mcfg.model_cfg, 2,
+                                             self.p.state, jnp.asarray(x_ND), meta), np.float64)
+                r = 0
+                for case, x in zip(group, xs, strict=True):
+                    r += len(x)
+                    o = o_ND[r - 1]
+                    case[2].append(int(np.argmax(
+                        _rms(o, t[at + "shared_head.norm.weight"], eps) @ head.T)))
+                    case[0].append(case[2][-1])
+                    case[1] = np.concatenate([case[1], o[None]])
+        return [out for _, _, out in state]
 
 
 # ------------------------------------------------------------ in the engine
-@pytest.mark.parametrize("policy", ["layered", "chunked"])
+@pytest.mark.parametrize("policy", ["layered", "orca", "chunked"])  # orca, chunked: one program
 def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_dir, policy):
     """tiny-deepseek's golden greedy tokens (the target's weights are tiny-deepseek's)
     with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes:
@@ -201,11 +240,13 @@ def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_
         assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist()
         fulls.append(golden[f"prompt_{i}"].tolist() + out.outputs[0].token_ids)
     ref = _Recompute(llm, two_token_dir)
+    hidden = ref.last_hidden(fulls)
     assert len(seen) > 40
-    for tokens, drafts in seen:
+    cases = []
+    for tokens, _ in seen:
         full = next(f for f in fulls if f[:len(tokens)] == tokens)
-        h = ref.last_hidden(full)[: len(tokens) - 1]
-        want = ref.drafts(h, tokens[1:], K_DRAFTS)
+        cases.append((hidden[tuple(full)][: len(tokens) - 1], tokens[1:]))
+    for (tokens, drafts), want in zip(seen, ref.drafts(cases, K_DRAFTS), strict=True):
         assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(tokens), drafts)
     s = llm.stats()
     assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
