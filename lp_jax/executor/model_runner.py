@@ -280,13 +280,15 @@ class ModelRunner:
         self.row_layers = {"useful": 0.0, "padded": 0.0, "max_step_ratio": 1.0}
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the weights, the KV pool and the carried-hidden buffer (all devices)."""
-        def nbytes(tree) -> int:
-            return sum(x.nbytes for x in jax.tree.leaves(tree))
+        """Bytes of the weights, the KV pool and the carried-hidden buffer (all devices);
+        a draft model's weights and state, less the target's arrays it shares."""
+        def nbytes(tree, but=()) -> int:
+            return sum(x.nbytes for x in jax.tree.leaves(tree) if id(x) not in but)
 
+        shared = {id(x) for x in jax.tree.leaves(self.state)}
         return {"weights": nbytes(self.state), "kv": nbytes(self.kv_pages),
                 "hidden": nbytes(self.hidden_RD),
-                **({"draft": nbytes(self.draft_params) + nbytes(self.draft_state)}
+                **({"draft": nbytes(self.draft_params, shared) + nbytes(self.draft_state)}
                    if self.draft_state else {})}
 
     # ------------------------------------------------------------ programs
