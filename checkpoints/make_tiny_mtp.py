@@ -11,7 +11,7 @@
 
 "tiny-deepseek-mtp" is "tiny-deepseek" (MLA, a MoE MTP layer) with its own embedding and
 head, as DeepSeek-V3's checkpoint has them; "tiny-glm-mtp" is "tiny-glm" (GQA) without
-them, so the target's are shared, as GLM-4.5's are. The target's tensors are the base
+them, so the target's are shared. The target's tensors are the base
 preset's, read back bit for bit, so the base preset's goldens hold for the target; the
 MTP tensors come from other seeds. Imports numpy, safetensors and checkpoints.make_tiny.
 """

@@ -1,4 +1,4 @@
-"""Next-token (MTP) layers as drafts: DeepSeek-V3's, Kimi-K2's and GLM-4.5's
+"""Next-token (MTP) layers as drafts: DeepSeek-V3's and GLM-4.5's
 `num_nextn_predict_layers`, served as vLLM and SGLang serve them.
 
 The checkpoint keeps the layer past the served ones, at index L = num_hidden_layers:
