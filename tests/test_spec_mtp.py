@@ -253,3 +253,27 @@ def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_
     assert s["programs"] == len(GOLDEN_ENGINES[policy]["token_buckets"])
     assert s["startup_compilations"] <= 32 and s["compilations_after_warmup"] == 0
     assert s["free_pages"] == s["total_pages"]
+    if policy == "chunked":  # the same engine behind lp-serve's OpenAI server
+        _serve_one_completion(llm, golden)
+
+
+def _serve_one_completion(llm, golden):
+    """A greedy completion through the server speculates and returns the golden text."""
+    import urllib.request
+
+    from conftest import start_server
+
+    before = llm.stats()["spec_decode_num_drafts"]
+    server = start_server(llm.engine)
+    try:
+        body = json.dumps({"model": "mock", "prompt": golden["prompt_0"].tolist(),
+                           "max_tokens": 12, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{server.url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.load(r)
+    finally:
+        server.stop()
+    assert out["choices"][0]["text"] == llm.engine.tokenizer.decode(
+        golden["greedy_0"][:12].tolist())
+    assert llm.stats()["spec_decode_num_drafts"] > before
