@@ -108,6 +108,9 @@ def test_bad_requests_get_clear_errors(tmp_path, engines):
     with pytest.raises(SystemExit):
         serve.build_parser().parse_args(["--speculative-config", json.dumps(
             {"method": "mtp", "num_speculative_tokens": "auto"})])
+    with pytest.raises(SystemExit, match="lp-serve: .*no next-token \\(MTP\\) layers"):
+        serve.main(["--model", engines.kwargs("chunked")["model"], "--speculative-config",
+                    spec, "--max-model-len", "64", "--max-num-seqs", "2"])
 
 
 # --------------------------------------------------------------- recompute
