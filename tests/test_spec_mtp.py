@@ -88,8 +88,9 @@ def test_loads_the_next_token_layer_under_its_published_names(preset, own):
 
 def test_bad_requests_get_clear_errors(tmp_path, engines):
     """A model without next-token layers is refused at LLM(), naming why; a missing
-    tensor is named; lp-serve passes the config through (vLLM's "deepseek_mtp" is
-    "mtp") and refuses a bad one when it parses its arguments."""
+    tensor is named, a quantized target refused; lp-serve passes the config through
+    (vLLM's "deepseek_mtp" is "mtp"), refuses a bad one when it parses its arguments,
+    and exits at start-up with the engine's reason."""
     with pytest.raises(ValueError, match="no next-token \\(MTP\\) layers"):
         LLM(**engines.kwargs("chunked"),
             speculative_config={"method": "mtp", "num_speculative_tokens": 2})
@@ -101,6 +102,8 @@ def test_bad_requests_get_clear_errors(tmp_path, engines):
     save_file(t, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensor 'model.layers.4.hnorm.weight'"):
         load_mtp(bad, load_model(bad))
+    with pytest.raises(ValueError, match="16-bit checkpoints only, not with quantization"):
+        load_mtp(bad, load_model(bad, quantization="int8"))
     spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'
     sc = serve.engine_config(serve.build_parser().parse_args(
         ["--speculative-config", spec])).speculative_config
