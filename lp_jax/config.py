@@ -17,8 +17,8 @@ sigmoid routing with a correction bias, group-limited top-k and a routed scaling
 `first_k_dense_replace` dense first layers; attention has q/k/v biases, optional
 per-head q/k RMSNorm (`use_qk_norm`) and RoPE on the first `partial_rotary_factor` of
 each head. Its next-token (MTP) layers (`num_nextn_predict_layers`) are not part of the
-served model. A field lp_jax does not serve fails here, naming it, before anything is
-built or compiled.
+served model (speculative decoding may read them as drafts, lp_jax/models/mtp.py). A
+field lp_jax does not serve fails here, naming it, before anything is built or compiled.
 
 "deepseek_v3" (DeepseekV3ForCausalLM; Kimi-K2's "kimi_k2" reads as it) has GLM-4.5's MoE
 blocks under multi-head latent attention (`is_mla`: q_lora_rank, kv_lora_rank,
@@ -146,7 +146,7 @@ class ModelConfig:
     first_k_dense_replace: int = 0  # layers [0, k) are dense
     use_qk_norm: bool = True  # per-head RMSNorm of q and k
     partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim of a head
-    num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint, not served
+    num_nextn_predict_layers: int = 0  # MTP layers in the checkpoint: drafts (models/mtp.py)
     # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0): queries through an
     # optional q_lora_rank bottleneck; keys and values from one per-token latent of
     # kv_lora_rank values plus one shared rotary key of qk_rope_head_dim (head_dim).

@@ -509,34 +509,48 @@ def load_model(
         return restore_params(config, Path(model_dir) / "orbax", mesh=mesh, dtype=dtype)
 
     graphdef, abstract = abstract_model(config, dtype, mesh)
-    shardings = param_shardings(abstract, mesh)
-    columns = kv_columns(config, abstract, mesh)
     if load_format == "dummy":  # drawn in the checkpoint's layout: the same on every mesh
         _, drawn = abstract_model(config, dtype)
         state = _dummy_state(config, drawn, param_shardings(drawn, mesh), seed)
-        return nnx.merge(graphdef, _lay_out_kv_columns(state, columns, shardings))
+        return nnx.merge(graphdef, _lay_out_kv_columns(
+            state, kv_columns(config, abstract, mesh), param_shardings(abstract, mesh)))
 
     ckpt = HFCheckpoint(model_dir)
     _log_skipped_mtp(ckpt, config)
     check_mxfp4_request(ckpt.dir, config, ckpt.has_mxfp4_experts())
     sources = quantized_sources(config, hf_sources(config, mxfp4=ckpt.has_mxfp4_experts()))
-    missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources)
+    return nnx.merge(graphdef, _read_params(ckpt, config, abstract, mesh, sources))
+
+
+def _read_params(ckpt: HFCheckpoint, config: ModelConfig, abstract, mesh: Mesh, sources,
+                 given=None):
+    """The model's state, every parameter read from its source in `ckpt` (checked whole
+    first) into its sharding, except those in `given` (path -> an array already laid out
+    so, used as is)."""
+    given = given or {}
+    shardings = param_shardings(abstract, mesh)
+    columns = kv_columns(config, abstract, mesh)
+    missing = {p for p, _ in nnx.to_flat_state(abstract)} - set(sources) - set(given)
     if missing:  # a model parameter without a checkpoint mapping is a bug here
         raise AssertionError(f"no checkpoint mapping for parameters {sorted(missing)}")
+    sources = {p: s for p, s in sources.items() if p not in given}
     check_fp8_checkpoint(ckpt, config, sources)
     ckpt.check(sources)
     for path, cols in columns.items():  # each entry built whole, then its heads copied
-        sources[path] = dataclasses.replace(
-            sources[path], build=lambda a, src=sources[path], c=cols: src.build(a)[..., c])
+        if path in sources:
+            sources[path] = dataclasses.replace(
+                sources[path], build=lambda a, src=sources[path], c=cols: src.build(a)[..., c])
     flat_shardings = dict(nnx.to_flat_state(shardings))
 
     def make_value(path, var):
+        if path in given:
+            return given[path]
         src, sharding = sources[path], flat_shardings[path]
         return jax.make_array_from_callback(
             var.shape, sharding, lambda index: ckpt.read(src, index, var.dtype)
         )
 
-    return nnx.merge(graphdef, _with_values(abstract, make_value))
+    return _with_values(abstract, make_value)
 
 
 def _log_skipped_mtp(ckpt: HFCheckpoint, cfg: ModelConfig):
@@ -547,8 +561,73 @@ def _log_skipped_mtp(ckpt: HFCheckpoint, cfg: ModelConfig):
     skipped = [n for n in ckpt.where if prefixes and n.startswith(prefixes)]
     if skipped:
         logger.info("%s: skipping %d next-token (MTP) layer(s), %d tensors under %s; they "
-                    "are not part of the served model", ckpt.dir, cfg.num_nextn_predict_layers,
+                    "are not part of the served model (speculative_config method 'mtp' "
+                    "reads them as drafts)", ckpt.dir, cfg.num_nextn_predict_layers,
                     len(skipped), ", ".join(p.rstrip(".") for p in prefixes))
+
+
+def _renamed(src: _Source, rename) -> _Source:
+    """`src` reading the tensors `rename` maps its names to."""
+    def names(*idx):
+        return [(rename(n[0]), n[1]) if isinstance(n, tuple) else rename(n)
+                for n in src.names(*idx)]
+    return dataclasses.replace(src, names=names)
+
+
+def load_mtp(model_dir: str | Path, target: StackedCausalLM, *, mesh: Mesh | None = None):
+    """(MtpConfig, MtpParams) of the checkpoint's first next-token (MTP) layer, index L =
+    num_hidden_layers (lp_jax/models/mtp.py), sharded as the target is: the decoder layer
+    read as layer 0 of a one-layer model of the target's class, `shared_head.norm` as its
+    final norm, `shared_head.head` and `embed_tokens` as its head and embedding, or the
+    target's own arrays where the checkpoint has none. Raises ValueError for a model
+    without one, CheckpointError naming a missing or misshaped tensor."""
+    from lp_jax.models.mtp import MtpConfig, MtpParams, one_layer_config
+    from lp_jax.sharding import replicated
+
+    cfg = target.config
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError(f"speculative_config method 'mtp': {cfg.model_type} checkpoint "
+                         f"{model_dir} has no next-token (MTP) layers (config.json's "
+                         "num_nextn_predict_layers is 0); use method 'ngram' or 'eagle3'")
+    if cfg.quantization is not None:
+        raise ValueError(f"speculative_config method 'mtp': the next-token layer is served "
+                         f"from 16-bit checkpoints only, not with quantization "
+                         f"{cfg.quantization.method!r} yet")
+    mesh = mesh or make_mesh()
+    one, at = one_layer_config(cfg), f"model.layers.{cfg.num_hidden_layers}."
+    graphdef, abstract = abstract_model(one, target.dtype, mesh)
+    ckpt = HFCheckpoint(model_dir)
+    layer0 = "model.layers.0."
+    sources = {path: _renamed(src, lambda n: at + n[len(layer0):] if n.startswith(layer0)
+                              else n)
+               for path, src in hf_sources(one).items()}
+    sources[("model", "norm")] = _renamed(sources[("model", "norm")],
+                                          lambda n: at + "shared_head.norm.weight")
+    given = {}
+    for path, name, theirs in ((("model", "embed_tokens"), "embed_tokens.weight",
+                                target.model.embed_tokens),
+                               (("lm_head",), "shared_head.head.weight", target.lm_head)):
+        if path not in sources:  # tied embeddings: no head of its own
+            continue
+        if at + name in ckpt.where:
+            sources[path] = _renamed(sources[path], lambda n, name=name: at + name)
+        else:
+            given[path] = theirs.get_value()
+    state = _read_params(ckpt, one, abstract, mesh, sources, given)
+    D = cfg.hidden_size
+    extra = {"enorm": _Source((), lambda: [at + "enorm.weight"], _identity, lambda: [(D,)]),
+             "hnorm": _Source((), lambda: [at + "hnorm.weight"], _identity, lambda: [(D,)]),
+             "eh_proj": _Source((), lambda: [at + "eh_proj.weight"], _transpose,
+                                lambda: [(D, 2 * D)])}
+    ckpt.check(extra)
+    read = {k: jax.device_put(ckpt.read(src, (), target.dtype), replicated(mesh))
+            for k, src in extra.items()}
+    logger.info("%s: next-token (MTP) layer %s loaded as a draft (%s embedding, %s head)",
+                ckpt.dir, at.rstrip("."), "own" if ("model", "embed_tokens") not in given
+                else "the target's", "own" if ("lm_head",) not in given else "the target's")
+    return (MtpConfig(model_cfg=one, graphdef=graphdef, layer=cfg.num_hidden_layers),
+            MtpParams(state=state, w_enorm_D=read["enorm"], w_hnorm_D=read["hnorm"],
+                      w_eh_2DD=read["eh_proj"]))
 
 
 def _dummy_state(config: ModelConfig, abstract, shardings, seed: int):

@@ -167,7 +167,10 @@ def main(argv=None, prog: str = "lp-serve") -> None:
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"{prog}: bad engine arguments: {exc}") from None
     log.info("engine config: %s", config or "mock engine")
-    engine = build_engine(args, log=log.info)
+    try:
+        engine = build_engine(args, log=log.info)
+    except ValueError as exc:  # a model (or its draft) the engine cannot serve, named
+        raise SystemExit(f"{prog}: {exc}") from None
     if not getattr(engine, "is_leader", True):  # a follower: no HTTP, the leader's steps
         steps = engine.serve_follower()
         log.info("the leader stopped; follower ran %d steps", steps)

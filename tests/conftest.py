@@ -39,11 +39,12 @@ import pytest  # noqa: E402
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
 # longest-first keeps one long file from running alone at the end. Ordered by the
 # 2026-12-07 clean-clone run's test time per file (79bd9b2 + i47b; files of 7 s or more;
-# test_mla_kernels.py placed by its own measured ~20 s).
+# test_mla_kernels.py placed by its own measured ~20 s, test_spec_mtp.py by its ~110 s).
 SLOWEST_FIRST = ("test_moe_kernels.py", "test_attention_kernels.py",
                  "test_quant_loading.py", "test_deepseek_v3.py", "test_gpt_oss.py",
                  "test_moe_quant.py", "test_kv_fp8.py", "test_expert_dispatch.py",
-                 "test_spec_eagle.py", "test_pallas_end_to_end.py", "test_glm4_moe.py",
+                 "test_spec_eagle.py", "test_spec_mtp.py", "test_pallas_end_to_end.py",
+                 "test_glm4_moe.py",
                  "test_sharded_kernels.py", "test_parallel_layout.py",
                  "test_programs.py", "test_tpu_compile.py", "test_gpu_validate.py",
                  "test_roofline_compiled.py", "test_engine.py", "test_aot.py",

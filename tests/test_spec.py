@@ -26,7 +26,9 @@ def test_config_vllm_shape_and_defaults():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "mtp"}, "method must be one of"),
+    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "mtp", "num_speculative_tokens": "auto"}, "fixed k"),
+    ({"method": "deepseek_mtp", "model": "/m"}, "own next-token layers"),
     ({"method": "eagle3", "model": "/m", "num_speculative_tokens": "auto"}, "fixed k"),
     ({"method": "eagle3"}, "takes a draft 'model' path"),
     ({"method": "ngram", "model": "x"}, "takes no 'model'"),

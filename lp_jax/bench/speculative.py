@@ -1,12 +1,15 @@
-"""n-gram (or EAGLE-3) speculation on the demo model, against plain decoding, in one run.
+"""n-gram (or EAGLE-3, or MTP) speculation against plain decoding, in one run.
 
     python -m lp_jax.bench.speculative [--num-speculative-tokens 3] [--max-tokens 96]
     python -m lp_jax.bench.speculative --method eagle3
+    python -m lp_jax.bench.speculative --method mtp
 
 With `--method eagle3` the draft is a random EAGLE-3 head for the model
 (checkpoints/make_tiny_eagle3.py, aux layers (0, L // 2, L - 1)): its drafts are
 almost never accepted, so the run measures what the head costs (programs, compile
-time, memory, time per token), not what it gains.
+time, memory, time per token), not what it gains. With `--method mtp` the model is
+tiny-deepseek-mtp (checkpoints/make_tiny_mtp.py: random weights, MLA and MoE, one random
+next-token layer) instead of the demo model, for the same reason.
 
 Each prompt is the start of one of Aesop's fables and then its first words again, so
 the demo model (checkpoints/train_demo.py, which knows the fables by heart) continues
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     from lp_jax.llm import LLM
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", choices=("ngram", "eagle3"), default="ngram")
+    ap.add_argument("--method", choices=("ngram", "eagle3", "mtp"), default="ngram")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=20)
@@ -89,6 +92,11 @@ def main(argv=None) -> int:
     if args.method == "eagle3":
         spec = {"method": "eagle3", "model": random_head(),
                 "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "mtp":
+        from checkpoints.make_tiny_mtp import ensure_tiny_mtp
+
+        spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+        engine.update(model=str(ensure_tiny_mtp("tiny-deepseek-mtp")), max_model_len=256)
     llms = (LLM(**engine), LLM(**engine, speculative_config=spec))
     base = measure(llms[0], prompts, params * len(prompts), args.repeats)
     fast = measure(llms[1], prompts, params * len(prompts), args.repeats)

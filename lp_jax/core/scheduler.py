@@ -480,7 +480,7 @@ class Scheduler:
                 k = min(k_plan,
                         seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_model_len - seq.num_tokens - 1)
-                if k > 0 and sc.method == "eagle3":  # the last step proposed them
+                if k > 0 and sc.drafts_on_device:  # the last step proposed them
                     d = list(seq.draft_tokens[:k])
                 elif k > 0:
                     d = propose_ngram(seq.token_ids, k, sc.prompt_lookup_min,

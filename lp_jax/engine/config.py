@@ -190,7 +190,8 @@ class EngineConfig:
     speculative_config: dict | str | SpeculativeConfig | None = engine_arg(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", '
         '"num_speculative_tokens": k, "prompt_lookup_min": n, "prompt_lookup_max": m} or '
-        '{"method": "eagle3", "model": head_dir, "num_speculative_tokens": k} '
+        '{"method": "eagle3", "model": head_dir, "num_speculative_tokens": k} or '
+        '{"method": "mtp", "num_speculative_tokens": k} '
         "(docs/speculative.md)", type="speculative_config", default_help="off")
 
     def __post_init__(self):
@@ -226,9 +227,9 @@ class EngineConfig:
                 "rank, so they are not served under data-parallel attention yet; use 'auto' "
                 "(which picks 'xla' there) or 'xla'")
         sc = self.speculative_config
-        if self.data_parallel_size > 1 and sc is not None and sc.method == "eagle3":
-            raise ValueError("speculative_config method 'eagle3' with data_parallel_size > 1: "
-                             "the head's one-layer KV pool is not split over the data ranks "
+        if self.data_parallel_size > 1 and sc is not None and sc.drafts_on_device:
+            raise ValueError(f"speculative_config method {sc.method!r} with data_parallel_size "
+                             "> 1: the draft's one-layer KV pool is not split over the data ranks "
                              "yet; use n-gram drafts or one data rank")
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")

@@ -179,7 +179,7 @@ class LLMEngine:
         model = load_model(self.model_dir, config=model_cfg, load_format=config.load_format,
                            mesh=self.mesh, dtype=config.dtype)
         self._compiles_loaded = compile_guard.compilations()
-        self._eagle3 = self._load_draft(model, model_cfg)
+        self._draft_model = self._load_draft(model, model_cfg)
         # Under data-parallel attention XLA partitions the attention over the data-split
         # pool; the Pallas kernels' shard_map splits heads only (EngineConfig refuses them).
         attention_backend = "xla" if config.data_parallel_size > 1 else config.attention_backend
@@ -209,24 +209,41 @@ class LLMEngine:
             token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
             backends=backends, seed=config.seed,
             channel=self.channel if self.channel is not None and self.is_leader else None,
-            draft=self._eagle3)
+            draft=self._draft_model)
         return runner, sched_cfg
 
     def _load_draft(self, model, model_cfg: ModelConfig):
-        """(Eagle3Config, Eagle3Params, k) of speculative_config's EAGLE-3 head, with the
-        target's embedding where the head ships none; None for other methods."""
+        """(config, params, k) of speculative_config's draft model: an EAGLE-3 head, with
+        the target's embedding where the head ships none, or the checkpoint's MTP layer;
+        None for n-gram drafts."""
         sc = self.config.speculative_config
-        if sc is None or sc.method != "eagle3":
+        if sc is None or not sc.drafts_on_device:
             return None
+        if self.process.multi_process:
+            raise ValueError(f"speculative_config method {sc.method!r} runs in one process")
+        if sc.method == "mtp":
+            return self._load_mtp(model, sc.num_speculative_tokens)
         from lp_jax.models.eagle3 import load_eagle3
 
-        if self.process.multi_process:
-            raise ValueError("speculative_config method 'eagle3' runs in one process")
         ecfg, params = load_eagle3(sc.model, model_cfg, model.model.embed_tokens[...],
                                    dtype=model.dtype)
         self.log(f"EAGLE-3 draft {sc.model}: aux layers {list(ecfg.aux_layer_ids)}, draft "
                  f"vocabulary {ecfg.draft_vocab_size}, k = {sc.num_speculative_tokens}")
         return ecfg, params, sc.num_speculative_tokens
+
+    def _load_mtp(self, model, k: int):
+        """(MtpConfig, MtpParams, k): the checkpoint's next-token layer (loader.load_mtp)."""
+        from lp_jax.loader import load_mtp
+
+        if self.config.load_format in ("dummy", "orbax") or not (
+                Path(self.model_dir) / "config.json").is_file():
+            raise ValueError(f"speculative_config method 'mtp' reads the next-token layers "
+                             f"of a Hugging Face checkpoint; load_format "
+                             f"{self.config.load_format!r} has none")
+        mcfg, params = load_mtp(self.model_dir, model, mesh=self.mesh)
+        self.log(f"MTP draft: next-token layer {mcfg.layer} of {Path(self.model_dir).name}, "
+                 f"k = {k}")
+        return mcfg, params, k
 
     def _structured_outputs(self, model_dir):
         """The grammar engine (lp_jax/structured) over the model's tokenizer, shared with
@@ -317,7 +334,7 @@ class LLMEngine:
             free = (limit - stats.get("bytes_in_use", 0)) * self.config.kv_memory_fraction
             # An FP8 page: half of bf16's; a device holds its share of the heads.
             page_bytes = kv_page_bytes(cfg, S, model.dtype, self.mesh, packed=packed)
-            if self._eagle3 is not None:  # the head's one-layer pool on the same pages
+            if self._draft_model is not None:  # the draft's one-layer pool on the same pages
                 page_bytes += page_bytes // cfg.num_hidden_layers
             want = min(want, int(free // page_bytes))
         return max(want, 1)

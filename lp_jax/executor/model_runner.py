@@ -68,6 +68,7 @@ from lp_jax.executor.step import (
     make_step,
 )
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.eagle3 import Eagle3Params
 from lp_jax.models.kv_cache import init_kv_cache, kv_cache_axes, kv_cache_shape, packs_kv
 from lp_jax.models.metadata import build_decode_metadata, build_metadata
 from lp_jax.models.stacked import StackedCausalLM
@@ -205,9 +206,10 @@ class ModelRunner:
         """`token_buckets` and `hidden_rows`: the program family the scheduler config
         needs (lp_jax/core/programs.py). `channel`: a multi-process leader's
         LeaderChannel (plan_channel.py), which every dispatched step goes through.
-        `draft`: (Eagle3Config, Eagle3Params, k) of an EAGLE-3 head whose k drafts every
-        step proposes (`StepResult.next_drafts`); its KV is a one-layer pool on the same
-        logical pages, its aux states a buffer beside the hidden one."""
+        `draft`: (config, params, k) of a draft model whose k drafts every step proposes
+        (`StepResult.next_drafts`): an EAGLE-3 head (Eagle3Config, Eagle3Params) or an MTP
+        layer (MtpConfig, MtpParams). Its KV is a one-layer pool on the same logical
+        pages; an EAGLE-3 head's aux states are a buffer beside the hidden one."""
         cfg = self.cfg = model.config
         if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
             raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
@@ -224,7 +226,7 @@ class ModelRunner:
             buckets=tuple(token_buckets), vocab_size=cfg.vocab_size,
             draft_k=draft[2] if draft else 0)
         if draft and channel is not None:
-            raise ValueError("EAGLE-3 drafts run on one process only (no plan channel)")
+            raise ValueError("draft models run on one process only (no plan channel)")
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)
@@ -243,16 +245,20 @@ class ModelRunner:
         if draft:
             one = cfg.replace(num_hidden_layers=1, layer_types=(), kv_scales=())
             kv_1 = kv_cache_shape(one, num_pages, page_size, packed=packed, replicas=replicas)
-            embed = draft[1].embed_VE  # the target's table stays where it is
-            self.draft_params = dataclasses.replace(
-                jax.device_put(dataclasses.replace(draft[1], embed_VE=None), self._replicated),
-                embed_VE=embed)
+            self.draft_params = draft[1]  # an MTP layer's: placed by the loader
+            if isinstance(draft[1], Eagle3Params):  # the target's table stays where it is
+                embed = draft[1].embed_VE
+                self.draft_params = dataclasses.replace(jax.device_put(
+                    dataclasses.replace(draft[1], embed_VE=None), self._replicated),
+                    embed_VE=embed)
             self.draft_state = {
                 "kv": init_kv_cache(one, num_pages, page_size,
                                     model.dtype, packed=packed, replicas=replicas,
-                                    sharding=named_sharding(kv_cache_axes(one), kv_1, mesh)),
-                "aux_RAD": jax.device_put(np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size),
-                                                   model.dtype), self._replicated)}
+                                    sharding=named_sharding(kv_cache_axes(one), kv_1, mesh))}
+            if draft[0].aux_layer_ids:  # an EAGLE-3 head's aux states of carried rows
+                self.draft_state["aux_RAD"] = jax.device_put(
+                    np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size), model.dtype),
+                    self._replicated)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
                                        replicated=self._replicated, counts_sharding=on_vocab,
                                        draft=draft[0] if draft else None),
@@ -274,13 +280,15 @@ class ModelRunner:
         self.row_layers = {"useful": 0.0, "padded": 0.0, "max_step_ratio": 1.0}
 
     def memory(self) -> dict[str, int]:
-        """Bytes of the weights, the KV pool and the carried-hidden buffer (all devices)."""
-        def nbytes(tree) -> int:
-            return sum(x.nbytes for x in jax.tree.leaves(tree))
+        """Bytes of the weights, the KV pool and the carried-hidden buffer (all devices);
+        a draft model's weights and state, less the target's arrays it shares."""
+        def nbytes(tree, but=()) -> int:
+            return sum(x.nbytes for x in jax.tree.leaves(tree) if id(x) not in but)
 
+        shared = {id(x) for x in jax.tree.leaves(self.state)}
         return {"weights": nbytes(self.state), "kv": nbytes(self.kv_pages),
                 "hidden": nbytes(self.hidden_RD),
-                **({"draft": nbytes(self.draft_params) + nbytes(self.draft_state)}
+                **({"draft": nbytes(self.draft_params, shared) + nbytes(self.draft_state)}
                    if self.draft_state else {})}
 
     # ------------------------------------------------------------ programs

@@ -39,11 +39,13 @@ bias and the penalties; all ones for a row without a grammar. It is an input of 
 program, so constrained requests compile nothing, and the mask is skipped (lax.cond)
 when no row has one.
 
-EAGLE-3 drafts (`draft`, spec.draft_k > 0; docs/speculative.md): the layer loop keeps the
-residual stream entering the head's three aux layers per row, carried in
-`draft_state["aux_RAD"]` beside hidden_RD, and the call whose rows leave the last layer runs
-the head (`_draft`) after sampling: its KV for every row, then k drafts per sampling
-sequence, out as `drafts_RK`. It is a branch of the same programs, not a program of its own.
+Draft models (`draft`, spec.draft_k > 0; docs/speculative.md): the call whose rows leave the
+last layer runs the draft (`_draft`) after sampling: its KV for every row, then k drafts per
+sampling sequence, out as `drafts_RK`. An EAGLE-3 head reads the residual stream entering
+its three aux layers, which the layer loop keeps per row and carries in
+`draft_state["aux_RAD"]` beside hidden_RD; an MTP layer reads the rows' last hidden state,
+the call's own output, so nothing is carried. It is a branch of the same programs, not a
+program of its own.
 
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
@@ -69,7 +71,7 @@ from lp_jax.executor.sampler import (
     sample,
     token_logprobs,
 )
-from lp_jax.models import eagle3
+from lp_jax.models import eagle3, mtp
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.sharding import named_sharding
@@ -97,7 +99,7 @@ class StepSpec:
     hidden_rows: int
     buckets: tuple[int, ...]
     vocab_size: int  # required: a program family without the bitmask input would differ
-    draft_k: int = 0  # drafts an EAGLE-3 head proposes per sequence (0: no draft model)
+    draft_k: int = 0  # drafts a draft model proposes per sequence (0: none)
 
     @property
     def mask_words(self) -> int:
@@ -191,13 +193,13 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
               counts_sharding=None, draft=None):
     """step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
     draft_state=None) -> (kv_pages, hidden_RD, out); jit it with kv_pages, hidden_RD,
-    counts and draft_state donated. `draft`: an EAGLE-3 head's Eagle3Config, whose
-    drafts the step then proposes (spec.draft_k of them, `_draft`). On a mesh, `replicated` (its
-    replicated sharding) pins the bitmask input the host keeps replicated, and
-    `counts_sharding` (`counts_sharding()`) pins out["counts"] to the counts' input
-    sharding. Otherwise sharding propagation from the vocab-sharded logits would choose
-    them (it runs back through the mask's bits into the input), and the next call would
-    not match its program."""
+    counts and draft_state donated. `draft`: a draft model's config (Eagle3Config,
+    MtpConfig), whose drafts the step then proposes (spec.draft_k of them, `_draft`).
+    On a mesh, `replicated` (its replicated sharding) pins the bitmask input the host
+    keeps replicated, and `counts_sharding` (`counts_sharding()`) pins out["counts"] to
+    the counts' input sharding. Otherwise sharding propagation from the vocab-sharded
+    logits would choose them (it runs back through the mask's bits into the input), and
+    the next call would not match its program."""
     R = spec.max_num_seqs
 
     def step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
@@ -211,7 +213,7 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
                          hidden_RD[jnp.maximum(src_N, 0)])
         lo, hi = inputs["units"][0], inputs["units"][1]
         aux = {}
-        if draft is not None:  # the rows' aux states so far: carried rows bring theirs
+        if draft is not None and draft.aux_layer_ids:  # carried rows bring their aux states
             aux = {"aux_layers": draft.aux_layer_ids,
                    "aux_NAD": jnp.where((src_N < 0)[:, None, None], 0,
                                         draft_state["aux_RAD"][jnp.maximum(src_N, 0)])}
@@ -220,7 +222,7 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
             backends=backends, **aux)
         dst_N = jnp.where(inputs["dst_N"] < 0, hidden_RD.shape[0], inputs["dst_N"])
         hidden_RD = hidden_RD.at[dst_N].set(x_ND, mode="drop")
-        if draft is not None:
+        if aux:
             draft_state = dict(draft_state, aux_RAD=draft_state["aux_RAD"].at[dst_N].set(
                 aux_NAD[0], mode="drop"))
 
@@ -289,8 +291,9 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         if draft is not None:
             drafts_BK, draft_kv = jax.lax.cond(
                 hi == 2 * spec.num_layers,
-                lambda kv: _draft(draft, spec, draft_params, kv, aux_NAD[0], inputs,
-                                  tokens_R, backends.attention),
+                lambda kv: _draft(draft, spec, draft_params, kv,
+                                  aux_NAD[0] if aux else x_ND[:, None], inputs, tokens_R,
+                                  backends),
                 lambda kv: (jnp.full((S, spec.draft_k), -1, jnp.int32), kv),
                 draft_state["kv"])
             out["drafts_RK"] = jnp.pad(drafts_BK, ((0, R - S), (0, 0)), constant_values=-1)
@@ -300,10 +303,12 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
     return step
 
 
-def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, backend):
-    """An EAGLE-3 head's drafts for the call's sequences, in the call whose rows leave
-    the last layer: every row extends the head's KV (lp_jax/models/eagle3.py), then
-    each drafting sequence proposes from its last row that stands.
+def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, backends):
+    """A draft model's drafts for the call's sequences, in the call whose rows leave
+    the last layer: every row extends the draft's KV, then each drafting sequence
+    proposes from its last row that stands. An EAGLE-3 head (lp_jax/models/eagle3.py)
+    reads each row's three aux states, an MTP layer (lp_jax/models/mtp.py) the row's
+    last hidden state: aux_NAD[:, 0], the call's output.
 
     inputs["draft"]: `next_token_N`, the token after each row (the next prompt token;
     -1 - s: the token sampled at sampled row s); per sequence of the call, `first_S_B`
@@ -322,9 +327,15 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
     match_BK = (tokens_S[s_BK] == d["check_S"][s_BK]) & (j_K[None, :] < d["rows_B"][:, None] - 1)
     last_s_B = jnp.clip(first_B + jnp.sum(jnp.cumprod(match_BK, axis=1), axis=1), 0, S - 1)
     last_row_B = inputs["sample_rows_S"][last_s_B]
-    drafts_BK, kv_pages = eagle3.propose(cfg, params, kv_pages, aux_NAD, tok_N, inputs["meta"],
-                                         last_row_B, k=spec.draft_k, backend=backend,
-                                         num_pages_B=d["num_pages_B"], drafting_B=first_B >= 0)
+    kw = dict(k=spec.draft_k, num_pages_B=d["num_pages_B"], drafting_B=first_B >= 0)
+    if isinstance(cfg, mtp.MtpConfig):
+        drafts_BK, kv_pages = mtp.propose(cfg, params, kv_pages, aux_NAD[:, 0], tok_N,
+                                          inputs["meta"], last_row_B, backends=backends,
+                                          decode_only=inputs["decode_only"], **kw)
+    else:
+        drafts_BK, kv_pages = eagle3.propose(cfg, params, kv_pages, aux_NAD, tok_N,
+                                             inputs["meta"], last_row_B,
+                                             backend=backends.attention, **kw)
     return jnp.where((first_B >= 0)[:, None], drafts_BK, -1), kv_pages
 
 

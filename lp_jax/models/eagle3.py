@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
+from lp_jax.models.draft_chain import chain_drafts
 from lp_jax.models.layers import apply_rope, dot, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
@@ -248,7 +249,7 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
             meta: AttentionMetadata, last_row_B, *, k: int, backend="auto",
             num_pages_B=None, drafting_B=None):
     """k greedy drafts per sequence, in one program: an extend over the batch's rows,
-    then k - 1 chained one-row steps.
+    then k - 1 chained one-row steps (draft_chain.py).
 
     aux_T3D: the three target hidden states of each row; tokens_T: the token after each
     row (the next prompt token, or the token sampled at it); meta: the rows' ragged
@@ -260,47 +261,14 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     them writes nothing, and it and the steps after it draft -1 (no draft). Sequences
     not `drafting_B` (a prompt chunk that samples nothing) chain nothing: their KV past
     the extend is left as it is."""
-    D = cfg.hidden_size
-    g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * D), p.w_fc_3DD)
+    g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * cfg.hidden_size), p.w_fc_3DD)
     logits_TW, h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
                                               backend=backend)
-    B = last_row_B.shape[0]
-    draft_B = jnp.argmax(logits_TW[last_row_B], axis=-1).astype(jnp.int32)
-    h_BD = h_TD[last_row_B]
-    pos_B = meta.positions_T[last_row_B]
-    real_B = jnp.arange(B) < meta.num_seqs
-    if drafting_B is not None:
-        real_B = real_B & drafting_B
-    S = kv_pages_PSJH.shape[1]
-    page_table_BC = meta.page_table_BC
-    C = page_table_BC.shape[1]
-    if num_pages_B is None:
-        num_pages_B = jnp.full((B,), C, jnp.int32)
-    held_B = jnp.minimum(num_pages_B, C)
-
-    def chained(s, carry):
-        draft_B, h_BD, kv, drafts_BK = carry
-        tok_B = to_target(p, draft_B)
-        drafts_BK = drafts_BK.at[:, s - 1].set(tok_B)
-        pos = pos_B + s
-        page_B = jnp.take_along_axis(page_table_BC, jnp.minimum(pos // S, C - 1)[:, None],
-                                     axis=1)[:, 0]
-        write_B = real_B & (pos // S < held_B)
-        step_meta = AttentionMetadata(
-            positions_T=pos, slots_T=jnp.where(write_B, page_B * S + pos % S, -1),
-            query_start_B1=jnp.minimum(jnp.arange(B + 1, dtype=jnp.int32), meta.num_seqs),
-            seq_lens_B=jnp.where(real_B, pos + 1, 0), page_table_BC=page_table_BC,
-            num_seqs=meta.num_seqs)
-        logits_BW, h_BD, kv = midlayer(cfg, p, tok_B, h_BD, kv, step_meta, backend=backend)
-        return jnp.argmax(logits_BW, axis=-1).astype(jnp.int32), h_BD, kv, drafts_BK
-
-    drafts_BK = jnp.zeros((B, k), jnp.int32)
-    draft_B, _, kv_pages_PSJH, drafts_BK = jax.lax.fori_loop(
-        1, k, chained, (draft_B, h_BD, kv_pages_PSJH, drafts_BK))
-    drafts_BK = drafts_BK.at[:, k - 1].set(to_target(p, draft_B))
-    s_K = jnp.arange(k)
-    held_BK = (pos_B[:, None] + s_K[None, :]) // S < held_B[:, None]
-    return jnp.where(held_BK | (s_K == 0)[None, :], drafts_BK, -1), kv_pages_PSJH
+    step = lambda tok_B, h_BD, kv, m: midlayer(cfg, p, tok_B, h_BD, kv, m, backend=backend)
+    return chain_drafts(step, logits_TW, h_TD, kv_pages_PSJH, meta, last_row_B, k=k,
+                        page_size=kv_pages_PSJH.shape[1],
+                        to_target=functools.partial(to_target, p), num_pages_B=num_pages_B,
+                        drafting_B=drafting_B)
 
 
 def propose_program(cfg: Eagle3Config, *, k: int, backend="auto"):

@@ -16,7 +16,8 @@ What differs from Qwen3-MoE, each checked against transformers' modeling_glm4_mo
 
 The blocks live in qwen3_moe.py, so the two families share one layer loop, one loader
 mapping and one quantization table. The checkpoint's next-token (MTP) layers
-(`model.layers.{num_hidden_layers}...`) are not read (the loader says so in a log line).
+(`model.layers.{num_hidden_layers}...`) are read only as speculative drafts (mtp.py);
+otherwise the loader says in a log line that it skips them.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ error before anything is compiled.
     {"method": "ngram", "num_speculative_tokens": k,
      "prompt_lookup_min": n_min, "prompt_lookup_max": n_max}
     {"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": k}
+    {"method": "mtp", "num_speculative_tokens": k}       the checkpoint's next-token layer
 
 `"num_speculative_tokens": "auto"` lets the engine choose k in [0, MAX_SPECULATIVE_TOKENS]
 each step from a cost model and the acceptance it measures (auto.py).
@@ -20,7 +21,9 @@ import dataclasses
 import json
 
 AUTO = "auto"
-METHODS = ("ngram", "eagle3")  # MTP drafts: not yet
+METHODS = ("ngram", "eagle3", "mtp")
+# vLLM's other names of a method: "deepseek_mtp" is DeepSeek-V3's (and GLM-4.5's) MTP.
+ALIASES = {"deepseek_mtp": "mtp"}
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64  # n-gram lengths searched per step: a host-side scan each
 
@@ -43,20 +46,23 @@ class SpeculativeConfig:
     model: str | None = None  # an EAGLE-3 head's directory (lp_jax/models/eagle3.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "method", ALIASES.get(self.method, self.method))
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config method must be one of {list(METHODS)}, "
-                             f"got {self.method!r}")
+            raise ValueError(f"speculative_config method must be one of "
+                             f"{[*METHODS, *ALIASES]}, got {self.method!r}")
         if (self.method == "eagle3") != isinstance(self.model, str):
             raise ValueError(f"speculative_config: method {self.method!r} takes "
                              + ("a draft 'model' path" if self.method == "eagle3"
+                                else "no 'model' (MTP drafts are the served checkpoint's "
+                                "own next-token layers)" if self.method == "mtp"
                                 else "no 'model'") + f", got model={self.model!r}")
         k = self.num_speculative_tokens
         if k != AUTO and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"num_speculative_tokens must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}] or {AUTO!r}, got {k!r}")
-        if k == AUTO and self.method == "eagle3":
+        if k == AUTO and self.drafts_on_device:
             raise ValueError(f"num_speculative_tokens {AUTO!r} is for n-gram drafts: the "
-                             "EAGLE-3 head's chained draft steps are compiled for a fixed k")
+                             f"{self.method} draft's chained steps are compiled for a fixed k")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or not 1 <= v <= MAX_PROMPT_LOOKUP):
@@ -69,6 +75,12 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min {lo} > prompt_lookup_max {hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether a draft model proposes inside the step program (EAGLE-3, MTP), its
+        drafts arriving with the step's tokens, rather than the host (n-gram)."""
+        return self.method in ("eagle3", "mtp")
 
     @property
     def is_auto(self) -> bool:

@@ -1,0 +1,67 @@
+"""k greedy drafts from a one-layer draft model (an EAGLE-3 head, an MTP layer) that has
+just run over a call's rows: the first draft of each sequence from its last row that
+stands, then k - 1 chained one-row steps, each feeding the layer its own output state and
+the token it just drafted, one position further.
+
+The draft's KV is a one-layer pool in the target pool's layout, addressed by the
+target's page table, so the KV of draft position p sits where the target's does:
+dropping the pages of rejected drafts rolls the draft back too, and an entry a chained
+step wrote is rewritten by the next verification's extend before anything reads it. A
+chained step whose position lies past the pages its sequence holds writes nothing, and
+it and the steps after it draft -1 (no draft).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lp_jax.models.metadata import AttentionMetadata
+
+
+def chain_drafts(layer, logits_TW, h_TD, kv, meta: AttentionMetadata, last_row_B, *, k: int,
+                 page_size: int, to_target=lambda ids: ids, num_pages_B=None,
+                 drafting_B=None):
+    """(drafts_BK target ids, kv) from the extend's logits_TW and output states h_TD.
+
+    layer(tokens_B, h_BD, kv, step_meta) -> (logits_BW, h_BD, kv): one draft step over
+    one row per sequence. last_row_B: the row each sequence drafts from (padding
+    sequences ignored); num_pages_B: the pages each sequence holds (None: all of its
+    page table); drafting_B: the sequences that draft (others chain nothing: their KV
+    past the extend is left as it is); to_target: draft-vocabulary ids -> the target's."""
+    B = last_row_B.shape[0]
+    draft_B = jnp.argmax(logits_TW[last_row_B], axis=-1).astype(jnp.int32)
+    h_BD = h_TD[last_row_B]
+    pos_B = meta.positions_T[last_row_B]
+    real_B = jnp.arange(B) < meta.num_seqs
+    if drafting_B is not None:
+        real_B = real_B & drafting_B
+    S, page_table_BC = page_size, meta.page_table_BC
+    C = page_table_BC.shape[1]
+    if num_pages_B is None:
+        num_pages_B = jnp.full((B,), C, jnp.int32)
+    held_B = jnp.minimum(num_pages_B, C)
+
+    def chained(s, carry):
+        draft_B, h_BD, kv, drafts_BK = carry
+        tok_B = to_target(draft_B)
+        drafts_BK = drafts_BK.at[:, s - 1].set(tok_B)
+        pos = pos_B + s
+        page_B = jnp.take_along_axis(page_table_BC, jnp.minimum(pos // S, C - 1)[:, None],
+                                     axis=1)[:, 0]
+        write_B = real_B & (pos // S < held_B)
+        step_meta = AttentionMetadata(
+            positions_T=pos, slots_T=jnp.where(write_B, page_B * S + pos % S, -1),
+            query_start_B1=jnp.minimum(jnp.arange(B + 1, dtype=jnp.int32), meta.num_seqs),
+            seq_lens_B=jnp.where(real_B, pos + 1, 0), page_table_BC=page_table_BC,
+            num_seqs=meta.num_seqs)
+        logits_BW, h_BD, kv = layer(tok_B, h_BD, kv, step_meta)
+        return jnp.argmax(logits_BW, axis=-1).astype(jnp.int32), h_BD, kv, drafts_BK
+
+    drafts_BK = jnp.zeros((B, k), jnp.int32)
+    draft_B, _, kv, drafts_BK = jax.lax.fori_loop(1, k, chained,
+                                                  (draft_B, h_BD, kv, drafts_BK))
+    drafts_BK = drafts_BK.at[:, k - 1].set(to_target(draft_B))
+    s_K = jnp.arange(k)
+    held_BK = (pos_B[:, None] + s_K[None, :]) // S < held_B[:, None]
+    return jnp.where(held_BK | (s_K == 0)[None, :], drafts_BK, -1), kv

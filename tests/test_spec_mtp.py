@@ -1,0 +1,285 @@
+"""MTP drafts (lp_jax/models/mtp.py): the checkpoint's next-token layer read under its
+published names (checkpoints/make_tiny_mtp.py writes them), refusals, and the engine's
+drafts under the policies against a recompute of the layer from its published definition
+over the target's own last hidden states."""
+
+import functools
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN_ENGINES, run_golden_prompts
+from flax import nnx
+
+from checkpoints.make_tiny_mtp import ensure_tiny_mtp
+from lp_jax import LLM, serve
+from lp_jax.loader import load_model, load_mtp
+from lp_jax.models.kv_cache import init_kv_cache
+from lp_jax.models.metadata import build_metadata
+from lp_jax.safetensors_io import CheckpointError
+
+K_DRAFTS = 3
+# The recompute's one batch shape (one compile for every length): up to BATCH sequences.
+ROWS, PAGE, BATCH = 1024, 16, 16
+POOL_PAGES = ROWS // PAGE + BATCH
+# Tokens the tiny-deepseek golden greedy outputs repeat (prompt 0 emits 237 three times
+# in a row), which the two-token head below drafts, so some drafts stand.
+TWO_TOKENS = (237, 446)
+
+
+def _tensors(d):
+    from safetensors.numpy import load_file
+
+    return {n: x.astype(np.float64) for n, x in load_file(str(d / "model.safetensors")).items()}
+
+
+@pytest.fixture(scope="module")
+def two_token_dir(tmp_path_factory):
+    """tiny-deepseek-mtp whose shared_head.head has two nonzero rows, v at TWO_TOKENS[0]
+    and -v at [1]: the draft is one or the other by the sign of norm(o) . v, a function of
+    every computation before it, so a wrong hidden state, next token, KV entry or drafting
+    row flips it half the time."""
+    from safetensors.numpy import load_file, save_file
+
+    out = shutil.copytree(ensure_tiny_mtp("tiny-deepseek-mtp"),
+                          tmp_path_factory.mktemp("mtp") / "m")
+    t = load_file(str(out / "model.safetensors"))
+    head = t["model.layers.3.shared_head.head.weight"]
+    v = head[0].copy()
+    head[:] = 0
+    head[TWO_TOKENS[0]], head[TWO_TOKENS[1]] = v, -v
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# ------------------------------------------------------------------ loading
+@pytest.mark.parametrize("preset, own", [("tiny-deepseek-mtp", True), ("tiny-glm-mtp", False)])
+def test_loads_the_next_token_layer_under_its_published_names(preset, own):
+    """The decoder layer at index L becomes layer 0 of a one-layer model of the target's
+    class; shared_head's norm and head its final norm and head; eh_proj, enorm, hnorm
+    the input projection. Without its own embed_tokens and head, the layer holds the
+    target's very arrays."""
+    d = ensure_tiny_mtp(preset)
+    target = load_model(d)
+    mcfg, p = load_mtp(d, target)
+    L, t = target.config.num_hidden_layers, _tensors(d)
+    at = f"model.layers.{L}."
+    assert mcfg.layer == L and mcfg.model_cfg.num_hidden_layers == 1
+    one = nnx.merge(mcfg.graphdef, p.state)
+    attn = "kv_a_proj_with_mqa" if target.config.is_mla else "k_proj"
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float64), b, atol=1e-6)
+    close(getattr(one.model.layers.self_attn, attn)[0], t[f"{at}self_attn.{attn}.weight"].T)
+    close(one.model.layers.mlp.gate[0], t[f"{at}mlp.gate.weight"].T)
+    close(one.model.layers.input_layernorm[0], t[f"{at}input_layernorm.weight"])
+    close(one.model.norm[...], t[f"{at}shared_head.norm.weight"])
+    close(p.w_eh_2DD, t[f"{at}eh_proj.weight"].T)
+    close(p.w_enorm_D, t[f"{at}enorm.weight"])
+    close(p.w_hnorm_D, t[f"{at}hnorm.weight"])
+    if own:
+        close(one.lm_head[...], t[f"{at}shared_head.head.weight"].T)
+        close(one.embed(jnp.arange(4)), t[f"{at}embed_tokens.weight"][:4])
+    else:
+        assert one.lm_head.get_value() is target.lm_head.get_value()
+        assert one.model.embed_tokens.get_value() is target.model.embed_tokens.get_value()
+
+
+def test_bad_requests_get_clear_errors(tmp_path, engines):
+    """A model without next-token layers is refused at LLM(), naming why; a missing
+    tensor is named, a quantized target refused; lp-serve passes the config through
+    (vLLM's "deepseek_mtp" is "mtp"), refuses a bad one when it parses its arguments,
+    and exits at start-up with the engine's reason."""
+    with pytest.raises(ValueError, match="no next-token \\(MTP\\) layers"):
+        LLM(**engines.kwargs("chunked"),
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    bad = shutil.copytree(ensure_tiny_mtp("tiny-glm-mtp"), tmp_path / "bad")
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(bad / "model.safetensors"))
+    del t["model.layers.4.hnorm.weight"]
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.4.hnorm.weight'"):
+        load_mtp(bad, load_model(bad))
+    with pytest.raises(ValueError, match="16-bit checkpoints only, not with quantization"):
+        load_mtp(bad, load_model(bad, quantization="int8"))
+    spec = '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'
+    sc = serve.engine_config(serve.build_parser().parse_args(
+        ["--speculative-config", spec])).speculative_config
+    assert (sc.method, sc.num_speculative_tokens, sc.drafts_on_device) == ("mtp", 2, True)
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--speculative-config", json.dumps(
+            {"method": "mtp", "num_speculative_tokens": "auto"})])
+    with pytest.raises(SystemExit, match="lp-serve: .*no next-token \\(MTP\\) layers"):
+        serve.main(["--model", engines.kwargs("chunked")["model"], "--speculative-config",
+                    spec, "--max-model-len", "64", "--max-num-seqs", "2"])
+
+
+# --------------------------------------------------------------- recompute
+def _rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run_units(graphdef, cfg, units, state, x_ND, meta):
+    """Units [0, units) of a model over a ragged batch on a fresh pool: [N, D]."""
+    model = nnx.merge(graphdef, state)
+    kv = init_kv_cache(cfg, POOL_PAGES, PAGE, x_ND.dtype)
+    return model.run_units(x_ND, kv, meta, 0, units)[0]
+
+
+def _ragged(rows: list[np.ndarray]):
+    """Sequences of rows from position 0, packed into one ROWS-row batch: (x_ND, meta)."""
+    x_ND, seqs, r, page = np.zeros((ROWS, rows[0].shape[1]), rows[0].dtype), [], 0, 0
+    for x in rows:
+        n = len(x)
+        seqs.append((0, n, list(range(page, page + -(-n // PAGE)))))
+        x_ND[r:r + n], r, page = x, r + n, page + -(-n // PAGE)
+    meta = build_metadata(seqs, page_size=PAGE, num_tokens=ROWS, num_seqs=BATCH,
+                          pages_per_seq=ROWS // PAGE)
+    return x_ND, jax.tree.map(jnp.asarray, meta)
+
+
+def _batches(items, n_rows):
+    """items in groups whose rows fit one ragged batch."""
+    group, used = [], 0
+    for it in items:
+        if group and (used + n_rows(it) > ROWS - PAGE * BATCH or len(group) == BATCH):
+            yield group
+            group, used = [], 0
+        group.append(it)
+        used += n_rows(it)
+    if group:
+        yield group
+
+
+class _Recompute:
+    """The target's last hidden states (before the final norm) of whole sequences, and the
+    MTP layer's drafts after prefixes from its published definition: the embedding (zero
+    at position 0) and hidden state normed and concatenated, eh_proj, the decoder layer over
+    the whole sequence at positions 0.. (causal, a fresh pool), and shared_head; k steps,
+    each recomputing everything with its draft appended. The norms, the projection and the
+    head are numpy, from the checkpoint's tensors by name; the decoder layer is the loaded
+    one (its tensors are checked against their names above)."""
+
+    def __init__(self, llm, model_dir):
+        runner = llm.engine.runner
+        self.target = runner.graphdef, runner.state
+        self.mcfg, self.p, _ = llm.engine._draft_model
+        self.cfg = runner.cfg
+        self.t, self.at = _tensors(model_dir), f"model.layers.{self.cfg.num_hidden_layers}."
+
+    def last_hidden(self, fulls):
+        """{tuple(sequence): its hidden states [T, D] float64}."""
+        graphdef, state = self.target
+        model = nnx.merge(graphdef, state)
+        out = {}
+        for group in _batches(fulls, len):
+            x_ND, meta = _ragged([np.asarray(model.embed(jnp.asarray(f))) for f in group])
+            h_ND = np.asarray(_run_units(graphdef, self.cfg, 2 * self.cfg.num_hidden_layers,
+                                         state, jnp.asarray(x_ND), meta), np.float64)
+            r = 0
+            for f in group:
+                out[tuple(f)], r = h_ND[r:r + len(f)], r + len(f)
+        return out
+
+    def drafts(self, cases, k):
+        """k drafts for each (h_TD, next_T) case: the target's hidden states of a prefix's
+        positions and the token after each."""
+        t, at, eps, D = self.t, self.at, self.cfg.rms_norm_eps, self.cfg.hidden_size
+        embed = t.get(at + "embed_tokens.weight", t["model.embed_tokens.weight"])
+        head = t.get(at + "shared_head.head.weight", t.get("lm_head.weight"))
+        state = [[list(nxt), h, []] for h, nxt in cases]  # tokens, hidden rows, drafts
+        for _ in range(k):
+            for group in _batches(state, lambda c: len(c[0])):
+                xs = []
+                for tokens, g, _ in group:
+                    e = embed[tokens, :D].copy()
+                    e[0] = 0
+                    x = np.concatenate([_rms(e, t[at + "enorm.weight"], eps),
+                                        _rms(g, t[at + "hnorm.weight"], eps)], -1)
+                    xs.append((x @ t[at + "eh_proj.weight"].T).astype(np.float32))
+                x_ND, meta = _ragged(xs)
+                o_ND = np.asarray(_run_units(self.mcfg.graphdef, self.mcfg.model_cfg, 2,
+                                             self.p.state, jnp.asarray(x_ND), meta), np.float64)
+                r = 0
+                for case, x in zip(group, xs, strict=True):
+                    r += len(x)
+                    o = o_ND[r - 1]
+                    case[2].append(int(np.argmax(
+                        _rms(o, t[at + "shared_head.norm.weight"], eps) @ head.T)))
+                    case[0].append(case[2][-1])
+                    case[1] = np.concatenate([case[1], o[None]])
+        return [out for _, _, out in state]
+
+
+# ------------------------------------------------------------ in the engine
+@pytest.mark.parametrize("policy", ["layered", "orca", "chunked"])  # orca, chunked: one program
+def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_dir, policy):
+    """tiny-deepseek's golden greedy tokens (the target's weights are tiny-deepseek's)
+    with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes:
+    under layered prefill each prompt's last hidden states leave the last layer group in
+    a later call than its first. Every draft the engine proposed equals the recompute
+    over the target's own hidden states at that point, so the draft KV on the target's
+    pages, rolled back past rejected rows, gives what none gives. Drafts are accepted and
+    rejected; no program beyond one per row bucket, no compile while serving, every page
+    back."""
+    golden = np.load("tests/golden/tiny-deepseek.npz")
+    llm = LLM(str(two_token_dir), max_num_seqs=4, max_model_len=80, log=None,
+              **GOLDEN_ENGINES[policy],
+              speculative_config={"method": "mtp", "num_speculative_tokens": K_DRAFTS})
+    seen = []  # (tokens so far, the drafts proposed after them)
+    commit = llm.engine.scheduler.commit
+
+    def recording(plan, result, now):
+        done = commit(plan, result, now)
+        for seq in plan.sampling_seqs:
+            if not seq.is_finished and not seq.num_pending_tokens:
+                seen.append((list(seq.token_ids), seq.draft_tokens))
+        return done
+
+    llm.engine.scheduler.commit = recording
+    outs = run_golden_prompts(llm.engine, golden)
+    fulls = []
+    for i, out in outs.items():
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist()
+        fulls.append(golden[f"prompt_{i}"].tolist() + out.outputs[0].token_ids)
+    ref = _Recompute(llm, two_token_dir)
+    hidden = ref.last_hidden(fulls)
+    assert len(seen) > 40
+    cases = []
+    for tokens, _ in seen:
+        full = next(f for f in fulls if f[:len(tokens)] == tokens)
+        cases.append((hidden[tuple(full)][: len(tokens) - 1], tokens[1:]))
+    for (tokens, drafts), want in zip(seen, ref.drafts(cases, K_DRAFTS), strict=True):
+        assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(tokens), drafts)
+    s = llm.stats()
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert s["programs"] == len(GOLDEN_ENGINES[policy]["token_buckets"])
+    assert s["startup_compilations"] <= 32 and s["compilations_after_warmup"] == 0
+    assert s["free_pages"] == s["total_pages"]
+    if policy == "chunked":  # the same engine behind lp-serve's OpenAI server
+        _serve_one_completion(llm, golden)
+
+
+def _serve_one_completion(llm, golden):
+    """A greedy completion through the server speculates and returns the golden text."""
+    import urllib.request
+
+    from conftest import start_server
+
+    before = llm.stats()["spec_decode_num_drafts"]
+    server = start_server(llm.engine)
+    try:
+        body = json.dumps({"model": "mock", "prompt": golden["prompt_0"].tolist(),
+                           "max_tokens": 12, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{server.url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.load(r)
+    finally:
+        server.stop()
+    assert out["choices"][0]["text"] == llm.engine.tokenizer.decode(
+        golden["greedy_0"][:12].tolist())
+    assert llm.stats()["spec_decode_num_drafts"] > before
