@@ -53,9 +53,9 @@ FLAG_ABOVE = 0.10  # differences to the analytic model above this are explained
 # Pallas custom-call targets in optimized HLO (Mosaic GPU's is "mosaic_gpu_v2" there)
 PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")
 # Query rows (block_q x query heads per KV head) per work item of the attention
-# kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py's block_rows default.
+# kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py PREFILL_BLOCK_ROWS.
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
-              cost.GPU_PREFILL_ATTENTION: 128}
+              cost.GPU_PREFILL_ATTENTION: 256}
 SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
 SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
