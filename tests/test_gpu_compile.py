@@ -196,6 +196,30 @@ def test_one_row_projection_reads_its_weight_once():
     np.testing.assert_allclose(sliced_row_dot(x, w), x @ w, rtol=1e-4, atol=1e-3)
 
 
+def test_projections_of_several_rows_leave_the_gemm_in_bf16():
+    """q / k / v projections of 1,024 rows with per-head norms after q and k (Qwen3's
+    pattern): XLA merges the three dots into one GEMM. With float32 dots and casts its
+    output was float32 (f32[1024, 1536] here), read whole by each norm; `dense_dot` asks
+    the dot for bf16, so the GEMM writes bf16 and no float32 product of the merged
+    width exists."""
+    from lp_jax.models.layers import rms_norm
+    from lp_jax.quant.linear import linear
+
+    T, D, NH, KH = 1024, 256, 1024, 256
+
+    def qkv(x, wq, wk, wv, g):
+        q = rms_norm(linear(x, wq).reshape(T, -1, 128), g, 1e-6)
+        k = rms_norm(linear(x, wk).reshape(T, -1, 128), g, 1e-6)
+        return q, k, linear(x, wv)
+
+    compiled = compile_targets.compile_cuda(qkv, (sd((T, D), bf16), sd((D, NH), bf16),
+                                                  sd((D, KH), bf16), sd((D, KH), bf16),
+                                                  sd((128,), bf16)))
+    text = compiled.as_text()
+    assert f"bf16[{T},{NH + 2 * KH}]" in text  # the merged GEMM
+    assert f"f32[{T},{NH + 2 * KH}]" not in text
+
+
 def test_mla_kernel_launches_as_written(kernels):
     """8 warps, grid (tokens, head blocks of 16, splits), two blocks an SM."""
     (k,) = kernels["mla_deepseek_v3"]
