@@ -60,7 +60,9 @@ def _moe(model: dict, biases: bool):
 def _attention(N: int, K: int, H: int, gpt_oss: bool):
     from pallas_kernels.attention import gpu
 
-    S, pages, B, C, T = 16, 4096, 8, 16, 64
+    # The 48-layer step's pool (12.9 GB of Qwen3's pages): past 2 GiB the kernels' page
+    # offsets are 64-bit, which costs registers that a small pool's 32-bit ones do not.
+    S, pages, B, C, T = 16, 393216, 8, 16, 64
     args = [sd((T, N, H), bf16), sd((pages, S, 2 * K, H), bf16), sd((B + 1,), i32),
             sd((B,), i32), sd((B, C), i32), sd((), i32), sd((B, N, H), bf16)]
     if gpt_oss:

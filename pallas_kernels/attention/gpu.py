@@ -49,9 +49,10 @@ value) and dequantised in registers, x * scale in float32 and then q's dtype, so
 still sees equal operand types; k_scale and v_scale are one more [2] float32 operand,
 present only for an FP8 pool. Checked in the interpreter and compiled for the H200
 (XLA's Triton and ptxas, sm_90a, Qwen3 heads: no spills; decode 168 registers against
-bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill 252 against 219,
-under the 255 cap; the 1-byte pages halve the shared memory of the pipelined loads);
-not yet run on a GPU.
+bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill at 128 rows
+(`PREFILL_BLOCK_ROWS_FP8`) 249 at the 48-layer step's shapes, where bf16's 256 rows
+take 255; the 1-byte pages halve the shared memory of the pipelined loads); not yet
+run on a GPU.
 
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
@@ -104,6 +105,10 @@ from pallas_kernels.attention.ref import (
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
 PREFILL_BLOCK_ROWS = 256  # query rows of a prefill program (lp_jax.roofline reads it)
+# An FP8 pool's: its dequantisation takes the registers that 256 rows would need (4 B
+# spilled at Qwen3's 48-layer shapes), and its 1-byte pages already halve what each
+# re-read moves.
+PREFILL_BLOCK_ROWS_FP8 = 128
 
 
 def prefill_keys_per_step(rows: int, head_dim: int) -> int:
@@ -411,13 +416,14 @@ def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_rows", "pages_per_block",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
-                           num_seqs, *, sm_scale, block_rows=PREFILL_BLOCK_ROWS,
+                           num_seqs, *, sm_scale, block_rows=None,
                            pages_per_block=None, num_warps=8, num_stages=2, interpret=False,
                            sinks_N=None, sliding_window=None, k_scale=None, v_scale=None):
     """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
 
     block_rows: query rows per program, block_q * G (block_q = block_rows // G tokens,
-    at least 1; rows are raised to 16). Every K/V tile a program loads serves its
+    at least 1; rows are raised to 16; default PREFILL_BLOCK_ROWS, an FP8 pool's
+    PREFILL_BLOCK_ROWS_FP8). Every K/V tile a program loads serves its
     block_q tokens, so a long prompt reads its context once per block_q tokens: 256
     rows (32 tokens of Qwen3's 8 query heads a KV head) read it half as often as 128.
     pages_per_block: pages per flash step (default `prefill_keys_per_step`). 8 warps,
@@ -432,6 +438,8 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     K = J // 2
     G = N // K
     Gp = _next_pow2(G)
+    if block_rows is None:
+        block_rows = PREFILL_BLOCK_ROWS_FP8 if is_fp8(kv_pages_PSJH) else PREFILL_BLOCK_ROWS
     block_q = max(1, _next_pow2(max(block_rows, 16)) // Gp)
     if block_q * Gp < 16:
         block_q = 16 // Gp
