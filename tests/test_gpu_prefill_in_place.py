@@ -3,16 +3,19 @@ padded copy of q in, no select over o out, at a head grouping of a power of two.
 Rows past the batch's last token are zeros written by the kernel's own tail items,
 and an item that ends near T takes the block_q rows that end at T (the interpret
 tests in test_attention_kernels.py check the values; here, the program's shape and
-the edge the shift serves). The roofline reader costs the kernel at its block rows."""
+the edge the shift serves). The roofline reader costs each program's prefill call at
+the block it was compiled with."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 
-from lp_jax.roofline import compiled
+from lp_jax.roofline import compiled, hlo
 from pallas_kernels import cost
 from pallas_kernels.attention import gpu
 from pallas_kernels.attention.ref import ref_ragged_paged_attention
@@ -68,7 +71,26 @@ def test_items_near_the_end_and_the_tail_rows():
     assert not np.asarray(got[sum(q_lens):]).any()
 
 
-def test_reader_costs_the_prefill_kernel_at_its_block_rows():
+def _prefill_call(items: int, seqs: int, rows: int) -> hlo.Instr:
+    """The prefill kernel's custom call as an H200 program's HLO writes it (operands: the
+    meta rows, the page table, q, the pool twice)."""
+    layouts = (f"s32[{items},8]{{1,0}}, s32[{seqs},256]{{1,0}}, bf16[{rows},4,8,128]{{3,2,1,0}}, "
+               "bf16[393216,16,8,128]{3,2,1,0}, bf16[393216,16,8,128]{3,2,1,0}")
+    return hlo.Instr(name="pallas_call.0", type=f"bf16[{rows},4,8,128]{{3,2,1,0}}",
+                     opcode="custom-call", operands=[], args="", called=[],
+                     attrs=f'custom_call_target="__gpu$xla.gpu.triton", '
+                           f"operand_layout_constraints={{{layouts}}}, backend_config={{}}")
+
+
+def test_reader_costs_the_prefill_kernel_at_the_programs_block():
+    """The reader reads the tokens a work item takes from the call's meta rows (ceil(T /
+    block_q) + B), so a program of 128-row items (16 Qwen3 tokens: 546 items at 8,224
+    rows) and one of 256-row items (289) are each costed at their own; BLOCK_ROWS, the
+    fallback, is the kernel's default."""
+    p = SimpleNamespace(rows=8224)
+    assert compiled.prefill_block_q(_prefill_call(546, 32, 8224), p) == 16
+    assert compiled.prefill_block_q(_prefill_call(289, 32, 8224), p) == 32
+    assert compiled.prefill_block_q(_prefill_call(300, 32, 8224), p) is None
     assert compiled.BLOCK_ROWS[cost.GPU_PREFILL_ATTENTION] == gpu.PREFILL_BLOCK_ROWS
     assert gpu.prefill_keys_per_step(256, 128) == 16  # the spill-free step (docstring)
     assert gpu.prefill_keys_per_step(128, 128) == gpu.prefill_keys_per_step(256, 64) == 64
