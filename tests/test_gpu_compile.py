@@ -7,7 +7,8 @@ Model shapes in bfloat16: the MoE at Qwen3-30B-A3B's (D 2048, 128 experts, top-8
 and GPT-OSS-20B's (D = F = 2880, 32 experts, top-4, expert biases and the clamped
 SwiGLU), weights stacked [L=2, ...] with a traced layer; attention (decode and ragged
 prefill, one program each model) at Qwen3's heads (32 / 4, head_dim 128) and GPT-OSS's
-(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages; the MLA decode
+(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages of the 48-layer
+step's pool (past 2 GiB: 64-bit page offsets); the MLA decode
 kernel at DeepSeek-V3's heads (128, latent 512 + 64) over an FP8 pool. Five compiles
 in all, shared by the checks (a module fixture); each kernel's resources come from
 ptxas's own report (`lp_jax.aot.resources`).
@@ -18,8 +19,9 @@ MoE's persistent grid; 4 and 8 warps for decode and prefill attention); shared m
 within the H200's 227 KiB a block; and the occupancy the design counts on (decode
 attention: at least 3 blocks an SM). The figures are in BENCHMARKS.md.
 
-One more small compile checks the model's one-row projection dot (`row_dot`): it reads
-its weight once instead of storing the float32 product.
+Two more small compiles check the projections' dots: one row (`row_dot`) reads its weight
+once instead of storing the float32 product, and several rows (`dense_dot`) leave the
+merged q/k/v GEMM in bf16.
 """
 
 from __future__ import annotations
