@@ -3,7 +3,7 @@ ptxas gives each (registers, spills, shared memory, launch) and what that allows
 
     python launch/gpu_kernel_resources.py                        # the defaults
     python launch/gpu_kernel_resources.py --moe-bn 64            # gate/up N block 64
-    python launch/gpu_kernel_resources.py --prefill-warps 4 --prefill-rows 64
+    python launch/gpu_kernel_resources.py --prefill-rows 128 --prefill-pages 4  # 128 x 64
     python launch/gpu_kernel_resources.py --mxfp4                # + W4A16 MoE, GPT-OSS-20B
 
 Needs the `gpu-compile` extra (the CUDA plugin and ptxas), no GPU. Qwen3-30B-A3B shapes,
@@ -116,7 +116,10 @@ def main(argv=None):
     p.add_argument("--moe-bn", type=int, default=128, help="gate/up N block")
     p.add_argument("--moe-down-bn", type=int, default=256)
     p.add_argument("--moe-stages", type=int, default=4)
-    p.add_argument("--prefill-rows", type=int, default=128, help="query rows a program")
+    p.add_argument("--prefill-rows", type=int, default=None,
+                   help="query rows a program (default: the kernel's, PREFILL_BLOCK_ROWS)")
+    p.add_argument("--prefill-pages", type=int, default=None,
+                   help="pages a flash step (default: the kernel's prefill_keys_per_step)")
     p.add_argument("--prefill-warps", type=int, default=8)
     p.add_argument("--prefill-stages", type=int, default=2)
     p.add_argument("--decode-warps", type=int, default=4)
@@ -138,7 +141,8 @@ def main(argv=None):
                 sd((L, E, D, 2 * F), jnp.bfloat16), sd((L, E, F, D), jnp.bfloat16),
                 sd((), jnp.int32))
     N, K, H, S, B, C = 32, 4, 128, 16, 8, 16
-    attn_args = (sd((64, N, H), jnp.bfloat16), sd((4096, S, 2 * K, H), jnp.bfloat16),
+    # the 48-layer step's pool (12.9 GB): its 64-bit page offsets cost registers
+    attn_args = (sd((64, N, H), jnp.bfloat16), sd((393216, S, 2 * K, H), jnp.bfloat16),
                  sd((B + 1,), jnp.int32), sd((B,), jnp.int32), sd((B, C), jnp.int32),
                  sd((), jnp.int32), sd((B, N, H), jnp.bfloat16))
 
@@ -149,8 +153,8 @@ def main(argv=None):
     def attn(q, kv, starts, lens, table, n, q_dec):
         return (attention.ragged_paged_attention(
                     q, kv, starts, lens, table, n, sm_scale=H**-0.5,
-                    block_rows=args.prefill_rows, num_warps=args.prefill_warps,
-                    num_stages=args.prefill_stages),
+                    block_rows=args.prefill_rows, pages_per_block=args.prefill_pages,
+                    num_warps=args.prefill_warps, num_stages=args.prefill_stages),
                 attention.decode_attention(q_dec, kv, lens, table, sm_scale=H**-0.5,
                                            num_warps=args.decode_warps))
 

@@ -7,7 +7,8 @@ Model shapes in bfloat16: the MoE at Qwen3-30B-A3B's (D 2048, 128 experts, top-8
 and GPT-OSS-20B's (D = F = 2880, 32 experts, top-4, expert biases and the clamped
 SwiGLU), weights stacked [L=2, ...] with a traced layer; attention (decode and ragged
 prefill, one program each model) at Qwen3's heads (32 / 4, head_dim 128) and GPT-OSS's
-(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages; the MLA decode
+(64 / 8, head_dim 64, sinks and a traced sliding window), 16-token pages of the 48-layer
+step's pool (past 2 GiB: 64-bit page offsets); the MLA decode
 kernel at DeepSeek-V3's heads (128, latent 512 + 64) over an FP8 pool. Five compiles
 in all, shared by the checks (a module fixture); each kernel's resources come from
 ptxas's own report (`lp_jax.aot.resources`).
@@ -18,8 +19,9 @@ MoE's persistent grid; 4 and 8 warps for decode and prefill attention); shared m
 within the H200's 227 KiB a block; and the occupancy the design counts on (decode
 attention: at least 3 blocks an SM). The figures are in BENCHMARKS.md.
 
-One more small compile checks the model's one-row projection dot (`row_dot`): it reads
-its weight once instead of storing the float32 product.
+Two more small compiles check the projections' dots: one row (`row_dot`) reads its weight
+once instead of storing the float32 product, and several rows (`dense_dot`) leave the
+merged q/k/v GEMM in bf16.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def _moe(model: dict, biases: bool):
 def _attention(N: int, K: int, H: int, gpt_oss: bool):
     from pallas_kernels.attention import gpu
 
-    S, pages, B, C, T = 16, 4096, 8, 16, 64
+    # The 48-layer step's pool (12.9 GB of Qwen3's pages): past 2 GiB the kernels' page
+    # offsets are 64-bit, which costs registers that a small pool's 32-bit ones do not.
+    S, pages, B, C, T = 16, 393216, 8, 16, 64
     args = [sd((T, N, H), bf16), sd((pages, S, 2 * K, H), bf16), sd((B + 1,), i32),
             sd((B,), i32), sd((B, C), i32), sd((), i32), sd((B, N, H), bf16)]
     if gpt_oss:
@@ -194,6 +198,30 @@ def test_one_row_projection_reads_its_weight_once():
     x = jax.random.normal(kx, (1, K), jnp.float32)
     w = jax.random.normal(kw, (K, N), jnp.float32)
     np.testing.assert_allclose(sliced_row_dot(x, w), x @ w, rtol=1e-4, atol=1e-3)
+
+
+def test_projections_of_several_rows_leave_the_gemm_in_bf16():
+    """q / k / v projections of 1,024 rows with per-head norms after q and k (Qwen3's
+    pattern): XLA merges the three dots into one GEMM. With float32 dots and casts its
+    output was float32 (f32[1024, 1536] here), read whole by each norm; `dense_dot` asks
+    the dot for bf16, so the GEMM writes bf16 and no float32 product of the merged
+    width exists."""
+    from lp_jax.models.layers import rms_norm
+    from lp_jax.quant.linear import linear
+
+    T, D, NH, KH = 1024, 256, 1024, 256
+
+    def qkv(x, wq, wk, wv, g):
+        q = rms_norm(linear(x, wq).reshape(T, -1, 128), g, 1e-6)
+        k = rms_norm(linear(x, wk).reshape(T, -1, 128), g, 1e-6)
+        return q, k, linear(x, wv)
+
+    compiled = compile_targets.compile_cuda(qkv, (sd((T, D), bf16), sd((D, NH), bf16),
+                                                  sd((D, KH), bf16), sd((D, KH), bf16),
+                                                  sd((128,), bf16)))
+    text = compiled.as_text()
+    assert f"bf16[{T},{NH + 2 * KH}]" in text  # the merged GEMM
+    assert f"f32[{T},{NH + 2 * KH}]" not in text
 
 
 def test_mla_kernel_launches_as_written(kernels):

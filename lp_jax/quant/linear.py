@@ -7,7 +7,8 @@ pallas_kernels.quant) and `name_scale` (float32 [.., k, n]), declared by
 scale's K axis (size 1), which is unsharded.
 
 `row_dot` is the projections' dot, x @ w accumulated in float32. On a GPU, one row is
-written as partial dots over 512-row slices of w, summed after (its docstring says why).
+written as partial dots over 512-row slices of w, summed after (its docstring says why);
+`dense_dot` is it in x's dtype, which a GPU's GEMM of several rows writes directly.
 
 `linear` is the dense projections' quantized dot:
 * per output channel (int8, fp8): (x @ w_q) * scale. The scale is constant along K,
@@ -101,6 +102,18 @@ def row_dot(x_TK: jax.Array, w_KN: jax.Array) -> jax.Array:
     return sliced_row_dot(x_TK, w_KN)
 
 
+def dense_dot(x_TK: jax.Array, w_KN: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32, in x's dtype. On a GPU, more than one row asks the
+    dot itself for x's dtype: XLA:GPU's GEMMs accumulate in float32 and round once, as
+    a float32 dot and a cast would, but the float32 product never reaches memory. (With
+    a float32 dot XLA merges the q / k / v projections into one GEMM with a float32
+    output, and each consumer reads it and rounds.) Elsewhere, and for one row, `row_dot`
+    and a cast."""
+    if x_TK.ndim == 2 and x_TK.shape[0] > 1 and target_platform() == "gpu":
+        return jnp.dot(x_TK, w_KN, preferred_element_type=x_TK.dtype)
+    return row_dot(x_TK, w_KN).astype(x_TK.dtype)
+
+
 def sliced_row_dot(x_1K: jax.Array, w_KN: jax.Array) -> jax.Array:
     """x @ w for one row as K / ROW_SLICE_K partial dots added one by one (float32).
     The adds are written out: XLA merges a sum over the slices into the reduce over K,
@@ -118,10 +131,10 @@ def sliced_row_dot(x_1K: jax.Array, w_KN: jax.Array) -> jax.Array:
 
 def linear(x_TK: jax.Array, w_KN: jax.Array, scale_kn: jax.Array | None = None,
            scheme: QuantScheme | None = None) -> jax.Array:
-    """x @ w accumulated in float32 (`row_dot`), in x's dtype; w quantized when `scale_kn`
-    is given."""
+    """x @ w accumulated in float32 (`dense_dot`), in x's dtype; w quantized when
+    `scale_kn` is given."""
     if scale_kn is None:
-        return row_dot(x_TK, w_KN).astype(x_TK.dtype)
+        return dense_dot(x_TK, w_KN)
     if scheme.block_k is None:  # per output channel: the scale after the dot
         y_TN = row_dot(x_TK, w_KN.astype(x_TK.dtype))
         return (y_TN * scale_kn[0]).astype(x_TK.dtype)

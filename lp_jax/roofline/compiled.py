@@ -53,9 +53,11 @@ FLAG_ABOVE = 0.10  # differences to the analytic model above this are explained
 # Pallas custom-call targets in optimized HLO (Mosaic GPU's is "mosaic_gpu_v2" there)
 PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")
 # Query rows (block_q x query heads per KV head) per work item of the attention
-# kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py's block_rows default.
+# kernels: attention/tpu.py DEFAULT_BLOCK_ROWS, attention/gpu.py PREFILL_BLOCK_ROWS. The
+# GPU prefill kernel's is read from each program's call instead (`prefill_block_q`), so
+# that a program compiled with other tiles is costed at its own.
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
-              cost.GPU_PREFILL_ATTENTION: 128}
+              cost.GPU_PREFILL_ATTENTION: 256}
 SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
 SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
@@ -119,20 +121,22 @@ class Program:
     context_len: int  # keys per sequence after the step, assumed (<= pages_per_seq * S)
 
 
-def kernel_cost(name: str, p: Program) -> cost.KernelCost:
+def kernel_cost(name: str, p: Program, block_q: int | None = None) -> cost.KernelCost:
     """`cost.estimate(name, ...)` at the program's rows, per device: uniform routing over
     the experts (a device holds 1/ep of them and their rows), every sequence at
-    p.context_len keys."""
+    p.context_len keys. block_q: an attention kernel's query tokens per work item as
+    the program has them (None: BLOCK_ROWS over the query heads a KV head)."""
     s, b = p.shape, p.shape.dtype_bytes
     if name in (cost.TPU_ATTENTION, cost.TPU_JAX_ATTENTION, cost.GPU_DECODE_ATTENTION,
                 cost.GPU_PREFILL_ATTENTION):
         tokens = p.seqs if name == cost.GPU_DECODE_ATTENTION else p.rows
         heads, kv_heads = max(s.num_q_heads // p.tp, 1), max(s.num_kv_heads // p.tp, 1)
+        if block_q is None:
+            block_q = max(1, BLOCK_ROWS.get(name, 1) // (heads // kv_heads))
         return cost.estimate(
             name, tokens=tokens, seqs=p.seqs, pages_per_seq=p.pages_per_seq,
             page_size=p.page_size, heads=heads, kv_heads=kv_heads, head_dim=s.head_dim,
-            q_itemsize=b, kv_itemsize=b, context_len=p.context_len,
-            block_q=max(1, BLOCK_ROWS.get(name, 1) // (heads // kv_heads)))
+            q_itemsize=b, kv_itemsize=b, context_len=p.context_len, block_q=block_q)
     if name in (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE):  # s.mla_ranks: (Q, A, R, O)
         _, A, R, _ = s.mla_ranks
         return cost.estimate(name, tokens=p.rows, seqs=p.seqs,
@@ -145,6 +149,24 @@ def kernel_cost(name: str, p: Program) -> cost.KernelCost:
     c = cost.estimate(name, tokens=p.rows, top_k=s.top_k, experts=s.num_experts, k=k, n=n,
                       glu=glu, lhs_itemsize=b, w_itemsize=b, out_itemsize=b)
     return cost.KernelCost(*(round(v / p.ep) for v in dataclasses.astuple(c)))
+
+
+def prefill_block_q(instr: hlo.Instr, p: Program) -> int | None:
+    """The GPU prefill kernel's query tokens per work item, read from the call: its first
+    operand holds one meta row per item, ceil(T / block_q) + B of them (attention/gpu.py
+    `_prefill_items`), B the page table's rows (the second operand), T the program's
+    rows. None when no power of two fits (BLOCK_ROWS is taken then)."""
+    constraints = instr.attrs.split("operand_layout_constraints={", 1)
+    dims = [hlo.dims_of(t) for t in constraints[-1].split("}, ")[:2]]
+    if len(constraints) < 2 or len(dims) < 2 or len(dims[0]) != 2 or len(dims[1]) != 2:
+        return None
+    items, seqs = dims[0][0], dims[1][0]
+    block_q = 1
+    while block_q <= p.rows:
+        if math.ceil(p.rows / block_q) + seqs == items:
+            return block_q
+        block_q *= 2
+    return None
 
 
 def kernel_name(instr: hlo.Instr, p: Program) -> str:
@@ -176,6 +198,7 @@ class Walker:
         self.eff = (eff_compute, eff_mem)
         self.vocab_dev = p.shape.vocab_size // p.tp
         self.hbm_only = hw.name.startswith("TPU")  # VMEM / SMEM buffers are no HBM traffic
+        self.estimates: dict[str, cost.KernelCost] = {}  # each Pallas kernel's, as costed
 
     def hbm(self, type_text: str) -> float:
         return hlo.shape_bytes(type_text, self.hbm_only)
@@ -247,8 +270,11 @@ class Walker:
             target = ins.attr("custom_call_target")
             if target in PALLAS_TARGETS:
                 name = kernel_name(ins, self.p)
-                c = kernel_cost(name, self.p)
+                block_q = (prefill_block_q(ins, self.p)
+                           if name == cost.GPU_PREFILL_ATTENTION else None)
+                c = kernel_cost(name, self.p, block_q)
                 cls = "attention" if "attention" in name else "experts"
+                self.estimates[name] = c
                 return Op(cls, c.flops, c.bytes_accessed, kernel=name)
             if target == "AllocateBuffer":
                 return None
@@ -456,13 +482,16 @@ def kernel_estimates(hlo_text: str, model_cfg, aot_cfg, rows: int) -> list[dict]
     kernel's count and its cost.py estimate per call at these rows, per device."""
     p = _program(ModelShape.from_model_config(model_cfg, model_cfg.model_type),
                  dataclasses.asdict(aot_cfg), rows)
-    module, counts = hlo.parse(hlo_text), {}
+    module, counts, costs = hlo.parse(hlo_text), {}, {}
     for comp in module.computations.values():
         for ins in comp.instrs.values():
             if ins.opcode == "custom-call" and ins.attr("custom_call_target") in PALLAS_TARGETS:
                 name = kernel_name(ins, p)
                 counts[name] = counts.get(name, 0) + 1
-    return [{"kernel": name, "calls_in_hlo": n, **dataclasses.asdict(kernel_cost(name, p)),
+                block_q = (prefill_block_q(ins, p)
+                           if name == cost.GPU_PREFILL_ATTENTION else None)
+                costs[name] = kernel_cost(name, p, block_q)
+    return [{"kernel": name, "calls_in_hlo": n, **dataclasses.asdict(costs[name]),
              "assumes": "uniform routing, a full page table (every sequence at "
                         "max_model_len)"}
             for name, n in sorted(counts.items())]
@@ -502,7 +531,7 @@ def program_roofline(hlo_text: str, summary: dict, rows: int, *, hw: Hardware | 
     p = program_of(summary, rows, context_len)
     walker = Walker(hlo.parse(hlo_text), p, hw, eff_compute, eff_mem)
     outside, body = walker.split()
-    kernels = {op.kernel: kernel_cost(op.kernel, p) for op in outside + body if op.kernel}
+    kernels = {op.kernel: walker.estimates[op.kernel] for op in outside + body if op.kernel}
     a_out, a_layer, a_cls = analytic(p, hw, eff_compute, eff_mem)
     return ProgramRoofline(rows, summary["num_layers"],
                            Part.of(outside, hw, eff_compute, eff_mem),

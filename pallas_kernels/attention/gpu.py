@@ -23,8 +23,11 @@ K/V page once per KV head, not once per query head).
 * `ragged_paged_attention`: causal attention of a ragged batch's new tokens to
   their cached prefix plus themselves (query i of sequence b sits at position
   seq_len_b - q_len_b + i). The wrapper cuts every sequence into blocks of
-  `block_q` tokens (a block never spans two sequences) and the grid is
-  (max blocks, K); rows = block_q * G.
+  `block_q` tokens (a block never spans two sequences), adds blocks over the rows
+  past the last sequence (they store zeros), and the grid is (blocks, K); rows =
+  block_q * G. q and o are the caller's arrays (a bitcast, no padded copies): an
+  item near the end takes the block_q rows that end at T and stores its own under a
+  mask.
 
 Sinks and sliding windows (GPT-OSS, semantics in ref.py), both optional; with both
 None the kernels have exactly their plain operands and programs. The window (an int or
@@ -46,9 +49,10 @@ value) and dequantised in registers, x * scale in float32 and then q's dtype, so
 still sees equal operand types; k_scale and v_scale are one more [2] float32 operand,
 present only for an FP8 pool. Checked in the interpreter and compiled for the H200
 (XLA's Triton and ptxas, sm_90a, Qwen3 heads: no spills; decode 168 registers against
-bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill 252 against 219,
-under the 255 cap; the 1-byte pages halve the shared memory of the pipelined loads);
-not yet run on a GPU.
+bf16's 127, 3 blocks an SM instead of 4 (the design's floor); prefill at 128 rows
+(`PREFILL_BLOCK_ROWS_FP8`) 249 at the 48-layer step's shapes, where bf16's 256 rows
+take 255; the 1-byte pages halve the shared memory of the pipelined loads); not yet
+run on a GPU.
 
 Constraints (checked with a ValueError naming the failed one): head_dim a power of
 two >= 16 and page_size a power of two (Triton block shapes must be powers of two;
@@ -61,8 +65,8 @@ Interpret mode: `interpret=True` runs the pallas_calls in Pallas' generic HLO
 interpreter on any backend (CPU tests). (`plgpu.force_gpu_interpret_mode()` from
 jax.experimental.pallas.mosaic_gpu is the Mosaic GPU interpreter, not for these
 Triton-style kernels.) Out-of-range dynamic slices would be clamped there, so every
-slice the kernels take is in bounds by construction (queries are padded by one
-block, page tables to whole blocks).
+slice the kernels take is in bounds by construction (page tables are padded to whole
+blocks; a prefill item's q rows end at T at the latest).
 
 Bandwidth and the Triton decision (no GPU here; BENCHMARKS.md, "GPU decode attention:
 bandwidth estimate", has the arithmetic). Decode at 32 sequences x 4096 tokens with
@@ -100,6 +104,21 @@ from pallas_kernels.attention.ref import (
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 DECODE_TARGET_PROGRAMS = 256  # split the page axis until B * K * splits reaches this
+PREFILL_BLOCK_ROWS = 256  # query rows of a prefill program (lp_jax.roofline reads it)
+# An FP8 pool's: its dequantisation takes the registers that 256 rows would need (4 B
+# spilled at Qwen3's 48-layer shapes), and its 1-byte pages already halve what each
+# re-read moves.
+PREFILL_BLOCK_ROWS_FP8 = 128
+
+
+def prefill_keys_per_step(rows: int, head_dim: int) -> int:
+    """Keys a prefill program takes per flash step. Its [rows, H] float32 accumulator
+    lives in registers, rows * H / 256 a thread at 8 warps: 64 at 128 x 128, 128 of
+    the 255 at 256 x 128. Beside it sit q, the scores [rows, keys] and the pointer
+    tensors of the page gather, which grow with the keys; at 256 x 128 only 16-key steps
+    leave them room (ptxas, sm_90a, over a 12.9 GB pool: 255 registers, no spills; 32
+    keys spill 56 B a thread, 64 keys 220 B)."""
+    return 64 if rows * head_dim <= 128 * 128 else 16
 
 
 def _is_pow2(x: int) -> bool:
@@ -331,7 +350,7 @@ def _sinks_KGp(sinks_N, K: int, G: int, Gp: int):
 
 def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
                     pages_per_block, page_size):
-    """refs: meta [8], page table [B, C_pad], q [T_pad, Gp, H], K and V views of the
+    """refs: meta [8], page table [B, C_pad], q [T, Gp, H], K and V views of the
     pool, [window [1]], [sinks [Gp] of this KV head], [scales [2] of an FP8 pool] (each
     only with one), output o."""
     meta_ref, pages_ref, q_ref, k_ref, v_ref, *refs = refs
@@ -342,10 +361,18 @@ def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
     block_k = pages_per_block * page_size
     seq, t0, n_rows, pos0, kv_len = (meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3],
                                      meta_ref[4])
-    _, Gp, H = q_ref.shape
+    T, Gp, H = q_ref.shape
     R = block_q * Gp
-    q_RH = q_ref[pl.ds(t0, block_q)].reshape(R, H)
-    q_pos_R = pos0 + jnp.arange(R) // Gp
+    # q and o are [T, Gp, H] as the caller has them (T >= block_q), not padded by a
+    # block: an item near the end takes the block_q rows that end at T, its own being
+    # the last n_rows from row `lead`. The rows before are other items' queries, under
+    # positions that are not theirs; rows are independent, and only the item's are stored.
+    # (A masked load would do without the shift, but costs the registers that keep the
+    # 256-row item from spilling.)
+    t_lo = jnp.minimum(t0, T - block_q)
+    lead = t0 - t_lo
+    q_RH = q_ref[pl.ds(t_lo, block_q)].reshape(R, H)
+    q_pos_R = pos0 - lead + jnp.arange(R) // Gp
     kv_stop = jnp.where(n_rows > 0, jnp.minimum(kv_len, pos0 + n_rows), 0)
     if window is None:
         num_blocks = pl.cdiv(kv_stop, block_k)
@@ -363,7 +390,9 @@ def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
         k_XH, v_XH = _load_kv_block(k_ref, v_ref, page_ids, block_k, scale_ref, q_RH.dtype)
         key_pos_X = page0 * page_size + jnp.arange(block_k)
         key_ok_X = key_pos_X < kv_len
-        visible_RX = (key_pos_X[None, :] <= q_pos_R[:, None]) & key_ok_X[None, :]
+        # A stored row's position is below kv_len, so the causal test also keeps the keys
+        # past kv_len out (their V rows are still zeroed: stale slots may hold NaN).
+        visible_RX = key_pos_X[None, :] <= q_pos_R[:, None]
         if window is not None:  # HF: key > query - window
             visible_RX &= (window <= 0) | (key_pos_X[None, :] > q_pos_R[:, None] - window)
         return _online_softmax_step(q_RH, k_XH, v_XH, visible_RX, key_ok_X, carry, sm_scale)
@@ -377,24 +406,28 @@ def _prefill_kernel(*refs, has_window, has_sinks, has_scales, sm_scale, block_q,
     init = (acc0_RH, m0_R, l0_R)
     acc_RH, _, l_R = jax.lax.fori_loop(0, num_blocks, body, init)
     o_RH = acc_RH / jnp.where(l_R == 0.0, 1.0, l_R)[:, None]
-    row_ok = jnp.broadcast_to((jnp.arange(block_q) < n_rows)[:, None, None], (block_q, Gp, H))
-    plgpu.store(o_ref.at[pl.ds(t0, block_q)], o_RH.reshape(block_q, Gp, H).astype(o_ref.dtype),
-                mask=row_ok)
+    row_Q = jnp.arange(block_q) - lead
+    row_ok = jnp.broadcast_to(((row_Q >= 0) & (row_Q < n_rows))[:, None, None],
+                              (block_q, Gp, H))
+    plgpu.store(o_ref.at[pl.ds(t_lo, block_q)],
+                o_RH.reshape(block_q, Gp, H).astype(o_ref.dtype), mask=row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_rows", "pages_per_block",
                                              "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, page_table_BC,
-                           num_seqs, *, sm_scale, block_rows=128, pages_per_block=None,
-                           num_warps=8, num_stages=2, interpret=False, sinks_N=None,
-                           sliding_window=None, k_scale=None, v_scale=None):
+                           num_seqs, *, sm_scale, block_rows=None,
+                           pages_per_block=None, num_warps=8, num_stages=2, interpret=False,
+                           sinks_N=None, sliding_window=None, k_scale=None, v_scale=None):
     """Causal paged attention of a ragged batch (prefill chunks and decode tokens).
 
     block_rows: query rows per program, block_q * G (block_q = block_rows // G tokens,
-    at least 1; rows are raised to 16). pages_per_block: pages per flash step
-    (default: 64 tokens' worth). The defaults (128 x 64 tiles, 8 warps) are the usual
-    Triton flash-attention forward tiles for head_dim 128, not yet tuned on hardware.
-    Tokens past query_start_B1[num_seqs] return zeros.
+    at least 1; rows are raised to 16; default PREFILL_BLOCK_ROWS, an FP8 pool's
+    PREFILL_BLOCK_ROWS_FP8). Every K/V tile a program loads serves its
+    block_q tokens, so a long prompt reads its context once per block_q tokens: 256
+    rows (32 tokens of Qwen3's 8 query heads a KV head) read it half as often as 128.
+    pages_per_block: pages per flash step (default `prefill_keys_per_step`). 8 warps,
+    not yet tuned on hardware. Tokens past query_start_B1[num_seqs] return zeros.
     sliding_window (int or traced int32 scalar, <= 0: full) and sinks_N [N] (float32 in
     the kernel) are extra operands only when given: a block walks the pages from the
     first one any of its rows sees, and its softmax starts from the sinks.
@@ -405,10 +438,12 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     K = J // 2
     G = N // K
     Gp = _next_pow2(G)
+    if block_rows is None:
+        block_rows = PREFILL_BLOCK_ROWS_FP8 if is_fp8(kv_pages_PSJH) else PREFILL_BLOCK_ROWS
     block_q = max(1, _next_pow2(max(block_rows, 16)) // Gp)
     if block_q * Gp < 16:
         block_q = 16 // Gp
-    ppb = pages_per_block or max(1, 64 // S)
+    ppb = pages_per_block or max(1, prefill_keys_per_step(block_q * Gp, H) // S)
     if not _is_pow2(ppb):
         raise ValueError(f"gpu prefill: pages_per_block={ppb} must be a power of two")
     B, C = page_table_BC.shape
@@ -419,12 +454,14 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     query_start_B1 = query_start_B1.astype(jnp.int32)
     seq_lens_B = seq_lens_B.astype(jnp.int32)
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
-    max_blocks = pl.cdiv(T, block_q) + B
-    meta_M8, _ = query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks)
+    meta_M8 = _prefill_items(query_start_B1, seq_lens_B, num_seqs, T, block_q)
 
-    T_pad = T + block_q  # every block's [t0, t0 + block_q) slice stays in bounds
+    # q and o keep the caller's [T, N, H] (a bitcast to [T, K, G, H]); only a G that is
+    # no power of two is padded to Gp heads, and fewer than block_q rows to block_q.
+    T_in = max(T, block_q)
     q_TKGH = q_TNH.reshape(T, K, G, H)
-    q_TKGH = jnp.pad(q_TKGH, ((0, T_pad - T), (0, 0), (0, Gp - G), (0, 0)))
+    if Gp != G or T_in != T:
+        q_TKGH = jnp.pad(q_TKGH, ((0, T_in - T), (0, 0), (0, Gp - G), (0, 0)))
 
     k_spec, v_spec = _kv_specs(P, S, H)
     fp8 = is_fp8(kv_pages_PSJH)
@@ -435,7 +472,7 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
     in_specs = [
         pl.BlockSpec((None, 8), lambda i, k: (i, 0)),
         pl.BlockSpec((B, C_pad), lambda i, k: (0, 0)),
-        pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
+        pl.BlockSpec((T_in, None, Gp, H), lambda i, k: (0, k, 0, 0)),
         k_spec,
         v_spec,
     ]
@@ -451,15 +488,32 @@ def ragged_paged_attention(q_TNH, kv_pages_PSJH, query_start_B1, seq_lens_B, pag
         operands.append(kv_scales(k_scale, v_scale))
     o_TKGH = pl.pallas_call(
         kernel,
-        grid=(max_blocks, K),
+        grid=(meta_M8.shape[0], K),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((T_pad, None, Gp, H), lambda i, k: (0, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((T_pad, K, Gp, H), q_TNH.dtype),
+        out_specs=pl.BlockSpec((T_in, None, Gp, H), lambda i, k: (0, k, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((T_in, K, Gp, H), q_TNH.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=cost.GPU_PREFILL_ATTENTION,
     )(*operands)
 
-    o_TNH = o_TKGH[:T, :, :G].reshape(T, N, H)
-    valid_T = jnp.arange(T) < query_start_B1[num_seqs]
-    return jnp.where(valid_T[:, None, None], o_TNH, jnp.zeros_like(o_TNH))
+    return o_TKGH[:T, :, :G].reshape(T, N, H)
+
+
+def _prefill_items(query_start_B1, seq_lens_B, num_seqs, T: int, block_q: int):
+    """The prefill grid's work items, meta rows as `query_blocks`: the sequences' blocks,
+    then blocks over the rows past the last sequence's tokens (kv_len 0: they attend to
+    nothing and store zeros), so that every one of the T rows of the output is written
+    by exactly one item. Items: the sequences' blocks are at most ceil(T_real / block_q)
+    + B - 1, the tail's ceil((T - T_real) / block_q), together at most ceil(T /
+    block_q) + B; items past them have 0 rows."""
+    B = seq_lens_B.shape[0]
+    max_blocks = pl.cdiv(T, block_q) + B
+    meta_M8, _ = query_blocks(query_start_B1, seq_lens_B, num_seqs, block_q, max_blocks)
+    used = jnp.sum(meta_M8[:, 2] > 0)
+    tail0 = query_start_B1[num_seqs]
+    t0_M = tail0 + (jnp.arange(max_blocks, dtype=jnp.int32) - used) * block_q
+    tail_M = (meta_M8[:, 2] == 0) & (t0_M < T)
+    tail_meta_M8 = jnp.zeros_like(meta_M8).at[:, 1].set(t0_M).at[:, 2].set(
+        jnp.clip(T - t0_M, 0, block_q))
+    return jnp.where(tail_M[:, None], tail_meta_M8, meta_M8)
