@@ -6,6 +6,7 @@ charging the whole operand made every dense matmul in the layer loop read all 48
 (a step predicted at 9-16x the formula). The rules here run without libtpu.
 """
 
+import dataclasses
 import types
 
 from lp_jax.roofline import hlo
@@ -161,3 +162,39 @@ def test_an_offloaded_scatter_moves_its_updates_not_the_buffer():
     ops = walker.walk(module.computations[module.entry], {}, top=True)
     moved = sum(op.bytes for op in ops)
     assert 0 < moved <= 2 * U * 4 + U * 2 * 4, moved  # the updates twice, the indices
+
+
+def test_layer_kinds_and_known_trip_counts_on_a_compiled_program():
+    """A layer loop whose body picks the MLP by the layer index, as DeepSeek-V3's first
+    dense layers do (`_moe` or the dense `_swiglu`), compiled by XLA:CPU: each kind is
+    costed on its own branch, and a `lax.map` inside the MoE branch counts the trips XLA
+    knows, not one."""
+    import jax
+    import jax.numpy as jnp
+
+    from lp_jax.roofline import QWEN3_30B_A3B
+    from lp_jax.roofline.compiled import Program
+
+    class Model:
+        def _moe(self, x, w):  # 4 blocks of 8 rows
+            return jax.lax.map(lambda xb: xb @ w, x.reshape(4, 8, D)).reshape(4 * 8, D)
+
+        def _swiglu(self, x, w):
+            return x @ w @ w
+
+    model = Model()
+
+    def step(x, w, is_moe):
+        return jax.lax.fori_loop(0, 4, lambda i, x: jax.lax.cond(
+            is_moe[i], lambda x: model._moe(x, w), lambda x: model._swiglu(x, w), x), x)
+
+    text = jax.jit(step).lower(jax.ShapeDtypeStruct((32, D), jnp.float32),
+                               jax.ShapeDtypeStruct((D, D), jnp.float32),
+                               jax.ShapeDtypeStruct((4,), jnp.bool_)).compile().as_text()
+    shape = dataclasses.replace(QWEN3_30B_A3B, num_layers=4, dense_layers=(0,), dense_width=D)
+    p = Program(rows=32, seqs=32, pages_per_seq=1, page_size=16, tp=1, ep=1, shape=shape,
+                context_len=16)
+    _, bodies = Walker(hlo.parse(text), p, get_hardware("H200"), 0.6, 0.8).split_kinds()
+    flops = {kind: sum(op.flops for op in ops if op.cls == "dense matmuls")
+             for kind, ops in bodies.items()}
+    assert flops == {"moe": 4 * 2 * 8 * D * D, "dense": 2 * 2 * 32 * D * D}
