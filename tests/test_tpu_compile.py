@@ -20,6 +20,8 @@ layer is a traced argument, so the compile sees what a layer loop sees. Checks:
   pool a bitcast of the parameter. An unpacked [P, S, 2K, 64] pool compiles too, but
   XLA lays it out page-minor and copies all of it into the kernel's row-major layout
   on every call, which is why the kernel refuses it and the packed form exists.
+* A dense projection of an FP8 (128 x 128 block) checkpoint on v5p: held in 16 bits,
+  its dot has temporaries of the activations' size, not a dequantised weight.
 
 Skipped, with the reason, when libtpu is not installed (`pip install -e '.[tpu]'`).
 """
