@@ -198,3 +198,46 @@ def test_layer_kinds_and_known_trip_counts_on_a_compiled_program():
     flops = {kind: sum(op.flops for op in ops if op.cls == "dense matmuls")
              for kind, ops in bodies.items()}
     assert flops == {"moe": 4 * 2 * 8 * D * D, "dense": 2 * 2 * 32 * D * D}
+
+
+# XLA:TPU's form of MLA's page expansion (einsum "bsa,anh->bsnh" on 64 rows x 16 keys):
+# a convolution whose 128-wide window, padded 127 on each side, slides over a spatial
+# dimension of size 1; and XLA:TPU's loop over 8 query blocks, with no known_trip_count.
+LAT, W = "bf16[64,16,512,1]{2,1,3,0}", "bf16[512,128,128,1]{2,0,1,3}"
+CARRY = f"(s32[], {LAT}, {W})"
+TPU_LOOP = f"""HloModule tpu_loop
+
+%body (p: {CARRY}) -> {CARRY} {{
+  %p = {CARRY} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %lat = {LAT} get-tuple-element(%p), index=1
+  %w = {W} get-tuple-element(%p), index=2
+  %k = f32[64,16,128,128]{{3,1,2,0}} convolution(%lat, %w), window={{size=1x128 \
+pad=0_0x127_127 rhs_reversal=0x1}}, dim_labels=0bf1_i1o0->0b1f
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = {CARRY} tuple(%next, %lat, %w)
+}}
+
+%cond (c: {CARRY}) -> pred[] {{
+  %c = {CARRY} parameter(0)
+  %n = s32[] constant(8)
+  %j = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}}
+
+ENTRY %main (a: {CARRY}) -> {CARRY} {{
+  %a = {CARRY} parameter(0)
+  ROOT %loop = {CARRY} while(%a), condition=%cond, body=%body
+}}
+"""
+
+
+def test_a_padded_window_convolution_and_a_constant_bounded_loop():
+    """The convolution costs its real multiply-adds (512 a output, one window position
+    on the input), not 128 x that; the loop its 8 trips, read from `i < 8`."""
+    module = hlo.parse(TPU_LOOP)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    ops = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8).walk(
+        module.computations[module.entry], {}, top=False)
+    assert sum(op.flops for op in ops) == 8 * (2 * 64 * 16 * 128 * 128 * 512 + 1)

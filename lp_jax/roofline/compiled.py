@@ -15,9 +15,10 @@ HLO itself:
     -> compared with cost_model.model_step_cost on the same shapes
 
 Rules, stated in the output: the layer loop is the top-level while loop that costs
-most; another while loop counts the trips XLA knows (`known_trip_count`: a `lax.map`
-over query blocks), else, in the paged attention functions, the pages of the assumed
-context (the XLA attention's walk over a sequence's pages), else one trip; a
+most; another while loop counts the trips XLA knows (`known_trip_count`, or a condition
+`counter < constant`: a `lax.map` over query blocks), else, in the paged attention
+functions, the pages of the assumed context (the XLA attention's walk over a sequence's
+pages), else one trip; a
 conditional costs its costliest branch (the MoE branch, the ragged attention path,
 sampling), except:
 * prompt scoring (`_score_prompt`, off unless a request asks for prompt
@@ -191,6 +192,24 @@ def _last_dim_is_2f(instr: hlo.Instr, p: Program) -> bool:
     return any(len(d) == 3 and d[-1] == 2 * p.shape.expert_width // p.tp for d in dims)
 
 
+def _conv_macs_per_output(comp: hlo.Computation, ins: hlo.Instr) -> int:
+    """Multiply-adds per output element of a convolution: the input features times, per
+    spatial dimension, the window positions that can land on the input. XLA:TPU writes
+    some einsums as a convolution whose window (128, padded 127 on each side) slides over
+    a spatial dimension of size 1: one position of it is real, not 128."""
+    lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
+    rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
+    lhs_labels, rest = (ins.attr("dim_labels") or "bf_io->bf").split("_", 1)
+    rhs_labels = rest.split("->")[0]
+    window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
+    sizes = [int(w) for w in window.group(1).split("x")] if window else []
+    macs = rhs[rhs_labels.index("i")] if "i" in rhs_labels else 1
+    for k, label in enumerate(lhs_labels):
+        if label.isdigit() and int(label) < len(sizes):
+            macs *= min(sizes[int(label)], lhs[k])
+    return macs
+
+
 def _scaled(ops: list[Op], trips: int) -> list[Op]:
     """ops run `trips` times, as one op each."""
     if trips == 1:
@@ -233,6 +252,11 @@ class Walker:
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
         if known:
             return int(known.group(1))
+        cond = self.m.computations[ins.attr("condition").lstrip("%")]
+        bound = cond.instrs.get(cond.root.operands[-1]) if cond.root.operands else None
+        if (cond.root.opcode == "compare" and "direction=LT" in cond.root.attrs
+                and bound is not None and bound.opcode == "constant"):
+            return int(bound.args)  # XLA:TPU records no trip count: `i < n` from 0
         if any(f in fn for i in body.instrs.values() for fn in self.m.functions_of(i)[:1]
                for f in ATTENTION_FUNCTIONS):
             return math.ceil(self.p.context_len / self.p.page_size)
@@ -369,10 +393,7 @@ class Walker:
                            .strip("{}").split(",") if d]
             return 2.0 * ins.elements * math.prod(lhs[d] for d in contracting), True
         if ins.opcode == "convolution":
-            rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
-            labels = (ins.attr("dim_labels") or "_io->").split("_")[1].split("->")[0]
-            out_feature = rhs[labels.index("o")] if "o" in labels else 1
-            return 2.0 * ins.elements * math.prod(rhs) / out_feature, True
+            return 2.0 * ins.elements * _conv_macs_per_output(comp, ins), True
         if ins.opcode in _ARITH:
             return float(ins.elements), False
         if ins.opcode == "reduce":
