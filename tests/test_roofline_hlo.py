@@ -241,3 +241,44 @@ def test_a_padded_window_convolution_and_a_constant_bounded_loop():
     ops = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8).walk(
         module.computations[module.entry], {}, top=False)
     assert sum(op.flops for op in ops) == 8 * (2 * 64 * 16 * 128 * 128 * 512 + 1)
+
+
+MLA_COND = """HloModule mla_cond
+
+%absorbed (a: bf16[32,576]) -> bf16[32,576] {
+  %a = bf16[32,576]{1,0} parameter(0)
+  ROOT %k = bf16[32,576]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", \
+metadata={op_name="jit(step)/lp_tpu_mla_decode"}
+}
+
+%expanded (e: bf16[32,576]) -> bf16[32,576] {
+  %e = bf16[32,576]{1,0} parameter(0)
+  %w = bf16[576,576]{1,0} constant({...})
+  ROOT %d = bf16[32,576]{1,0} dot(%e, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: pred[], x: bf16[32,576]) -> bf16[32,576] {
+  %p = pred[] parameter(0)
+  %x = bf16[32,576]{1,0} parameter(1)
+  ROOT %c = bf16[32,576]{1,0} conditional(%p, %x, %x), true_computation=%absorbed, \
+false_computation=%expanded
+}
+"""
+
+
+def test_mla_steps_cost_the_decode_kernel_only_when_every_row_can_be_a_decode():
+    """The step's `cond` between the MLA decode kernel (absorbed) and XLA's expanded
+    form: a program of at most max_num_seqs rows costs the kernel's branch, a larger one
+    the expanded branch, whichever costs more."""
+    from lp_jax.roofline.compiled import Program
+    from lp_jax.roofline.model_shape import ModelShape
+    from pallas_kernels import cost
+
+    shape = ModelShape.from_json("tests/configs/DeepSeek-V3.json", name="DeepSeek-V3")
+    module = hlo.parse(MLA_COND)
+    for rows, seqs, want in ((32, 32, cost.TPU_MLA_DECODE), (64, 32, None)):
+        p = Program(rows=rows, seqs=seqs, pages_per_seq=256, page_size=16, tp=1, ep=1,
+                    shape=shape, context_len=4096)
+        ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
+            module.computations[module.entry], {}, top=False)
+        assert [op.kernel for op in ops] == [want], rows
