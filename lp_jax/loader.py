@@ -44,6 +44,7 @@ from lp_jax.config import ModelConfig
 from lp_jax.loader_quant import (
     check_fp8_checkpoint,
     check_mxfp4_request,
+    dequantize_fp8_blocks,
     dummy_quantized,
     param_schemes,
     quantized_sources,
@@ -288,13 +289,8 @@ FP8_BLOCK_SIZE = 128  # HF fine-grained FP8: one weight_scale_inv a 128 x 128 bl
 
 
 def _dequantize_fp8_blocks(arrs):
-    """An FP8 [out, in] weight and its [ceil(out/128), ceil(in/128)] weight_scale_inv ->
-    the float32 [in, out] weight; the last block of a dimension may be partial
-    (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks)."""
-    w_OI, s_oi = arrs[0].astype(np.float32), arrs[1].astype(np.float32)
-    O, I = w_OI.shape
-    b = FP8_BLOCK_SIZE
-    return (w_OI * np.repeat(np.repeat(s_oi, b, axis=0), b, axis=1)[:O, :I]).T
+    """An FP8 [out, in] weight and its weight_scale_inv -> the float32 [in, out] weight."""
+    return dequantize_fp8_blocks(arrs[0], arrs[1]).T
 
 
 class HFCheckpoint:

@@ -47,6 +47,18 @@ def param_schemes(cfg: ModelConfig) -> dict[tuple[str, ...], QuantScheme]:
             for key, s in model.quantized_params(cfg).items() if s is not None}
 
 
+def dequantised_params(cfg: ModelConfig) -> set[tuple[str, ...]]:
+    """Parameter paths whose checkpoint tensors are FP8 128 x 128 blocks but which the
+    model holds in 16 bits (lp_jax.quant.served_scheme): dequantised here, at load.
+    DeepSeek-V3's latent projections are read by loader._mla_sources, which does the
+    same for them."""
+    if cfg.model_type == "gpt_oss":
+        return set()
+    served = param_schemes(cfg)
+    return {("model", "layers", *key.split(".")) for key, s in
+            qwen3_moe.stored_params(cfg).items() if s == FP8_BLOCK} - set(served)
+
+
 def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
     return (*path[:-1], path[-1] + "_scale")
 
@@ -69,9 +81,11 @@ def quantized_sources(cfg: ModelConfig, sources: dict) -> dict:
     """`sources` (loader.hf_sources) with every quantized parameter's source and its
     scale's: read from the FP8 checkpoint's tensors, or quantized at load."""
     schemes = param_schemes(cfg)
-    if not schemes or cfg.quantization.method == "mxfp4":  # hf_sources reads those
-        return sources
     out = dict(sources)
+    for path in dequantised_params(cfg) if cfg.quantization is not None else ():
+        out[path] = _dequantising(sources[path])
+    if not schemes or cfg.quantization.method == "mxfp4":  # hf_sources reads those
+        return out
     for path, scheme in schemes.items():
         src = sources[path]
         if cfg.quantization.from_checkpoint:
@@ -84,6 +98,32 @@ def quantized_sources(cfg: ModelConfig, sources: dict) -> dict:
             out[scale_path(path)] = dataclasses.replace(
                 src, build=lambda a, src=src, s=scheme: _quantize_host(src.build(a), s)[1])
     return out
+
+
+def _dequantising(src):
+    """`src` (a 16-bit parameter's source) reading each FP8 tensor with its
+    weight_scale_inv and dequantising the pair before `src.build` lays it out."""
+    def names(*i):
+        return [n for name in src.names(*i) for n in (name, _scale_name(name))]
+
+    def shapes(*i):
+        return [s for shape in src.shapes(*i) for s in (shape, _block_shape(shape))]
+
+    def build(arrs):
+        return src.build([dequantize_fp8_blocks(arrs[j], arrs[j + 1])
+                          for j in range(0, len(arrs), 2)])
+
+    return dataclasses.replace(src, names=names, shapes=shapes, build=build)
+
+
+def dequantize_fp8_blocks(w_OI: np.ndarray, s_oi: np.ndarray) -> np.ndarray:
+    """An FP8 [out, in] weight and its [ceil(out/128), ceil(in/128)] weight_scale_inv
+    -> float32 [out, in]; the last block of a dimension may be partial (DeepSeek-V3's
+    kv_a_proj_with_mqa: 576 rows, 4.5 blocks)."""
+    O, I = w_OI.shape
+    b = FP8_BLOCK.block_k
+    s_OI = np.repeat(np.repeat(s_oi.astype(np.float32), b, axis=0), b, axis=1)[:O, :I]
+    return w_OI.astype(np.float32) * s_OI
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -123,6 +163,7 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
     HFCheckpoint.check, run after this so that a wrong format is named as such)."""
     schemes = param_schemes(cfg)
     from_ckpt = cfg.quantization is not None and cfg.quantization.method == "fp8_block"
+    fp8 = set(schemes) | dequantised_params(cfg) if from_ckpt else set()
     quantized = {scale_path(p) for p in schemes} | set(schemes) if from_ckpt else set()
     F = cfg.moe_intermediate_size
     if from_ckpt and ("model", "layers", "mlp", "experts_gate_up_proj") in schemes and F % 128:
@@ -137,13 +178,13 @@ def check_fp8_checkpoint(ckpt, cfg: ModelConfig, sources: dict) -> None:
                 if name not in ckpt.where:
                     continue  # HFCheckpoint.check names it
                 dtype = ckpt.where[name].tensors[name][0]
-                if path in schemes and from_ckpt:
+                if path in fp8 and not name.endswith("_scale_inv"):
                     if dtype != FP8_DTYPE:
                         raise CheckpointError(
                             f"{ckpt.where[name].path}: tensor {name!r} is {dtype}, but "
                             "quantization_config (fp8) converts it: expected float8_e4m3fn "
                             "(is it missing from modules_to_not_convert?)")
-                elif path in quantized:
+                elif path in quantized or path in fp8:  # a scale
                     if dtype not in SCALE_DTYPES:
                         raise CheckpointError(f"{ckpt.where[name].path}: scale {name!r} is "
                                               f"{dtype}, expected float32 or bfloat16")

@@ -187,6 +187,19 @@ def test_a_model_that_cannot_fit_is_refused_before_compiling():
 
 
 @needs_libtpu
+def test_tpu7x_is_a_target_with_two_devices_a_chip():
+    """libtpu names Ironwood "tpu7x" and presents each chip as two devices; the audit
+    checks a device against half the chip's 192 GiB."""
+    from lp_jax.aot.chips import chip
+    from pallas_kernels.compile_targets import tpu_topology_devices
+
+    devices = tpu_topology_devices("tpu7x:2x2x1")
+    assert len(devices) == 2 * 4 and devices[0].device_kind == "TPU7x"
+    assert chip(AotConfig(platform="tpu", topology="tpu7x:2x2x1")) == (
+        "TPU7x (Ironwood)", 96 * 2**30)
+
+
+@needs_libtpu
 def test_qwen3_30b_needs_a_slice_not_one_chip():
     cfg = load_config("qwen3-30b-a3b")
     with pytest.raises(ValueError, match=r"does not fit: .* TPU v6e"):

@@ -267,7 +267,8 @@ def test_the_roofline_gives_dp_attention_the_kv_room_tp_cannot():
     assert dp.weight_bytes - chip_layout(shape, (1, 1, 4)).weight_bytes == pytest.approx(
         experts / 64 - experts / 4)
     assert slice_kv_tokens(shape, (16, 1, 4), hw.hbm_bytes) == 16 * dp.kv_tokens(hw.hbm_bytes)
-    assert slice_kv_tokens(shape, (16, 1, 4), hw.hbm_bytes) > 10 * slice_kv_tokens(
+    # 8.2x: FP8 routed experts, the dense projections in bf16 (as an FP8 checkpoint loads)
+    assert slice_kv_tokens(shape, (16, 1, 4), hw.hbm_bytes) > 8 * slice_kv_tokens(
         shape, (1, 1, 64), hw.hbm_bytes)
     assert slice_kv_tokens(shape, (64, 1, 1), hw.hbm_bytes) == 0
     one = dp_link_bytes_per_layer(shape, 16, 4, 64)

@@ -137,3 +137,28 @@ def test_bad_formats_are_refused():
     args = parse_args(["--weight-format", "fp4", "--kv-format", "fp8"])
     assert (args.weight_format, args.kv_format) == ("fp4", "fp8")
     assert isinstance(QWEN3_30B_A3B.with_formats(args.weight_format, None), ModelShape)
+
+
+def test_fp8_block_counts_what_the_engine_holds():
+    """An FP8 checkpoint (128 x 128 blocks): the engine holds its attention projections
+    dequantised to 16 bits and its routed experts in e4m3 with their scales; the
+    roofline's bytes are those of the model's own parameters (abstract, no weights)."""
+    from flax import nnx
+
+    from lp_jax.config import ModelConfig
+    from lp_jax.models import model_class
+    from lp_jax.quant.config import QuantConfig
+
+    hf = {**json.loads((CONFIG_DIR / "Qwen3-30B-A3B.json").read_text()), "num_hidden_layers": 1}
+    cfg = dataclasses.replace(ModelConfig.from_hf_dict(hf), quantization=QuantConfig(
+        "fp8_block", from_checkpoint=True))
+    model = nnx.eval_shape(lambda: model_class(cfg.model_type)(cfg, rngs=nnx.Rngs(0)))
+    layers = model.model.layers
+    held = {kind: sum(math.prod(a.shape) * a.dtype.itemsize
+                      for path, v in nnx.to_flat_state(nnx.state(getattr(layers, kind)))
+                      if not path[-1].endswith(("_norm", "gate")) for a in [v.get_value()])
+            for kind in ("self_attn", "mlp")}
+    shape = ModelShape.from_model_config(cfg, "q")
+    assert shape.weight_format == "fp8_block"
+    assert shape.attention_weight_bytes == held["self_attn"]
+    assert shape.expert_bytes_per_layer == held["mlp"]

@@ -42,9 +42,10 @@ from pallas_kernels.quant import FP8_BLOCK, ref_dequantize, scheme_named
 LOGIT_ATOL = 1e-4
 PROMPT = [5, 17, 42, 99, 7, 250, 3, 64]
 XLA = KernelBackends(moe="xla", attention="xla")
-QUANTIZED = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-             ("mlp", "experts_gate_up_proj"), ("mlp", "experts_down_proj"),
-             ("dense_mlp", "gate_proj"), ("dense_mlp", "up_proj"), ("dense_mlp", "down_proj")]
+EXPERTS = [("mlp", "experts_gate_up_proj"), ("mlp", "experts_down_proj")]
+DENSE = [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+         ("dense_mlp", "gate_proj"), ("dense_mlp", "up_proj"), ("dense_mlp", "down_proj")]
+QUANTIZED = DENSE + EXPERTS  # what tiny-fp8's checkpoint converts
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +84,11 @@ def _params(model):
     return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
-def _dequantized(model, scheme=None):
-    """{path: float32 dequantised weight} of every quantized parameter of `model`."""
+def _dequantized(model, scheme=None, params=QUANTIZED):
+    """{path: float32 dequantised weight} of the quantized `params` of `model`."""
     flat = _params(model)
     out = {}
-    for kind, name in QUANTIZED:
+    for kind, name in params:
         path = ("model", "layers", kind, name)
         w_q, s = np.asarray(flat[path]).astype(np.float32), np.asarray(flat[(*path[:-1],
                                                                                name + "_scale")])
@@ -113,10 +114,15 @@ def test_f8_e4m3_tensors_read(tmp_path):
 
 
 def test_fp8_checkpoint_detected_and_kept_quantized(fp8_model):
+    """The routed experts stay e4m3 with their block scales; the dense projections the
+    checkpoint converts are held dequantised (quant.served_scheme), with no scale."""
     cfg = fp8_model.config
     assert cfg.quantization.method == "fp8_block" and cfg.quantization.from_checkpoint
     layers = fp8_model.model.layers
-    for kind, name in QUANTIZED:
+    for kind, name in DENSE:
+        assert getattr(getattr(layers, kind), name).dtype == np.float32, name
+        assert not hasattr(getattr(layers, kind), name + "_scale"), name
+    for kind, name in EXPERTS:
         w = getattr(getattr(layers, kind), name)
         assert w.dtype == np.dtype(ml_dtypes.float8_e4m3fn), name
         s = getattr(getattr(layers, kind), name + "_scale")
@@ -128,9 +134,13 @@ def test_fp8_checkpoint_detected_and_kept_quantized(fp8_model):
 
 
 def test_fp8_weights_dequantise_to_numpy_quantiser(fp8_model, dequant_model, fp8_dir):
-    want = _params(dequant_model)
-    for path, got in _dequantized(fp8_model).items():
+    want, held = _params(dequant_model), _params(fp8_model)
+    for path, got in _dequantized(fp8_model, params=EXPERTS).items():
         np.testing.assert_array_equal(got, np.asarray(want[path]), err_msg=str(path))
+    for kind, name in DENSE:  # dequantised at load
+        path = ("model", "layers", kind, name)
+        np.testing.assert_array_equal(np.asarray(held[path]), np.asarray(want[path]),
+                                      err_msg=str(path))
     # and the layout against the raw checkpoint: expert 3 of MoE layer 2 (stack index 1)
     f = SafetensorsFile(fp8_dir / "model.safetensors")
     name = "model.layers.2.mlp.experts.3.down_proj.weight"

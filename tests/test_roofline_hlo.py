@@ -6,6 +6,7 @@ charging the whole operand made every dense matmul in the layer loop read all 48
 (a step predicted at 9-16x the formula). The rules here run without libtpu.
 """
 
+import dataclasses
 import types
 
 from lp_jax.roofline import hlo
@@ -161,3 +162,123 @@ def test_an_offloaded_scatter_moves_its_updates_not_the_buffer():
     ops = walker.walk(module.computations[module.entry], {}, top=True)
     moved = sum(op.bytes for op in ops)
     assert 0 < moved <= 2 * U * 4 + U * 2 * 4, moved  # the updates twice, the indices
+
+
+def test_layer_kinds_and_known_trip_counts_on_a_compiled_program():
+    """A layer loop whose body picks the MLP by the layer index, as DeepSeek-V3's first
+    dense layers do (`_moe` or the dense `_swiglu`), compiled by XLA:CPU: each kind is
+    costed on its own branch, and a `lax.map` inside the MoE branch counts the trips XLA
+    knows, not one."""
+    import jax
+    import jax.numpy as jnp
+
+    from lp_jax.roofline import QWEN3_30B_A3B
+    from lp_jax.roofline.compiled import Program
+
+    class Model:
+        def _moe(self, x, w):  # 4 blocks of 8 rows
+            return jax.lax.map(lambda xb: xb @ w, x.reshape(4, 8, D)).reshape(4 * 8, D)
+
+        def _swiglu(self, x, w):
+            return x @ w @ w
+
+    model = Model()
+
+    def step(x, w, is_moe):
+        return jax.lax.fori_loop(0, 4, lambda i, x: jax.lax.cond(
+            is_moe[i], lambda x: model._moe(x, w), lambda x: model._swiglu(x, w), x), x)
+
+    text = jax.jit(step).lower(jax.ShapeDtypeStruct((32, D), jnp.float32),
+                               jax.ShapeDtypeStruct((D, D), jnp.float32),
+                               jax.ShapeDtypeStruct((4,), jnp.bool_)).compile().as_text()
+    shape = dataclasses.replace(QWEN3_30B_A3B, num_layers=4, dense_layers=(0,), dense_width=D)
+    p = Program(rows=32, seqs=32, pages_per_seq=1, page_size=16, tp=1, ep=1, shape=shape,
+                context_len=16)
+    _, bodies = Walker(hlo.parse(text), p, get_hardware("H200"), 0.6, 0.8).split_kinds()
+    flops = {kind: sum(op.flops for op in ops if op.cls == "dense matmuls")
+             for kind, ops in bodies.items()}
+    assert flops == {"moe": 4 * 2 * 8 * D * D, "dense": 2 * 2 * 32 * D * D}
+
+
+# XLA:TPU's form of MLA's page expansion (einsum "bsa,anh->bsnh" on 64 rows x 16 keys):
+# a convolution whose 128-wide window, padded 127 on each side, slides over a spatial
+# dimension of size 1; and XLA:TPU's loop over 8 query blocks, with no known_trip_count.
+LAT, W = "bf16[64,16,512,1]{2,1,3,0}", "bf16[512,128,128,1]{2,0,1,3}"
+CARRY = f"(s32[], {LAT}, {W})"
+TPU_LOOP = f"""HloModule tpu_loop
+
+%body (p: {CARRY}) -> {CARRY} {{
+  %p = {CARRY} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %lat = {LAT} get-tuple-element(%p), index=1
+  %w = {W} get-tuple-element(%p), index=2
+  %k = f32[64,16,128,128]{{3,1,2,0}} convolution(%lat, %w), window={{size=1x128 \
+pad=0_0x127_127 rhs_reversal=0x1}}, dim_labels=0bf1_i1o0->0b1f
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = {CARRY} tuple(%next, %lat, %w)
+}}
+
+%cond (c: {CARRY}) -> pred[] {{
+  %c = {CARRY} parameter(0)
+  %n = s32[] constant(8)
+  %j = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}}
+
+ENTRY %main (a: {CARRY}) -> {CARRY} {{
+  %a = {CARRY} parameter(0)
+  ROOT %loop = {CARRY} while(%a), condition=%cond, body=%body
+}}
+"""
+
+
+def test_a_padded_window_convolution_and_a_constant_bounded_loop():
+    """The convolution costs its real multiply-adds (512 a output, one window position
+    on the input), not 128 x that; the loop its 8 trips, read from `i < 8`."""
+    module = hlo.parse(TPU_LOOP)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    ops = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8).walk(
+        module.computations[module.entry], {}, top=False)
+    assert sum(op.flops for op in ops) == 8 * (2 * 64 * 16 * 128 * 128 * 512 + 1)
+
+
+MLA_COND = """HloModule mla_cond
+
+%absorbed (a: bf16[32,576]) -> bf16[32,576] {
+  %a = bf16[32,576]{1,0} parameter(0)
+  ROOT %k = bf16[32,576]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", \
+metadata={op_name="jit(step)/lp_tpu_mla_decode"}
+}
+
+%expanded (e: bf16[32,576]) -> bf16[32,576] {
+  %e = bf16[32,576]{1,0} parameter(0)
+  %w = bf16[576,576]{1,0} constant({...})
+  ROOT %d = bf16[32,576]{1,0} dot(%e, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (p: pred[], x: bf16[32,576]) -> bf16[32,576] {
+  %p = pred[] parameter(0)
+  %x = bf16[32,576]{1,0} parameter(1)
+  ROOT %c = bf16[32,576]{1,0} conditional(%p, %x, %x), true_computation=%absorbed, \
+false_computation=%expanded
+}
+"""
+
+
+def test_mla_steps_cost_the_decode_kernel_only_when_every_row_can_be_a_decode():
+    """The step's `cond` between the MLA decode kernel (absorbed) and XLA's expanded
+    form: a program of at most max_num_seqs rows costs the kernel's branch, a larger one
+    the expanded branch, whichever costs more."""
+    from lp_jax.roofline.compiled import Program
+    from lp_jax.roofline.model_shape import ModelShape
+    from pallas_kernels import cost
+
+    shape = ModelShape.from_json("tests/configs/DeepSeek-V3.json", name="DeepSeek-V3")
+    module = hlo.parse(MLA_COND)
+    for rows, seqs, want in ((32, 32, cost.TPU_MLA_DECODE), (64, 32, None)):
+        p = Program(rows=rows, seqs=seqs, pages_per_seq=256, page_size=16, tp=1, ep=1,
+                    shape=shape, context_len=4096)
+        ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
+            module.computations[module.entry], {}, top=False)
+        assert [op.kernel for op in ops] == [want], rows

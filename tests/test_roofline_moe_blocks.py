@@ -70,3 +70,19 @@ def test_group_limited_routing_activates_the_uniform_expectation():
     assert abs(active / want - 1) < 0.02, (active, want)
     groups = np.asarray(ids).reshape(trials * T, k) // (E // 8)
     assert max(len(set(g.tolist())) for g in groups) == 4  # the limit holds, and binds
+
+
+def test_mla_attention_costs_its_own_projections():
+    """DeepSeek-V3's latent attention in the analytic model: one decode row reads each
+    latent projection once (q_a, q_b, kv_a_proj_with_mqa, kv_b_proj absorbed, o_proj of
+    v_head_dim), which is the shape's attention weight bytes; and a prefill row expands
+    kv_b_proj over the keys of its sequence."""
+    one = layer_cost(DEEPSEEK_V3, StepTokens(decode_seqs=1, decode_context=1), layer=3)
+    ops = {op.name: op for op in one.ops}
+    assert ops["qkv_proj"].bytes + ops["o_proj"].bytes == pytest.approx(
+        DEEPSEEK_V3.attention_weight_bytes, rel=1e-3)
+    Q, A, R, O = DEEPSEEK_V3.mla_ranks
+    kv_b = A * DEEPSEEK_V3.num_q_heads * (DEEPSEEK_V3.head_dim - R + O)
+    pre = layer_cost(DEEPSEEK_V3, StepTokens(prefill_tokens=64, prefill_seqs=1,
+                                             prefill_past=960), layer=3)
+    assert {op.name: op for op in pre.ops}["attn_prefill"].flops > 2 * 1024 * kv_b

@@ -179,7 +179,7 @@ def test_terms_pool_the_layer_ops_the_compiler_files_elsewhere():
     outside = SimpleNamespace(by_class={**zero, "logits/sampling": 4.0, "other": 1.0})
     analytic = {**zero, "attention": 10.0, "experts": 20.0, "dense matmuls": 7.0,
                 "logits/sampling": 2.0}
-    r = SimpleNamespace(rows=1, layers=10, body=body, outside=outside,
+    r = SimpleNamespace(rows=1, bodies={"moe": (10, body)}, outside=outside,
                         analytic_by_class=analytic)
     t = terms_of(r)
     assert t.factor("attention") == pytest.approx(1.0)

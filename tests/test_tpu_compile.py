@@ -20,6 +20,8 @@ layer is a traced argument, so the compile sees what a layer loop sees. Checks:
   pool a bitcast of the parameter. An unpacked [P, S, 2K, 64] pool compiles too, but
   XLA lays it out page-minor and copies all of it into the kernel's row-major layout
   on every call, which is why the kernel refuses it and the packed form exists.
+* A dense projection of an FP8 (128 x 128 block) checkpoint on v5p: held in 16 bits,
+  its dot has temporaries of the activations' size, not a dequantised weight.
 
 Skipped, with the reason, when libtpu is not installed (`pip install -e '.[tpu]'`).
 """
@@ -269,3 +271,36 @@ def test_mla_decode_reads_the_padded_latent_pool_in_place():
         topology=CHIPS["v6e"], mesh_shape=(1,))
     # 3 scalar-prefetch operands, q_lat, q_pe, then the pool
     assert _kernel_operand_root(compiled.as_text(), 5) == ("parameter", "bf16[4096,16,1,640]")
+
+
+def test_fp8_checkpoint_dense_projections_hold_no_per_step_weight_copy():
+    """A DeepSeek-V3 FP8 checkpoint (128 x 128 blocks) on v5p: the dense MLP's up_proj,
+    as the model runs it for 64 tokens, compiles with temporaries of the activations'
+    size. Held as e4m3 with its block scales (the format the checkpoint stores), the
+    compiled dot would build the dequantised weight, and the scale expanded to the
+    weight's shape, in float32 on every call (v5p has no FP8 matmul): the model holds
+    it dequantised to 16 bits instead (lp_jax.quant.served_scheme)."""
+    from flax import nnx
+
+    from checkpoints import make_tiny
+    from lp_jax.config import ModelConfig
+    from lp_jax.models import model_class
+
+    D, F = 512, 2048
+    hf = {**make_tiny.build_config("tiny-deepseek"), "hidden_size": D, "intermediate_size": F,
+          "torch_dtype": "bfloat16", "quantization_config": {
+              "quant_method": "fp8", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}}
+    cfg = ModelConfig.from_hf_dict(hf)
+    assert cfg.quantization.method == "fp8_block" and 0 in cfg.dense_layers
+    model = nnx.eval_shape(lambda: model_class(cfg.model_type)(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model.model.layers.dense_mlp)
+
+    def up_proj(state, x_TD):
+        mlp = nnx.merge(graphdef, state)
+        return model._proj(mlp, "dense_mlp", "up_proj", 0, x_TD)
+
+    compiled = compile_targets.compile_tpu(up_proj, (state, sd((64, D), jnp.bfloat16)),
+                                           topology="v5p:2x2x1", mesh_shape=(1,))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < D * F * 2 // 4, f"temporaries {temp} B: a per-step copy of [{D}, {F}]"

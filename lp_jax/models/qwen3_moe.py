@@ -52,6 +52,7 @@ from lp_jax.models.backends import KernelBackends
 from lp_jax.models.layers import apply_rope, param, rms_norm, rope_frequencies
 from lp_jax.models.sharded_kernels import model_moe_ffn
 from lp_jax.models.stacked import StackedCausalLM
+from lp_jax.quant.config import served_scheme
 from lp_jax.quant.linear import linear, scale_of, set_weight
 from pallas_kernels.quant import QuantScheme
 
@@ -75,9 +76,17 @@ QUANTIZABLE = {
 
 @functools.cache
 def quantized_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
-    """The scheme of every QUANTIZABLE parameter (None: kept 16-bit) under
-    cfg.quantization. Raises ValueError when modules_to_not_convert keeps some layers'
-    (or experts') modules of one stacked parameter and not others."""
+    """The scheme the model holds every QUANTIZABLE parameter in (None: 16-bit):
+    `stored_params`, less an FP8 checkpoint's dense projections, which the loader
+    dequantises (lp_jax.quant.served_scheme)."""
+    return {name: served_scheme(name, s) for name, s in stored_params(cfg).items()}
+
+
+@functools.cache
+def stored_params(cfg: ModelConfig) -> dict[str, QuantScheme | None]:
+    """The scheme of every QUANTIZABLE parameter's checkpoint tensors (None: 16-bit)
+    under cfg.quantization. Raises ValueError when modules_to_not_convert keeps some
+    layers' (or experts') modules of one stacked parameter and not others."""
     q = cfg.quantization
     out = {}
     for name, modules in QUANTIZABLE.items():

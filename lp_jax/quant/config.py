@@ -18,6 +18,17 @@ Two ways in, one config out:
 error, asking for the one it has is a no-op (as vLLM's `--quantization fp8` on an FP8
 checkpoint). Every refusal names the field or value at fault.
 
+What the model holds is not always what the checkpoint stores (`served_scheme`): an HF
+FP8 checkpoint's routed experts stay e4m3 (the MoE kernels apply the 128 x 128 block
+scales per tile), but its dense projections (attention, dense MLP, shared experts) are
+dequantised to 16 bits once, at load. A block scale varies along K, so it cannot leave
+the dot as a per-channel scale does, and no compiler lp_jax targets runs such a dot
+without a dequantised copy of the whole weight in every step: XLA:TPU has no FP8 matmul
+on v5e / v5p / v6e and builds the f32 product (and the expanded f32 scale) per call;
+XLA:GPU on the H200 writes the bf16 weight to memory, then a bf16 GEMM (its FP8 GEMM
+rewrite takes per-tensor scales only). Held in 16 bits they cost twice their FP8 bytes
+of HBM, which the HBM plan counts, and nothing per step.
+
 `modules_to_not_convert` follows transformers' `should_convert_module`: an entry keeps
 a module in 16 bits when it equals the module's name, is a dotted prefix or suffix of
 it, or matches it whole as a regular expression ("model.layers.*.self_attn").
@@ -65,6 +76,16 @@ class QuantConfig:
     def converts(self, module: str) -> bool:
         """Whether HF module `module` (e.g. "model.layers.3.mlp.gate") is quantized."""
         return not any(_matches(p, module) for p in self.modules_to_not_convert)
+
+
+def served_scheme(param: str, stored: QuantScheme | None) -> QuantScheme | None:
+    """The scheme the model holds parameter `param` ("mlp.experts_down_proj",
+    "dense_mlp.up_proj", ...) in, when its checkpoint tensors are stored in `stored`:
+    the same, except FP8 128 x 128 blocks outside the routed experts, which the loader
+    dequantises to 16 bits (None; see the module docstring)."""
+    if stored == FP8_BLOCK and not param.startswith("mlp.experts_"):
+        return None
+    return stored
 
 
 def _matches(pattern: str, module: str) -> bool:

@@ -23,7 +23,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from lp_jax.roofline import compiled, plots, report
+from lp_jax.roofline import compiled, compiled_render, plots, report
 from lp_jax.roofline.formats import KV_FORMATS, WEIGHT_FORMATS
 from lp_jax.roofline.hardware import HARDWARE, get_hardware, measure_current_device
 from lp_jax.roofline.model_shape import resolve_model
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary, hw, rooflines = compiled.read_aot(args.aot, eff_compute=args.eff_compute,
                                                    eff_mem=args.eff_mem,
                                                    context_len=args.context_len)
-        print(compiled.render(summary, hw, rooflines, args.eff_compute, args.eff_mem,
-                              args.context_len))
+        print(compiled_render.render(summary, hw, rooflines, args.eff_compute,
+                                     args.eff_mem, args.context_len))
         return 0
     if args.ep_comm:
         print_ep_comm()

@@ -15,10 +15,22 @@ HLO itself:
     -> compared with cost_model.model_step_cost on the same shapes
 
 Rules, stated in the output: the layer loop is the top-level while loop that costs
-most; other while loops count one trip (their trip counts are run-time values); a
+most; another while loop counts the trips XLA knows (`known_trip_count`, or a condition
+`counter < constant`: a `lax.map` over query blocks), else, in the paged attention
+functions, the pages of the assumed context (the XLA attention's walk over a sequence's
+pages), else one trip; a
 conditional costs its costliest branch (the MoE branch, the ragged attention path,
-sampling), except prompt scoring (`_score_prompt`, off unless a request asks for
-prompt log-probabilities), which costs its skip branch. A Pallas call's cost is
+sampling), except:
+* prompt scoring (`_score_prompt`, off unless a request asks for prompt
+  log-probabilities), which costs its skip branch;
+* the layer kind: a model with dense and MoE layers (DeepSeek-V3's first three) picks
+  the kind in the loop body by the layer index (`_moe` or the dense `_swiglu`); the
+  body is costed once for each kind and counted per layer of that kind;
+* latent attention (MLA): the step picks the absorbed form (the MLA decode kernel)
+  when every row is a decode, the expanded XLA form otherwise; a program of at most
+  max_num_seqs rows costs the first, a larger one the second (its rows cannot all be
+  decodes). The expanded form's XLA ops (`*paged_attention` functions) are classed as
+  attention. A Pallas call's cost is
 `cost.estimate(kernel, ...)` at the program's rows: uniform routing over the experts,
 and every sequence at one context length after the step, the new rows spread evenly
 over min(rows, max_num_seqs) sequences. The attention kernels walk only the pages
@@ -37,12 +49,14 @@ the first, but a call after another program's does not, so a call is charged bot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import re
 from pathlib import Path
 
 from lp_jax.roofline import hlo
-from lp_jax.roofline.cost_model import StepTokens, model_step_cost
+from lp_jax.roofline.cost_model import StepTokens, layer_cost, model_step_cost
 from lp_jax.roofline.hardware import Hardware, get_hardware
 from lp_jax.roofline.model_shape import ModelShape
 from pallas_kernels import cost
@@ -59,6 +73,9 @@ PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.g
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
               cost.GPU_PREFILL_ATTENTION: 256}
 SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
+MLA_DECODE_KERNELS = (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE)
+MOE_FUNCTIONS, DENSE_MLP_FUNCTIONS = ("._moe",), ("._swiglu",)  # the layer-kind branches
+ATTENTION_FUNCTIONS = ("paged_attention",)  # XLA attention (the MLA expanded form, refs)
 SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency",
@@ -90,6 +107,14 @@ WHY = {
     "other": "ops the formula leaves out: norms, rotary, routing layout and the sorted / "
              "gathered copy of x, KV writes, elementwise ops over the padded row bucket",
 }
+# Latent attention's gap: its prefill steps run the expanded form in XLA
+# (pallas_kernels/attention/mla_ref.py), whose page walk expands each page's latents
+# into per-head keys and values for every query row of a 64-row block, where the
+# formula expands each key once a sequence.
+WHY_MLA = {"attention": "MLA: prefill steps run the expanded form in XLA, which expands "
+                        "each page's latents with kv_b_proj for every query row (the "
+                        "formula: once a key of the sequence); decode steps run the MLA "
+                        "kernel (cost.py)"}
 
 
 @dataclasses.dataclass
@@ -189,6 +214,32 @@ def _last_dim_is_2f(instr: hlo.Instr, p: Program) -> bool:
     return any(len(d) == 3 and d[-1] == 2 * p.shape.expert_width // p.tp for d in dims)
 
 
+def _conv_macs_per_output(comp: hlo.Computation, ins: hlo.Instr) -> int:
+    """Multiply-adds per output element of a convolution: the input features times, per
+    spatial dimension, the window positions that can land on the input. XLA:TPU writes
+    some einsums as a convolution whose window (128, padded 127 on each side) slides over
+    a spatial dimension of size 1: one position of it is real, not 128."""
+    lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
+    rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
+    lhs_labels, rest = (ins.attr("dim_labels") or "bf_io->bf").split("_", 1)
+    rhs_labels = rest.split("->")[0]
+    window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
+    sizes = [int(w) for w in window.group(1).split("x")] if window else []
+    macs = rhs[rhs_labels.index("i")] if "i" in rhs_labels else 1
+    for k, label in enumerate(lhs_labels):
+        if label.isdigit() and int(label) < len(sizes):
+            macs *= min(sizes[int(label)], lhs[k])
+    return macs
+
+
+def _scaled(ops: list[Op], trips: int) -> list[Op]:
+    """ops run `trips` times, as one op each."""
+    if trips == 1:
+        return ops
+    return [dataclasses.replace(op, flops=op.flops * trips, bytes=op.bytes * trips,
+                                link_bytes=op.link_bytes * trips) for op in ops]
+
+
 class Walker:
     """Costs one module's ops (see the module docstring for the rules)."""
 
@@ -199,6 +250,7 @@ class Walker:
         self.vocab_dev = p.shape.vocab_size // p.tp
         self.hbm_only = hw.name.startswith("TPU")  # VMEM / SMEM buffers are no HBM traffic
         self.estimates: dict[str, cost.KernelCost] = {}  # each Pallas kernel's, as costed
+        self.layer_kind = "moe"  # which branch of a layer-kind conditional is costed
 
     def hbm(self, type_text: str) -> float:
         return hlo.shape_bytes(type_text, self.hbm_only)
@@ -212,11 +264,26 @@ class Walker:
         outside = self.walk(self.m.computations[self.m.entry], loops, top=True)
         if not loops:
             raise ValueError("no while loop in the program: no layer loop to split off")
-        body = max(loops, key=lambda k: self.seconds(loops[k]))
-        for name, ops in loops.items():
+        body = max(loops, key=lambda k: self.seconds(loops[k][1]) * loops[k][0])
+        for name, (trips, ops) in loops.items():
             if name != body:
-                outside += ops
-        return outside, loops[body]
+                outside += _scaled(ops, trips)
+        return outside, loops[body][1]
+
+    def _trips(self, ins: hlo.Instr, body: hlo.Computation) -> int:
+        """Trips counted for a loop that is not the layer loop (module docstring)."""
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+        if known:
+            return int(known.group(1))
+        cond = self.m.computations[ins.attr("condition").lstrip("%")]
+        bound = cond.instrs.get(cond.root.operands[-1]) if cond.root.operands else None
+        if (cond.root.opcode == "compare" and "direction=LT" in cond.root.attrs
+                and bound is not None and bound.opcode == "constant"):
+            return int(bound.args)  # XLA:TPU records no trip count: `i < n` from 0
+        if any(f in fn for i in body.instrs.values() for fn in self.m.functions_of(i)[:1]
+               for f in ATTENTION_FUNCTIONS):
+            return math.ceil(self.p.context_len / self.p.page_size)
+        return 1
 
     def walk(self, comp: hlo.Computation, loops: dict, top: bool) -> list[Op]:
         ops: list[Op] = []
@@ -225,9 +292,9 @@ class Walker:
                 body_comp = self.m.computations[ins.attr("body").lstrip("%")]
                 body = self.walk(body_comp, loops, top=False)
                 if top:
-                    loops[ins.name] = body
+                    loops[ins.name] = (self._trips(ins, body_comp), body)
                 else:
-                    ops += body  # one trip (the trip count is a run-time value)
+                    ops += _scaled(body, self._trips(ins, body_comp))
             elif ins.opcode == "conditional":
                 ops += self._branch(ins, loops, top)
             elif ins.opcode in ("call", "async-start", "call-start") and ins.called:
@@ -238,15 +305,35 @@ class Walker:
                     ops.append(op)
         return ops
 
+    def split_kinds(self) -> tuple[list[Op], dict[str, list[Op]]]:
+        """(outside the layer loop, {layer kind: the loop's body once}): kinds "moe" and
+        "dense" for a model with both, else the one kind its layers have."""
+        s = self.p.shape
+        kinds = [k for k, n in (("moe", s.num_moe_layers), ("dense", s.dense_layers_count))
+                 if n]
+        bodies = {}
+        for kind in kinds:
+            self.layer_kind = kind
+            outside, bodies[kind] = self.split()
+        return outside, bodies
+
     def _branch(self, ins: hlo.Instr, loops: dict, top: bool) -> list[Op]:
         branches = []
         for name in ins.called:
-            inner: dict[str, list[Op]] = {}
+            inner: dict[str, tuple[int, list[Op]]] = {}
             ops = self.walk(self.m.computations[name], inner, top)
-            ops += [op for loop in inner.values() for op in loop]
-            branches.append((self.seconds(ops), ops, self._calls(name, SKIPPED_FUNCTIONS)))
-        if any(skip for *_, skip in branches):
+            ops += [op for trips, loop in inner.values() for op in _scaled(loop, trips)]
+            branches.append((self.seconds(ops), ops, name))
+        if any(self._calls(name, SKIPPED_FUNCTIONS) for *_, name in branches):
             return min(branches, key=lambda b: b[0])[1]
+        mla = [b for b in branches if any(op.kernel in MLA_DECODE_KERNELS for op in b[1])]
+        if mla and len(mla) < len(branches):
+            decodes = self.p.rows <= self.p.seqs
+            branches = mla if decodes else [b for b in branches if b not in mla]
+        moe = [b for b in branches if self._calls(b[2], MOE_FUNCTIONS)]
+        dense = [b for b in branches if b not in moe and self._calls(b[2], DENSE_MLP_FUNCTIONS)]
+        if moe and dense:
+            branches = moe if self.layer_kind == "moe" else dense
         return max(branches, key=lambda b: b[0])[1]
 
     def _calls(self, comp_name: str, functions, seen=None) -> bool:
@@ -306,6 +393,8 @@ class Walker:
         if any(f in fn for f in SAMPLING_FUNCTIONS) or (
                 has_dot and self.vocab_dev in hlo.dims_of(ins.type)):
             return "logits/sampling"
+        if any(f in name for name in self.m.functions_of(ins) for f in ATTENTION_FUNCTIONS):
+            return "attention"
         return "dense matmuls" if has_dot else "other"
 
     def _bytes_of(self, comp: hlo.Computation, name: str) -> float:
@@ -330,10 +419,7 @@ class Walker:
                            .strip("{}").split(",") if d]
             return 2.0 * ins.elements * math.prod(lhs[d] for d in contracting), True
         if ins.opcode == "convolution":
-            rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
-            labels = (ins.attr("dim_labels") or "_io->").split("_")[1].split("->")[0]
-            out_feature = rhs[labels.index("o")] if "o" in labels else 1
-            return 2.0 * ins.elements * math.prod(rhs) / out_feature, True
+            return 2.0 * ins.elements * _conv_macs_per_output(comp, ins), True
         if ins.opcode in _ARITH:
             return float(ins.elements), False
         if ins.opcode == "reduce":
@@ -428,23 +514,37 @@ def step_tokens(p: Program) -> StepTokens:
                       prefill_past=max(ctx - chunk, 0))
 
 
-def analytic(p: Program, hw: Hardware, eff_compute: float, eff_mem: float
-             ) -> tuple[float, float, dict[str, float]]:
-    """(outside-loop seconds, seconds per layer, seconds by class for a call through
-    every layer) of cost_model.model_step_cost, at the same efficiencies."""
-    classes = {"qkv_proj": "dense matmuls", "o_proj": "dense matmuls",
-               "router": "dense matmuls", "dense_mlp": "dense matmuls",
-               "shared_experts": "dense matmuls",
-               "attn_prefill": "attention", "attn_decode": "attention",
-               "experts": "experts", "lm_head": "logits/sampling"}
-    total = model_step_cost(p.shape, step_tokens(p), tp=p.tp, ep=p.ep, logits_tokens=p.seqs)
+ANALYTIC_CLASSES = {"qkv_proj": "dense matmuls", "o_proj": "dense matmuls",
+                    "router": "dense matmuls", "dense_mlp": "dense matmuls",
+                    "shared_experts": "dense matmuls",
+                    "attn_prefill": "attention", "attn_decode": "attention",
+                    "experts": "experts", "lm_head": "logits/sampling"}
+
+
+def _by_class(ops, hw: Hardware, eff_compute: float, eff_mem: float) -> dict[str, float]:
     by_class = dict.fromkeys(CLASSES, 0.0)
-    for op in total.ops:
-        secs = Op(classes.get(op.name, "other"), op.flops + op.pad_flops, op.bytes,
-                  op.comm_bytes).seconds(hw, eff_compute, eff_mem)
-        by_class[classes.get(op.name, "other")] += secs
-    outside = by_class["logits/sampling"]
-    return outside, (sum(by_class.values()) - outside) / p.shape.num_layers, by_class
+    for op in ops:
+        cls = ANALYTIC_CLASSES.get(op.name, "other")
+        by_class[cls] += Op(cls, op.flops + op.pad_flops, op.bytes,
+                            op.comm_bytes).seconds(hw, eff_compute, eff_mem)
+    return by_class
+
+
+def analytic(p: Program, hw: Hardware, eff_compute: float, eff_mem: float
+             ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(outside-loop seconds, {layer kind: seconds of one layer of that kind}, seconds by
+    class for a call through every layer) of cost_model.model_step_cost, at the same
+    efficiencies."""
+    s, step = p.shape, step_tokens(p)
+    total = model_step_cost(s, step, tp=p.tp, ep=p.ep, logits_tokens=p.seqs)
+    by_class = _by_class(total.ops, hw, eff_compute, eff_mem)
+    per_layer = {}
+    for kind, moe in (("moe", True), ("dense", False)):
+        layer = next((i for i in range(s.num_layers) if s.is_moe_layer(i) == moe), None)
+        if layer is not None:
+            one = layer_cost(s, step, layer=layer, tp=p.tp, ep=p.ep)
+            per_layer[kind] = sum(_by_class(one.ops, hw, eff_compute, eff_mem).values())
+    return by_class["logits/sampling"], per_layer, by_class
 
 
 def target_hardware(target: str) -> Hardware:
@@ -502,16 +602,26 @@ class ProgramRoofline:
     rows: int
     layers: int
     outside: Part
-    body: Part  # one layer
+    body: Part  # one layer (a MoE layer in a model with both kinds)
     kernels: dict[str, cost.KernelCost]  # per call, the ones of one layer and outside
     analytic_outside_s: float
-    analytic_layer_s: float
+    analytic_layer_s: dict[str, float]  # {"moe" / "dense": one layer of that kind}
     analytic_by_class: dict[str, float]
     xla_flops: float | None  # cost_analysis(): the layer loop counted once
+    dense_body: Part | None = None  # one dense layer, in a model with both kinds
+    dense_layers: int = 0
+
+    @property
+    def bodies(self) -> dict[str, tuple[int, Part]]:
+        """{layer kind: (layers of that kind, one layer's cost)}."""
+        if self.dense_body is None:
+            return {"moe" if "moe" in self.analytic_layer_s else "dense": (self.layers, self.body)}
+        return {"moe": (self.layers - self.dense_layers, self.body),
+                "dense": (self.dense_layers, self.dense_body)}
 
     @property
     def call_s(self) -> float:
-        return self.outside.seconds + self.layers * self.body.seconds
+        return self.outside.seconds + sum(n * b.seconds for n, b in self.bodies.values())
 
     @property
     def analytic_s(self) -> float:
@@ -519,7 +629,8 @@ class ProgramRoofline:
 
     @property
     def by_class(self) -> dict[str, float]:
-        return {c: self.outside.by_class[c] + self.layers * self.body.by_class[c]
+        return {c: self.outside.by_class[c] + sum(n * b.by_class[c]
+                                                  for n, b in self.bodies.values())
                 for c in CLASSES}
 
 
@@ -530,13 +641,17 @@ def program_roofline(hlo_text: str, summary: dict, rows: int, *, hw: Hardware | 
     hw = hw or target_hardware(summary["target"])
     p = program_of(summary, rows, context_len)
     walker = Walker(hlo.parse(hlo_text), p, hw, eff_compute, eff_mem)
-    outside, body = walker.split()
-    kernels = {op.kernel: walker.estimates[op.kernel] for op in outside + body if op.kernel}
+    outside, bodies = walker.split_kinds()
+    kernels = {op.kernel: walker.estimates[op.kernel]
+               for op in outside + [o for b in bodies.values() for o in b] if op.kernel}
     a_out, a_layer, a_cls = analytic(p, hw, eff_compute, eff_mem)
-    return ProgramRoofline(rows, summary["num_layers"],
-                           Part.of(outside, hw, eff_compute, eff_mem),
-                           Part.of(body, hw, eff_compute, eff_mem), kernels, a_out, a_layer,
-                           a_cls, xla_flops)
+    part = functools.partial(Part.of, hw=hw, eff_compute=eff_compute, eff_mem=eff_mem)
+    both = len(bodies) == 2
+    return ProgramRoofline(rows, summary["num_layers"], part(outside),
+                           part(bodies["moe"] if "moe" in bodies else bodies["dense"]),
+                           kernels, a_out, a_layer, a_cls, xla_flops,
+                           dense_body=part(bodies["dense"]) if both else None,
+                           dense_layers=p.shape.dense_layers_count if both else 0)
 
 
 def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
@@ -560,58 +675,3 @@ def read_aot(out_dir: Path, *, eff_compute: float = EFF_COMPUTE, eff_mem: float 
                                           hw=hw, eff_compute=eff_compute, eff_mem=eff_mem,
                                           xla_flops=xla, context_len=context_len))
     return summary, hw, rooflines
-
-
-def render(summary: dict, hw: Hardware, rooflines: list[ProgramRoofline],
-           eff_compute: float = EFF_COMPUTE, eff_mem: float = EFF_MEM,
-           context_len: int | None = None) -> str:
-    L = summary["num_layers"]
-    mesh = summary["config"]["mesh_shape"]
-    max_len = summary["config"]["max_model_len"]
-    ctx = max_len if context_len is None else context_len
-    full = " (max_model_len: a full page table)" if ctx == max_len else ""
-    lines = [
-        f"compiled-program roofline: {summary['model']} on {hw.name} (mesh data,expert,tensor "
-        f"= {tuple(mesh)}), {len(rooflines)} programs, per device; a call runs all {L} layers",
-        f"efficiencies ASSUMED (not fitted): compute {eff_compute:g} of "
-        f"{hw.peak_flops / 1e12:.0f} TFLOP/s, memory {eff_mem:g} of {hw.hbm_bw / 1e12:.2f} "
-        "TB/s (links: half the bidirectional bandwidth x memory efficiency)",
-        "Pallas calls costed by pallas_kernels/cost.py by kernel name: uniform routing; "
-        f"context ASSUMED (--context-len): every sequence at {ctx} keys after the step{full}, "
-        "in the kernels' estimates and the analytic model alike",
-        "",
-        f"{'rows':>6} | {'outside GFLOP':>13} {'MB':>8} {'ms':>7} | {'layer GFLOP':>11} "
-        f"{'MB':>8} {'ms':>7} | {'call ms':>8} | {'analytic ms':>11} {'ratio':>6} | "
-        f"{'XLA GFLOP*':>10}",
-    ]
-    for r in rooflines:
-        ratio = r.call_s / r.analytic_s if r.analytic_s else math.inf
-        xla = f"{r.xla_flops / 1e9:10.3f}" if r.xla_flops else f"{'-':>10}"
-        lines.append(
-            f"{r.rows:>6} | {r.outside.flops / 1e9:13.3f} {r.outside.bytes / 1e6:8.1f} "
-            f"{r.outside.seconds * 1e3:7.3f} | {r.body.flops / 1e9:11.3f} "
-            f"{r.body.bytes / 1e6:8.1f} {r.body.seconds * 1e3:7.3f} | {r.call_s * 1e3:8.3f} | "
-            f"{r.analytic_s * 1e3:11.3f} {ratio:6.2f} | {xla}"
-            + ("  FLAG" if abs(ratio - 1) > FLAG_ABOVE else ""))
-    lines.append("* XLA's cost_analysis(): the layer loop counted once, Pallas calls as "
-                 "declared")
-    for r in rooflines:
-        lines.append("")
-        lines.append(f"rows {r.rows}: Pallas kernels per call (cost.py): " + "; ".join(
-            f"{k} {c.flops / 1e9:.3f} GFLOP {c.bytes_accessed / 1e6:.1f} MB"
-            for k, c in sorted(r.kernels.items())))
-        ratio = r.call_s / r.analytic_s if r.analytic_s else math.inf
-        if abs(ratio - 1) <= FLAG_ABOVE:
-            lines.append(f"rows {r.rows}: within {FLAG_ABOVE:.0%} of the analytic model")
-            continue
-        compiled = r.by_class
-        gaps = sorted(CLASSES, key=lambda c: -abs(compiled[c] - r.analytic_by_class[c]))
-        lines.append(f"rows {r.rows}: compiled / analytic = {ratio:.2f}; by op class "
-                     "(ms, compiled vs analytic):")
-        for c in gaps:
-            diff = compiled[c] - r.analytic_by_class[c]
-            if abs(diff) < FLAG_ABOVE * abs(r.call_s - r.analytic_s) / 2:
-                continue
-            lines.append(f"  {c:<16} {compiled[c] * 1e3:8.3f} vs "
-                         f"{r.analytic_by_class[c] * 1e3:8.3f} ({diff * 1e3:+.3f}): {WHY[c]}")
-    return "\n".join(lines)

@@ -225,6 +225,8 @@ def _check_parallel(tp: int, ep: int) -> None:
 def _attention_ops(
     shape: ModelShape, step: StepTokens, layer: int, tp: int, ep: int, sizes: _Itemsizes
 ) -> list[OpCost]:
+    if shape.mla_ranks:
+        return _mla_attention_ops(shape, step, tp, ep, sizes)
     b, kvb, wb = sizes.act, sizes.kv, sizes.attn
     d, h = shape.hidden_size, shape.head_dim
     q_dev = shape.num_q_heads / tp
@@ -271,6 +273,42 @@ def _attention_ops(
         name="o_proj",
         comm_bytes=2.0 * (tp - 1) / tp * tokens_dev * d * b,
     )
+    return [qkv, attn_prefill, attn_decode, o_proj]
+
+
+def _mla_attention_ops(
+    shape: ModelShape, step: StepTokens, tp: int, ep: int, sizes: _Itemsizes
+) -> list[OpCost]:
+    """Latent attention as the engine runs it (models/deepseek_v3.py): per token the
+    low-rank query and the latent projections; decode rows absorbed (kv_b_proj folded
+    into the query and the output, once a row; attention over the cached latent rows of
+    A + R values), prefill rows expanded (kv_b_proj over every key of the sequence, then
+    per-head keys of qk_nope + rope and values of v_head_dim). The latent pool is whole
+    on every device; heads split over tp."""
+    b, kvb, wb = sizes.act, sizes.kv, sizes.attn
+    Q, A, R, O = shape.mla_ranks
+    d, n, H = shape.hidden_size, shape.num_q_heads / tp, shape.head_dim - R
+    tokens, decode = step.tokens / ep, step.decode_seqs / ep
+    q_params = d * Q + Q * n * (H + R) if Q else d * n * (H + R)
+    proj, kv_b = q_params + d * (A + R), A * n * (H + O)
+    qkv = OpCost(flops=2.0 * tokens * proj + 2.0 * decode * kv_b,
+                 bytes=wb * (proj + kv_b) + b * tokens * (d + n * (H + R) + A + R),
+                 name="qkv_proj")
+    latent = (A + R) * kvb  # one cached token
+    seqs = step.prefill_seqs / ep if step.prefill_tokens else 0.0
+    chunk, past = step.prefill_chunk, float(step.prefill_past)
+    keys = past + chunk
+    attn_prefill = OpCost(
+        flops=seqs * (2.0 * keys * kv_b + 2.0 * n * (H + R + O) * _attended_pairs(past, chunk, 0)),
+        bytes=seqs * (keys * latent + 2.0 * keys * n * (H + O) * b + 2.0 * chunk * n * (H + R) * b),
+        name="attn_prefill")
+    context = float(step.decode_context)
+    attn_decode = OpCost(flops=decode * 2.0 * n * (2 * A + R) * context,
+                         bytes=decode * ((context + 1.0) * latent + 2.0 * n * (A + R) * b),
+                         name="attn_decode")
+    o_proj = OpCost(flops=2.0 * tokens * n * O * d,
+                    bytes=wb * n * O * d + b * (tokens * n * O + tokens * d), name="o_proj",
+                    comm_bytes=2.0 * (tp - 1) / tp * tokens * d * b)
     return [qkv, attn_prefill, attn_decode, o_proj]
 
 

@@ -16,10 +16,13 @@ per output channel). The rules are the engine's, not new ones:
   to a multiple of 8 (pallas_kernels/quant.py), which its expert-bytes counter counts
   (ModelConfig.expert_bytes) and this format leaves out (GPT-OSS-20B: 0.2%).
 
-Which matrices a format covers follows the engine's QUANTIZABLE sets: int8 / fp8 /
-fp8_block cover the attention projections, the routed experts and dense MLPs; fp4 covers
-the routed experts only (GPT-OSS's modules_to_not_convert keeps attention 16-bit). The
-router, embeddings and lm_head stay in the activation dtype in every format.
+Which matrices a format covers follows what the engine holds (lp_jax.quant.served_scheme):
+int8 / fp8 cover the attention projections, the routed experts and dense MLPs; fp8_block
+and fp4 the routed experts only. An FP8 checkpoint's dense projections (attention, dense
+MLP, shared experts) are dequantised to 16 bits at load, since no target compiler runs a
+128 x 128 block-scaled dot without a dequantised copy of the weight per step; GPT-OSS's
+modules_to_not_convert keeps its attention 16-bit. The router, embeddings and lm_head stay
+in the activation dtype in every format.
 
 Compute rate. The kernels run W8A16 / W4A16 (dequantise a tile on chip, matmul in bf16,
 accumulate in float32), so the FLOP rate of a quantized model is the bf16 peak in
@@ -45,7 +48,7 @@ class WeightFormat:
     block_k: int | None = None  # None: the whole K dimension (per output channel)
     block_n: int = 1
     scale_bytes: int = 0  # 0: no scales (a 16-bit format)
-    dense: bool = True  # also covers the attention projections and dense MLPs
+    dense: bool = True  # also covers the attention projections, dense MLPs, shared experts
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -78,7 +81,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         WeightFormat("bf16", 16),
         WeightFormat("int8", 8, None, 1, 4),
         WeightFormat("fp8", 8, None, 1, 4),
-        WeightFormat("fp8_block", 8, 128, 128, 4),
+        WeightFormat("fp8_block", 8, 128, 128, 4, dense=False),
         WeightFormat("fp4", 4, 32, 1, 1, dense=False),
     )
 }

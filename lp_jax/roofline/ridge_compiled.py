@@ -116,7 +116,7 @@ def layer_cost(hlo_text: str, shape: ModelShape, rows: int, hw: Hardware) -> Lay
     walker = Walker(module, program, hw, EFF_COMPUTE, EFF_MEM)
     loops: dict[str, list] = {}
     ops = walker.walk(module.computations[module.entry], loops, top=True)
-    ops += [op for body in loops.values() for op in body]
+    ops += [op for _, body in loops.values() for op in body]  # (trips, ops): one trip
     kernels = [op for op in ops if op.kernel]
     if not kernels:
         raise ValueError(f"the {rows}-row program has no Pallas MoE call (targets "

@@ -220,12 +220,14 @@ def _check(c: CompiledCalibration) -> None:
 # --------------------------------------------------------------- from an AOT run
 def terms_of(roofline) -> ProgramTerms:
     """A compiled.ProgramRoofline's four terms (module note)."""
-    L = roofline.layers
-    body, out = roofline.body.by_class, roofline.outside.by_class
-    a = roofline.analytic_by_class
-    compiled = {"attention": L * body["attention"], "experts": L * body["experts"],
-                "layer_rest": L * sum(body[c] for c in _REST_CLASSES),
-                "outside": sum(out.values())}
+    out, a = roofline.outside.by_class, roofline.analytic_by_class
+
+    def layers(classes) -> float:  # every layer of every kind (dense and MoE bodies)
+        return sum(n * body.by_class[c] for n, body in roofline.bodies.values()
+                   for c in classes)
+
+    compiled = {"attention": layers(["attention"]), "experts": layers(["experts"]),
+                "layer_rest": layers(_REST_CLASSES), "outside": sum(out.values())}
     analytic = {"attention": a["attention"], "experts": a["experts"],
                 "layer_rest": sum(a[c] for c in _ANALYTIC_REST),
                 "outside": a["logits/sampling"]}
