@@ -4,6 +4,8 @@ flags, and engines on DP 2 and DP 4 with the experts over every chip giving the
 single-device model's tokens under chunked and layered, with no compile while serving
 and within the program budget."""
 
+import re
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -219,6 +221,51 @@ def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, 
     assert stats["free_pages"] == stats["total_pages"] == 8 * dp
     assert stats["compilations_after_warmup"] == 0
     assert stats["programs"] == 1 and stats["startup_compilations"] <= MAX_PROGRAMS
+
+
+def _all_reduces(hlo: str, data: int, tensor: int) -> list[tuple[str, bool]]:
+    """(result shape, whether a group spans data ranks) of each all-reduce in a compiled
+    program on a (data, 1, tensor) mesh (device k on rank k // tensor). Groups come in
+    three spellings: mesh axes (`mesh['data'=2,...] {'data'}`; 'axis_0' is data where
+    the unit axis is dropped), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) or explicit."""
+    out = []
+    for m in re.finditer(r"= (\S+) all-reduce(?:-start)?\((.*)", hlo):
+        shape, rest = m.group(1), m.group(2)
+        named = re.search(r"replica_groups=mesh\[[^]]*\] \{([^}]*)\}", rest)
+        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                         rest)
+        explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest)
+        if named:
+            spans = bool(set(re.findall(r"'(\w+)'", named.group(1))) & {"data", "axis_0"})
+        else:
+            if iota:
+                dims = [int(d) for d in iota.group(3).split(",")]
+                ids = np.arange(int(np.prod(dims))).reshape(dims)
+                if iota.group(4):
+                    ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+                groups = ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+            else:
+                assert explicit, rest[:200]
+                groups = [[int(i) for i in g.split(",")]
+                          for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))]
+            spans = any(len({k // tensor for k in g}) > 1 for g in groups)
+        out.append((shape, spans))
+    return out
+
+
+def test_each_rank_attends_its_own_rows_and_pool_shard(dp_engines):
+    """DP 2 x TP 4: the program runs N rows on each rank (2 N in all) and its attention
+    reads each rank's pool shard with the rank's own rows, so no all-reduce spans the
+    data axis (rows replicated over the ranks needed one of the pages every layer, and
+    GSPMD's MoE one of its sorted rows); the TP all-reduce carries one rank's N rows."""
+    llm = dp_engines(2, 4, "layered")
+    (N, program), = llm.engine.runner.programs.items()
+    hlo = program.as_text()
+    assert re.search(rf"s32\[{2 * N}\]\{{0\}} parameter", hlo)  # the 2 N rows' tokens
+    reduces = _all_reduces(hlo, data=2, tensor=4)
+    assert reduces and not [shape for shape, spans in reduces if spans]
+    D = llm.engine.runner.cfg.hidden_size
+    assert (f"f32[{N},{D}]{{1,0}}", False) in reduces  # o_proj's, on one rank's rows
 
 
 def test_one_rank_idle(reference, dp_engines):
