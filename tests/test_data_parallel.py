@@ -355,6 +355,27 @@ def test_deepseek_v3_steps_trace_in_bfloat16():
                               _abstract_counts(b))
 
 
+@pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
+def test_the_audit_counts_a_programs_rows_over_every_rank():
+    """Rule 3 (temporaries below one layer's experts) holds for decode-sized programs.
+    Under DP a bucket of N runs N rows on each rank: N = 4 on 2 ranks is 8 rows, past
+    max_num_seqs = 4, so its temporaries are a prefill's; N = 2 (4 rows) is decode-sized."""
+    from lp_jax.aot import AotConfig, build
+    from lp_jax.aot.audit import audit_program
+
+    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek"))), AotConfig(
+        platform="tpu", topology="v6e:2x2", mesh_shape=(2, 1, 1), max_model_len=64,
+        max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(20,)))
+    huge = {"temp": 2**40, "alias": 2**40, "argument": 0, "output": 0}
+
+    def temporaries(rows: int) -> list[str]:
+        rec = {"rows": rows, "stablehlo": "", "memory": huge}
+        return [v for v in audit_program(rec, b)["violations"] if v.startswith("temporaries")]
+
+    assert b.spec.rows_for(4) == 8 and not temporaries(4)
+    assert temporaries(2)
+
+
 def test_a_full_rank_preempts_only_its_own_sequences():
     """Rank 0's two 8-token sequences need a third page each at once while the global
     tail (the lowest priority) sits on rank 1, whose shorter sequences need none yet: the
