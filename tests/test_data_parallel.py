@@ -182,7 +182,9 @@ def reference():
 def dp_engines():
     """dp_engines(dp, tp, scheduling): the module's engine of that layout, built on first
     use. One row bucket, so one program serves every step; backends "off": the xla
-    kernels need no start-up self-test."""
+    kernels need no start-up self-test. The layered engines dispatch the experts by
+    XLA's allreduce scheme ("auto" on these shapes), the chunked ones by all_to_all
+    (each device's share of its rank's rows travels to the experts' owners)."""
     built = {}
 
     def get(dp: int, tp: int, scheduling: str) -> LLM:
@@ -191,7 +193,8 @@ def dp_engines():
                 str(ensure_tiny(preset="tiny")), data_parallel_size=dp,
                 tensor_parallel_size=tp, enable_expert_parallel=True, scheduling=scheduling,
                 max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
-                token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None)
+                token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None,
+                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto")
         return built[dp, tp, scheduling]
 
     return get
