@@ -12,7 +12,9 @@ batch's previous group, and leave it into the carried buffer (b < L) or to sampl
 (b == L). Orca and chunked plans are the case a = 0, b = L: one call. A decode-only plan
 is one call of its decode rows through every layer.
 
-Every call is one program of the family in step.py, chosen by its row count alone, so
+Every call is one program of the family in step.py, chosen by its row count alone (under
+data-parallel attention the rows of its fullest rank: `_rank_layout` places each
+sequence's rows in its rank's slice, with rank-local page ids), so
 the engine compiles one program per row bucket (`core.programs.step_buckets`): the count grows
 with log(budget), not with the layer count, the group sizes, G, or a product of prefill
 and decode buckets. `warmup()` compiles them all; the persistent compilation cache makes

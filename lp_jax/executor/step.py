@@ -47,6 +47,12 @@ sequence, out as `drafts_RK`. It is a branch of the same programs, not a program
 
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
+
+Data-parallel attention (`StepSpec.data_ranks` R > 1, docs/data_parallel.md): the program
+of bucket N runs N rows on each rank, R N in all (rank r's at [r N, (r + 1) N)), split
+over "data", with ranked metadata; each rank's attention reads its own pool shard
+(lp_jax/models/data_ranks.py). The rows written to the replicated hidden buffer, the
+counted tokens and the sampled rows are gathered whole; sampling is over all ranks' rows.
 """
 
 from __future__ import annotations
