@@ -4,6 +4,8 @@ flags, and engines on DP 2 and DP 4 with the experts over every chip giving the
 single-device model's tokens under chunked and layered, with no compile while serving
 and within the program budget."""
 
+import re
+
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -180,7 +182,9 @@ def reference():
 def dp_engines():
     """dp_engines(dp, tp, scheduling): the module's engine of that layout, built on first
     use. One row bucket, so one program serves every step; backends "off": the xla
-    kernels need no start-up self-test."""
+    kernels need no start-up self-test. The layered engines dispatch the experts by
+    XLA's allreduce scheme ("auto" on these shapes), the chunked ones by all_to_all
+    (each device's share of its rank's rows travels to the experts' owners)."""
     built = {}
 
     def get(dp: int, tp: int, scheduling: str) -> LLM:
@@ -189,7 +193,8 @@ def dp_engines():
                 str(ensure_tiny(preset="tiny")), data_parallel_size=dp,
                 tensor_parallel_size=tp, enable_expert_parallel=True, scheduling=scheduling,
                 max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
-                token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None)
+                token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None,
+                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto")
         return built[dp, tp, scheduling]
 
     return get
@@ -219,6 +224,50 @@ def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, 
     assert stats["free_pages"] == stats["total_pages"] == 8 * dp
     assert stats["compilations_after_warmup"] == 0
     assert stats["programs"] == 1 and stats["startup_compilations"] <= MAX_PROGRAMS
+
+
+def _all_reduces(hlo: str, data: int, tensor: int) -> list[tuple[str, bool]]:
+    """(result shape, whether a group spans data ranks) of each all-reduce in a compiled
+    program on a (data, 1, tensor) mesh (device k on rank k // tensor). Groups come in
+    three spellings: mesh axes (`mesh['data'=2,...] {'data'}`; 'axis_0' is data where
+    the unit axis is dropped), iota (`[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)`) or explicit."""
+    out = []
+    for m in re.finditer(r"= (\S+) all-reduce(?:-start)?\((.*)", hlo):
+        shape, rest = m.group(1), m.group(2)
+        named = re.search(r"replica_groups=mesh\[[^]]*\] \{([^}]*)\}", rest)
+        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                         rest)
+        explicit = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest)
+        if named:
+            spans = bool(set(re.findall(r"'(\w+)'", named.group(1))) & {"data", "axis_0"})
+        else:
+            if iota:
+                dims = [int(d) for d in iota.group(3).split(",")]
+                ids = np.arange(int(np.prod(dims))).reshape(dims)
+                if iota.group(4):
+                    ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+                groups = ids.reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+            else:
+                assert explicit, rest[:200]
+                groups = [[int(i) for i in g.split(",")]
+                          for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))]
+            spans = any(len({k // tensor for k in g}) > 1 for g in groups)
+        out.append((shape, spans))
+    return out
+
+
+@pytest.mark.parametrize("dp,tp,scheduling", [(2, 4, "layered"), (4, 2, "chunked")])
+def test_each_rank_attends_its_own_rows_and_pool_shard(dp_engines, dp, tp, scheduling):
+    """The program runs N rows on each rank (dp N in all) and its attention reads each
+    rank's pool shard with the rank's own rows, so no all-reduce spans the data axis
+    (rows replicated over the ranks needed one of the pages every layer, and GSPMD's MoE
+    one of its sorted rows)."""
+    llm = dp_engines(dp, tp, scheduling)
+    (N, program), = llm.engine.runner.programs.items()
+    hlo = program.as_text()
+    assert re.search(rf"s32\[{dp * N}\]\{{0\}} parameter", hlo)  # the dp N rows' tokens
+    reduces = _all_reduces(hlo, data=dp, tensor=tp)
+    assert reduces and not [shape for shape, spans in reduces if spans]
 
 
 def test_one_rank_idle(reference, dp_engines):
@@ -307,6 +356,27 @@ def test_deepseek_v3_steps_trace_in_bfloat16():
     with jax.set_mesh(b.mesh):
         jax.jit(b.step).trace(*b.args, _abstract_inputs(b.spec, 20, b.mesh),
                               _abstract_counts(b))
+
+
+@pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)
+def test_the_audit_counts_a_programs_rows_over_every_rank():
+    """Rule 3 (temporaries below one layer's experts) holds for decode-sized programs.
+    Under DP a bucket of N runs N rows on each rank: N = 4 on 2 ranks is 8 rows, past
+    max_num_seqs = 4, so its temporaries are a prefill's; N = 2 (4 rows) is decode-sized."""
+    from lp_jax.aot import AotConfig, build
+    from lp_jax.aot.audit import audit_program
+
+    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek"))), AotConfig(
+        platform="tpu", topology="v6e:2x2", mesh_shape=(2, 1, 1), max_model_len=64,
+        max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(20,)))
+    huge = {"temp": 2**40, "alias": 2**40, "argument": 0, "output": 0}
+
+    def temporaries(rows: int) -> list[str]:
+        rec = {"rows": rows, "stablehlo": "", "memory": huge}
+        return [v for v in audit_program(rec, b)["violations"] if v.startswith("temporaries")]
+
+    assert b.spec.rows_for(4) == 8 and not temporaries(4)
+    assert temporaries(2)
 
 
 def test_a_full_rank_preempts_only_its_own_sequences():

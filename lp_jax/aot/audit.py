@@ -17,7 +17,8 @@ Rules (a violation fails `python -m lp_jax.aot`, naming the program and the op):
    Qwen3-30B-A3B 1.2 GB in bfloat16, twice the int8 bytes it replaces). The scales
    ([L, E, k, n] float32, named "*scale*") are not expert weights.
 2. The KV pool argument is donated and aliased to an output.
-3. TPU, decode-sized programs (at most max_num_seqs rows): temporary bytes stay below
+3. TPU, decode-sized programs (at most max_num_seqs rows; under data-parallel attention
+   the rows of all ranks, R N for bucket N): temporary bytes stay below
    one layer's expert bytes per device, so a step cannot be hiding a copy of a layer.
    Larger programs hold activations that grow with their rows (8,224 prefill rows of
    Qwen3-30B-A3B: ~0.8 GiB), beyond one layer's experts on an 8-way expert mesh; their
@@ -173,7 +174,9 @@ def audit_program(rec: dict, build, cfg=None) -> dict:
         violations += _check_pool_copies(hlo, build)
     mem = rec.get("memory")
     limit = build.layer_expert_bytes_per_device
-    if mem and limit and rec["rows"] <= build.spec.max_num_seqs and mem["temp"] >= limit:
+    # Decode-sized: the program's rows over all data ranks (N on each of R ranks).
+    rows = build.spec.rows_for(rec["rows"])
+    if mem and limit and rows <= build.spec.max_num_seqs and mem["temp"] >= limit:
         violations.append(f"temporaries {mem['temp'] / 2**20:.0f} MiB >= one layer's experts "
                           f"{limit / 2**20:.0f} MiB per device")
     violations += _check_compiled(rec, build, cfg)

@@ -12,7 +12,9 @@ batch's previous group, and leave it into the carried buffer (b < L) or to sampl
 (b == L). Orca and chunked plans are the case a = 0, b = L: one call. A decode-only plan
 is one call of its decode rows through every layer.
 
-Every call is one program of the family in step.py, chosen by its row count alone, so
+Every call is one program of the family in step.py, chosen by its row count alone (under
+data-parallel attention the rows of its fullest rank: `_rank_layout` places each
+sequence's rows in its rank's slice, with rank-local page ids), so
 the engine compiles one program per row bucket (`core.programs.step_buckets`): the count grows
 with log(budget), not with the layer count, the group sizes, G, or a product of prefill
 and decode buckets. `warmup()` compiles them all; the persistent compilation cache makes
@@ -70,7 +72,11 @@ from lp_jax.executor.step import (
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.eagle3 import Eagle3Params
 from lp_jax.models.kv_cache import init_kv_cache, kv_cache_axes, kv_cache_shape, packs_kv
-from lp_jax.models.metadata import build_decode_metadata, build_metadata
+from lp_jax.models.metadata import (
+    build_decode_metadata,
+    build_metadata,
+    build_ranked_metadata,
+)
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.progress import Progress
 from lp_jax.sharding import kv_head_replicas, named_sharding, replicated
@@ -224,7 +230,8 @@ class ModelRunner:
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
             hidden_rows=hidden_rows,
             buckets=tuple(token_buckets), vocab_size=cfg.vocab_size,
-            draft_k=draft[2] if draft else 0)
+            draft_k=draft[2] if draft else 0, data_ranks=cfg.kv_ranks)
+        self.num_pages = num_pages
         if draft and channel is not None:
             raise ValueError("draft models run on one process only (no plan channel)")
         self.graphdef, self.state = nnx.split(model)
@@ -447,29 +454,64 @@ class ModelRunner:
             out[: end - chunk.start] = seq.token_ids[chunk.start + 1 : end + 1]
         return out
 
+    def _rank_layout(self, call: _Call, N: int | None = None):
+        """Data-parallel attention's layout of a call: (where, per rank): where[j] is
+        call row j's row among the R N rows of bucket N (rank r's at [r N, (r + 1) N),
+        each rank's rows in call order), and per rank its (first, n, page ids local to
+        the rank) sequences. A sequence's rank is the one whose pages it holds
+        (dp_placement: rank r owns the page ids [r P_r, (r + 1) P_r)). With N None,
+        where is left empty: the per-rank rows pick the bucket."""
+        R = self.spec.data_ranks
+        P_r = self.num_pages // R
+        where = np.zeros(len(call.tokens), np.int32)
+        ranks, used, row = [[] for _ in range(R)], [0] * R, 0
+        for first, n, pages in call.seqs:
+            r = pages[0] // P_r
+            if pages[-1] // P_r != r:
+                raise RuntimeError(f"a sequence's pages {pages} span data ranks")
+            if N is not None:
+                where[row : row + n] = r * N + used[r] + np.arange(n)
+            ranks[r].append((first, n, [p - r * P_r for p in pages]))
+            used[r], row = used[r] + n, row + n
+        return where, ranks
+
+    def _rows_per_rank(self, call: _Call) -> int:
+        """The rows a call runs on each rank: its fullest rank's (all of them on one)."""
+        if self.spec.data_ranks == 1:
+            return len(call.tokens)
+        return max(sum(n for _, n, _ in seqs) for seqs in self._rank_layout(call)[1])
+
     def _inputs(self, call: _Call, N: int) -> dict:
         spec, n = self.spec, len(call.tokens)
         inputs = empty_inputs(spec, N)
         inputs["units"][:] = call.units
         inputs["decode_only"] = np.bool_(call.decode_only)
-        for name, value in (("tokens_N", call.tokens), ("src_N", call.src), ("dst_N", call.dst),
-                            ("prev_rows_N", call.prev_rows)):
-            inputs[name][:n] = value
         B, S, C = spec.seqs_for(N), spec.page_size, spec.pages_per_seq
-        if call.decode_only:
+        where = np.arange(n)  # call row -> row of the program's inputs
+        if spec.data_ranks > 1:  # each rank's rows in its slice, rank-local page ids
+            where, ranks = self._rank_layout(call, N)
+            inputs["meta"] = build_ranked_metadata(ranks, page_size=S, num_tokens=N,
+                                                   num_seqs=spec.rank_seqs_for(N),
+                                                   pages_per_seq=C)
+            # The rows whose prompt scores the handle reads (collect).
+            call.scored = [(seq, pos, int(where[row]), k) for seq, pos, row, k in call.scored]
+        elif call.decode_only:
             inputs["meta"] = build_decode_metadata(
                 [first for first, _, _ in call.seqs], [pages for _, _, pages in call.seqs],
                 page_size=S, num_seqs=B, pages_per_seq=C, num_tokens=N)
         else:
             inputs["meta"] = build_metadata(call.seqs, page_size=S, num_tokens=N, num_seqs=B,
                                             pages_per_seq=C)
+        for name, value in (("tokens_N", call.tokens), ("src_N", call.src), ("dst_N", call.dst),
+                            ("prev_rows_N", call.prev_rows)):
+            inputs[name][where] = value
         if call.count_slot is not None:
-            inputs["count_slot_N"][:n] = call.count_slot
-            inputs["count_output_N"][:n] = call.count_output
+            inputs["count_slot_N"][where] = call.count_slot
+            inputs["count_output_N"][where] = call.count_output
             inputs["count_reset_B"][: len(call.count_reset)] = call.count_reset
         if call.scored:
             inputs["do_score"] = np.bool_(True)
-            inputs["score_target_N"][:n] = call.score_target
+            inputs["score_target_N"][where] = call.score_target
         if "bitmask_SW" in inputs["sampling"]:  # None: all ones (run_calls)
             inputs["sampling"]["bitmask_SW"] = None
         if "draft" in inputs and call.units[1] == 2 * self.L:
@@ -478,7 +520,7 @@ class ModelRunner:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
                 s.sampling_params.logprobs is not None for s, *_ in call.sampling))
-            inputs["sample_rows_S"][: len(call.sample_rows)] = call.sample_rows
+            inputs["sample_rows_S"][: len(call.sample_rows)] = where[call.sample_rows]
             self._fill_sampling(inputs["sampling"], call.sampling)
         return inputs
 
@@ -554,10 +596,11 @@ class ModelRunner:
         batch, useful, padded = [], 0.0, 0.0
         for call in calls:
             n = len(call.tokens)
-            N = bucket_for(n, self.spec.buckets)
+            N = bucket_for(self._rows_per_rank(call), self.spec.buckets)
             batch.append((N, self._inputs(call, N)))
             layers = (call.units[1] - call.units[0]) / 2
-            useful, padded = useful + n * layers, padded + N * layers
+            useful = useful + n * layers
+            padded = padded + self.spec.rows_for(N) * layers
         prev_tokens = prev.tokens_R if prev is not None else None
         step_id = next(self._step_ids)
         if self.channel is not None:

@@ -49,6 +49,12 @@ program of its own.
 
 `decode_only` (runtime) lets a backend with a separate decode kernel use it for calls
 whose rows are one token per sequence.
+
+Data-parallel attention (`StepSpec.data_ranks` R > 1, docs/data_parallel.md): the program
+of bucket N runs N rows on each rank, R N in all (rank r's at [r N, (r + 1) N)), split
+over "data", with ranked metadata; each rank's attention reads its own pool shard
+(lp_jax/models/data_ranks.py). The rows written to the replicated hidden buffer, the
+counted tokens and the sampled rows are gathered whole; sampling is over all ranks' rows.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lp_jax.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from lp_jax.executor.sampler import (
@@ -73,7 +79,7 @@ from lp_jax.executor.sampler import (
 )
 from lp_jax.models import eagle3, mtp
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.models.metadata import AttentionMetadata, build_ranked_metadata
 from lp_jax.sharding import named_sharding
 from lp_jax.spec.config import MAX_SPECULATIVE_TOKENS
 from lp_jax.structured.params import mask_words
@@ -100,14 +106,26 @@ class StepSpec:
     buckets: tuple[int, ...]
     vocab_size: int  # required: a program family without the bitmask input would differ
     draft_k: int = 0  # drafts a draft model proposes per sequence (0: none)
+    # Data-parallel attention's ranks R: a call of bucket N runs N rows on each rank, R N
+    # rows in all, rank r's at [r N, (r + 1) N), with per-rank metadata (data_ranks.py).
+    data_ranks: int = 1
 
     @property
     def mask_words(self) -> int:
         """int32 words of a bitmask row (bit v % 32 of word v // 32 is token v)."""
         return mask_words(self.vocab_size)
 
+    def rows_for(self, N: int) -> int:
+        """Rows of a call of bucket N: N on each data rank."""
+        return self.data_ranks * N
+
     def seqs_for(self, N: int) -> int:
-        """Sequences (and sampled rows) a call of N rows can hold."""
+        """Sequences (and sampled rows) a call of bucket N can hold, over all ranks."""
+        return min(self.rows_for(N), self.max_num_seqs)
+
+    def rank_seqs_for(self, N: int) -> int:
+        """Sequences one data rank's share of a call of bucket N can hold (its
+        metadata's batch size): seqs_for(N) with one rank."""
         return min(N, self.max_num_seqs)
 
 
@@ -201,6 +219,9 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
     logits would choose them (it runs back through the mask's bits into the input), and
     the next call would not match its program."""
     R = spec.max_num_seqs
+    # Data-parallel attention: the rows split over "data", rank r's N at [r N, (r + 1) N).
+    rank_rows = (NamedSharding(replicated.mesh, PartitionSpec("data"))
+                 if spec.data_ranks > 1 and replicated is not None else None)
 
     def step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
              draft_state=None):
@@ -211,6 +232,8 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         src_N = inputs["src_N"]
         x_ND = jnp.where((src_N < 0)[:, None], model.embed(tokens_N),
                          hidden_RD[jnp.maximum(src_N, 0)])
+        if rank_rows is not None:
+            x_ND = jax.lax.with_sharding_constraint(x_ND, rank_rows)
         lo, hi = inputs["units"][0], inputs["units"][1]
         aux = {}
         if draft is not None and draft.aux_layer_ids:  # carried rows bring their aux states
@@ -221,14 +244,19 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
             x_ND, kv_pages, inputs["meta"], lo, hi, decode_only=inputs["decode_only"],
             backends=backends, **aux)
         dst_N = jnp.where(inputs["dst_N"] < 0, hidden_RD.shape[0], inputs["dst_N"])
-        hidden_RD = hidden_RD.at[dst_N].set(x_ND, mode="drop")
+        # The carried buffer is replicated: gather the ranks' rows (R N x D), not an
+        # all-reduce of the whole buffer that a scatter of split rows would become.
+        carried_ND = x_ND if rank_rows is None else jax.lax.with_sharding_constraint(
+            x_ND, replicated)
+        hidden_RD = hidden_RD.at[dst_N].set(carried_ND, mode="drop")
         if aux:
             draft_state = dict(draft_state, aux_RAD=draft_state["aux_RAD"].at[dst_N].set(
                 aux_NAD[0], mode="drop"))
 
-        if counts is not None:
-            counts = _count_tokens(counts, inputs, tokens_N)
-        S = spec.seqs_for(tokens_N.shape[0])
+        if counts is not None:  # the token ids whole: the counts are not split by rank
+            counts = _count_tokens(counts, inputs, tokens_N if rank_rows is None else
+                                   jax.lax.with_sharding_constraint(tokens_N, replicated))
+        S = inputs["sample_rows_S"].shape[0]  # spec.seqs_for(bucket)
 
         s = inputs["sampling"]
         slot_S = s["count_slot"]
@@ -317,7 +345,7 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
     drafts nothing); per sampled row, `check_S` the draft that the next row verifies
     (-1: none). Its accepted rows are those whose predecessors sampled their draft."""
     d = inputs["draft"]
-    S = spec.seqs_for(aux_NAD.shape[0])
+    S = inputs["sample_rows_S"].shape[0]  # spec.seqs_for(bucket)
     tokens_S = tokens_R[:S]
     next_N = d["next_token_N"]
     tok_N = jnp.where(next_N >= 0, next_N, tokens_S[jnp.clip(-1 - next_N, 0, S - 1)])
@@ -344,6 +372,15 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
     the template the executor fills."""
     B, C = spec.seqs_for(N), spec.pages_per_seq
     i32 = lambda n, v=0: np.full(n, v, np.int32)
+    if spec.data_ranks > 1:  # per-rank metadata (metadata.build_ranked_metadata)
+        meta = build_ranked_metadata([[]] * spec.data_ranks, page_size=spec.page_size,
+                                     num_tokens=N, num_seqs=spec.rank_seqs_for(N),
+                                     pages_per_seq=C)
+    else:
+        meta = AttentionMetadata(
+            positions_T=i32(N), slots_T=i32(N, -1), query_start_B1=i32(B + 1),
+            seq_lens_B=i32(B), page_table_BC=np.zeros((B, C), np.int32), num_seqs=np.int32(0))
+    N = spec.rows_for(N)  # the rows of every rank
     return {
         "units": i32(2),
         "decode_only": np.bool_(False),
@@ -352,9 +389,7 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
         "dst_N": i32(N, -1),
         "prev_rows_N": i32(N, -1),
         "prev_tokens_R": i32(spec.max_num_seqs),
-        "meta": AttentionMetadata(
-            positions_T=i32(N), slots_T=i32(N, -1), query_start_B1=i32(B + 1),
-            seq_lens_B=i32(B), page_table_BC=np.zeros((B, C), np.int32), num_seqs=np.int32(0)),
+        "meta": meta,
         "count_reset_B": i32(B, -1),
         "count_slot_N": i32(N, -1),
         "count_output_N": np.zeros(N, np.bool_),

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from lp_jax.config import ModelConfig
 from lp_jax.models import qwen3_moe
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.data_ranks import per_rank
 from lp_jax.models.kv_cache import layer_pages, layer_slots
 from lp_jax.models.layers import (
     apply_rope,
@@ -177,27 +178,33 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
         q_nope_TNH, q_pe_TNR, latent_TX = self.mla_inputs(i, h_TD, meta.positions_T)
 
-        P_total, S = kv_pages_PS1X.shape[:2]
-        slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
-        page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
-        kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
         w_kv_ANX = attn.kv_b_proj[i].astype(h_TD.dtype).reshape(cfg.kv_lora_rank, N, H + O)
         kv_b_scale = scale_of(attn, "kv_b_proj")
         if kv_b_scale is not None:  # per (head, channel): W_UK's into q, W_UV's after
             s_NX = kv_b_scale[i].reshape(N, H + O)
             q_nope_TNH = (q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]).astype(h_TD.dtype)
 
-        def attend(absorbed: bool):
-            return _sharded_mla(
-                q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
-                meta.query_start_B1, meta.seq_lens_B, page_table_BC,
-                meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
-                backend=backend)
+        def write_and_attend(cfg, kv_pages_PS1X, meta, q_nope_TNH, q_pe_TNR, latent_TX):
+            P_total, S = kv_pages_PS1X.shape[:2]
+            slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
+            page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
+            kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
 
-        if isinstance(decode_only, bool):
-            o_TNO = attend(decode_only)
-        else:
-            o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
+            def attend(absorbed: bool):
+                return _sharded_mla(
+                    q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H],
+                    w_kv_ANX[..., H:], meta.query_start_B1, meta.seq_lens_B, page_table_BC,
+                    meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
+                    backend=backend)
+
+            if isinstance(decode_only, bool):
+                return attend(decode_only), kv_pages_PS1X
+            return jax.lax.cond(decode_only, lambda: attend(True),
+                                lambda: attend(False)), kv_pages_PS1X
+
+        # Under data-parallel attention, on each data rank's rows and pool shard.
+        o_TNO, kv_pages_PS1X = per_rank(cfg, write_and_attend, kv_pages_PS1X, meta,
+                                        q_nope_TNH, q_pe_TNR, latent_TX)
         if kv_b_scale is not None:
             o_TNO = (o_TNO.astype(jnp.float32) * s_NX[:, H:]).astype(x_TD.dtype)
         # The reference attention returns float32; the residual stays in the model's dtype

@@ -113,3 +113,28 @@ def build_decode_metadata(
         page_table_BC=page_table,
         num_seqs=np.int32(n),
     )
+
+
+def build_ranked_metadata(
+    ranks: list[list[tuple[int, int, list[int]]]],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+) -> AttentionMetadata:
+    """`build_metadata` of each data rank's sequences (page ids local to the rank),
+    stacked: the rows of rank r at [r N, (r + 1) N) of the flat positions_T and slots_T
+    (N = num_tokens), and a leading rank axis on the per-sequence arrays:
+    query_start_B1 [R, B + 1], seq_lens_B [R, B], page_table_BC [R, B, C], num_seqs [R]
+    (lp_jax/models/data_ranks.py runs attention on each rank's share)."""
+    each = [build_metadata(seqs, page_size=page_size, num_tokens=num_tokens,
+                           num_seqs=num_seqs, pages_per_seq=pages_per_seq) for seqs in ranks]
+    return AttentionMetadata(
+        positions_T=np.concatenate([m.positions_T for m in each]),
+        slots_T=np.concatenate([m.slots_T for m in each]),
+        query_start_B1=np.stack([m.query_start_B1 for m in each]),
+        seq_lens_B=np.stack([m.seq_lens_B for m in each]),
+        page_table_BC=np.stack([m.page_table_BC for m in each]),
+        num_seqs=np.asarray([m.num_seqs for m in each], np.int32),
+    )

@@ -48,7 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lp_jax.models.expert_dispatch import (
@@ -185,6 +185,15 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
     if dispatch == "allreduce" and not is_pallas_moe(backend):
+        if mesh is not None and dict(mesh.shape).get("data", 1) > 1:
+            # Rows split over the data ranks (data-parallel attention): gather the T x D
+            # rows once, rather than let GSPMD all-reduce every expert-sorted row it
+            # would gather from the split ones.
+            whole = NamedSharding(mesh, P())
+            x_TD, router_logits_TE = (jax.lax.with_sharding_constraint(a, whole)
+                                      for a in (x_TD, router_logits_TE))
+            if token_mask_T is not None:
+                token_mask_T = jax.lax.with_sharding_constraint(token_mask_T, whole)
         mesh = None
     return sharded_moe_ffn(
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,

@@ -24,6 +24,7 @@ from flax import nnx
 
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
+from lp_jax.models.data_ranks import per_rank
 from lp_jax.models.kv_cache import layer_kv_scales, layer_pages, layer_slots, repeat_to_pool
 from lp_jax.models.layers import param, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
@@ -129,16 +130,22 @@ class StackedCausalLM(nnx.Module):
         q_TNH, k_TKH, v_TKH = self._qkv(i, h_TD, meta.positions_T)
         k_TKH, v_TKH = repeat_to_pool(k_TKH, v_TKH, kv_pages_PSJH)  # a pool of K r heads
 
-        # Logical pages -> this layer's physical pages in the shared pool.
-        P_total, S = kv_pages_PSJH.shape[:2]
-        slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
         # An FP8 pool (kv_cache.py): the layer's k_scale / v_scale quantise here and
         # dequantise in the kernel; {} for a 16-bit pool.
         scales = layer_kv_scales(cfg, i) if is_fp8(kv_pages_PSJH) else {}
-        kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T, **scales)
-        page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
-        o_TNH = self._attend(i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only,
-                             backend, scales)
+
+        def write_and_attend(cfg, kv_pages_PSJH, meta, q_TNH, k_TKH, v_TKH):
+            # Logical pages -> this layer's physical pages in the shared pool.
+            P_total, S = kv_pages_PSJH.shape[:2]
+            slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
+            kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, slots_T, **scales)
+            page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
+            return self._attend(i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only,
+                                backend, scales), kv_pages_PSJH
+
+        # Under data-parallel attention, on each data rank's rows and pool shard.
+        o_TNH, kv_pages_PSJH = per_rank(cfg, write_and_attend, kv_pages_PSJH, meta, q_TNH,
+                                        k_TKH, v_TKH)
         x_TD = x_TD + self._o_proj(i, o_TNH.reshape(T, N * H))
         return x_TD, kv_pages_PSJH
 
