@@ -161,3 +161,40 @@ def test_an_offloaded_scatter_moves_its_updates_not_the_buffer():
     ops = walker.walk(module.computations[module.entry], {}, top=True)
     moved = sum(op.bytes for op in ops)
     assert 0 < moved <= 2 * U * 4 + U * 2 * 4, moved  # the updates twice, the indices
+
+
+R = 16  # rows of the reduce-scatter
+FUSED_REDUCE_SCATTER = f"""HloModule fused_reduce_scatter
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%all-reduce-scatter (input: f32[{R},{D}]) -> f32[{R // 8},{D}] {{
+  %input = f32[{R},{D}]{{1,0}} parameter(0)
+  %ar = f32[{R},{D}]{{1,0}} all-reduce(%input), to_apply=%sum
+  %id = u32[] partition-id()
+  %c = u32[] constant({R // 8})
+  %start = u32[] multiply(%id, %c)
+  %z = u32[] constant(0)
+  ROOT %ds = f32[{R // 8},{D}]{{1,0}} dynamic-slice(%ar, %start, %z),
+      dynamic_slice_sizes={{{R // 8},{D}}}
+}}
+
+ENTRY %main (x: f32[{R},{D}]) -> f32[{R // 8},{D}] {{
+  %x = f32[{R},{D}]{{1,0}} parameter(0)
+  ROOT %rs = f32[{R // 8},{D}]{{1,0}} fusion(%x), kind=kCustom, calls=%all-reduce-scatter
+}}
+"""
+
+
+def test_a_reduce_scatter_written_as_a_fusion_is_a_collective():
+    """XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice of it
+    each device keeps; costed as a plain fusion, its link bytes went uncounted."""
+    module = hlo.parse(FUSED_REDUCE_SCATTER)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=8)
+    walker = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
+    (op,) = walker.walk(module.computations[module.entry], {}, top=True)
+    assert op.cls == "collectives" and op.link_bytes == R * D * 4
