@@ -133,3 +133,15 @@ def test_the_harness_names_a_moved_sglang_jax_name():
         worker.require("json", "no_such_name")
     with pytest.raises(worker.MovedName, match="no_such_module is gone"):
         worker.require("no_such_module")
+
+
+def test_a_fused_reduce_scatter_is_counted_as_one():
+    """XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and its slice (the
+    row-split residual stream's o_proj): the table lists it among the collectives."""
+    from tests.test_roofline_hlo import FUSED_REDUCE_SCATTER, R
+    module = hlo.parse(FUSED_REDUCE_SCATTER)
+    walker = csj.BasisWalker(module, P8, HW, 0.6, 0.8)
+    entry = module.computations[module.entry]
+    op = walker.op(entry, entry.instrs["rs"])
+    assert (op.cls, op.tag) == ("collectives", "reduce-scatter")
+    assert op.link_bytes == R * 64 * 4

@@ -372,3 +372,35 @@ def test_engine_all_to_all_matches_single_device(tiny_dir):
     assert set(llm.engine.runner.programs) == {16}
     for program in llm.engine.runner.programs.values():  # the MoE really went all-to-all
         assert _moe_all_to_alls(program.as_text())
+
+
+# ------------------------------------------------------- the row-split residual stream
+@pytest.mark.parametrize("scheme", ["allreduce", "capacity"])
+def test_scatter_rows_leaves_each_shard_its_rows(scheme):
+    """scatter_rows (the row-split residual stream, models/sequence_parallel.py): the
+    output is the replicated call's, split by rows over the experts' axis, and the
+    allreduce scheme reduce-scatters where it would all-reduce, the all_to_all scheme
+    skips its all_gather of the outputs."""
+    mesh = make_mesh(tensor=4)
+    T = 16
+    x_TD, logits_TE, mask_T = _tokens(T, hot=False, seed=3)
+    kw = dict(top_k=A, norm_topk_prob=True, backend="xla", **SCHEMES[scheme])
+
+    def both(x, lg, wg, wd, layer):
+        return [sharded_moe_ffn(kernel_mesh(wg), x, lg, wg, wd, layer=layer,
+                                token_mask_T=mask_T, scatter_rows=rows, **kw)[0]
+                for rows in (False, True)]
+
+    args = (x_TD, logits_TE, *_sharded_weights(mesh), jnp.int32(LAYER))
+    compiled = jax.jit(both).lower(*args).compile(FAST_COMPILE)
+    whole, rows = compiled(*args)
+    np.testing.assert_allclose(rows, whole, rtol=1e-6, atol=1e-6)
+    assert rows.sharding.spec == P("tensor") and whole.sharding.is_fully_replicated
+    hlo = compiled.as_text()
+    outputs = {f"f32[{n},{D}]" for n in (T, T // 4)}
+    if scheme == "allreduce":
+        assert f"f32[{T // 4},{D}]" in _collective_shapes(hlo, "reduce-scatter")
+        assert f"f32[{T},{D}]" in _collective_shapes(hlo, "all-reduce")  # the replicated one
+    else:  # one all_gather of the outputs: the replicated call's
+        assert [s for s in _collective_shapes(hlo, "all-gather") if s in outputs] == [
+            f"f32[{T},{D}]"]

@@ -1,10 +1,13 @@
 """Tensor-parallel attention beside expert parallelism over the same devices (8 simulated
 CPUs): the layout rules, vLLM's parallel sizes, and engines on TP 4 with more devices
 than KV heads giving the single-device model's tokens under chunked and layered, for
-Qwen3-MoE and GPT-OSS, with no compile while serving and within the program budget."""
+Qwen3-MoE and GPT-OSS, with no compile while serving and within the program budget; the
+row-split residual stream of large row buckets (models/sequence_parallel.py) too."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from checkpoints import make_tiny_quant as mtq
@@ -13,9 +16,11 @@ from lp_jax import LLM, SamplingParams
 from lp_jax.aot import AotConfig, build, load_config
 from lp_jax.engine.config import EngineConfig
 from lp_jax.loader import load_model, restore_params, save_params
+from lp_jax.models import sequence_parallel
 from lp_jax.models.backends import KernelBackends
-from lp_jax.models.kv_cache import kv_page_bytes
-from lp_jax.models.simple import greedy_generate
+from lp_jax.models.kv_cache import init_kv_cache, kv_page_bytes
+from lp_jax.models.metadata import build_metadata
+from lp_jax.models.simple import _forward, greedy_generate
 from lp_jax.roofline.hardware import get_hardware
 from lp_jax.roofline.layout import chip_layout, sim_parallelism
 from lp_jax.roofline.model_shape import QWEN3_30B_A3B
@@ -257,3 +262,35 @@ def test_penalties_read_counts_kept_on_the_vocabulary_split(references, tp_engin
                                                              sampling_params=penalized)]
     assert got == want and got != references["tiny"]
     assert llm.stats()["compilations_after_warmup"] == 0
+
+
+def test_row_split_residual_stream_gives_the_single_device_tokens(references, monkeypatch):
+    """TP 4 with the experts over the same devices, the 20-row prefill above the row
+    threshold (lowered for the test): each device keeps 5 rows of the residual stream,
+    o_proj's partial sums are reduce-scattered to them, and the prefill's greedy token is
+    the single-device model's (decode keeps the replicated stream: one row)."""
+    monkeypatch.setattr(sequence_parallel, "MIN_ROWS", 16)
+    model = load_model(ensure_tiny(preset="tiny"), mesh=make_mesh(1, 1, 4))
+    row_axis, tp4 = sequence_parallel.row_axis, make_mesh(1, 1, 4)
+    assert row_axis(tp4, 20, 8) == "tensor" and row_axis(None, 20, 8) is None
+    assert row_axis(tp4, 18, 8) is None and row_axis(tp4, 12, 8) is None  # 4 ways; < 16
+    assert row_axis(make_mesh(1, 4, 1), 20, 8) is None  # attention not split
+    backends = KernelBackends(moe="xla", attention="xla")
+    prompt, rows = PROMPTS[1], max(map(len, PROMPTS))
+    pages = -(-(rows + NEW_TOKENS) // 16)
+    got = greedy_generate(model, prompt, 1, backends=backends, prefill_rows=rows,
+                          num_pages=pages)
+    assert got == references["tiny"][1][:1]
+    graphdef, state = nnx.split(model)
+    meta = build_metadata([(0, len(prompt), list(range(pages)))], page_size=16,
+                          num_tokens=rows, num_seqs=1, pages_per_seq=pages)
+    text = _forward.lower(graphdef, state, init_kv_cache(model.config, pages, 16, model.dtype),
+                          jnp.zeros(rows, jnp.int32), meta, decode_only=False,
+                          backends=backends).as_text()
+    # XLA:CPU writes a reduce-scatter as an all-reduce and a slice, so the split is read
+    # off the program's sharding constraints: the stream entering the loop and o_proj's
+    # output split over rows, the normed rows gathered whole before q/k/v and the MoE.
+    stream = f"tensor<{rows}x{model.config.hidden_size}x"
+    split = [ln for ln in text.splitlines() if "sharding_constraint" in ln and stream in ln]
+    assert sum('[{"tensor"}, {}]' in ln for ln in split) == 2
+    assert sum("[{}, {}]" in ln for ln in split) >= 2

@@ -282,3 +282,40 @@ def test_mla_steps_cost_the_decode_kernel_only_when_every_row_can_be_a_decode():
         ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
             module.computations[module.entry], {}, top=False)
         assert [op.kernel for op in ops] == [want], rows
+
+
+R = 16  # rows of the reduce-scatter
+FUSED_REDUCE_SCATTER = f"""HloModule fused_reduce_scatter
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%all-reduce-scatter (input: f32[{R},{D}]) -> f32[{R // 8},{D}] {{
+  %input = f32[{R},{D}]{{1,0}} parameter(0)
+  %ar = f32[{R},{D}]{{1,0}} all-reduce(%input), to_apply=%sum
+  %id = u32[] partition-id()
+  %c = u32[] constant({R // 8})
+  %start = u32[] multiply(%id, %c)
+  %z = u32[] constant(0)
+  ROOT %ds = f32[{R // 8},{D}]{{1,0}} dynamic-slice(%ar, %start, %z),
+      dynamic_slice_sizes={{{R // 8},{D}}}
+}}
+
+ENTRY %main (x: f32[{R},{D}]) -> f32[{R // 8},{D}] {{
+  %x = f32[{R},{D}]{{1,0}} parameter(0)
+  ROOT %rs = f32[{R // 8},{D}]{{1,0}} fusion(%x), kind=kCustom, calls=%all-reduce-scatter
+}}
+"""
+
+
+def test_a_reduce_scatter_written_as_a_fusion_is_a_collective():
+    """XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and the slice of it
+    each device keeps; costed as a plain fusion, its link bytes went uncounted."""
+    module = hlo.parse(FUSED_REDUCE_SCATTER)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=8)
+    walker = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
+    (op,) = walker.walk(module.computations[module.entry], {}, top=True)
+    assert op.cls == "collectives" and op.link_bytes == R * D * 4

@@ -109,6 +109,8 @@ class BasisWalker(compiled.Walker):
         if op is None:
             return None
         tag = op.kernel or (ins.opcode if ins.opcode in compiled._COLLECTIVES else "")
+        if op.cls == "collectives" and ins.opcode == "fusion":  # XLA:TPU's reduce-scatter
+            tag = "reduce-scatter"  # (compiled.Walker: a fused all-reduce and its slice)
         return TaggedOp(**dataclasses.asdict(op), tag=tag)
 
     def _sglang(self, kind: str, dims: dict) -> TaggedOp:

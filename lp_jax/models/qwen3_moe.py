@@ -50,7 +50,8 @@ from flax import nnx
 from lp_jax.config import ModelConfig
 from lp_jax.models.backends import KernelBackends
 from lp_jax.models.layers import apply_rope, param, rms_norm, rope_frequencies
-from lp_jax.models.sharded_kernels import model_moe_ffn
+from lp_jax.models.sequence_parallel import constrain, row_axis
+from lp_jax.models.sharded_kernels import kernel_mesh, model_moe_ffn, resolve_moe_dispatch
 from lp_jax.models.stacked import StackedCausalLM
 from lp_jax.quant.config import served_scheme
 from lp_jax.quant.linear import linear, scale_of, set_weight
@@ -198,6 +199,17 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
             moe.index(i) if i in moe else dense.index(i) for i in range(cfg.num_hidden_layers)
         )
 
+    def _row_axis(self, rows: int):
+        """The row-split residual stream (sequence_parallel.py) of a model whose every
+        layer is a routed MoE with nothing beside it (no dense layers or shared experts):
+        (mesh, axis) or None."""
+        cfg = self.config
+        if cfg.dense_layers or cfg.n_shared_experts or not cfg.moe_layers:
+            return None
+        mesh = kernel_mesh(self.model.layers.self_attn.q_proj[...])
+        axis = row_axis(mesh, rows, cfg.num_experts)
+        return None if axis is None else (mesh, axis)
+
     def _proj(self, module, kind: str, name: str, i, x_TK):
         """x @ module.name[i], quantized (lp_jax.quant.linear) if the format converts it."""
         scale = scale_of(module, name)
@@ -227,7 +239,12 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
         return q_TNH, k_TKH, v_TKH
 
     def _o_proj(self, i, o_TX):
-        return self._proj(self.model.layers.self_attn, "self_attn", "o_proj", i, o_TX)
+        attn = self.model.layers.self_attn
+        if self._row_axis(o_TX.shape[0]) is not None and scale_of(attn, "o_proj") is None:
+            # each chip's partial sum leaves in the activation dtype: the reduce-scatter
+            # moves bf16 rows, not float32 ones (sequence_parallel.py)
+            return jnp.dot(o_TX, attn.o_proj[i], preferred_element_type=o_TX.dtype)
+        return self._proj(attn, "self_attn", "o_proj", i, o_TX)
 
     def _moe(self, j, h_TD, token_mask_T, backends: KernelBackends):
         """MoE block of MoE layer j: the kernels get the whole stacked expert weights and
@@ -235,6 +252,11 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
         mesh and dispatch as `sharded_kernels.model_moe_ffn` picks them. The router
         variant (cfg.router) with the layer's correction bias; shared experts added."""
         cfg, mlp = self.config, self.model.layers.mlp
+        split = self._row_axis(h_TD.shape[0])
+        if split is not None and resolve_moe_dispatch(
+                split[0], backends.moe_dispatch, h_TD, mlp.experts_gate_up_proj[...],
+                cfg.num_experts_per_tok) == "allreduce":
+            h_TD = constrain(h_TD, split[0], None)  # every chip's experts see every row
         logits_TE = jnp.dot(h_TD.astype(jnp.float32), mlp.gate[j].astype(jnp.float32))
         quant, scheme = {}, quantized_params(cfg)["mlp.experts_gate_up_proj"]
         if scheme is not None:
@@ -246,7 +268,8 @@ class Qwen3MoeForCausalLM(StackedCausalLM):
             h_TD, logits_TE, mlp.experts_gate_up_proj[...], mlp.experts_down_proj[...],
             layer=j, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
             backend=backends.moe, moe_dispatch=backends.moe_dispatch,
-            token_mask_T=token_mask_T, router=cfg.router, **quant)
+            token_mask_T=token_mask_T, router=cfg.router, scatter_rows=split is not None,
+            **quant)
         if self.model.layers.shared_experts is not None:
             y_TD = y_TD + self._swiglu(self.model.layers.shared_experts, "shared_experts",
                                        j, h_TD)

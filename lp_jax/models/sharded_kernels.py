@@ -171,7 +171,7 @@ def sharded_decode_attention(mesh, q_BNH, kv_pages_PSJH, seq_lens_B, page_table_
 def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
                   norm_topk_prob, backend, moe_dispatch, token_mask_T, biases=None,
                   activation: MoEActivation = SILU, scales=None, scheme=None,
-                  router: Router = SOFTMAX, correction_bias_E=None):
+                  router: Router = SOFTMAX, correction_bias_E=None, scatter_rows=False):
     """A model layer's MoE (Qwen3, GPT-OSS): the whole stacked expert weights (and
     GPT-OSS's biases, with its activation: as in moe_ffn) and the layer index go to the
     kernels, which address the layer themselves. On a multi-device mesh, read off the weights, a
@@ -181,7 +181,8 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
     Quantized experts: `scales` (s_gate_up, s_down) and `scheme` (pallas_kernels.quant), as
     in moe_ffn; on a mesh they split over the experts' axes with the weights, under either
     dispatch. `router` and `correction_bias_E` (the routing variant, moe.ref.route): as
-    in moe_ffn, every shard routing with them."""
+    in moe_ffn, every shard routing with them. `scatter_rows`: the output rows stay
+    split over the experts' axis (the row-split residual stream, sequence_parallel.py)."""
     mesh = kernel_mesh(w_gate_up)
     dispatch = resolve_moe_dispatch(mesh, moe_dispatch, x_TD, w_gate_up, top_k)
     if dispatch == "allreduce" and not is_pallas_moe(backend):
@@ -199,7 +200,8 @@ def model_moe_ffn(x_TD, router_logits_TE, w_gate_up, w_down, *, layer, top_k,
         mesh, x_TD, router_logits_TE, w_gate_up, w_down, layer=layer, top_k=top_k,
         norm_topk_prob=norm_topk_prob, backend=backend, token_mask_T=token_mask_T,
         dispatch=dispatch, biases=biases, activation=activation, scales=scales,
-        scheme=scheme, router=router, correction_bias_E=correction_bias_E)
+        scheme=scheme, router=router, correction_bias_E=correction_bias_E,
+        scatter_rows=scatter_rows)
 
 
 def _local_experts_moe(x_TD, router_logits_TE, w_gate_up, w_down, expert_offset, layer, *,
@@ -245,7 +247,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
                     norm_topk_prob, backend, token_mask_T=None, interpret=None,
                     dispatch="allreduce", capacity_factor=CAPACITY_FACTOR, _transport=None,
                     biases=None, activation: MoEActivation = SILU, scales=None, scheme=None,
-                    router: Router = SOFTMAX, correction_bias_E=None):
+                    router: Router = SOFTMAX, correction_bias_E=None, scatter_rows=False):
     """`moe.moe_ffn` with the experts split over the experts' mesh axes (called
     directly when `mesh` is None).
 
@@ -272,6 +274,10 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
       the outputs come back, are combined, and all_gather'ed over the axes.
     With ep == 1 (the axis is absent or does not divide E) both are the same: the
     kernel runs on whole experts on every device, with no collective.
+    `scatter_rows` (T a multiple of the experts' shards): the output is left split over
+    the experts' axis by rows, shard i holding rows [i T/ep, (i+1) T/ep): "allreduce"
+    reduce-scatters (psum_scatter) the partial outputs, in x's dtype, where it would psum
+    them in float32; "all_to_all" skips its all_gather.
     `capacity_factor` sizes the CPU transport's rounds; `_transport` ("ragged",
     "capacity", "ref_ragged"; None: by the mesh's platform) is for tests.
     """
@@ -307,7 +313,7 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             layer_args, nb, nl, top_k=top_k, norm_topk_prob=norm_topk_prob,
             backend=backend, interpret=interpret, transport=transport,
             capacity_factor=capacity_factor, activation=activation, scheme=scheme,
-            router=router)
+            router=router, scatter_rows=scatter_rows)
 
     def per_shard(x_TD, router_logits_TE, token_mask_T, w_gate_up, w_down, *rest):
         biases, scales_ = rest[:nb], rest[nb:len(split_args) - 2]
@@ -322,27 +328,34 @@ def sharded_moe_ffn(mesh, x_TD, router_logits_TE, w_gate_up, w_down, *, layer=No
             backend=backend, interpret=interpret, biases=biases, activation=activation,
             scales=scales_ or None, scheme=scheme, router=router,
             correction_bias_E=bias_arg[0] if bias_arg else None)
-        if experts is not None:
+        if rows is not None:
+            y_TD = jax.lax.psum_scatter(y_TD.astype(x_TD.dtype), experts,
+                                        scatter_dimension=0, tiled=True)
+        elif experts is not None:
             y_TD = jax.lax.psum(y_TD, experts)
         return y_TD.astype(x_TD.dtype), tokens_per_expert_E
 
+    rows = experts if scatter_rows and experts is not None else None
     y_TD, tokens_per_expert_E = jax.shard_map(
         per_shard, mesh=mesh,
         in_specs=(P(), P(), P(), *split_specs, *(P() for _ in layer_args)),
-        out_specs=(P(), P(experts)), check_vma=False,
+        out_specs=(P(rows), P(experts)), check_vma=False,
     )(x_TD, router_logits_TE, token_mask_T, *split_args, *layer_args)
     return y_TD, moe_stats(tokens_per_expert_E, w_gate_up, w_down, *biases, scales=scales)
 
 
 def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, split_args,
-                        split_specs, layer_args, nb, nl, **kw):
+                        split_specs, layer_args, nb, nl, scatter_rows=False, **kw):
     """The "all_to_all" scheme: T padded to a multiple of ep and split over `experts`
     (shard i takes tokens [i t, (i+1) t)); the outputs all_gather'ed back to [T, D].
     split_args: the weights, then the `nb` biases and the scales, if any, split over
     `experts` (scales and biases stay with their experts; only rows travel). layer_args:
-    the `nl` layer index (0 or 1) and then the router's correction bias, if any."""
+    the `nl` layer index (0 or 1) and then the router's correction bias, if any.
+    `scatter_rows`: the outputs stay on their shards (no all_gather; T a multiple of ep)."""
     T = x_TD.shape[0]
     pad = -T % axes_size(experts, mesh)
+    if scatter_rows and pad:
+        raise ValueError(f"scatter_rows needs the {T} rows to split evenly over {experts}")
     x_TD_pad = jnp.pad(x_TD, ((0, pad), (0, 0)))
     logits_TE_pad = jnp.pad(router_logits_TE, ((0, pad), (0, 0)))
     mask_T_pad = jnp.pad(token_mask_T.astype(bool), (0, pad))  # the pad sends nothing
@@ -355,14 +368,16 @@ def _all_to_all_moe_ffn(mesh, experts, x_TD, router_logits_TE, token_mask_T, spl
             x_tD, router_logits_tE, token_mask_t, w_gate_up, w_down,
             layer_arg[0] if layer_arg else None, axis=experts, biases=biases,
             scales=scales, correction_bias_E=bias_arg[0] if bias_arg else None, **kw)
-        y_TD = jax.lax.all_gather(y_tD.astype(x_tD.dtype), experts, axis=0, tiled=True)
-        return y_TD, tokens_per_expert_E
+        y_tD = y_tD.astype(x_tD.dtype)
+        if scatter_rows:
+            return y_tD, tokens_per_expert_E
+        return jax.lax.all_gather(y_tD, experts, axis=0, tiled=True), tokens_per_expert_E
 
     tokens = P(experts)
     y_TD, tokens_per_expert_E = jax.shard_map(  # the counts: all experts, on every shard
         per_shard, mesh=mesh,
         in_specs=(tokens, tokens, tokens, *split_specs, *(P() for _ in layer_args)),
-        out_specs=(P(), P()), check_vma=False,
+        out_specs=(tokens if scatter_rows else P(), P()), check_vma=False,
     )(x_TD_pad, logits_TE_pad, mask_T_pad, *split_args, *layer_args)
     return y_TD[:T], moe_stats(tokens_per_expert_E, *split_args[:2 + nb],
                                scales=split_args[2 + nb:])

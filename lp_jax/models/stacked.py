@@ -28,6 +28,7 @@ from lp_jax.models.data_ranks import per_rank
 from lp_jax.models.kv_cache import layer_kv_scales, layer_pages, layer_slots, repeat_to_pool
 from lp_jax.models.layers import param, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
+from lp_jax.models.sequence_parallel import constrain
 from lp_jax.models.sharded_kernels import (
     is_pallas_attention,
     kernel_mesh,
@@ -109,6 +110,11 @@ class StackedCausalLM(nnx.Module):
         """Layer i's output projection of the attention output [T, N*H]."""
         raise NotImplementedError
 
+    def _row_axis(self, rows: int):
+        """(mesh, axis) when the residual stream of a `rows`-row step splits over the
+        rows (sequence_parallel.py), else None: the stream stays replicated."""
+        return None
+
     def _attention_extras(self, i) -> dict:
         """Attention keyword arguments of layer i (GPT-OSS: `sinks_N`, `sliding_window`,
         traced); {} for none."""
@@ -127,6 +133,9 @@ class StackedCausalLM(nnx.Module):
         # The projections are XLA dots on w[i]: XLA addresses the layer in place (TPU
         # operand fusion, GPU dynamic-slice fusion); `python -m lp_jax.aot` audits it.
         h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
+        split = self._row_axis(T)
+        if split is not None:  # the normed rows of every chip, to every chip
+            h_TD = constrain(h_TD, split[0], None)
         q_TNH, k_TKH, v_TKH = self._qkv(i, h_TD, meta.positions_T)
         k_TKH, v_TKH = repeat_to_pool(k_TKH, v_TKH, kv_pages_PSJH)  # a pool of K r heads
 
@@ -146,8 +155,10 @@ class StackedCausalLM(nnx.Module):
         # Under data-parallel attention, on each data rank's rows and pool shard.
         o_TNH, kv_pages_PSJH = per_rank(cfg, write_and_attend, kv_pages_PSJH, meta, q_TNH,
                                         k_TKH, v_TKH)
-        x_TD = x_TD + self._o_proj(i, o_TNH.reshape(T, N * H))
-        return x_TD, kv_pages_PSJH
+        o_TD = self._o_proj(i, o_TNH.reshape(T, N * H))
+        if split is not None:  # the partial sums reduce-scattered to the row shards
+            o_TD = constrain(o_TD, *split)
+        return x_TD + o_TD, kv_pages_PSJH
 
     def _attend(self, i, q_TNH, kv_pages_PSJH, meta, page_table_BC, decode_only, backend,
                 scales=None):
@@ -247,5 +258,11 @@ class StackedCausalLM(nnx.Module):
             return x, kv, n + activated, *aux
 
         aux = (aux_NAD,) if aux_layers else ()
-        return jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
-                                 (x_TD, kv_pages_PSJH, jnp.int32(0), *aux))
+        split = self._row_axis(x_TD.shape[0])
+        if split is not None:  # each chip keeps its rows of the stream through the loop
+            x_TD = constrain(x_TD, *split)
+        x_TD, *rest = jax.lax.fori_loop(lo // 2, (hi + 1) // 2, layer,
+                                        (x_TD, kv_pages_PSJH, jnp.int32(0), *aux))
+        if split is not None:
+            x_TD = constrain(x_TD, split[0], None)
+        return (x_TD, *rest)

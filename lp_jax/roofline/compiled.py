@@ -40,7 +40,9 @@ analytic model takes the same contexts, and the tables state them.
 
 Bytes: an op moves its operands and result, except that an in-place update moves its
 update, and an operand that a fusion only slices or gathers from (stacked layer weights,
-the embedding), directly or in a fusion nested in it, moves the slice. Every
+the embedding), directly or in a fusion nested in it, moves the slice. A collective
+sends its operands (an all-gather: its result) over the links, also inside a fusion:
+XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and its slice. Every
 asynchronous copy (copy-start, slice-start) moves its bytes, a cross-program prefetch
 and its end-of-program copy both: the second lets the next call of the same program skip
 the first, but a call after another program's does not, so a call is charged both.
@@ -366,9 +368,12 @@ class Walker:
             if target == "AllocateBuffer":
                 return None
         if ins.opcode in _COLLECTIVES:
-            sent = ins.bytes if ins.opcode.startswith("all-gather") else sum(
-                hlo.shape_bytes(comp.instrs[o].type) for o in ins.operands if o in comp.instrs)
-            return Op("collectives", 0.0, sum(operand_bytes) + self.hbm(ins.type), sent)
+            return Op("collectives", 0.0, sum(operand_bytes) + self.hbm(ins.type),
+                      self._sent(comp, ins))
+        if ins.opcode == "fusion":
+            sent = self._fused_sent(self.m.computations[ins.called[0]])
+            if sent:  # XLA:TPU's reduce-scatter: a fusion around an all-reduce and a slice
+                return Op("collectives", 0.0, self._fusion_bytes(comp, ins), sent)
         if ins.opcode in ("copy-start", "slice-start"):  # a DMA, e.g. a prefetch to VMEM
             parts = hlo.shapes(ins.type)
             size, dest = parts[0] if ins.opcode == "copy-start" else parts[1]
@@ -387,6 +392,24 @@ class Walker:
         else:
             moved = sum(operand_bytes) + self.hbm(ins.type)
         return Op(self._class(ins, has_dot), flops, moved)
+
+    @staticmethod
+    def _sent(comp: hlo.Computation, ins: hlo.Instr) -> float:
+        """Link bytes of a collective: an all-gather's result, any other's operands."""
+        if ins.opcode.startswith("all-gather"):
+            return ins.bytes
+        return sum(hlo.shape_bytes(comp.instrs[o].type) for o in ins.operands
+                   if o in comp.instrs)
+
+    def _fused_sent(self, fused: hlo.Computation) -> float:
+        """Link bytes of the collectives inside a fusion (and fusions nested in it)."""
+        sent = 0.0
+        for inner in fused.instrs.values():
+            if inner.opcode in _COLLECTIVES:
+                sent += self._sent(fused, inner)
+            elif inner.opcode == "fusion":
+                sent += self._fused_sent(self.m.computations[inner.called[0]])
+        return sent
 
     def _class(self, ins: hlo.Instr, has_dot: bool) -> str:
         fn = (self.m.functions_of(ins) or ("",))[0]
