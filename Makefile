@@ -15,15 +15,12 @@ export LP_JAX_CACHE_DIR ?= $(CURDIR)/.cache
 venv: $(STAMP)
 
 # One pip run per target: `make test` on a clean clone installs the test extras in the same
-# resolve as the rest (a second run would resolve and build the editable wheel again). pip
-# byte-compiles file by file (~35 CPU-seconds for this set); compileall does it on every core.
-# The venv's own pip (Python 3.12's, 23.2+) installs pyproject editables: no upgrade run.
-PURELIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# resolve as the rest (a second run would resolve and build the editable wheel again). The
+# venv's own pip (Python 3.12's, 23.2+) installs pyproject editables: no upgrade run.
 define install
 	@PYTHON=$$(bash launch/find_python.sh) && \
 	  { [ -x $(PY) ] || $$PYTHON -m venv $(VENV); }
-	$(PY) -m pip install -q --no-compile -e '.[$(1)]'
-	@$(PY) -m compileall -q -j 0 $(PURELIB) || echo "make: some installed files did not byte-compile (pip skips those too)" >&2
+	$(PY) -m pip install -q -e '.[$(1)]'
 endef
 
 $(STAMP): pyproject.toml launch/find_python.sh
