@@ -7,7 +7,7 @@ import types
 
 import jax
 import pytest
-from conftest import _cpu_o0
+from conftest import GC_THRESHOLD_GEN0, _cpu_o0
 from jax._src import compiler
 
 
@@ -61,3 +61,7 @@ def test_collected_objects_are_frozen_and_a_full_collection_is_cheap():
     generation: a full collection walks only what the tests made since."""
     assert gc.get_freeze_count() > 50_000  # JAX alone is more
     assert len(gc.get_objects()) < gc.get_freeze_count()
+
+
+def test_the_youngest_generation_is_collected_less_often():
+    assert gc.get_threshold()[0] == GC_THRESHOLD_GEN0 > 700  # Python's default is 700
