@@ -14,19 +14,26 @@ export LP_JAX_CACHE_DIR ?= $(CURDIR)/.cache
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml launch/find_python.sh
+# One pip run per target: `make test` on a clean clone installs the test extras in the same
+# resolve as the rest (a second run would resolve and build the editable wheel again). The
+# venv's own pip (Python 3.12's, 23.2+) installs pyproject editables: no upgrade run.
+define install
 	@PYTHON=$$(bash launch/find_python.sh) && \
 	  { [ -x $(PY) ] || $$PYTHON -m venv $(VENV); }
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(1)]'
+endef
+
+$(STAMP): pyproject.toml launch/find_python.sh
+	$(call install,dev)
 	@touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m lp_jax.demo
 
-$(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,tpu,gpu-compile]'
-	@touch $(TEST_STAMP)
+TEST_EXTRAS := dev,tpu,gpu-compile
+$(TEST_STAMP): pyproject.toml launch/find_python.sh
+	$(call install,$(TEST_EXTRAS))
+	@touch $(STAMP) $(TEST_STAMP)
 
 test: $(TEST_STAMP)
 	JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=8 $${XLA_FLAGS:-}" $(PY) -m pytest -n 2 --dist loadfile tests $(PYTEST_ARGS)

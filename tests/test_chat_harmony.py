@@ -37,6 +37,13 @@ def expected(date: str) -> str:
     )
 
 
+# The two served tests' engine: one shape, so the second's programs come from the run's
+# compilation cache. 16 sequences: the 16 samples of the response_format test decode in one
+# wave (a decode step costs the 256-row program whatever the rows it fills).
+HARMONY_ENGINE = dict(scheduling="chunked", max_num_seqs=16, max_model_len=512,
+                      max_num_batched_tokens=256, token_buckets=(256,), backends="off")
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_dir():
     return ensure_tiny(preset="tiny-gpt-oss")
@@ -84,9 +91,7 @@ def test_chat_completion_on_tiny_gpt_oss(gpt_oss_dir):
     from lp_jax.engine.config import EngineConfig
     from lp_jax.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(
-        model=str(gpt_oss_dir), scheduling="chunked", max_num_seqs=4, max_model_len=512,
-        max_num_batched_tokens=256, token_buckets=(256,), backends="off"), log=None)
+    engine = LLMEngine(EngineConfig(model=str(gpt_oss_dir), **HARMONY_ENGINE), log=None)
     st = ServerThread(OpenAIServer(engine, served_model_names=["tiny-gpt-oss"]))
     st.start()
     try:
@@ -172,9 +177,7 @@ def test_response_format_on_harmony_always_reaches_the_final_channel(tmp_path):
     from lp_jax.engine.llm_engine import LLMEngine
 
     hdir = write_harmony_variant(tmp_path / "tiny-gpt-oss-harmony")
-    engine = LLMEngine(EngineConfig(
-        model=str(hdir), scheduling="chunked", max_num_seqs=4, max_model_len=512,
-        max_num_batched_tokens=256, token_buckets=(256,), backends="off"), log=None)
+    engine = LLMEngine(EngineConfig(model=str(hdir), **HARMONY_ENGINE), log=None)
     st = ServerThread(OpenAIServer(engine, served_model_names=["m"])).start()
     try:
         client = openai.OpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0,

@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import CPU_O0_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The cache holds"
@@ -91,13 +92,14 @@ def test_wheel_installs_and_serves_outside_the_repository(tmp_path, tiny_dir):
     dist_info = wheel.name.split("-py3")[0] + ".dist-info"
     assert {n.split("/")[0] for n in names} == {"lp_jax", dist_info}
     assert zipfile.ZipFile(wheel).read(f"{dist_info}/top_level.txt") == b"lp_jax\n"
+    top = set()
     with zipfile.ZipFile(wheel) as z:
-        top = {n.name.split(".")[0] for f in names if f.endswith(".py")
-               for node in ast.walk(ast.parse(z.read(f))) if isinstance(node, ast.Import)
-               for n in node.names}
-        top |= {node.module.split(".")[0] for f in names if f.endswith(".py")
-                for node in ast.walk(ast.parse(z.read(f)))
-                if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+        for node in (node for f in names if f.endswith(".py")
+                     for node in ast.walk(ast.parse(z.read(f)))):
+            if isinstance(node, ast.Import):
+                top |= {n.name.split(".")[0] for n in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                top.add(node.module.split(".")[0])
     assert not top & {"checkpoints", "pallas_kernels"}  # every import re-rooted
     for data in ("lp_jax/checkpoints/data/aesop_townsend.txt",
                  "lp_jax/checkpoints/configs/Qwen3-30B-A3B.json",
@@ -115,6 +117,8 @@ def test_wheel_installs_and_serves_outside_the_repository(tmp_path, tiny_dir):
     here = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
     Path(site_dir, "outer_env.pth").write_text("\n".join(here) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # lp serve compiles for the CPU only: at the suite's XLA:CPU level (conftest)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CPU_O0_XLA_FLAGS}".strip()
     # --ignore-installed: never touch the lp_jax this environment may hold (editable).
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                         "--ignore-installed",
