@@ -403,7 +403,7 @@ def test_quantized_at_load_and_expert_parallel(method, expert):
     attn, mlp = quantized.model.layers.self_attn, quantized.model.layers.mlp
     assert attn.kv_b_proj[...].dtype == jnp.dtype(jnp.int8 if method == "int8"
                                                     else jnp.float8_e4m3fn)
-    assert attn.kv_b_proj_scale[...].shape == (3, 1, 4 * (16 + 16))
+    assert attn.kv_b_proj_scale[...].shape == (3, 4, 1, 16 + 16)  # per (head, channel)
     for w in (mlp.experts_gate_up_proj[...], mlp.experts_gate_up_proj_scale[...]):
         assert len(w.sharding.device_set) == expert
         assert w.sharding.shard_shape(w.shape)[1] == 8 // expert  # experts a device
