@@ -51,6 +51,7 @@ from lp_jax.loader_quant import (
     scale_path,
 )
 from lp_jax.models import StackedCausalLM, model_class
+from lp_jax.models.deepseek_v3 import kv_a_width
 from lp_jax.models.stacked import embed_width
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.quant.mxfp4 import packed_from_blocks as mxfp4_packed_from_blocks
@@ -264,7 +265,15 @@ def _mla_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
         norms["q_a_layernorm"] = Q
     else:
         linears["q_proj"] = (N * (H + R), D)
-    src = {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", s) for n, s in linears.items()}
+    # [in, out] -> the layout MlaAttention holds: kv_a_proj_with_mqa's columns padded to
+    # whole 128-lane tiles, kv_b_proj [A, N * (H + O)] as [N, A, H + O] (heads major).
+    width = kv_a_width(cfg)
+    layout = {"kv_a_proj_with_mqa": lambda w: np.pad(w, ((0, 0), (0, width - A - R))),
+              "kv_b_proj": lambda w: w.reshape(A, N, H + O).transpose(1, 0, 2)}
+    lay_out = {n: layout.get(n, lambda w: w) for n in linears}
+    src = {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", s,
+                                  lambda a, f=lay_out[n]: f(a[0].T))
+           for n, s in linears.items()}
     src |= {(*attn, n): _per_layer(layers, f"self_attn.{n}.weight", (w,), _identity)
             for n, w in norms.items()}
     q = cfg.quantization
@@ -280,7 +289,7 @@ def _mla_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Source]:
             src[(*attn, n)] = _Source(
                 (len(layers),), lambda i, lay=lay: [lay.format(i) + ".weight",
                                                     lay.format(i) + ".weight_scale_inv"],
-                _dequantize_fp8_blocks,
+                lambda a, f=lay_out[n]: f(_dequantize_fp8_blocks(a)),
                 lambda i, shape=shape: [shape, tuple(-(-d // FP8_BLOCK_SIZE) for d in shape)])
     return src
 

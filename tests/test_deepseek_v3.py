@@ -403,7 +403,7 @@ def test_quantized_at_load_and_expert_parallel(method, expert):
     attn, mlp = quantized.model.layers.self_attn, quantized.model.layers.mlp
     assert attn.kv_b_proj[...].dtype == jnp.dtype(jnp.int8 if method == "int8"
                                                     else jnp.float8_e4m3fn)
-    assert attn.kv_b_proj_scale[...].shape == (3, 1, 4 * (16 + 16))
+    assert attn.kv_b_proj_scale[...].shape == (3, 4, 1, 16 + 16)  # per (head, channel)
     for w in (mlp.experts_gate_up_proj[...], mlp.experts_gate_up_proj_scale[...]):
         assert len(w.sharding.device_set) == expert
         assert w.sharding.shard_shape(w.shape)[1] == 8 // expert  # experts a device
@@ -465,3 +465,27 @@ def test_kimi_k2_serves_token_ids_and_names_its_tokenizer(tmp_path, deepseek_eng
     (kimi / "tokenizer.json").symlink_to(src / "tokenizer.json")
     with start_server(MockEngine(model_dir=kimi, max_model_len=64)) as st:
         assert post(st, COMPLETIONS, {"prompt": "hello", "max_tokens": 2})[0] == 200
+
+
+def test_orbax_round_trip_keeps_the_latent_projections_layout(tmp_path):
+    """The latent projections as MlaAttention holds them (kv_a_proj_with_mqa tile-padded
+    with zero columns, kv_b_proj heads-major with its per-(head, channel) int8 scale)
+    survive save_params / restore_params onto a mesh that splits the heads: kv_b_proj
+    and its scale one head a device, every value unchanged."""
+    from lp_jax.loader import restore_params, save_params
+    from lp_jax.models.deepseek_v3 import kv_a_width
+    from lp_jax.sharding import make_mesh
+
+    model = load_model(ensure_tiny(preset="tiny-deepseek"), quantization="int8")
+    cfg, attn = model.config, model.model.layers.self_attn
+    A, R = cfg.kv_lora_rank, cfg.head_dim
+    kv_a = np.asarray(attn.kv_a_proj_with_mqa[...])
+    assert kv_a.shape[-1] == kv_a_width(cfg) == 128 and not kv_a[..., A + R:].any()
+    save_params(model, tmp_path / "ckpt")
+    restored = restore_params(cfg, tmp_path / "ckpt", mesh=make_mesh(tensor=4))
+    got = restored.model.layers.self_attn
+    for name in ("kv_a_proj_with_mqa", "kv_b_proj", "kv_b_proj_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)[...]),
+                                      np.asarray(getattr(attn, name)[...]), err_msg=name)
+    for w in (got.kv_b_proj[...], got.kv_b_proj_scale[...]):  # [L, N, A | 1, H + O]
+        assert w.sharding.shard_shape(w.shape)[1] == 1, w.sharding

@@ -20,6 +20,8 @@ layer is a traced argument, so the compile sees what a layer loop sees. Checks:
   pool a bitcast of the parameter. An unpacked [P, S, 2K, 64] pool compiles too, but
   XLA lays it out page-minor and copies all of it into the kernel's row-major layout
   on every call, which is why the kernel refuses it and the packed form exists.
+* DeepSeek-V3's latent projections (kv_a_proj_with_mqa, kv_b_proj) in a layer loop:
+  row-major parameters, no relayout copy of them.
 * A dense projection of an FP8 (128 x 128 block) checkpoint on v5p: held in 16 bits,
   its dot has temporaries of the activations' size, not a dequantised weight.
 
@@ -304,3 +306,59 @@ def test_fp8_checkpoint_dense_projections_hold_no_per_step_weight_copy():
                                            topology="v5p:2x2x1", mesh_shape=(1,))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < D * F * 2 // 4, f"temporaries {temp} B: a per-step copy of [{D}, {F}]"
+
+
+def test_mla_latent_projections_are_read_without_relayout_copies():
+    """DeepSeek-V3's attention (its latent 512 + 64, heads of 128 + 128; 8 heads, hidden
+    1024, 2 layers) in a layer loop on v5p: kv_a_proj_with_mqa and kv_b_proj are
+    parameters in the row-major layout, and no copy or transpose in the compiled HLO has
+    the size of either, stacked or one layer's. Held as the checkpoint lays them out
+    ([L, D, 576], [L, A, N * (H + O)]), kv_b_proj is relaid out whole before the loop
+    and again each layer, and the 576-wide stack gets a column-minor layout, which the
+    engine's data-parallel step copies whole before its loop (~1 GB of temporaries at
+    61 layers): MlaAttention holds them in the layouts the step reads instead."""
+    from flax import nnx
+
+    from checkpoints import make_tiny
+    from lp_jax.config import ModelConfig
+    from lp_jax.models import model_class
+    from lp_jax.models.metadata import AttentionMetadata
+
+    Lm, D, n, A, R, Hn = 2, 1024, 8, 512, 64, 128
+    hf = {**make_tiny.build_config("tiny-deepseek"), "num_hidden_layers": Lm,
+          "hidden_size": D, "num_attention_heads": n, "num_key_value_heads": n,
+          "kv_lora_rank": A, "qk_rope_head_dim": R, "qk_nope_head_dim": Hn,
+          "v_head_dim": Hn, "q_lora_rank": None, "first_k_dense_replace": Lm,
+          "torch_dtype": "bfloat16"}
+    cfg = ModelConfig.from_hf_dict(hf)
+    model = nnx.eval_shape(lambda: model_class(cfg.model_type)(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    Tn, B, C, pages = 16, 8, 4, 64
+    meta = AttentionMetadata(sd((Tn,), jnp.int32), sd((Tn,), jnp.int32),
+                             sd((B + 1,), jnp.int32), sd((B,), jnp.int32),
+                             sd((B, C), jnp.int32), sd((), jnp.int32))
+
+    def layers(state, x_TD, kv, meta, decode_only):
+        m = nnx.merge(graphdef, state)
+        return jax.lax.fori_loop(0, Lm, lambda i, c: m._attention(
+            i, *c, meta, decode_only, "xla"), (x_TD, kv))
+
+    args = (state, sd((Tn, D), jnp.bfloat16), sd((pages * Lm, S, 1, 640), jnp.bfloat16),
+            meta, sd((), jnp.bool_))
+    compiled = compile_targets.compile_tpu(layers, args, topology="v5p:2x2x1",
+                                           mesh_shape=(1,), donate_argnums=(2,))
+    hlo = compiled.as_text()
+    one_layer = {D * (A + R), D * 640, A * n * 2 * Hn}  # kv_a (checkpoint's, padded), kv_b
+    weighty = one_layer | {Lm * e for e in one_layer}
+    # Both held row-major: a 576-wide one is laid out column-minor on TPU (the whole-stack
+    # copy before the loop appears where the dot picks the row-major layout, as in the
+    # engine's data-parallel step; this program's dot happens to read either).
+    params = re.findall(r"%\S*(kv_a_proj_with_mqa|kv_b_proj)\S* = \w+\[([\d,]*)\]\{([\d,]*)"
+                        r"[^}]*\} parameter\(", hlo)
+    assert sorted(p[0] for p in params) == ["kv_a_proj_with_mqa", "kv_b_proj"], params
+    for name, dims, layout in params:
+        rank = dims.count(",") + 1
+        assert layout == ",".join(map(str, range(rank - 1, -1, -1))), (name, dims, layout)
+    copies = [(op, t) for t, op, _ in _instructions(hlo).values()
+              if op in ("copy", "copy-start", "transpose") and _elements(t) in weighty]
+    assert not copies, f"relayout copies of the latent projections: {copies}"

@@ -87,9 +87,27 @@ def quantized_params(cfg: ModelConfig):
     return out | {f"self_attn.{name}": scheme for name in mla_linears(cfg)}
 
 
+def kv_a_width(cfg: ModelConfig) -> int:
+    """Columns of the stored kv_a_proj_with_mqa: kv_lora_rank + qk_rope_head_dim rounded
+    up to whole 128-lane tiles (the padding columns are zero and never read)."""
+    return -(-(cfg.kv_lora_rank + cfg.head_dim) // 128) * 128
+
+
 class MlaAttention(nnx.Module):
     """Latent attention's projections, stacked over the layers, [in, out] as the other
-    models' linears (names as in the checkpoint), each with a `_scale` when quantised."""
+    models' linears (names as in the checkpoint), each with a `_scale` when quantised.
+
+    Two are held in the layout the step reads, so that XLA:TPU needs no relayout copy
+    of them (it would hoist one of the whole stack before the layer loop, every call):
+
+    * kv_a_proj_with_mqa [L, D, kv_a_width]: its A + R output columns (576 for
+      DeepSeek-V3) zero-padded to whole 128-lane tiles (640). A minor axis that is not a
+      multiple of 128 gets a column-minor device layout, which the dot does not read;
+    * kv_b_proj [L, N, A, H + O]: per head, the latent-by-[W_UK | W_UV] matrix, heads
+      major. The [A, N * (H + O)] form puts the heads among the two tiled minor axes,
+      where the per-head (batched) dots of both attention forms cannot read them. Its
+      per-(head, channel) scale, [L, N, 1, H + O], is the reduction over A as before.
+    """
 
     def __init__(self, cfg: ModelConfig, num_layers: int, dtype, *, rngs: nnx.Rngs):
         L, D, N = num_layers, cfg.hidden_size, cfg.num_attention_heads
@@ -98,8 +116,8 @@ class MlaAttention(nnx.Module):
         shapes = {"q_a_proj": ((L, D, Q), ("layers", "embed", None)),
                   "q_b_proj": ((L, Q, N * (H + R)), ("layers", None, "q_heads")),
                   "q_proj": ((L, D, N * (H + R)), ("layers", "embed", "q_heads")),
-                  "kv_a_proj_with_mqa": ((L, D, A + R), ("layers", "embed", None)),
-                  "kv_b_proj": ((L, A, N * (H + O)), ("layers", None, "q_heads")),
+                  "kv_a_proj_with_mqa": ((L, D, kv_a_width(cfg)), ("layers", "embed", None)),
+                  "kv_b_proj": ((L, N, A, H + O), ("layers", "q_heads", None, None)),
                   "o_proj": ((L, N * O, D), ("layers", "q_heads", "embed"))}
         quant = quantized_params(cfg)
         for name in mla_linears(cfg):
@@ -152,7 +170,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         rotary parts, and the pool row [normed latent | rotated shared key] of each token."""
         cfg, attn = self.config, self.model.layers.self_attn
         T, N = h_TD.shape[0], cfg.num_attention_heads
-        A, H = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        A, H, R = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.head_dim
         if cfg.q_lora_rank:
             q_TQ = rms_norm(self._mla_proj("q_a_proj", i, h_TD), attn.q_a_layernorm[i],
                             cfg.rms_norm_eps)
@@ -165,7 +183,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         inv_freq_R2, scale = rope_frequencies(cfg)
         rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope
         q_pe_TNR = rope(q_TNX[..., H:], positions_T, inv_freq_R2, scale)
-        k_pe_TR = rope(kv_TX[:, None, A:], positions_T, inv_freq_R2, scale)[:, 0]
+        k_pe_TR = rope(kv_TX[:, None, A:A + R], positions_T, inv_freq_R2, scale)[:, 0]
         return q_TNX[..., :H], q_pe_TNR, jnp.concatenate([latent_TA, k_pe_TR], axis=-1)
 
     def _attention(self, i, x_TD, kv_pages_PS1X, meta: AttentionMetadata, decode_only,
@@ -178,7 +196,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         h_TD = self._norm(x_TD, self.model.layers.input_layernorm[i])
         q_nope_TNH, q_pe_TNR, latent_TX = self.mla_inputs(i, h_TD, meta.positions_T)
 
-        w_kv_ANX = attn.kv_b_proj[i].astype(h_TD.dtype).reshape(cfg.kv_lora_rank, N, H + O)
+        w_kv_NAX = attn.kv_b_proj[i].astype(h_TD.dtype)  # heads major (MlaAttention)
+        w_uk_ANH, w_uv_ANO = (jnp.swapaxes(w, 0, 1) for w in (w_kv_NAX[..., :H], w_kv_NAX[..., H:]))
         kv_b_scale = scale_of(attn, "kv_b_proj")
         if kv_b_scale is not None:  # per (head, channel): W_UK's into q, W_UV's after
             s_NX = kv_b_scale[i].reshape(N, H + O)
@@ -192,8 +211,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
             def attend(absorbed: bool):
                 return _sharded_mla(
-                    q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H],
-                    w_kv_ANX[..., H:], meta.query_start_B1, meta.seq_lens_B, page_table_BC,
+                    q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO,
+                    meta.query_start_B1, meta.seq_lens_B, page_table_BC,
                     meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
                     backend=backend)
 
