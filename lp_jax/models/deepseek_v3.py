@@ -170,7 +170,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     def _attention(self, i, x_TD, kv_pages_PS1X, meta: AttentionMetadata, decode_only,
                    backend):
         """Attention half of layer i: latent written to the pool, then attention in the
-        absorbed form for decode-only steps and the expanded form otherwise."""
+        absorbed form for every row, prefill and decode alike (module docstring);
+        `decode_only` picks nothing here: one form serves every step."""
         cfg, attn = self.config, self.model.layers.self_attn
         T, N = x_TD.shape[0], cfg.num_attention_heads
         H, O = cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -187,21 +188,14 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             s_NX = kv_b_scale[i].reshape(N, H + O)
             q_nope_TNH = (q_nope_TNH.astype(jnp.float32) * s_NX[:, :H]).astype(h_TD.dtype)
 
-        def attend(absorbed: bool):
-            return _sharded_mla(
-                q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
-                meta.query_start_B1, meta.seq_lens_B, page_table_BC,
-                meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
-                backend=backend)
-
-        if isinstance(decode_only, bool):
-            o_TNO = attend(decode_only)
-        else:
-            o_TNO = jax.lax.cond(decode_only, lambda: attend(True), lambda: attend(False))
+        o_TNO = _sharded_mla(
+            q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_kv_ANX[..., :H], w_kv_ANX[..., H:],
+            meta.query_start_B1, meta.seq_lens_B, page_table_BC, meta.num_seqs,
+            sm_scale=cfg.softmax_scale, absorbed=True, backend=backend)
         if kv_b_scale is not None:
             o_TNO = (o_TNO.astype(jnp.float32) * s_NX[:, H:]).astype(x_TD.dtype)
-        # The reference attention returns float32; the residual stays in the model's dtype
-        # (lax.cond in run_units needs both branches alike).
+        # The residual stays in the model's dtype (lax.cond in run_units needs both
+        # branches alike).
         o_TD = self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O))
         return (x_TD + o_TD).astype(x_TD.dtype), kv_pages_PS1X
 
