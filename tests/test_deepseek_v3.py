@@ -167,8 +167,9 @@ def _flops(fn, *args) -> float:
 
 def test_prefill_attention_expands_no_latent_per_query_row():
     """A prefill step's attention runs absorbed: the compiled layer's flops stay below what
-    the expanded form spends expanding one page with W_UK and W_UV for each query row of
-    one block (2 b S A N (H + O)), which that form pays on every trip of its page loop."""
+    the expanded form spends expanding one page's keys with W_UK for each query row of one
+    block (2 b S A N H), which that form pays on every trip of its page loop (XLA's cost
+    analysis counts a loop body once)."""
     model = load_model(ensure_tiny(preset="tiny-deepseek"))
     cfg, (T, S) = model.config, (64, 16)  # one query block of 64 rows, 4 pages
     A, N = cfg.kv_lora_rank, cfg.num_attention_heads
@@ -181,7 +182,7 @@ def test_prefill_attention_expands_no_latent_per_query_row():
     x_TD = jax.ShapeDtypeStruct((T, cfg.hidden_size), model.dtype)
     step = _flops(lambda st, x, kv, m: nnx.merge(graphdef, st)._attention(
         1, x, kv, m, False, "xla"), state, x_TD, kv, meta)
-    per_row_expansion = 2 * T * S * A * N * (H + O)
+    per_row_expansion = 2 * T * S * A * N * H
 
     def expanded(kv, m):  # the oracle form, as prefill steps ran it before
         q_nope, q_pe = jnp.zeros((T, N, H)), jnp.zeros((T, N, R))
@@ -190,7 +191,8 @@ def test_prefill_attention_expands_no_latent_per_query_row():
                                        m.seq_lens_B, m.page_table_BC, m.num_seqs,
                                        sm_scale=1.0, absorbed=False)
 
-    assert _flops(expanded, kv, meta) > per_row_expansion > step
+    oracle = _flops(expanded, kv, meta)
+    assert oracle > per_row_expansion > step, (oracle, per_row_expansion, step)
 
 
 @pytest.mark.parametrize("preset", sorted(DEEPSEEK_PRESETS))
