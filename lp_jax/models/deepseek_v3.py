@@ -15,12 +15,15 @@ tests/test_deepseek_v3.py):
 
 The KV pool holds what transformers' cache holds: the normed latent and the rotated
 shared key, kv_lora_rank + qk_rope_head_dim values a token a layer (kv_cache.py; padded
-to whole 128-lane rows for the TPU kernel), written once per token. Attention reads it
-in one of two forms (pallas_kernels/attention/mla_ref.py): decode-only steps run
-absorbed (W_UK folded into the query, W_UV after attention: no per-head key or value
-for cached tokens), steps with prefill tokens run expanded (kv_b_proj on each page of
-latents). Both forms sit in the one step program (`lax.cond` on the step's decode_only
-flag), so no program is added.
+to whole 128-lane rows for the TPU kernel), written once per token. Every step reads it
+in the absorbed form (pallas_kernels/attention/mla_ref.py): W_UK folded into the query,
+W_UV applied after attention, so no per-head key or value exists for cached tokens. A
+(query row, key) pair costs N (2A + R) multiply-adds, prefill and decode rows alike; the
+expanded form (kv_b_proj on each page of latents, what transformers computes) is the
+oracle the tests compare against, never run by the engine: its reference expands each
+page once per query row, A N (H + O) multiply-adds a pair (~120x the absorbed form's at
+DeepSeek-V3's shapes). Expanding once per key of a sequence would undercut the absorbed
+form for long prompts; that prefill is not built.
 
 Quantised at load (`quantization="int8" | "fp8"`, per output channel): the latent
 projections, kv_b_proj included, are int8 / e4m3 with a float32 scale as every other
@@ -31,12 +34,12 @@ latent attention reads the unscaled int8 / e4m3 values, which bf16 holds exactly
 checkpoint's latent projections are dequantised once at load instead (loader._mla_sources):
 its 128 x 128 block scales vary along the latent, which absorption would have to undo.
 
-Backends (pallas_kernels/attention/mla.py): the absorbed form runs the Pallas MLA decode
-kernel on TPU and GPU ("auto", or "tpu" / "gpu" by name), the XLA reference elsewhere;
-the expanded form is XLA's on every backend. "tpu_jax" (JAX's shipped GQA kernel) has
-no latent form and is refused. On a multi-device mesh the kernel runs per head shard
-(shard_map; the latent pool is whole on every device). The refusals of not-yet-served
-features are in ModelConfig._check_mla.
+Backends (pallas_kernels/attention/mla.py): the Pallas MLA kernel on TPU and GPU
+("auto", or "tpu" / "gpu" by name; it walks each query token's own causal context, so it
+takes prefill chunks as well as decodes), the XLA reference elsewhere. "tpu_jax" (JAX's
+shipped GQA kernel) has no latent form and is refused. On a multi-device mesh the kernel
+runs per head shard (shard_map; the latent pool is whole on every device). The refusals
+of not-yet-served features are in ModelConfig._check_mla.
 """
 
 from __future__ import annotations

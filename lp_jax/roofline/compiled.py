@@ -26,11 +26,10 @@ sampling), except:
 * the layer kind: a model with dense and MoE layers (DeepSeek-V3's first three) picks
   the kind in the loop body by the layer index (`_moe` or the dense `_swiglu`); the
   body is costed once for each kind and counted per layer of that kind;
-* latent attention (MLA): the step picks the absorbed form (the MLA decode kernel)
-  when every row is a decode, the expanded XLA form otherwise; a program of at most
-  max_num_seqs rows costs the first, a larger one the second (its rows cannot all be
-  decodes). The expanded form's XLA ops (`*paged_attention` functions) are classed as
-  attention. A Pallas call's cost is
+* latent attention (MLA) takes no branch: every step runs the absorbed form, the MLA
+  kernel on TPU and GPU (costed as every Pallas call, at the program's rows, prefill
+  rows included), XLA's reference elsewhere (`*paged_attention` functions, classed as
+  attention). A Pallas call's cost is
 `cost.estimate(kernel, ...)` at the program's rows: uniform routing over the experts,
 and every sequence at one context length after the step, the new rows spread evenly
 over min(rows, max_num_seqs) sequences. The attention kernels walk only the pages
@@ -73,9 +72,9 @@ PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.g
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
               cost.GPU_PREFILL_ATTENTION: 256}
 SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
-MLA_DECODE_KERNELS = (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE)
+MLA_KERNELS = (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE)  # attention, not "attention"-named
 MOE_FUNCTIONS, DENSE_MLP_FUNCTIONS = ("._moe",), ("._swiglu",)  # the layer-kind branches
-ATTENTION_FUNCTIONS = ("paged_attention",)  # XLA attention (the MLA expanded form, refs)
+ATTENTION_FUNCTIONS = ("paged_attention",)  # XLA attention (the refs, MLA's included)
 SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency",
@@ -107,14 +106,14 @@ WHY = {
     "other": "ops the formula leaves out: norms, rotary, routing layout and the sorted / "
              "gathered copy of x, KV writes, elementwise ops over the padded row bucket",
 }
-# Latent attention's gap: its prefill steps run the expanded form in XLA
-# (pallas_kernels/attention/mla_ref.py), whose page walk expands each page's latents
-# into per-head keys and values for every query row of a 64-row block, where the
-# formula expands each key once a sequence.
-WHY_MLA = {"attention": "MLA: prefill steps run the expanded form in XLA, which expands "
-                        "each page's latents with kv_b_proj for every query row (the "
-                        "formula: once a key of the sequence); decode steps run the MLA "
-                        "kernel (cost.py)"}
+# Latent attention's gap: every step runs the absorbed form (the MLA kernel), whose
+# prefill rows each read their whole context and pay N (2A + R) multiply-adds a key,
+# where the formula expands each key of a prefilling sequence once with kv_b_proj and
+# then attends per head (N (H + R + O) a pair): cheaper for long prompts.
+WHY_MLA = {"attention": "MLA: prefill rows run absorbed (the MLA kernel, cost.py: each "
+                        "row over its whole context at N (2A + R) flops a key); the "
+                        "formula expands each key once a sequence (kv_b_proj) and "
+                        "attends per head"}
 
 
 @dataclasses.dataclass
@@ -326,10 +325,6 @@ class Walker:
             branches.append((self.seconds(ops), ops, name))
         if any(self._calls(name, SKIPPED_FUNCTIONS) for *_, name in branches):
             return min(branches, key=lambda b: b[0])[1]
-        mla = [b for b in branches if any(op.kernel in MLA_DECODE_KERNELS for op in b[1])]
-        if mla and len(mla) < len(branches):
-            decodes = self.p.rows <= self.p.seqs
-            branches = mla if decodes else [b for b in branches if b not in mla]
         moe = [b for b in branches if self._calls(b[2], MOE_FUNCTIONS)]
         dense = [b for b in branches if b not in moe and self._calls(b[2], DENSE_MLP_FUNCTIONS)]
         if moe and dense:
@@ -360,7 +355,7 @@ class Walker:
                 block_q = (prefill_block_q(ins, self.p)
                            if name == cost.GPU_PREFILL_ATTENTION else None)
                 c = kernel_cost(name, self.p, block_q)
-                cls = "attention" if "attention" in name else "experts"
+                cls = "attention" if "attention" in name or name in MLA_KERNELS else "experts"
                 self.estimates[name] = c
                 return Op(cls, c.flops, c.bytes_accessed, kernel=name)
             if target == "AllocateBuffer":
