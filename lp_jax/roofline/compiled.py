@@ -106,14 +106,15 @@ WHY = {
     "other": "ops the formula leaves out: norms, rotary, routing layout and the sorted / "
              "gathered copy of x, KV writes, elementwise ops over the padded row bucket",
 }
-# Latent attention's gap: every step runs the absorbed form (the MLA kernel), whose
-# prefill rows each read their whole context and pay N (2A + R) multiply-adds a key,
-# where the formula expands each key of a prefilling sequence once with kv_b_proj and
-# then attends per head (N (H + R + O) a pair): cheaper for long prompts.
-WHY_MLA = {"attention": "MLA: prefill rows run absorbed (the MLA kernel, cost.py: each "
-                        "row over its whole context at N (2A + R) flops a key); the "
-                        "formula expands each key once a sequence (kv_b_proj) and "
-                        "attends per head"}
+# Latent attention's gap: every step runs the absorbed form (the MLA kernel), N (2A + R)
+# multiply-adds a (query row, key) pair; the formula costs a prefilling sequence's chunk
+# expanded, kv_b_proj once a key then N (H + R + O) a pair, which is cheaper above
+# A (H + O) / (2A - H - O) rows a sequence (171 for DeepSeek-V3) on a long context, twice
+# that for a whole prompt (causal: half the pairs), and dearer below.
+WHY_MLA = {"attention": "MLA: every row runs absorbed (the MLA kernel, cost.py); the formula "
+                        "costs prefill expanded once a key (kv_b_proj) and then per head: "
+                        "cheaper than absorbed above about A (H + O) / (2A - H - O) rows "
+                        "a sequence on a long context (171 for DeepSeek-V3), dearer below"}
 
 
 @dataclasses.dataclass
