@@ -244,6 +244,29 @@ def test_a_padded_window_convolution_and_a_constant_bounded_loop():
     assert sum(op.flops for op in ops) == 8 * (2 * 64 * 16 * 128 * 128 * 512 + 1)
 
 
+# XLA:TPU's form of the absorbed query's batched einsum "tnh,anh->tna" (t 512, n 128 heads,
+# h 128, a 512): the head axis a spatial dimension under a window of 128 over an input
+# dilated by 128, so one real position a window.
+ABSORB = """HloModule absorb
+
+ENTRY %main (q: bf16[512,128,128], w: bf16[512,128,128]) -> bf16[128,512,512] {
+  %q = bf16[512,128,128]{0,2,1} parameter(0)
+  %w = bf16[512,128,128]{0,2,1} parameter(1)
+  ROOT %c = bf16[128,512,512]{2,1,0} convolution(%q, %w), window={size=128 stride=127 \
+lhs_dilate=128}, dim_labels=b0f_o0i->0bf
+}
+"""
+
+
+def test_a_dilated_window_convolution_counts_its_real_positions():
+    """The batched einsum costs 2 t n h a flops, not 128 (the window) times that."""
+    module = hlo.parse(ABSORB)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
+        module.computations[module.entry], {}, top=False)
+    assert sum(op.flops for op in ops) == 2 * 512 * 128 * 128 * 512
+
+
 MLA_STEP = """HloModule mla_step
 
 ENTRY %main (x: bf16[512,576]) -> bf16[512,576] {

@@ -218,17 +218,22 @@ def _conv_macs_per_output(comp: hlo.Computation, ins: hlo.Instr) -> int:
     """Multiply-adds per output element of a convolution: the input features times, per
     spatial dimension, the window positions that can land on the input. XLA:TPU writes
     some einsums as a convolution whose window (128, padded 127 on each side) slides over
-    a spatial dimension of size 1: one position of it is real, not 128."""
+    a spatial dimension of size 1: one position of it is real, not 128. A batched einsum
+    (MLA's per-head "tnh,anh->tna") becomes a window of 128 over an input dilated by 128
+    (`lhs_dilate`): a window covers ceil(size / dilation) real positions, here one."""
     lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
     rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
     lhs_labels, rest = (ins.attr("dim_labels") or "bf_io->bf").split("_", 1)
     rhs_labels = rest.split("->")[0]
     window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
     sizes = [int(w) for w in window.group(1).split("x")] if window else []
+    dilated = re.search(r"lhs_dilate=([\dx]+)", ins.attrs)
+    dilation = [int(d) for d in dilated.group(1).split("x")] if dilated else [1] * len(sizes)
     macs = rhs[rhs_labels.index("i")] if "i" in rhs_labels else 1
     for k, label in enumerate(lhs_labels):
         if label.isdigit() and int(label) < len(sizes):
-            macs *= min(sizes[int(label)], lhs[k])
+            j = int(label)
+            macs *= min(-(-sizes[j] // dilation[j]), lhs[k])
     return macs
 
 
