@@ -200,7 +200,8 @@ def test_layer_kinds_and_known_trip_counts_on_a_compiled_program():
     assert flops == {"moe": 4 * 2 * 8 * D * D, "dense": 2 * 2 * 32 * D * D}
 
 
-# XLA:TPU's form of MLA's page expansion (einsum "bsa,anh->bsnh" on 64 rows x 16 keys):
+# XLA:TPU's form of the MLA oracle's page expansion (einsum "bsa,anh->bsnh" on 64 rows x
+# 16 keys):
 # a convolution whose 128-wide window, padded 127 on each side, slides over a spatial
 # dimension of size 1; and XLA:TPU's loop over 8 query blocks, with no known_trip_count.
 LAT, W = "bf16[64,16,512,1]{2,1,3,0}", "bf16[512,128,128,1]{2,0,1,3}"
@@ -243,45 +244,56 @@ def test_a_padded_window_convolution_and_a_constant_bounded_loop():
     assert sum(op.flops for op in ops) == 8 * (2 * 64 * 16 * 128 * 128 * 512 + 1)
 
 
-MLA_COND = """HloModule mla_cond
+# XLA:TPU's form of the absorbed query's batched einsum "tnh,anh->tna" (t 512, n 128 heads,
+# h 128, a 512): the head axis a spatial dimension under a window of 128 over an input
+# dilated by 128, so one real position a window.
+ABSORB = """HloModule absorb
 
-%absorbed (a: bf16[32,576]) -> bf16[32,576] {
-  %a = bf16[32,576]{1,0} parameter(0)
-  ROOT %k = bf16[32,576]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", \
-metadata={op_name="jit(step)/lp_tpu_mla_decode"}
-}
-
-%expanded (e: bf16[32,576]) -> bf16[32,576] {
-  %e = bf16[32,576]{1,0} parameter(0)
-  %w = bf16[576,576]{1,0} constant({...})
-  ROOT %d = bf16[32,576]{1,0} dot(%e, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
-
-ENTRY %main (p: pred[], x: bf16[32,576]) -> bf16[32,576] {
-  %p = pred[] parameter(0)
-  %x = bf16[32,576]{1,0} parameter(1)
-  ROOT %c = bf16[32,576]{1,0} conditional(%p, %x, %x), true_computation=%absorbed, \
-false_computation=%expanded
+ENTRY %main (q: bf16[512,128,128], w: bf16[512,128,128]) -> bf16[128,512,512] {
+  %q = bf16[512,128,128]{0,2,1} parameter(0)
+  %w = bf16[512,128,128]{0,2,1} parameter(1)
+  ROOT %c = bf16[128,512,512]{2,1,0} convolution(%q, %w), window={size=128 stride=127 \
+lhs_dilate=128}, dim_labels=b0f_o0i->0bf
 }
 """
 
 
-def test_mla_steps_cost_the_decode_kernel_only_when_every_row_can_be_a_decode():
-    """The step's `cond` between the MLA decode kernel (absorbed) and XLA's expanded
-    form: a program of at most max_num_seqs rows costs the kernel's branch, a larger one
-    the expanded branch, whichever costs more."""
+def test_a_dilated_window_convolution_counts_its_real_positions():
+    """The batched einsum costs 2 t n h a flops, not 128 (the window) times that."""
+    module = hlo.parse(ABSORB)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
+        module.computations[module.entry], {}, top=False)
+    assert sum(op.flops for op in ops) == 2 * 512 * 128 * 128 * 512
+
+
+MLA_STEP = """HloModule mla_step
+
+ENTRY %main (x: bf16[512,576]) -> bf16[512,576] {
+  %x = bf16[512,576]{1,0} parameter(0)
+  ROOT %k = bf16[512,576]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", \
+metadata={op_name="jit(step)/lp_tpu_mla_decode"}
+}
+"""
+
+
+def test_mla_prefill_rows_cost_the_kernel_at_the_programs_rows():
+    """Every step runs the MLA kernel (no branch): a program of more rows than
+    max_num_seqs costs it at all its rows, each over the context (cost.mla_decode)."""
     from lp_jax.roofline.compiled import Program
     from lp_jax.roofline.model_shape import ModelShape
     from pallas_kernels import cost
 
     shape = ModelShape.from_json("tests/configs/DeepSeek-V3.json", name="DeepSeek-V3")
-    module = hlo.parse(MLA_COND)
-    for rows, seqs, want in ((32, 32, cost.TPU_MLA_DECODE), (64, 32, None)):
-        p = Program(rows=rows, seqs=seqs, pages_per_seq=256, page_size=16, tp=1, ep=1,
-                    shape=shape, context_len=4096)
-        ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
-            module.computations[module.entry], {}, top=False)
-        assert [op.kernel for op in ops] == [want], rows
+    module = hlo.parse(MLA_STEP)
+    p = Program(rows=512, seqs=32, pages_per_seq=256, page_size=16, tp=1, ep=1,
+                shape=shape, context_len=4096)
+    ops = Walker(module, p, get_hardware("TPU v5p"), 0.6, 0.8).walk(
+        module.computations[module.entry], {}, top=False)
+    want = cost.estimate(cost.TPU_MLA_DECODE, tokens=512, seqs=32, context=4096, heads=128,
+                         latent_dim=512, rope_dim=64, q_itemsize=2, kv_itemsize=2)
+    assert [(op.kernel, op.cls, op.flops) for op in ops] == [
+        (cost.TPU_MLA_DECODE, "attention", want.flops)]
 
 
 R = 16  # rows of the reduce-scatter

@@ -75,8 +75,9 @@ def test_group_limited_routing_activates_the_uniform_expectation():
 def test_mla_attention_costs_its_own_projections():
     """DeepSeek-V3's latent attention in the analytic model: one decode row reads each
     latent projection once (q_a, q_b, kv_a_proj_with_mqa, kv_b_proj absorbed, o_proj of
-    v_head_dim), which is the shape's attention weight bytes; and a prefill row expands
-    kv_b_proj over the keys of its sequence."""
+    v_head_dim), which is the shape's attention weight bytes; and a prefill is costed in
+    the form that is cheaper for long prompts, kv_b_proj over the keys of its sequence
+    once (the engine runs prefill absorbed; compiled.WHY_MLA names the gap)."""
     one = layer_cost(DEEPSEEK_V3, StepTokens(decode_seqs=1, decode_context=1), layer=3)
     ops = {op.name: op for op in one.ops}
     assert ops["qkv_proj"].bytes + ops["o_proj"].bytes == pytest.approx(

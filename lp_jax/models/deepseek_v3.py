@@ -15,12 +15,15 @@ tests/test_deepseek_v3.py):
 
 The KV pool holds what transformers' cache holds: the normed latent and the rotated
 shared key, kv_lora_rank + qk_rope_head_dim values a token a layer (kv_cache.py; padded
-to whole 128-lane rows for the TPU kernel), written once per token. Attention reads it
-in one of two forms (pallas_kernels/attention/mla_ref.py): decode-only steps run
-absorbed (W_UK folded into the query, W_UV after attention: no per-head key or value
-for cached tokens), steps with prefill tokens run expanded (kv_b_proj on each page of
-latents). Both forms sit in the one step program (`lax.cond` on the step's decode_only
-flag), so no program is added.
+to whole 128-lane rows for the TPU kernel), written once per token. Every step reads it
+in the absorbed form (pallas_kernels/attention/mla_ref.py): W_UK folded into the query,
+W_UV applied after attention, so no per-head key or value exists for cached tokens. A
+(query row, key) pair costs N (2A + R) multiply-adds, prefill and decode rows alike; the
+expanded form (kv_b_proj on each page of latents, what transformers computes) is the
+oracle the tests compare against, never run by the engine: its reference expands each
+page once per query row, A N (H + O) multiply-adds a pair (~120x the absorbed form's at
+DeepSeek-V3's shapes). Expanding once per key of a sequence would undercut the absorbed
+form for long prompts; that prefill is not built.
 
 Quantised at load (`quantization="int8" | "fp8"`, per output channel): the latent
 projections, kv_b_proj included, are int8 / e4m3 with a float32 scale as every other
@@ -31,12 +34,12 @@ latent attention reads the unscaled int8 / e4m3 values, which bf16 holds exactly
 checkpoint's latent projections are dequantised once at load instead (loader._mla_sources):
 its 128 x 128 block scales vary along the latent, which absorption would have to undo.
 
-Backends (pallas_kernels/attention/mla.py): the absorbed form runs the Pallas MLA decode
-kernel on TPU and GPU ("auto", or "tpu" / "gpu" by name), the XLA reference elsewhere;
-the expanded form is XLA's on every backend. "tpu_jax" (JAX's shipped GQA kernel) has
-no latent form and is refused. On a multi-device mesh the kernel runs per head shard
-(shard_map; the latent pool is whole on every device). The refusals of not-yet-served
-features are in ModelConfig._check_mla.
+Backends (pallas_kernels/attention/mla.py): the Pallas MLA kernel on TPU and GPU
+("auto", or "tpu" / "gpu" by name; it walks each query token's own causal context, so it
+takes prefill chunks as well as decodes), the XLA reference elsewhere. "tpu_jax" (JAX's
+shipped GQA kernel) has no latent form and is refused. On a multi-device mesh the kernel
+runs per head shard (shard_map; the latent pool is whole on every device). The refusals
+of not-yet-served features are in ModelConfig._check_mla.
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     def _attention(self, i, x_TD, kv_pages_PS1X, meta: AttentionMetadata, decode_only,
                    backend):
         """Attention half of layer i: latent written to the pool, then attention in the
-        absorbed form for decode-only steps and the expanded form otherwise."""
+        absorbed form for every row, prefill and decode alike (module docstring);
+        `decode_only` picks nothing here: one form serves every step."""
         cfg, attn = self.config, self.model.layers.self_attn
         T, N = x_TD.shape[0], cfg.num_attention_heads
         H, O = cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -208,26 +212,18 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
             slots_T = layer_slots(cfg, i, meta.slots_T, P_total, S)
             page_table_BC = layer_pages(cfg, i, meta.page_table_BC, P_total)
             kv_pages_PS1X = write_latent(kv_pages_PS1X, latent_TX, slots_T)
-
-            def attend(absorbed: bool):
-                return _sharded_mla(
-                    q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO,
-                    meta.query_start_B1, meta.seq_lens_B, page_table_BC,
-                    meta.num_seqs, sm_scale=cfg.softmax_scale, absorbed=absorbed,
-                    backend=backend)
-
-            if isinstance(decode_only, bool):
-                return attend(decode_only), kv_pages_PS1X
-            return jax.lax.cond(decode_only, lambda: attend(True),
-                                lambda: attend(False)), kv_pages_PS1X
+            return _sharded_mla(
+                q_nope_TNH, q_pe_TNR, kv_pages_PS1X, w_uk_ANH, w_uv_ANO,
+                meta.query_start_B1, meta.seq_lens_B, page_table_BC, meta.num_seqs,
+                sm_scale=cfg.softmax_scale, absorbed=True, backend=backend), kv_pages_PS1X
 
         # Under data-parallel attention, on each data rank's rows and pool shard.
         o_TNO, kv_pages_PS1X = per_rank(cfg, write_and_attend, kv_pages_PS1X, meta,
                                         q_nope_TNH, q_pe_TNR, latent_TX)
         if kv_b_scale is not None:
             o_TNO = (o_TNO.astype(jnp.float32) * s_NX[:, H:]).astype(x_TD.dtype)
-        # The reference attention returns float32; the residual stays in the model's dtype
-        # (lax.cond in run_units needs both branches alike).
+        # The residual stays in the model's dtype (lax.cond in run_units needs both
+        # branches alike).
         o_TD = self._mla_proj("o_proj", i, o_TNO.reshape(T, N * O))
         return (x_TD + o_TD).astype(x_TD.dtype), kv_pages_PS1X
 

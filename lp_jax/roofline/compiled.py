@@ -26,11 +26,10 @@ sampling), except:
 * the layer kind: a model with dense and MoE layers (DeepSeek-V3's first three) picks
   the kind in the loop body by the layer index (`_moe` or the dense `_swiglu`); the
   body is costed once for each kind and counted per layer of that kind;
-* latent attention (MLA): the step picks the absorbed form (the MLA decode kernel)
-  when every row is a decode, the expanded XLA form otherwise; a program of at most
-  max_num_seqs rows costs the first, a larger one the second (its rows cannot all be
-  decodes). The expanded form's XLA ops (`*paged_attention` functions) are classed as
-  attention. A Pallas call's cost is
+* latent attention (MLA) takes no branch: every step runs the absorbed form, the MLA
+  kernel on TPU and GPU (costed as every Pallas call, at the program's rows, prefill
+  rows included), XLA's reference elsewhere (`*paged_attention` functions, classed as
+  attention). A Pallas call's cost is
 `cost.estimate(kernel, ...)` at the program's rows: uniform routing over the experts,
 and every sequence at one context length after the step, the new rows spread evenly
 over min(rows, max_num_seqs) sequences. The attention kernels walk only the pages
@@ -75,9 +74,9 @@ PALLAS_TARGETS = ("tpu_custom_call", "mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.g
 BLOCK_ROWS = {cost.TPU_ATTENTION: 256, cost.TPU_JAX_ATTENTION: 256,
               cost.GPU_PREFILL_ATTENTION: 256}
 SKIPPED_FUNCTIONS = ("_score_prompt",)  # conditionals that cost their skip branch
-MLA_DECODE_KERNELS = (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE)
+MLA_KERNELS = (cost.TPU_MLA_DECODE, cost.GPU_MLA_DECODE)  # attention, not "attention"-named
 MOE_FUNCTIONS, DENSE_MLP_FUNCTIONS = ("._moe",), ("._swiglu",)  # the layer-kind branches
-ATTENTION_FUNCTIONS = ("paged_attention",)  # XLA attention (the MLA expanded form, refs)
+ATTENTION_FUNCTIONS = ("paged_attention",)  # XLA attention (the refs, MLA's included)
 SAMPLING_FUNCTIONS = ("sample", "logits", "penal", "logprob", "apply_bias")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "copy-done", "slice-done", "opt-barrier", "add-dependency",
@@ -109,14 +108,15 @@ WHY = {
     "other": "ops the formula leaves out: norms, rotary, routing layout and the sorted / "
              "gathered copy of x, KV writes, elementwise ops over the padded row bucket",
 }
-# Latent attention's gap: its prefill steps run the expanded form in XLA
-# (pallas_kernels/attention/mla_ref.py), whose page walk expands each page's latents
-# into per-head keys and values for every query row of a 64-row block, where the
-# formula expands each key once a sequence.
-WHY_MLA = {"attention": "MLA: prefill steps run the expanded form in XLA, which expands "
-                        "each page's latents with kv_b_proj for every query row (the "
-                        "formula: once a key of the sequence); decode steps run the MLA "
-                        "kernel (cost.py)"}
+# Latent attention's gap: every step runs the absorbed form (the MLA kernel), N (2A + R)
+# multiply-adds a (query row, key) pair; the formula costs a prefilling sequence's chunk
+# expanded, kv_b_proj once a key then N (H + R + O) a pair, which is cheaper above
+# A (H + O) / (2A - H - O) rows a sequence (171 for DeepSeek-V3) on a long context, twice
+# that for a whole prompt (causal: half the pairs), and dearer below.
+WHY_MLA = {"attention": "MLA: every row runs absorbed (the MLA kernel, cost.py); the formula "
+                        "costs prefill expanded once a key (kv_b_proj) and then per head: "
+                        "cheaper than absorbed above about A (H + O) / (2A - H - O) rows "
+                        "a sequence on a long context (171 for DeepSeek-V3), dearer below"}
 
 
 @dataclasses.dataclass
@@ -220,17 +220,22 @@ def _conv_macs_per_output(comp: hlo.Computation, ins: hlo.Instr) -> int:
     """Multiply-adds per output element of a convolution: the input features times, per
     spatial dimension, the window positions that can land on the input. XLA:TPU writes
     some einsums as a convolution whose window (128, padded 127 on each side) slides over
-    a spatial dimension of size 1: one position of it is real, not 128."""
+    a spatial dimension of size 1: one position of it is real, not 128. A batched einsum
+    (MLA's per-head "tnh,anh->tna") becomes a window of 128 over an input dilated by 128
+    (`lhs_dilate`): a window covers ceil(size / dilation) real positions, here one."""
     lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
     rhs = hlo.dims_of(comp.instrs[ins.operands[1]].type)
     lhs_labels, rest = (ins.attr("dim_labels") or "bf_io->bf").split("_", 1)
     rhs_labels = rest.split("->")[0]
     window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
     sizes = [int(w) for w in window.group(1).split("x")] if window else []
+    dilated = re.search(r"lhs_dilate=([\dx]+)", ins.attrs)
+    dilation = [int(d) for d in dilated.group(1).split("x")] if dilated else [1] * len(sizes)
     macs = rhs[rhs_labels.index("i")] if "i" in rhs_labels else 1
     for k, label in enumerate(lhs_labels):
         if label.isdigit() and int(label) < len(sizes):
-            macs *= min(sizes[int(label)], lhs[k])
+            j = int(label)
+            macs *= min(-(-sizes[j] // dilation[j]), lhs[k])
     return macs
 
 
@@ -328,10 +333,6 @@ class Walker:
             branches.append((self.seconds(ops), ops, name))
         if any(self._calls(name, SKIPPED_FUNCTIONS) for *_, name in branches):
             return min(branches, key=lambda b: b[0])[1]
-        mla = [b for b in branches if any(op.kernel in MLA_DECODE_KERNELS for op in b[1])]
-        if mla and len(mla) < len(branches):
-            decodes = self.p.rows <= self.p.seqs
-            branches = mla if decodes else [b for b in branches if b not in mla]
         moe = [b for b in branches if self._calls(b[2], MOE_FUNCTIONS)]
         dense = [b for b in branches if b not in moe and self._calls(b[2], DENSE_MLP_FUNCTIONS)]
         if moe and dense:
@@ -362,7 +363,7 @@ class Walker:
                 block_q = (prefill_block_q(ins, self.p)
                            if name == cost.GPU_PREFILL_ATTENTION else None)
                 c = kernel_cost(name, self.p, block_q)
-                cls = "attention" if "attention" in name else "experts"
+                cls = "attention" if "attention" in name or name in MLA_KERNELS else "experts"
                 self.estimates[name] = c
                 return Op(cls, c.flops, c.bytes_accessed, kernel=name)
             if target == "AllocateBuffer":

@@ -279,12 +279,14 @@ def _attention_ops(
 def _mla_attention_ops(
     shape: ModelShape, step: StepTokens, tp: int, ep: int, sizes: _Itemsizes
 ) -> list[OpCost]:
-    """Latent attention as the engine runs it (models/deepseek_v3.py): per token the
-    low-rank query and the latent projections; decode rows absorbed (kv_b_proj folded
+    """Latent attention (models/deepseek_v3.py): per token the low-rank query and the
+    latent projections; decode rows absorbed, as the engine runs them (kv_b_proj folded
     into the query and the output, once a row; attention over the cached latent rows of
-    A + R values), prefill rows expanded (kv_b_proj over every key of the sequence, then
-    per-head keys of qk_nope + rope and values of v_head_dim). The latent pool is whole
-    on every device; heads split over tp."""
+    A + R values); prefill rows in the cheaper form for long prompts, expanded once a
+    key (kv_b_proj over every key of the sequence, then per-head keys of qk_nope + rope
+    and values of v_head_dim). The engine runs prefill rows absorbed too, so its prefill
+    programs sit above this (compiled.WHY_MLA). The latent pool is whole on every
+    device; heads split over tp."""
     b, kvb, wb = sizes.act, sizes.kv, sizes.attn
     Q, A, R, O = shape.mla_ranks
     d, n, H = shape.hidden_size, shape.num_q_heads / tp, shape.head_dim - R

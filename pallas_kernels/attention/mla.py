@@ -3,11 +3,13 @@
 `mla_paged_attention` takes the model's per-head queries (q_nope, q_pe) and kv_b_proj's
 halves (W_UK, W_UV) and returns o_TNO in either form (mla_ref.py):
 
-* absorbed (decode-only steps): "xla" is the reference; "tpu" (mla_tpu.py) and "gpu"
-  (mla_gpu.py) fold W_UK into the query here, run the Pallas kernel over the latent
-  pool (N heads against one latent row a key), and apply W_UV to its latent output;
-* expanded (steps with prefill tokens): the reference on every backend, so prefill
-  runs on XLA (kv_b_proj on each page of latents; docs/mla_kernels.md).
+* absorbed (what the engine runs for every step, prefill and decode rows alike): "xla"
+  is the reference; "tpu" (mla_tpu.py) and "gpu" (mla_gpu.py) fold W_UK into the query
+  here, run the Pallas kernel over the latent pool (N heads against one latent row a
+  key, each query token over its own causal context), and apply W_UV to its latent
+  output;
+* expanded: the reference on every backend, the oracle the tests compare the absorbed
+  form against (kv_b_proj on each page of latents, once per query row; docs/mla_kernels.md).
 
 Backends resolve as the other attention kernels' do (pallas_kernels.attention: "auto"
 is "tpu" on TPU, "gpu" on GPU, "xla" elsewhere; interpret mode runs a named kernel in

@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V3) over a latent paged KV pool, in plain JAX:
-the XLA path, and the oracle for MLA kernels to come.
+the XLA path (absorbed form), and the oracles of the MLA kernels (both forms).
 
 Pool layout (lp_jax/models/kv_cache.py):
 
@@ -17,11 +17,14 @@ Head n of a key is [c @ W_UK[:, n] (H = qk_nope_head_dim), k_pe] and its value c
 the same attention:
 
 * expanded: every page's latents are expanded into per-head keys and values (what
-  transformers computes; the flops of kv_b_proj on every cached token, per step);
+  transformers computes). Here a page is expanded for each query row that reads it
+  (A N (H + O) multiply-adds a query row and key), which only an oracle can afford: the
+  engine never runs this form (lp_jax/models/deepseek_v3.py);
 * absorbed: W_UK is folded into the query (q_lat = q_nope @ W_UK^T, [N, A]) and W_UV
   applied once to the attention-weighted latent: scores are q_lat . c + q_pe . k_pe, the
-  output (p @ c) @ W_UV. No per-head key or value exists for cached tokens; a decode
-  token reads A + R values a cached token instead of N (H + R + O).
+  output (p @ c) @ W_UV. No per-head key or value exists for cached tokens; a query
+  token reads A + R values a cached token instead of N (H + R + O), and a (query row,
+  key) pair costs N (2A + R) multiply-adds. Every engine step runs this form.
 
 Batches are ragged as in ref.py (`token_positions`); padding tokens return zeros. The
 softmax runs in float32 over query blocks of `block_q` packed tokens, one page at a time.

@@ -189,10 +189,11 @@ def _lanes(x_c128, n):
 def mla_decode_attention(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, query_start_B1, seq_lens_B,
                          page_table_BC, num_seqs, *, sm_scale, kv_scale=None,
                          pages_per_block=None, interpret=False, assumed_context=None):
-    """Absorbed latent attention of a ragged batch's tokens (decode, or a few tokens a
-    sequence): o_lat_TNA in q's dtype, zeros for padding tokens. kv_scale: the FP8
-    pool's scale (None: 1.0; a 16-bit pool takes none). assumed_context: the context
-    length the cost estimate assumes (default: the page table's width)."""
+    """Absorbed latent attention of a ragged batch's tokens (decodes, prefill chunks,
+    or both; each token over its own causal context): o_lat_TNA in q's dtype, zeros for
+    padding tokens. kv_scale: the FP8 pool's scale (None: 1.0; a 16-bit pool takes
+    none). assumed_context: the context length the cost estimate assumes (default: the
+    page table's width)."""
     check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X)
     T, N, A = q_lat_TNA.shape
     R = q_pe_TNR.shape[-1]
