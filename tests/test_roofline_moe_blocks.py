@@ -75,15 +75,29 @@ def test_group_limited_routing_activates_the_uniform_expectation():
 def test_mla_attention_costs_its_own_projections():
     """DeepSeek-V3's latent attention in the analytic model: one decode row reads each
     latent projection once (q_a, q_b, kv_a_proj_with_mqa, kv_b_proj absorbed, o_proj of
-    v_head_dim), which is the shape's attention weight bytes; and a prefill is costed in
-    the form that is cheaper for long prompts, kv_b_proj over the keys of its sequence
-    once (the engine runs prefill absorbed; compiled.WHY_MLA names the gap)."""
+    v_head_dim), which is the shape's attention weight bytes; and a sequence's prefill
+    rows are costed in the form with fewer flops: a long chunk expanded, kv_b_proj over
+    the keys of its sequence once; a short chunk (a verification step's k + 1 rows)
+    absorbed, kv_b_proj once a row, as the engine runs it."""
     one = layer_cost(DEEPSEEK_V3, StepTokens(decode_seqs=1, decode_context=1), layer=3)
     ops = {op.name: op for op in one.ops}
     assert ops["qkv_proj"].bytes + ops["o_proj"].bytes == pytest.approx(
         DEEPSEEK_V3.attention_weight_bytes, rel=1e-3)
     Q, A, R, O = DEEPSEEK_V3.mla_ranks
-    kv_b = A * DEEPSEEK_V3.num_q_heads * (DEEPSEEK_V3.head_dim - R + O)
-    pre = layer_cost(DEEPSEEK_V3, StepTokens(prefill_tokens=64, prefill_seqs=1,
-                                             prefill_past=960), layer=3)
-    assert {op.name: op for op in pre.ops}["attn_prefill"].flops > 2 * 1024 * kv_b
+    N, H = DEEPSEEK_V3.num_q_heads, DEEPSEEK_V3.head_dim - R
+    kv_b = A * N * (H + O)
+
+    def prefill_flops(chunk, past):
+        step = StepTokens(prefill_tokens=chunk, prefill_seqs=1, prefill_past=past)
+        return {op.name: op for op in layer_cost(DEEPSEEK_V3, step, layer=3).ops}[
+            "attn_prefill"].flops
+
+    pairs = lambda chunk, past: chunk * past + chunk * (chunk + 1) / 2
+    # 1,024 rows on 1,024 keys: expanded once a key.
+    assert prefill_flops(1024, 0) == pytest.approx(
+        2 * 1024 * kv_b + 2 * N * (H + R + O) * pairs(1024, 0))
+    # 4 rows (a verification step of k = 3) on 2,048 keys: absorbed, far below expanding
+    # the 2,048 keys.
+    assert prefill_flops(4, 2044) == pytest.approx(
+        2 * 4 * kv_b + 2 * N * (2 * A + R) * pairs(4, 2044))
+    assert prefill_flops(4, 2044) < 2 * 2048 * kv_b / 10

@@ -114,9 +114,10 @@ WHY = {
 # A (H + O) / (2A - H - O) rows a sequence (171 for DeepSeek-V3) on a long context, twice
 # that for a whole prompt (causal: half the pairs), and dearer below.
 WHY_MLA = {"attention": "MLA: every row runs absorbed (the MLA kernel, cost.py); the formula "
-                        "costs prefill expanded once a key (kv_b_proj) and then per head: "
-                        "cheaper than absorbed above about A (H + O) / (2A - H - O) rows "
-                        "a sequence on a long context (171 for DeepSeek-V3), dearer below"}
+                        "costs a sequence's prefill rows in the cheaper form: expanded once a "
+                        "key (kv_b_proj) and then per head above about A (H + O) / (2A - H "
+                        "- O) rows a sequence on a long context (171 for DeepSeek-V3), "
+                        "absorbed below"}
 
 
 @dataclasses.dataclass

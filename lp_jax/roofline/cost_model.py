@@ -282,11 +282,13 @@ def _mla_attention_ops(
     """Latent attention (models/deepseek_v3.py): per token the low-rank query and the
     latent projections; decode rows absorbed, as the engine runs them (kv_b_proj folded
     into the query and the output, once a row; attention over the cached latent rows of
-    A + R values); prefill rows in the cheaper form for long prompts, expanded once a
-    key (kv_b_proj over every key of the sequence, then per-head keys of qk_nope + rope
-    and values of v_head_dim). The engine runs prefill rows absorbed too, so its prefill
-    programs sit above this (compiled.WHY_MLA). The latent pool is whole on every
-    device; heads split over tp."""
+    A + R values); a sequence's prefill rows in whichever form needs fewer flops: expanded
+    once a key (kv_b_proj over every key of the sequence, then per-head keys of qk_nope +
+    rope and values of v_head_dim), cheaper for long chunks, or absorbed as decode rows
+    are, cheaper below about A (H + O) / (2 A - H - O) rows a sequence (171 for
+    DeepSeek-V3: verification steps, short chunks). The engine runs every row absorbed, so
+    its long-prompt programs sit above this (compiled.WHY_MLA). The latent pool is whole
+    on every device; heads split over tp."""
     b, kvb, wb = sizes.act, sizes.kv, sizes.attn
     Q, A, R, O = shape.mla_ranks
     d, n, H = shape.hidden_size, shape.num_q_heads / tp, shape.head_dim - R
@@ -300,10 +302,16 @@ def _mla_attention_ops(
     seqs = step.prefill_seqs / ep if step.prefill_tokens else 0.0
     chunk, past = step.prefill_chunk, float(step.prefill_past)
     keys = past + chunk
-    attn_prefill = OpCost(
-        flops=seqs * (2.0 * keys * kv_b + 2.0 * n * (H + R + O) * _attended_pairs(past, chunk, 0)),
+    pairs = _attended_pairs(past, chunk, 0)
+    expanded = OpCost(
+        flops=seqs * (2.0 * keys * kv_b + 2.0 * n * (H + R + O) * pairs),
         bytes=seqs * (keys * latent + 2.0 * keys * n * (H + O) * b + 2.0 * chunk * n * (H + R) * b),
         name="attn_prefill")
+    absorbed = OpCost(  # W_UK into each row's query, W_UV after: kv_b once a row
+        flops=seqs * (2.0 * chunk * kv_b + 2.0 * n * (2 * A + R) * pairs),
+        bytes=seqs * (keys * latent + 2.0 * chunk * n * (A + R) * b),
+        name="attn_prefill")
+    attn_prefill = min(expanded, absorbed, key=lambda op: op.flops)
     context = float(step.decode_context)
     attn_decode = OpCost(flops=decode * 2.0 * n * (2 * A + R) * context,
                          bytes=decode * ((context + 1.0) * latent + 2.0 * n * (A + R) * b),
