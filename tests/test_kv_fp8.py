@@ -206,7 +206,7 @@ def test_default_page_count_doubles(fp8_llm, monkeypatch):
     cfg = fp8_llm.engine.model_config
     fake = types.SimpleNamespace(config=EngineConfig(max_num_seqs=10_000, page_size=16,
                                                      kv_memory_fraction=0.5),
-                                 mesh=fp8_llm.engine.mesh, _eagle3=None)
+                                 mesh=fp8_llm.engine.mesh, _draft_model=None)
     dev = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1 << 30,
                                                       "bytes_in_use": 0})
     monkeypatch.setattr(jax, "local_devices", lambda: [dev])

@@ -58,7 +58,9 @@ def test_the_step_waits_for_the_busiest_rank():
     halves = StepPlan(step_id=2, num_layers=L, prefill_batch_id=0,
                       prefill=(PrefillChunk(c, 0, 1024), PrefillChunk(d, 0, 1024)))
     ex.rank_of = lambda s: s.seq_id % 2
-    assert ex.run(lone).seconds > 1.3 * ex.run(halves).seconds
+    # The packed rank runs twice the rows' dense work and four times the attention pairs
+    # while the experts are read once either way: 1.25x under the MLA analytic model.
+    assert ex.run(lone).seconds > 1.15 * ex.run(halves).seconds
     assert ex.balance(lone)["padded"] == 2048 * L and ex.balance(halves)["padded"] == 0
     # The link bytes a layer are the roofline's DP terms at the busiest rank's rows.
     link = dp_link_bytes_per_layer(SHAPE, 2, 4, 1)
