@@ -1,8 +1,8 @@
 """Data-parallel attention beside expert parallelism for the model families beyond Qwen3-MoE,
 on the host's 8 simulated CPUs, checked by behaviour only (tokens, pages, stats, compiles):
 
-* GPT-OSS (sliding window, sinks) on DP 2 x TP 4 under layered and DeepSeek-V3 (MLA, its
-  latent pool split over the ranks) on DP 4 x TP 2 under chunked give Hugging Face's greedy
+* GPT-OSS (sliding window, sinks) on DP 2 x TP 4 and DeepSeek-V3 (MLA, its latent pool
+  split over the ranks) on DP 4 x TP 2, each under layered and chunked, give Hugging Face's greedy
   tokens (tests/golden, which the single-device engines match: test_gpt_oss,
   test_deepseek_v3), with the golden runs' engine shapes (conftest GOLDEN_ENGINES) and
   staggered prompts (run_golden_prompts);
@@ -12,7 +12,7 @@ on the host's 8 simulated CPUs, checked by behaviour only (tokens, pages, stats,
   idles; the idle rank's rows are counted as padding, the tokens stay Hugging Face's;
 * nothing compiles while serving, one program each, every page free at the end.
 
-Two engines, one compile each: the prompts are the golden files' and only the first
+Four engines, one compile each: the prompts are the golden files' and only the first
 NEW_TOKENS greedy tokens are compared (enough for prefills beside decodes on every rank).
 """
 
@@ -29,7 +29,9 @@ MAX_PROGRAMS = 32  # the start-up budget at defaults (tests/test_programs.py)
 PAGES_PER_RANK = 10  # two 80-token sequences of 16-token pages
 # (preset, data ranks, tensor ranks, policy): every layout spans all 8 devices, EP = 8.
 LAYOUTS = {"gpt-oss": ("tiny-gpt-oss", 2, 4, "layered"),
-           "deepseek": ("tiny-deepseek", 4, 2, "chunked")}
+           "gpt-oss-chunked": ("tiny-gpt-oss", 2, 4, "chunked"),
+           "deepseek": ("tiny-deepseek", 4, 2, "chunked"),
+           "deepseek-layered": ("tiny-deepseek", 4, 2, "layered")}
 
 
 @pytest.fixture(scope="module")
