@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ import numpy as np
 from lp_jax.paths import models_dir
 
 from . import make_tiny
+from .build_cache import ensure_built
 
 # preset -> (base preset, ships its own embed_tokens and shared_head.head)
 MTP_PRESETS: dict[str, tuple[str, bool]] = {
@@ -87,26 +86,8 @@ def ensure_tiny_mtp(preset: str = "tiny-deepseek-mtp", out_dir=None) -> Path:
     """<lp_jax's cache>/models/<preset>/, made first if absent or stale (renamed into place,
     so concurrent callers never see half a model)."""
     out = Path(out_dir) if out_dir else models_dir() / preset
-    stamp = out / make_tiny.STAMP_FILE
-    fresh = lambda: stamp.exists() and stamp.read_text().strip() == _stamp(preset)
-    if fresh():
-        return out
-    if out.exists():
-        if not stamp.exists():
-            raise FileExistsError(f"{out} exists and was not made by make_tiny_mtp")
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write_mtp_dir(tmp, preset)
-        tmp.chmod(0o755)
-        os.rename(tmp, out)
-    except OSError:
-        if not fresh():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return ensure_built(out, _stamp(preset), lambda tmp: write_mtp_dir(tmp, preset),
+                        "make_tiny_mtp")
 
 
 def main(argv=None) -> None:

@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import ml_dtypes
@@ -37,6 +35,7 @@ import numpy as np
 from lp_jax.paths import models_dir
 
 from . import make_tiny
+from .build_cache import ensure_built
 
 BLOCK = 128
 E4M3_MAX, INT8_MAX = 448.0, 127.0
@@ -176,25 +175,8 @@ def _stamp(preset: str) -> str:
 def ensure_tiny_quant(preset: str = "tiny-fp8", out_dir=None) -> Path:
     """<lp_jax's cache>/models/<preset>/, made first if absent or stale (renamed into place)."""
     out = Path(out_dir) if out_dir else models_dir() / preset
-    stamp = out / make_tiny.STAMP_FILE
-    if stamp.exists() and stamp.read_text().strip() == _stamp(preset):
-        return out
-    if out.exists():
-        if not stamp.exists():
-            raise FileExistsError(f"{out} exists and was not made by make_tiny_quant")
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        write_quant_dir(tmp, preset)
-        tmp.chmod(0o755)
-        os.rename(tmp, out)
-    except OSError:
-        if not (stamp.exists() and stamp.read_text().strip() == _stamp(preset)):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return ensure_built(out, _stamp(preset), lambda tmp: write_quant_dir(tmp, preset),
+                        "make_tiny_quant")
 
 
 def main(argv=None) -> None:

@@ -185,6 +185,22 @@ GOLDEN_ENGINES = {
 }
 
 
+def record_drafts(llm) -> list:
+    """The list, filled as llm serves, of (tokens so far, the drafts proposed after them)
+    for every sequence a step samples and leaves running with no pending tokens."""
+    seen, commit = [], llm.engine.scheduler.commit
+
+    def recording(plan, result, now):
+        done = commit(plan, result, now)
+        for seq in plan.sampling_seqs:
+            if not seq.is_finished and not seq.num_pending_tokens:
+                seen.append((list(seq.token_ids), seq.draft_tokens))
+        return done
+
+    llm.engine.scheduler.commit = recording
+    return seen
+
+
 def run_golden_prompts(engine, golden, max_tokens=32):
     """{prompt index: finished output} of a golden file's three prompts, greedy: prompt 0
     first, prompts 1 and 2 two steps later, so prefills run beside decodes."""

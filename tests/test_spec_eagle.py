@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import record_drafts
 
 from checkpoints.make_tiny import ensure_tiny
 from checkpoints.make_tiny_eagle3 import write_eagle3_dir
@@ -251,17 +252,7 @@ def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
               token_buckets=(100,))
     llm = LLM(**kw, speculative_config={"method": "eagle3", "model": str(head),
                                         "num_speculative_tokens": K_DRAFTS})
-    seen = []  # (tokens so far, the drafts proposed after them)
-    commit = llm.engine.scheduler.commit
-
-    def recording(plan, result, now):
-        done = commit(plan, result, now)
-        for seq in plan.sampling_seqs:
-            if not seq.is_finished and not seq.num_pending_tokens:
-                seen.append((list(seq.token_ids), seq.draft_tokens))
-        return done
-
-    llm.engine.scheduler.commit = recording
+    seen = record_drafts(llm)  # (tokens so far, the drafts proposed after them)
     prompts = [golden[f"prompt_{i}"].tolist() for i in (0, 2)]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
         temperature=0, max_tokens=32, ignore_eos=True))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN_ENGINES, run_golden_prompts
+from conftest import GOLDEN_ENGINES, record_drafts, run_golden_prompts
 from flax import nnx
 
 from checkpoints.make_tiny_mtp import ensure_tiny_mtp
@@ -231,17 +231,7 @@ def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_
     llm = LLM(str(two_token_dir), max_num_seqs=4, max_model_len=80, log=None,
               **GOLDEN_ENGINES[policy],
               speculative_config={"method": "mtp", "num_speculative_tokens": K_DRAFTS})
-    seen = []  # (tokens so far, the drafts proposed after them)
-    commit = llm.engine.scheduler.commit
-
-    def recording(plan, result, now):
-        done = commit(plan, result, now)
-        for seq in plan.sampling_seqs:
-            if not seq.is_finished and not seq.num_pending_tokens:
-                seen.append((list(seq.token_ids), seq.draft_tokens))
-        return done
-
-    llm.engine.scheduler.commit = recording
+    seen = record_drafts(llm)  # (tokens so far, the drafts proposed after them)
     outs = run_golden_prompts(llm.engine, golden)
     fulls = []
     for i, out in outs.items():
