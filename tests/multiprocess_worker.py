@@ -1,12 +1,12 @@
 """One process of the 2-process engine in test_multiprocess.py (not a test module).
 
     python tests/multiprocess_worker.py MODEL_DIR OUT_JSON
-with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked and
-then a layered engine (plan channels "host", then "device") on a (2, 4) expert x tensor
-mesh over both processes (attention over the 4 tensor devices of a process, its 2 KV
-heads kept twice; the experts over all 8), then a chunked engine with data-parallel
-attention, DP 2 x TP 4 (a data rank a process, its own half of the KV pool; the experts
-over all 8), and the leader writes each run's greedy tokens, plan-channel stats and
+with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked engine
+(plan channel "host") on a (2, 4) expert x tensor mesh over both processes (attention over
+the 4 tensor devices of a process, its 2 KV heads kept twice; the experts over all 8),
+then a layered engine (plan channel "device") with data-parallel attention, DP 2 x TP 4 (a
+data rank a process, its own half of the KV pool; the experts over all 8), and the leader
+writes each run's greedy tokens, plan-channel stats and
 layout to OUT_JSON.
 """
 
@@ -19,10 +19,9 @@ from tests.multiprocess_common import DP_PAGES, ENGINE_ARGS, NEW_TOKENS, PROMPTS
 model_dir, out_path = sys.argv[1], sys.argv[2]
 results = {}
 RUNS = {"chunked": dict(scheduling="chunked", mesh_shape=(2, 4), plan_channel="host"),
-        "layered": dict(scheduling="layered", mesh_shape=(2, 4), plan_channel="device"),
-        "dp": dict(scheduling="chunked", data_parallel_size=2, tensor_parallel_size=4,
-                   enable_expert_parallel=True, plan_channel="host", max_model_len=16 * DP_PAGES,
-                   kv_pages=2 * DP_PAGES)}
+        "dp": dict(scheduling="layered", data_parallel_size=2, tensor_parallel_size=4,
+                   enable_expert_parallel=True, plan_channel="device",
+                   max_model_len=16 * DP_PAGES, kv_pages=2 * DP_PAGES)}
 for name, kwargs in RUNS.items():
     llm = LLM(model_dir, **kwargs, **ENGINE_ARGS)
     outs = llm.generate(prompt_token_ids=PROMPTS,

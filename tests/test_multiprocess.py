@@ -4,11 +4,13 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 * LLM on a (2, 4) expert x tensor mesh spanning both processes (tensor-parallel attention
   with more devices than KV heads, the experts over all 8 devices) gives the Hugging Face
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
-  plan channel) and layered (device broadcast); the leader's shutdown ends the follower
-  (exit 0), and no program compiles while serving.
-* Data-parallel attention over the two processes, DP 2 x TP 4 with the experts over all 8
-  devices: a data rank a process, each holding only its rank's half of the KV pool; the
-  two prompts go to the two ranks and give the golden tokens; every page returns.
+  plan channel); the leader's shutdown ends the follower (exit 0), and no program
+  compiles while serving.
+* Layered prefill (device broadcast) with data-parallel attention over the two processes,
+  DP 2 x TP 4 with the experts over all 8 devices: a data rank a process, each holding
+  only its rank's half of the KV pool; the two prompts go to the two ranks and give the
+  golden tokens; every page returns. (Layered on the (2, 4) layout above is the
+  single-process tests'; one engine fewer to start here.)
 * lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
   line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
@@ -67,14 +69,13 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(
         f"--- process {pid} ---\n" + _tail(log) for pid, log in enumerate(logs))
     results = json.loads(out.read_text())
-    for policy, transport in (("chunked", "host"), ("layered", "device")):
-        assert results[policy]["tokens"] == GOLDEN_TOKENS, policy
-        assert results[policy]["compilations_after_warmup"] == 0
-        # 2 KV heads on 4 tensor devices: each kept twice, one per device.
-        assert results[policy]["layout"] == {"kv_heads": 4, "kv_heads_per_device": 1,
-                                             "expert_devices": 8}
+    for policy, transport in (("chunked", "host"), ("dp", "device")):
         channel = results[policy]["plan_channel"]
         assert channel["transport"] == transport and channel["steps_sent"] >= NEW_TOKENS
+    chunked = results["chunked"]
+    assert chunked["tokens"] == GOLDEN_TOKENS and chunked["compilations_after_warmup"] == 0
+    # 2 KV heads on 4 tensor devices: each kept twice, one per device.
+    assert chunked["layout"] == {"kv_heads": 4, "kv_heads_per_device": 1, "expert_devices": 8}
     dp = results["dp"]
     assert dp["tokens"] == GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
     layout = dp["layout"]
