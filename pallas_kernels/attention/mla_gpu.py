@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cost
-from pallas_kernels.attention.mla_ref import check_mla_layout
-from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_positions
+from pallas_kernels.attention.mla_ref import check_mla_dtypes, check_mla_layout
+from pallas_kernels.attention.ref import MASK_VALUE, is_fp8, token_positions
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TARGET_PROGRAMS = 264  # two programs per H200 SM
@@ -67,12 +67,7 @@ def check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X, block_h: int) -> None:
     if not (_is_pow2(block_h) and block_h >= 16):
         raise ValueError(f"gpu mla: block_h={block_h} must be a power of two >= 16 "
                          "(tl.dot's minimum M)")
-    ok = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
-    if q_lat_TNA.dtype not in ok or kv_pages_PS1X.dtype not in (
-            q_lat_TNA.dtype, jnp.dtype(FP8_DTYPE)):
-        raise ValueError(f"gpu mla: dtypes q={q_lat_TNA.dtype}, cache={kv_pages_PS1X.dtype} "
-                         "not supported; q float32, bfloat16 or float16, the cache q's "
-                         "dtype or float8_e4m3fn")
+    check_mla_dtypes("gpu mla", q_lat_TNA, kv_pages_PS1X, SUPPORTED_DTYPES)
 
 
 def _kernel(*refs, has_scale, sm_scale, pages_per_block, page_size):

@@ -51,6 +51,16 @@ def check_mla_layout(name: str, q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
                          f"[P, S, 1, X >= {A + R}] (kv_lora_rank {A} + rope dim {R})")
 
 
+def check_mla_dtypes(name: str, q_lat_TNA, kv_pages_PS1X, supported) -> None:
+    """Raises ValueError unless q is one of `supported` and the pool q's dtype or e4m3."""
+    ok = [jnp.dtype(d) for d in supported]
+    if q_lat_TNA.dtype not in ok or kv_pages_PS1X.dtype not in (
+            q_lat_TNA.dtype, jnp.dtype(FP8_DTYPE)):
+        raise ValueError(f"{name}: dtypes q={q_lat_TNA.dtype}, cache={kv_pages_PS1X.dtype} "
+                         f"not supported; q one of {', '.join(d.name for d in ok)}, the "
+                         "cache q's dtype or float8_e4m3fn")
+
+
 def quantize_latent(latent_TX: jax.Array, kv_scale) -> jax.Array:
     """A latent row as an FP8 pool stores it: x / scale, saturated to e4m3's range."""
     limit = float(jnp.finfo(FP8_DTYPE).max)

@@ -60,8 +60,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import cost
-from pallas_kernels.attention.mla_ref import check_mla_layout
-from pallas_kernels.attention.ref import FP8_DTYPE, MASK_VALUE, is_fp8, token_positions
+from pallas_kernels.attention.mla_ref import check_mla_dtypes, check_mla_layout
+from pallas_kernels.attention.ref import MASK_VALUE, is_fp8, token_positions
 from pallas_kernels.platform import tpu_interpret
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -82,12 +82,7 @@ def check_constraints(q_lat_TNA, q_pe_TNR, kv_pages_PS1X) -> None:
                          "axis out page-minor and would copy the whole pool every call")
     if S % 8:
         raise ValueError(f"tpu mla: page_size S={S} must be a multiple of 8 (sublanes)")
-    ok = [jnp.dtype(d) for d in SUPPORTED_DTYPES]
-    if q_lat_TNA.dtype not in ok or kv_pages_PS1X.dtype not in (
-            q_lat_TNA.dtype, jnp.dtype(FP8_DTYPE)):
-        raise ValueError(f"tpu mla: dtypes q={q_lat_TNA.dtype}, cache={kv_pages_PS1X.dtype} "
-                         "not supported; q float32 or bfloat16, the cache q's dtype or "
-                         "float8_e4m3fn")
+    check_mla_dtypes("tpu mla", q_lat_TNA, kv_pages_PS1X, SUPPORTED_DTYPES)
 
 
 def _kernel(*refs, has_scale, sm_scale, pages_per_block, page_size, pages_per_seq):
