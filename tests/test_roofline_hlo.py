@@ -330,4 +330,39 @@ def test_a_reduce_scatter_written_as_a_fusion_is_a_collective():
     p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=8)
     walker = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
     (op,) = walker.walk(module.computations[module.entry], {}, top=True)
-    assert op.cls == "collectives" and op.link_bytes == R * D * 4
+    assert op.cls == "collectives" and op.link_bytes == R * D * 4 / 2
+
+
+G = "{0,1,2,3,4,5,6,7}"  # replica_groups
+COLLECTIVES = f"""HloModule collectives
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (x: f32[{R},{D}], y: f32[{R // 8},{D}]) -> f32[{R},{D}] {{
+  %x = f32[{R},{D}]{{1,0}} parameter(0)
+  %y = f32[{R // 8},{D}]{{1,0}} parameter(1)
+  %ar = f32[{R},{D}]{{1,0}} all-reduce(%x), replica_groups={{{G}}}, to_apply=%sum
+  %rs = f32[{R // 8},{D}]{{1,0}} reduce-scatter(%x), replica_groups={{{G}}}, dimensions={{0}},
+      to_apply=%sum
+  %ag = f32[{R},{D}]{{1,0}} all-gather(%y), replica_groups={{{G}}}, dimensions={{0}}
+  %a2a = f32[{R},{D}]{{1,0}} all-to-all(%x), replica_groups={{{G}}}, dimensions={{0}}
+  ROOT %cp = f32[{R},{D}]{{1,0}} collective-permute(%x), source_target_pairs={{{{0,1}},{{1,0}}}}
+}}
+"""
+
+
+def test_a_reduce_scatter_and_an_all_gather_together_cost_an_all_reduce():
+    """A ring all-reduce is a reduce-scatter and an all-gather of the same buffer: each
+    of those two is charged half the all-reduce's link bytes (as ep_comm and the layout
+    model count them), an all-to-all half its buffer, a collective-permute all of it."""
+    module = hlo.parse(COLLECTIVES)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=8)
+    walker = Walker(module, p, get_hardware("TPU v6e"), 0.6, 0.8)
+    ops = walker.walk(module.computations[module.entry], {}, top=True)
+    sent = [op.link_bytes for op in ops if op.cls == "collectives"]
+    buffer = R * D * 4
+    assert sent == [buffer, buffer / 2, buffer / 2, buffer / 2, buffer]

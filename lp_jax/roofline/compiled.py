@@ -40,8 +40,10 @@ analytic model takes the same contexts, and the tables state them.
 Bytes: an op moves its operands and result, except that an in-place update moves its
 update, and an operand that a fusion only slices or gathers from (stacked layer weights,
 the embedding), directly or in a fusion nested in it, moves the slice. A collective
-sends its operands (an all-gather: its result) over the links, also inside a fusion:
-XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and its slice. Every
+sends its operands over the links (an all-gather: its result), also inside a fusion:
+XLA:TPU writes a reduce-scatter as a fusion of an all-reduce and its slice. An
+all-reduce is charged its operands on one direction of the links; a reduce-scatter,
+an all-gather and an all-to-all half of their buffer, as a ring moves them (`_sent`). Every
 asynchronous copy (copy-start, slice-start) moves its bytes, a cross-program prefetch
 and its end-of-program copy both: the second lets the next call of the same program skip
 the first, but a call after another program's does not, so a call is charged both.
@@ -396,19 +398,34 @@ class Walker:
         return Op(self._class(ins, has_dot), flops, moved)
 
     @staticmethod
-    def _sent(comp: hlo.Computation, ins: hlo.Instr) -> float:
-        """Link bytes of a collective: an all-gather's result, any other's operands."""
-        if ins.opcode.startswith("all-gather"):
-            return ins.bytes
-        return sum(hlo.shape_bytes(comp.instrs[o].type) for o in ins.operands
+    def _sent(comp: hlo.Computation, ins: hlo.Instr, scatter: bool = False) -> float:
+        """Link bytes of a collective, in the units `Op.seconds` charges on one direction
+        of the links: an all-reduce of B bytes costs B (a bidirectional ring sends
+        (n - 1) / n B each way). A ring all-reduce is a reduce-scatter then an
+        all-gather, so a reduce-scatter of B (`scatter`: an all-reduce whose result the
+        fusion around it only slices, as XLA:TPU writes one) and an all-gather to B each
+        cost B / 2, and an all-to-all of B (each device keeps 1/n, the rest go out over
+        both directions; its hops on a torus not counted) B / 2 as well. A
+        collective-permute sends its B to one peer, one way; a ragged all-to-all is
+        charged its whole input buffer (its sizes are known only at run time)."""
+        op = ins.opcode.removesuffix("-start")
+        if op == "all-gather":  # its result; "-start" also carries the operand
+            return max(n for n, _ in hlo.shapes(ins.type)) / 2
+        operands = ins.operands[:1] if op == "ragged-all-to-all" else ins.operands  # its input
+        sent = sum(hlo.shape_bytes(comp.instrs[o].type) for o in operands
                    if o in comp.instrs)
+        halved = op in ("reduce-scatter", "all-to-all", "ragged-all-to-all") or (
+            op == "all-reduce" and scatter)
+        return sent / 2 if halved else sent
 
     def _fused_sent(self, fused: hlo.Computation) -> float:
         """Link bytes of the collectives inside a fusion (and fusions nested in it)."""
+        sliced = {i.operands[0] for i in fused.instrs.values()
+                  if i.opcode == "dynamic-slice" and i.operands}
         sent = 0.0
         for inner in fused.instrs.values():
             if inner.opcode in _COLLECTIVES:
-                sent += self._sent(fused, inner)
+                sent += self._sent(fused, inner, scatter=inner.name in sliced)
             elif inner.opcode == "fusion":
                 sent += self._fused_sent(self.m.computations[inner.called[0]])
         return sent
