@@ -366,3 +366,29 @@ def test_a_reduce_scatter_and_an_all_gather_together_cost_an_all_reduce():
     sent = [op.link_bytes for op in ops if op.cls == "collectives"]
     buffer = R * D * 4
     assert sent == [buffer, buffer / 2, buffer / 2, buffer / 2, buffer]
+
+
+CALL = "__cublas$lt$matmul"
+GEMM = ('backend_config={"gemm_backend_config":{"dot_dimension_numbers":'
+        '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}')
+CUBLAS = f"""HloModule cublas
+
+ENTRY %main (x: bf16[{T},{D}], w: bf16[{D},{N}]) -> bf16[{T},{N}] {{
+  %x = bf16[{T},{D}]{{1,0}} parameter(0)
+  %w = bf16[{D},{N}]{{1,0}} parameter(1)
+  %mm = (bf16[{T},{N}], s8[4194304]) custom-call(%x, %w), custom_call_target="{CALL}", {GEMM}
+  ROOT %y = bf16[{T},{N}]{{1,0}} get-tuple-element(%mm), index=0
+}}
+"""
+
+
+def test_a_gemm_handed_to_cublas_is_costed_as_a_dot():
+    """With Triton GEMMs off (or where the autotuner picks cuBLAS) XLA:GPU calls cuBLAS:
+    its flops are the dot's, its bytes its operands and result, not the workspace."""
+    module = hlo.parse(CUBLAS)
+    p = types.SimpleNamespace(shape=types.SimpleNamespace(vocab_size=1000), tp=1)
+    walker = Walker(module, p, get_hardware("H200"), 0.6, 0.8)
+    ops = walker.walk(module.computations[module.entry], {}, top=True)
+    (op,) = [op for op in ops if op.flops]
+    assert op.cls == "dense matmuls" and op.flops == 2 * T * D * N
+    assert op.bytes == 2 * (T * D + D * N + T * N)

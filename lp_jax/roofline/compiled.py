@@ -37,6 +37,8 @@ below each sequence's run-time length, which no static reading can see, so the
 context is an input (`--context-len`, default max_model_len: a full page table); the
 analytic model takes the same contexts, and the tables state them.
 
+A GEMM handed to cuBLAS (`__cublas$...` custom calls) is costed as the dot it is.
+
 Bytes: an op moves its operands and result, except that an in-place update moves its
 update, and an operand that a fusion only slices or gathers from (stacked layer weights,
 the embedding), directly or in a fusion nested in it, moves the slice. A collective
@@ -242,6 +244,12 @@ def _conv_macs_per_output(comp: hlo.Computation, ins: hlo.Instr) -> int:
     return macs
 
 
+def _is_cublas(ins: hlo.Instr) -> bool:
+    """A GEMM that XLA:GPU calls cuBLAS for (Triton GEMMs off, or the autotuner's pick)."""
+    return ins.opcode == "custom-call" and (ins.attr("custom_call_target") or "").startswith(
+        "__cublas$")
+
+
 def _scaled(ops: list[Op], trips: int) -> list[Op]:
     """ops run `trips` times, as one op each."""
     if trips == 1:
@@ -393,6 +401,9 @@ class Walker:
         elif ins.opcode in _SLICING:
             moved = (operand_bytes[0] > 0) * ins.bytes + self.hbm(ins.type) + sum(
                 operand_bytes[1:])
+        elif _is_cublas(ins):  # its result, not the scratch workspace beside it
+            size, space = hlo.shapes(ins.type)[0]
+            moved = sum(operand_bytes) + (0.0 if self.hbm_only and space else size)
         else:
             moved = sum(operand_bytes) + self.hbm(ins.type)
         return Op(self._class(ins, has_dot), flops, moved)
@@ -462,6 +473,12 @@ class Walker:
             return 2.0 * ins.elements * math.prod(lhs[d] for d in contracting), True
         if ins.opcode == "convolution":
             return 2.0 * ins.elements * _conv_macs_per_output(comp, ins), True
+        if _is_cublas(ins):  # a GEMM XLA:GPU hands to cuBLAS: (result, workspace)
+            lhs = hlo.dims_of(comp.instrs[ins.operands[0]].type)
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+            contracting = [int(d.strip('" ')) for d in (m.group(1) if m else "").split(",")
+                           if d.strip('" ')]
+            return 2.0 * ins.elements * math.prod(lhs[d] for d in contracting), True
         if ins.opcode in _ARITH:
             return float(ins.elements), False
         if ins.opcode == "reduce":
