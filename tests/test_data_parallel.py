@@ -209,10 +209,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, tp,
                                                      scheduling):
     """DP ranks with the experts over all dp x tp devices: the sequences spread over the
-    ranks' pools, tokens equal the single-device model's, every page returns."""
+    ranks' pools, tokens equal the single-device model's, every page returns. The 44
+    prompt tokens pass one rank's budget of 32, but each rank's share fits its own
+    (core/budget.py), so one prefill batch takes them all."""
     llm = dp_engines(dp, tp, scheduling)
+    batches = llm.engine.scheduler.stats()["prefill_batches"]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == reference
+    assert llm.engine.scheduler.stats()["prefill_batches"] - batches == 1
     experts = llm.engine.runner.state["model"]["layers"]["mlp"]["experts_gate_up_proj"][...]
     assert len(experts.sharding.device_set) == dp * tp
     kv = llm.engine.runner.kv_pages  # each rank's devices hold only its own pages
