@@ -8,6 +8,7 @@ plans and check their tokens."""
 import pytest
 
 from lp_jax.core.plan import StepResult
+from lp_jax.core.policies import ChunkedPolicy
 from lp_jax.core.programs import hidden_rows
 from lp_jax.core.scheduler import Scheduler
 from lp_jax.spec.config import SpeculativeConfig
@@ -51,6 +52,20 @@ def test_two_ranks_prefill_in_the_same_step_each_up_to_its_own_budget(policy):
     assert [(c.seq.seq_id, c.start, c.end) for c in plan.prefill] == [(0, 0, 12), (1, 0, 12)]
     assert sorted(sched.block_manager.rank_of(s) for s in (a, b)) == [0, 1]
     assert _rows(sched, plan)[0] == [12, 12]
+
+
+def test_a_policy_without_rank_budgets_keeps_one_budget_for_the_plan():
+    """A policy that does not declare rank_budgets (FlowPrefill, a user's) fills one
+    budget for all ranks, and placement stays free: the prompts still spread by load."""
+    one = type("ChunkedOneBudget", (ChunkedPolicy,), {"rank_budgets": False})
+    sched = _sched(one)
+    assert not sched.config.rank_budgets
+    a, b = make_seq(0, 12), make_seq(1, list(range(20, 32)))
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule(0.0)
+    assert [(c.seq.seq_id, c.num_tokens) for c in plan.prefill] == [(0, 12), (1, 4)]
+    assert sorted(sched.block_manager.rank_of(s) for s in (a, b)) == [0, 1]
 
 
 @pytest.mark.parametrize("policy", ["chunked", "layered"])

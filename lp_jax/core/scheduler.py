@@ -389,16 +389,16 @@ class Scheduler:
 
     def admit(self, seq: Sequence, ranks: tuple[int, ...] | None = None) -> Sequence | None:
         """Admit a waiting sequence if a sequence slot and its pages are free; its cached
-        prefix counts as computed, so its prefill starts after it. `ranks`: the data
-        ranks it may be placed on (PrefillBudget.ranks; rank 0 is the one device); None:
-        any."""
+        prefix counts as computed, so its prefill starts after it. `ranks`: the budget's
+        ranks with room for it (PrefillBudget.ranks): under rank budgets the data ranks
+        it may be placed on; with one budget, (0,) or none; None: any."""
         if ranks is not None and not ranks:
             return None
         if len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
             return None
         bm = self.block_manager
-        where = {"ranks": ranks} if ranks is not None and self.config.data_parallel_size > 1 \
-            else {}
+        # One budget for every rank (its one count is "rank 0"): placement is free.
+        where = {"ranks": ranks} if ranks is not None and self.config.rank_budgets else {}
         if seq.num_pending_tokens or not bm.can_allocate(seq, seq.prefill_target, **where):
             return None
         self.waiting.remove(seq)
