@@ -182,9 +182,11 @@ def reference():
 def dp_engines():
     """dp_engines(dp, tp, scheduling): the module's engine of that layout, built on first
     use. One row bucket, so one program serves every step; backends "off": the xla
-    kernels need no start-up self-test. The layered engines dispatch the experts by
-    XLA's allreduce scheme ("auto" on these shapes), the chunked ones by all_to_all
-    (each device's share of its rank's rows travels to the experts' owners)."""
+    kernels need no start-up self-test. Layered runs two layer groups, so a batch's rows
+    are carried between plans in the hidden buffer (d budgets of rows under DP). The
+    layered engines dispatch the experts by XLA's allreduce scheme ("auto" on these
+    shapes), the chunked ones by all_to_all (each device's share of its rank's rows
+    travels to the experts' owners)."""
     built = {}
 
     def get(dp: int, tp: int, scheduling: str) -> LLM:
@@ -194,7 +196,8 @@ def dp_engines():
                 tensor_parallel_size=tp, enable_expert_parallel=True, scheduling=scheduling,
                 max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
                 token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None,
-                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto")
+                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto",
+                **({"layer_groups": 2} if scheduling == "layered" else {}))
         return built[dp, tp, scheduling]
 
     return get
@@ -211,7 +214,8 @@ def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, 
     """DP ranks with the experts over all dp x tp devices: the sequences spread over the
     ranks' pools, tokens equal the single-device model's, every page returns. The 44
     prompt tokens pass one rank's budget of 32, but each rank's share fits its own
-    (core/budget.py), so one prefill batch takes them all."""
+    (core/budget.py), so one prefill batch takes them all (under layered, carried
+    between its two groups in hidden rows past one budget's)."""
     llm = dp_engines(dp, tp, scheduling)
     batches = llm.engine.scheduler.stats()["prefill_batches"]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
@@ -283,7 +287,8 @@ def test_one_rank_idle(reference, dp_engines):
     assert [o.token_ids for o in out] == reference[:1]
     after = llm.stats()["data_parallel"]
     ran = [a - b for a, b in zip(after["rows"], before["rows"], strict=True)]
-    assert sorted(ran) == [0, len(PROMPTS[0]) + NEW_TOKENS - 1]  # prompt, then decodes
+    # the prompt in each of its two layer groups' plans, then the decodes
+    assert sorted(ran) == [0, 2 * len(PROMPTS[0]) + NEW_TOKENS - 1]
     assert after["padded_rows"] - before["padded_rows"] == max(ran)
     assert after["free_pages"] == [8, 8] and llm.stats()["compilations_after_warmup"] == 0
 
