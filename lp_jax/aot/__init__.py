@@ -89,7 +89,7 @@ class AotConfig:
     scheduling: str = "layered"  # a policy name or package.module:Class
     max_model_len: int = 4096
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: the policy's default
+    max_num_batched_tokens: int | None = None  # None: the policy's default; a data rank's
     page_size: int = 16
     kv_pages: int | None = None  # None: max_num_seqs full-length sequences
     mesh_shape: tuple[int, int, int] = (1, 1, 1)  # (data, expert, tensor)
