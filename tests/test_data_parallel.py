@@ -15,6 +15,7 @@ from lp_jax import LLM, SamplingParams
 from lp_jax.aot import load_config
 from lp_jax.core.dp_placement import RankedBlockManager
 from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.programs import hidden_rows
 from lp_jax.engine.config import EngineConfig
 from lp_jax.loader import load_model
 from lp_jax.models.backends import KernelBackends
@@ -226,6 +227,10 @@ def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, 
     kv = llm.engine.runner.kv_pages  # each rank's devices hold only its own pages
     assert kv.sharding.spec[0] == "data"
     assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    # ...and only its own block of the carried-hidden buffer: one rank's budget of rows
+    hidden = llm.engine.runner.hidden_RD
+    assert hidden.sharding.shard_shape(hidden.shape)[0] == hidden_rows(
+        llm.engine.scheduler.config) == 4 + (32 if scheduling == "layered" else 0)
     stats = llm.stats()
     bal = stats["data_parallel"]
     assert min(bal["rows"]) > 0 and bal["free_pages"] == [8] * dp  # every rank ran rows
@@ -267,15 +272,19 @@ def _all_reduces(hlo: str, data: int, tensor: int) -> list[tuple[str, bool]]:
 @pytest.mark.parametrize("dp,tp,scheduling", [(2, 4, "layered"), (4, 2, "chunked")])
 def test_each_rank_attends_its_own_rows_and_pool_shard(dp_engines, dp, tp, scheduling):
     """The program runs N rows on each rank (dp N in all) and its attention reads each
-    rank's pool shard with the rank's own rows, so no all-reduce spans the data axis
-    (rows replicated over the ranks needed one of the pages every layer, and GSPMD's MoE
-    one of its sorted rows)."""
+    rank's pool shard with the rank's own rows, so no all-reduce of rows spans the data
+    axis (rows replicated over the ranks needed one of the pages every layer, and GSPMD's
+    MoE one of its sorted rows). What does span it: the sampled rows for lm_head (at most
+    max_num_seqs = 4, each from its rank's rows, zeros elsewhere; the rows themselves stay
+    split, carried in each rank's block of the hidden buffer) and scalars."""
     llm = dp_engines(dp, tp, scheduling)
     (N, program), = llm.engine.runner.programs.items()
     hlo = program.as_text()
     assert re.search(rf"s32\[{dp * N}\]\{{0\}} parameter", hlo)  # the dp N rows' tokens
     reduces = _all_reduces(hlo, data=dp, tensor=tp)
-    assert reduces and not [shape for shape, spans in reduces if spans]
+    spanning = [shape for shape, spans in reduces if spans]
+    assert reduces and all(int(re.match(r"\w+\[(\d*)", shape)[1] or 0) <= 4
+                           for shape in spanning), spanning
 
 
 def test_one_rank_idle(reference, dp_engines):

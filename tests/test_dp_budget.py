@@ -162,13 +162,13 @@ def test_every_plan_fits_a_ranks_bucket_and_nothing_leaks(policy):
 def test_the_programs_hold_one_ranks_budget():
     """A bucket holds one rank's budget beside its own decodes (ceil(max_num_seqs / d),
     or max_num_seqs with speculation, whose verification rows are capped over all ranks);
-    layered's carried-hidden buffer holds d budgets. FlowPrefill keeps one budget for
-    the plan, which may all land on one rank; a chunked budget must hold a rank's
-    decodes only."""
+    layered's carried-hidden buffer has a block of one budget on each rank. FlowPrefill
+    keeps one budget for the plan, which may all land on one rank; a chunked budget must
+    hold a rank's decodes only."""
     layered = make_sched_cfg("layered", data_parallel_size=4, max_num_batched_tokens=64,
                              max_num_seqs=8)
     assert layered.rank_budgets and layered.policy.step_rows(layered) == 64 + 2
-    assert hidden_rows(layered) == 8 + 4 * 64
+    assert hidden_rows(layered) == 8 + 64  # a rank's block
     spec = make_sched_cfg("layered", data_parallel_size=4, max_num_batched_tokens=64,
                           max_num_seqs=8, speculative_config=SpeculativeConfig(
                               method="ngram", num_speculative_tokens=2))

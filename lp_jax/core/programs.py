@@ -60,9 +60,9 @@ def step_buckets(cfg: SchedulerConfig, token_buckets=None) -> tuple[int, ...]:
 
 def hidden_rows(cfg: SchedulerConfig) -> int:
     """Rows of the carried-hidden buffer: [0, max_num_seqs) carries decode rows between a
-    step's calls, then `hidden_slots` areas of a plan's prefill tokens each (the budget;
-    d times it under d data ranks' own budgets), where prefill batches that span several
-    plans (layered groups, FlowPrefill segments, paused batches) keep their hidden states
-    (StepPlan.prefill_rows)."""
-    area = cfg.max_num_batched_tokens * (cfg.data_parallel_size if cfg.rank_budgets else 1)
-    return cfg.max_num_seqs + area * cfg.policy_class.hidden_slots(cfg)
+    step's calls, then `hidden_slots` areas of max_num_batched_tokens rows each, where
+    prefill batches that span several plans (layered groups, FlowPrefill segments, paused
+    batches) keep their hidden states (StepPlan.prefill_rows). Under data ranks' own
+    budgets (`cfg.rank_budgets`) these are one rank's rows: the buffer holds one such
+    block a rank, split over the ranks (`StepSpec.hidden_split`)."""
+    return cfg.max_num_seqs + cfg.max_num_batched_tokens * cfg.policy_class.hidden_slots(cfg)

@@ -209,7 +209,7 @@ class LLMEngine:
             token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
             backends=backends, seed=config.seed,
             channel=self.channel if self.channel is not None and self.is_leader else None,
-            draft=self._draft_model)
+            draft=self._draft_model, hidden_split=sched_cfg.rank_budgets)
         return runner, sched_cfg
 
     def _load_draft(self, model, model_cfg: ModelConfig):
