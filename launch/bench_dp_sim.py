@@ -3,6 +3,7 @@ attention, in the simulator (lp_jax/sim/dp_executor.py; simulated, nothing ran o
 
     python launch/bench_dp_sim.py [--chips 64] [--chip "TPU v6e"] [--n 400]
         [--meshes 16x4,8x8,1x64] [--sharegpt-rate 40] [--arxiv-rate 4] [--json PATH]
+        [--global-budget]
 
 DeepSeek-V3 with FP8 128 x 128 block weights and a bf16 latent on --chips chips. Each mesh
 d x t is (d, 1, t): d data-parallel attention ranks of t chips, the experts over all
@@ -10,9 +11,10 @@ chips (1 x n is TP attention over every chip, the simulator's (tp = n, ep = 1)).
 engine's scheduler places each sequence on a rank (its RankedBlockManager, each rank's
 pool one chip's KV room), every step runs the busiest rank's rows on every rank, and the
 link bytes are DP attention's (dp_link_bytes_per_layer). Policies, with the layered-prefill
-paper's token budgets a rank (one scheduler plans for every rank, so a plan's budget is d
-times it and each rank can prefill its own prompts in the same step): chunked prefill at
-512 and 2,048 a rank, layered prefill at 8,192 a rank with the paper's layer groups.
+paper's token budgets, each a rank's own (max_num_batched_tokens is a data rank's budget:
+lp_jax/core/budget.py): chunked prefill at 512 and 2,048 a rank, layered prefill at 8,192
+a rank with the paper's layer groups. --global-budget gives one budget of d times them
+to the whole plan instead (the scheduler's rule before budgets a rank), for comparison.
 Workloads: ShareGPT-8k and arXiv-paper lengths, Poisson arrivals at one rate each, --n
 requests, max_num_seqs 512 over the slice (ceil(512 / d) a rank).
 
@@ -36,20 +38,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Token budgets a rank (the layered-prefill paper's: chunked 512, layered 8,192); one
-# scheduler plans for every rank, so a plan's budget is d times them: each rank can
-# prefill its own prompts in the same step.
+# Token budgets a rank (the layered-prefill paper's: chunked 512, layered 8,192).
 POLICIES = (("chunked-512", "chunked", 512), ("chunked-2048", "chunked", 2048),
             ("layered-8192", "layered", 8192))
 MAX_NUM_SEQS = 512  # over the slice (chunked needs budget >= max_num_seqs at d = 1)
 
 
-def run_point(shape, hw, mesh, policy, budget, requests) -> dict:
+def run_point(shape, hw, mesh, policy, budget, requests, global_budget=False) -> dict:
+    from lp_jax.core.policies import resolve_policy
     from lp_jax.sim import SimConfig, Simulator
 
     d, t = mesh
+    if global_budget:  # the same policy with one budget, d times a rank's, for the plan
+        base = resolve_policy(policy)
+        policy = type(f"{base.__name__}OneBudget", (base,), {"rank_budgets": False})
+        budget *= d
     cfg = SimConfig(shape=shape, hardware=hw, policy=policy, dp=d, tp=t,
-                    max_num_batched_tokens=budget * d, max_num_seqs=MAX_NUM_SEQS,
+                    max_num_batched_tokens=budget, max_num_seqs=MAX_NUM_SEQS,
                     max_model_len=32768)
     sim = Simulator(cfg)
     r = sim.run(requests)
@@ -76,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arxiv-rate", type=float, default=4.0, help="requests a second")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--global-budget", action="store_true",
+                    help="one budget of d times a rank's for the whole plan")
     args = ap.parse_args(argv)
     from lp_jax.roofline.hardware import get_hardware
     from lp_jax.roofline.model_shape import DEEPSEEK_V3
@@ -88,7 +95,8 @@ def main(argv=None) -> int:
             ap.error(f"mesh {d}x{t} is not {args.chips} chips")
     report, t0 = [], time.time()
     print(f"DeepSeek-V3 (FP8 blocks) on {args.chips} x {hw.name}, simulated; {args.n} "
-          f"requests a workload, seed {args.seed}")
+          f"requests a workload, seed {args.seed}; token budgets "
+          + ("one for the plan, d times a rank's" if args.global_budget else "a rank's own"))
     print("| workload @ rate | mesh (d, 1, t) | policy | TTFT p50 / p99 (s) | max ITL p99 (ms) "
           "| E2E mean (s) | output tok/s | expert GB / 100 req | padding | imbalance "
           "| link GB / out token | KV tokens / rank | preemptions |")
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
         requests = synthesize(lengths, args.n, rate, seed=args.seed)
         for d, t in meshes:
             for name, policy, budget in POLICIES:
-                p = run_point(shape, hw, (d, t), policy, budget, requests)
+                p = run_point(shape, hw, (d, t), policy, budget, requests, args.global_budget)
                 report.append({"workload": lengths, "rate": rate, "mesh": (d, 1, t),
                                "policy": name, **p})
                 print(f"| {lengths} @ {rate:g} | ({d}, 1, {t}) | {name} | {p['ttft_p50']:.2f} / "

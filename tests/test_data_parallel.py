@@ -15,6 +15,7 @@ from lp_jax import LLM, SamplingParams
 from lp_jax.aot import load_config
 from lp_jax.core.dp_placement import RankedBlockManager
 from lp_jax.core.plan import PrefillChunk, StepPlan
+from lp_jax.core.programs import hidden_rows
 from lp_jax.engine.config import EngineConfig
 from lp_jax.loader import load_model
 from lp_jax.models.backends import KernelBackends
@@ -182,9 +183,11 @@ def reference():
 def dp_engines():
     """dp_engines(dp, tp, scheduling): the module's engine of that layout, built on first
     use. One row bucket, so one program serves every step; backends "off": the xla
-    kernels need no start-up self-test. The layered engines dispatch the experts by
-    XLA's allreduce scheme ("auto" on these shapes), the chunked ones by all_to_all
-    (each device's share of its rank's rows travels to the experts' owners)."""
+    kernels need no start-up self-test. Layered runs two layer groups, so a batch's rows
+    are carried between plans in the hidden buffer (d budgets of rows under DP). The
+    layered engines dispatch the experts by XLA's allreduce scheme ("auto" on these
+    shapes), the chunked ones by all_to_all (each device's share of its rank's rows
+    travels to the experts' owners)."""
     built = {}
 
     def get(dp: int, tp: int, scheduling: str) -> LLM:
@@ -194,7 +197,8 @@ def dp_engines():
                 tensor_parallel_size=tp, enable_expert_parallel=True, scheduling=scheduling,
                 max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
                 token_buckets=(36,), kv_pages=8 * dp, backends="off", log=None,
-                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto")
+                moe_dispatch="all_to_all" if scheduling == "chunked" else "auto",
+                **({"layer_groups": 2} if scheduling == "layered" else {}))
         return built[dp, tp, scheduling]
 
     return get
@@ -209,15 +213,24 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def test_dp_attention_gives_the_single_device_tokens(reference, dp_engines, dp, tp,
                                                      scheduling):
     """DP ranks with the experts over all dp x tp devices: the sequences spread over the
-    ranks' pools, tokens equal the single-device model's, every page returns."""
+    ranks' pools, tokens equal the single-device model's, every page returns. The 44
+    prompt tokens pass one rank's budget of 32, but each rank's share fits its own
+    (core/budget.py), so one prefill batch takes them all (under layered, carried
+    between its two groups in hidden rows past one budget's)."""
     llm = dp_engines(dp, tp, scheduling)
+    batches = llm.engine.scheduler.stats()["prefill_batches"]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == reference
+    assert llm.engine.scheduler.stats()["prefill_batches"] - batches == 1
     experts = llm.engine.runner.state["model"]["layers"]["mlp"]["experts_gate_up_proj"][...]
     assert len(experts.sharding.device_set) == dp * tp
     kv = llm.engine.runner.kv_pages  # each rank's devices hold only its own pages
     assert kv.sharding.spec[0] == "data"
     assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    # ...and only its own block of the carried-hidden buffer: one rank's budget of rows
+    hidden = llm.engine.runner.hidden_RD
+    assert hidden.sharding.shard_shape(hidden.shape)[0] == hidden_rows(
+        llm.engine.scheduler.config) == 4 + (32 if scheduling == "layered" else 0)
     stats = llm.stats()
     bal = stats["data_parallel"]
     assert min(bal["rows"]) > 0 and bal["free_pages"] == [8] * dp  # every rank ran rows
@@ -259,15 +272,19 @@ def _all_reduces(hlo: str, data: int, tensor: int) -> list[tuple[str, bool]]:
 @pytest.mark.parametrize("dp,tp,scheduling", [(2, 4, "layered"), (4, 2, "chunked")])
 def test_each_rank_attends_its_own_rows_and_pool_shard(dp_engines, dp, tp, scheduling):
     """The program runs N rows on each rank (dp N in all) and its attention reads each
-    rank's pool shard with the rank's own rows, so no all-reduce spans the data axis
-    (rows replicated over the ranks needed one of the pages every layer, and GSPMD's MoE
-    one of its sorted rows)."""
+    rank's pool shard with the rank's own rows, so no all-reduce of rows spans the data
+    axis (rows replicated over the ranks needed one of the pages every layer, and GSPMD's
+    MoE one of its sorted rows). What does span it: the sampled rows for lm_head (at most
+    max_num_seqs = 4, each from its rank's rows, zeros elsewhere; the rows themselves stay
+    split, carried in each rank's block of the hidden buffer) and scalars."""
     llm = dp_engines(dp, tp, scheduling)
     (N, program), = llm.engine.runner.programs.items()
     hlo = program.as_text()
     assert re.search(rf"s32\[{dp * N}\]\{{0\}} parameter", hlo)  # the dp N rows' tokens
     reduces = _all_reduces(hlo, data=dp, tensor=tp)
-    assert reduces and not [shape for shape, spans in reduces if spans]
+    spanning = [shape for shape, spans in reduces if spans]
+    assert reduces and all(int(re.match(r"\w+\[(\d*)", shape)[1] or 0) <= 4
+                           for shape in spanning), spanning
 
 
 def test_one_rank_idle(reference, dp_engines):
@@ -279,7 +296,8 @@ def test_one_rank_idle(reference, dp_engines):
     assert [o.token_ids for o in out] == reference[:1]
     after = llm.stats()["data_parallel"]
     ran = [a - b for a, b in zip(after["rows"], before["rows"], strict=True)]
-    assert sorted(ran) == [0, len(PROMPTS[0]) + NEW_TOKENS - 1]  # prompt, then decodes
+    # the prompt in each of its two layer groups' plans, then the decodes
+    assert sorted(ran) == [0, 2 * len(PROMPTS[0]) + NEW_TOKENS - 1]
     assert after["padded_rows"] - before["padded_rows"] == max(ran)
     assert after["free_pages"] == [8, 8] and llm.stats()["compilations_after_warmup"] == 0
 

@@ -149,3 +149,37 @@ def test_one_rank_full_by_prefix_affinity_while_the_other_idles(dp_engine):
     assert after["padded_rows"] - before["padded_rows"] == max(ran)
     assert eng.scheduler.stats()["prefix_cache_hits"] - hits == 2 * 32  # two pages each
     assert_clean(llm, dp)
+
+
+def test_a_long_prompt_leaves_the_other_ranks_budget(dp_engine):
+    """Chunked, a budget of 32 tokens a rank (core/budget.py): the 40-token and 17-token
+    prompts arrive together; the first plan prefills 32 tokens of the long one on its
+    rank and the whole short one on the other (one budget for both ranks would have
+    left it waiting), and the tokens are still Hugging Face's."""
+    preset, dp, _, _ = LAYOUTS["gpt-oss-chunked"]
+    golden = np.load(GOLDEN.format(preset))
+    llm = dp_engine("gpt-oss-chunked")
+    eng = llm.engine
+    assert eng.reset_prefix_cache()  # earlier tests cached these prompts
+    plans, schedule, bm = [], eng.scheduler.schedule, eng.scheduler.block_manager
+
+    def recording(now):  # each plan's chunks: (prompt length, start, end, rank)
+        plan = schedule(now)
+        plans.append([(c.seq.num_prompt_tokens, c.start, c.end, bm.rank_of(c.seq))
+                      for c in plan.prefill])
+        return plan
+
+    eng.scheduler.schedule = recording
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        ids = {eng.add_request(golden[f"prompt_{i}"].tolist(), params): i for i in (2, 1)}
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({ids[o.request_id]: o.token_ids for o in eng.step() if o.finished})
+            assert_pages_stay_on_their_rank(eng)
+    finally:
+        eng.scheduler.schedule = schedule
+    assert plans[0] == [(40, 0, 32, 0), (17, 0, 17, 1)]
+    for i in (1, 2):
+        assert outs[i] == golden[f"greedy_{i}"][:NEW_TOKENS].tolist(), f"prompt {i}"
+    assert_clean(llm, dp)

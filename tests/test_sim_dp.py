@@ -81,9 +81,11 @@ def test_a_lone_request_leaves_fifteen_ranks_padding(policy):
     assert one.extra["dp_padded_rows"] == 15 * sum(one.extra[f"dp_rows_{r}"] for r in range(16))
     many = simulate(cfg, [Request(0.0, 100, 5)] * 16)
     assert many.extra["dp_padding"] == 0 and many.extra["dp_imbalance"] == 1
-    # each rank ran the same rows (a layered chunk counted once for each layer group's
-    # plan, as the engine counts it: a batch of 16 prompts gets more groups than one)
-    assert len({many.extra[f"dp_rows_{r}"] for r in range(16)}) == 1
+    # each rank ran the lone request's rows (a layered chunk is counted once for each
+    # layer group's plan, as the engine counts it, and the groups follow a rank's tokens:
+    # one prompt a rank gets the lone prompt's groups)
+    lone = sum(one.extra[f"dp_rows_{r}"] for r in range(16))
+    assert [many.extra[f"dp_rows_{r}"] for r in range(16)] == [lone] * 16
     # the same rows a rank each step: sixteen requests take the lone one's time, but for
     # the experts their rows activate
     assert one.span_s <= many.span_s < 1.5 * one.span_s

@@ -89,7 +89,7 @@ class AotConfig:
     scheduling: str = "layered"  # a policy name or package.module:Class
     max_model_len: int = 4096
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: the policy's default
+    max_num_batched_tokens: int | None = None  # None: the policy's default; a data rank's
     page_size: int = 16
     kv_pages: int | None = None  # None: max_num_seqs full-length sequences
     mesh_shape: tuple[int, int, int] = (1, 1, 1)  # (data, expert, tensor)
@@ -214,9 +214,12 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     pages_per_seq=math.ceil(cfg.max_model_len / S),
                     max_num_seqs=cfg.max_num_seqs,
                     hidden_rows=hidden_rows(sched_cfg), buckets=buckets,
-                    vocab_size=model_cfg.vocab_size, data_ranks=data)
-    hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
-                                  sharding=replicated(mesh))
+                    vocab_size=model_cfg.vocab_size, data_ranks=data,
+                    hidden_split=sched_cfg.rank_budgets)
+    hidden = jax.ShapeDtypeStruct(
+        (spec.hidden_buffer_rows, model_cfg.hidden_size), dtype,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        if spec.hidden_split else replicated(mesh))
     # XLA's attention under data-parallel attention, as the engine serves it.
     step = make_step(graphdef, spec, KernelBackends(moe=kernel,
                                                     attention=kernel if data == 1 else "xla",

@@ -59,7 +59,8 @@ class SchedulerConfig:
     # Speculative decoding (lp_jax/spec): drafts verified as k + 1 decode rows; None: off.
     speculative_config: SpeculativeConfig | None = None
     # Data-parallel attention (dp_placement.py): the sequences and the KV pages split over
-    # this many ranks, each with num_pages / d pages and ceil(max_num_seqs / d) sequences.
+    # this many ranks, each with num_pages / d pages and ceil(max_num_seqs / d) sequences,
+    # and, for a policy with `rank_budgets`, max_num_batched_tokens prefill tokens a step.
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -125,6 +126,25 @@ class SchedulerConfig:
         if sc is not None and not isinstance(sc, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a SpeculativeConfig, got {sc!r}")
         self.policy_class.check(self)
+
+    @property
+    def max_seqs_per_rank(self) -> int:
+        """Sequences one data rank admits at most: ceil(max_num_seqs / d)."""
+        return -(-self.max_num_seqs // self.data_parallel_size)
+
+    @property
+    def max_decode_rows_per_rank(self) -> int:
+        """Decode rows one rank runs in a step at most: one a sequence it holds, or with
+        speculation max_num_seqs (verification rows are capped over all ranks only)."""
+        return self.max_num_seqs if self.speculative_config is not None \
+            else self.max_seqs_per_rank
+
+    @property
+    def rank_budgets(self) -> bool:
+        """Whether max_num_batched_tokens is each data rank's own prefill budget
+        (budget.py): under data-parallel attention, for a policy that declares
+        `rank_budgets`; else one budget holds the whole plan."""
+        return self.data_parallel_size > 1 and getattr(self.policy_class, "rank_budgets", False)
 
     @property
     def policy_class(self) -> type:

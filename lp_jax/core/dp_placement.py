@@ -9,7 +9,8 @@ later call (append, publish, truncate, free) goes to that rank's manager. Prefix
 is per rank too: a page published on rank r can only be hit by a sequence placed there.
 
 Placement (`place`): among the ranks with a free sequence slot and the pages the
-sequence needs, the one with the fewest pages in use after the allocation (tokens held,
+sequence needs (and, under per-rank prefill budgets, budget left in the plan being made:
+budget.py), the one with the fewest pages in use after the allocation (tokens held,
 in pages) less the pages its prefix cache already holds of the prompt (each hit page is
 a page neither allocated nor prefilled: prefix affinity, weighed against the load), then
 the fewest sequences, then the lowest rank. A preempted sequence frees its pages and is
@@ -80,11 +81,15 @@ class RankedBlockManager:
                 "rows": list(self._rows), "padded_rows": self._padded_rows}
 
     # ----------------------------------------------------------- placement
-    def place(self, seq: Sequence, num_tokens: int) -> int | None:
-        """The rank a page-less seq would be allocated on now (see the module docstring);
-        None when no rank has a sequence slot and the pages. Changes nothing."""
+    def place(self, seq: Sequence, num_tokens: int,
+              ranks: tuple[int, ...] | None = None) -> int | None:
+        """The rank a page-less seq would be allocated on now (see the module docstring),
+        among `ranks` if given (those with prefill budget left: budget.py); None when no
+        such rank has a sequence slot and the pages. Changes nothing."""
         best, best_key = None, None
         for r, bm in enumerate(self.ranks):
+            if ranks is not None and r not in ranks:
+                continue
             if self._seqs[r] >= self.max_seqs_per_rank or not bm.can_allocate(seq, num_tokens):
                 continue
             hit = self.pages_for(bm.cached_prefix(seq, num_tokens))
@@ -107,13 +112,19 @@ class RankedBlockManager:
         r = self.place(seq, num_tokens)
         return 0 if r is None else self.ranks[r].cached_prefix(seq, num_tokens)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.place(seq, num_tokens) is not None
+    def cached_on(self, seq: Sequence, num_tokens: int, rank: int) -> int:
+        """The cached prefix a page-less seq would take if allocated on `rank`."""
+        return self.ranks[rank].cached_prefix(seq, num_tokens)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> int:
+    def can_allocate(self, seq: Sequence, num_tokens: int,
+                     ranks: tuple[int, ...] | None = None) -> bool:
+        return self.place(seq, num_tokens, ranks) is not None
+
+    def allocate(self, seq: Sequence, num_tokens: int,
+                 ranks: tuple[int, ...] | None = None) -> int:
         if seq.seq_id in self._rank_of or seq.page_ids:
             raise RuntimeError(f"seq {seq.seq_id} already holds {len(seq.page_ids)} pages")
-        r = self.place(seq, num_tokens)
+        r = self.place(seq, num_tokens, ranks)
         if r is None:
             raise RuntimeError(f"seq {seq.seq_id}: no data-parallel rank has a sequence slot "
                                f"and {self.pages_for(num_tokens)} free pages")

@@ -62,5 +62,7 @@ def hidden_rows(cfg: SchedulerConfig) -> int:
     """Rows of the carried-hidden buffer: [0, max_num_seqs) carries decode rows between a
     step's calls, then `hidden_slots` areas of max_num_batched_tokens rows each, where
     prefill batches that span several plans (layered groups, FlowPrefill segments, paused
-    batches) keep their hidden states (StepPlan.prefill_rows)."""
+    batches) keep their hidden states (StepPlan.prefill_rows). Under data ranks' own
+    budgets (`cfg.rank_budgets`) these are one rank's rows: the buffer holds one such
+    block a rank, split over the ranks (`StepSpec.hidden_split`)."""
     return cfg.max_num_seqs + cfg.max_num_batched_tokens * cfg.policy_class.hidden_slots(cfg)

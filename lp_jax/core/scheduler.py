@@ -24,6 +24,14 @@ page and finds none preempts from the tail of the running decodes (lowest priori
 arrival), possibly itself. Pages of a sequence that finishes or is aborted while a planned
 step may still write its KV are freed only when that step (or layered batch) completes.
 
+Data-parallel attention (`data_parallel_size` d > 1): a sequence's pages sit on one of d
+ranks, chosen at admission (dp_placement.py), and every rank runs the same rows a step.
+A policy with `rank_budgets` (orca, chunked, layered) fills `prefill_budget()`, which
+gives each rank max_num_batched_tokens of its own (budget.py): the ranks prefill side by
+side, and one rank's long prompt leaves the others' budgets alone. A waiting request is
+placed among the ranks its chunk may take budget on; with none, admission stops, as it
+does when no rank has the pages.
+
 Prefix caching (`enable_prefix_caching`, block_manager.py): admission takes the cached
 prefix of a request's prefill target by reference and sets its computed tokens there, so
 its first chunk starts at the first uncached token and the policies' budgets, and the
@@ -51,6 +59,7 @@ import bisect
 from collections import Counter
 
 from lp_jax.core.block_manager import BlockManager
+from lp_jax.core.budget import PrefillBudget
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.dp_placement import RankedBlockManager
 from lp_jax.core.latency import LatencyModel, ModelDims
@@ -87,7 +96,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_pages, config.page_size, enable_caching=config.enable_prefix_caching,
         ) if d == 1 else RankedBlockManager(
-            config.num_pages, config.page_size, d, max_seqs_per_rank=-(-config.max_num_seqs // d),
+            config.num_pages, config.page_size, d, max_seqs_per_rank=config.max_seqs_per_rank,
             enable_caching=config.enable_prefix_caching)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.prefilling: list[Sequence] = []  # admitted, prefill not complete
@@ -106,6 +115,8 @@ class Scheduler:
         self._stats: Counter[str] = Counter()
         # Sequence slots (Sequence.slot): one per admitted sequence, lowest first.
         self._free_seq_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # The decodes of the plan being made and their drafts (prefill_budget).
+        self._plan_decodes: tuple[list[Sequence], list[tuple[int, ...]]] = ([], [])
         self.policy: Policy = config.policy_class(self)
 
     # ----- requests -----
@@ -271,6 +282,7 @@ class Scheduler:
         decode, preempted = (self._schedule_decodes(held) if self.policy.decodes_now()
                              else ([], []))
         drafts = self._draft(decode)
+        self._plan_decodes = (decode, drafts)
         # After a preemption, admit nothing this iteration unless nothing else would run.
         part = self.policy.schedule_prefill(len(decode) + sum(map(len, drafts)),
                                             admit=not (preempted and decode))
@@ -353,20 +365,44 @@ class Scheduler:
         self.latency.observe(plan, seconds, experts)
 
     # ----- helpers shared by the policies -----
-    def admit_head(self) -> Sequence | None:
-        """Admit the head of the waiting queue if a sequence slot and its pages are free."""
-        return self.admit(self.waiting[0]) if self.waiting else None
+    def prefill_budget(self) -> PrefillBudget:
+        """The prefill tokens the plan being made may take (budget.py):
+        max_num_batched_tokens, less the plan's decode rows for a policy whose decodes
+        count against it; under rank budgets (`config.rank_budgets`) that on each data
+        rank, less the rank's own decode rows."""
+        cfg, bm = self.config, self.block_manager
+        ranks = cfg.data_parallel_size if cfg.rank_budgets else 1
+        left_R = [cfg.max_num_batched_tokens] * ranks
+        if self.policy.decodes_in_budget:
+            for seq, d in zip(*self._plan_decodes, strict=True):
+                left_R[bm.rank_of(seq) if ranks > 1 else 0] -= 1 + len(d)
+        if ranks == 1:
+            return PrefillBudget(left_R, lambda seq: 0,
+                                 lambda seq, r: seq.prefill_target - self.prefill_start(seq))
+        return PrefillBudget(left_R, bm.rank_of, lambda seq, r: seq.prefill_target - bm.cached_on(
+            seq, seq.prefill_target, r))
 
-    def admit(self, seq: Sequence) -> Sequence | None:
+    def admit_head(self, ranks: tuple[int, ...] | None = None) -> Sequence | None:
+        """Admit the head of the waiting queue if a sequence slot and its pages are free
+        (on one of `ranks`: see admit)."""
+        return self.admit(self.waiting[0], ranks) if self.waiting else None
+
+    def admit(self, seq: Sequence, ranks: tuple[int, ...] | None = None) -> Sequence | None:
         """Admit a waiting sequence if a sequence slot and its pages are free; its cached
-        prefix counts as computed, so its prefill starts after it."""
+        prefix counts as computed, so its prefill starts after it. `ranks`: the budget's
+        ranks with room for it (PrefillBudget.ranks): under rank budgets the data ranks
+        it may be placed on; with one budget, (0,) or none; None: any."""
+        if ranks is not None and not ranks:
+            return None
         if len(self.running) + len(self.prefilling) >= self.config.max_num_seqs:
             return None
         bm = self.block_manager
-        if seq.num_pending_tokens or not bm.can_allocate(seq, seq.prefill_target):
+        # One budget for every rank (its one count is "rank 0"): placement is free.
+        where = {"ranks": ranks} if ranks is not None and self.config.rank_budgets else {}
+        if seq.num_pending_tokens or not bm.can_allocate(seq, seq.prefill_target, **where):
             return None
         self.waiting.remove(seq)
-        cached = bm.allocate(seq, seq.prefill_target)
+        cached = bm.allocate(seq, seq.prefill_target, **where)
         seq.num_computed_tokens = cached
         if bm.enable_caching and seq.reads_prefix_cache:
             self._stats["prefix_cache_queries"] += seq.prefill_target

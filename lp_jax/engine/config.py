@@ -60,7 +60,8 @@ class EngineConfig:
         default_help=f"min(max_position_embeddings, {DEFAULT_MAX_MODEL_LEN})")
     max_num_seqs: int = engine_arg(32, "most requests running at once", type="positive_int")
     max_num_batched_tokens: int | None = engine_arg(
-        None, "prefill token budget of one step", type="positive_int",
+        None, "prefill token budget of one step; with --data-parallel-size, each data "
+        "rank's own under orca, chunked and layered", type="positive_int",
         default_help="the policy's (orca: max_model_len, chunked: 512, layered and "
                      "flowprefill: 8192), capped at max_model_len")
     layer_groups: str | int = engine_arg(

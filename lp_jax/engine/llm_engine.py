@@ -209,7 +209,7 @@ class LLMEngine:
             token_buckets=buckets, hidden_rows=hidden_rows(sched_cfg),
             backends=backends, seed=config.seed,
             channel=self.channel if self.channel is not None and self.is_leader else None,
-            draft=self._draft_model)
+            draft=self._draft_model, hidden_split=sched_cfg.rank_budgets)
         return runner, sched_cfg
 
     def _load_draft(self, model, model_cfg: ModelConfig):
@@ -274,7 +274,8 @@ class LLMEngine:
                 f"({cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.dtype}), policy "
                 f"{sc.name}, {len(r.programs)} programs (rows {buckets[0]}.."
                 f"{buckets[-1]}), max_model_len {sc.max_model_len}, max_num_seqs "
-                f"{sc.max_num_seqs}, prefill budget {sc.max_num_batched_tokens} tokens; "
+                f"{sc.max_num_seqs}, prefill budget {sc.max_num_batched_tokens} tokens"
+                f"{' a data rank' if sc.rank_budgets else ''}; "
                 f"memory: weights {mib('weights')}, KV {sc.num_pages} pages x {sc.page_size} "
                 f"tokens {mib('kv')}, hidden buffer {mib('hidden')}")
 

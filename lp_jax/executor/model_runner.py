@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from lp_jax.core.plan import StepPlan, StepResult
 from lp_jax.core.programs import bucket_for
@@ -208,14 +209,16 @@ class ModelRunner:
     def __init__(self, model: StackedCausalLM, *, mesh, num_pages: int, page_size: int,
                  max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  hidden_rows: int, backends: KernelBackends, seed: int = 0, channel=None,
-                 draft=None):
+                 draft=None, hidden_split: bool = False):
         """`token_buckets` and `hidden_rows`: the program family the scheduler config
         needs (lp_jax/core/programs.py). `channel`: a multi-process leader's
         LeaderChannel (plan_channel.py), which every dispatched step goes through.
         `draft`: (config, params, k) of a draft model whose k drafts every step proposes
         (`StepResult.next_drafts`): an EAGLE-3 head (Eagle3Config, Eagle3Params) or an MTP
         layer (MtpConfig, MtpParams). Its KV is a one-layer pool on the same logical
-        pages; an EAGLE-3 head's aux states are a buffer beside the hidden one."""
+        pages; an EAGLE-3 head's aux states are a buffer beside the hidden one.
+        `hidden_split`: under data-parallel attention, hidden_rows are one rank's, and the
+        buffer holds a block of them on each rank (StepSpec.hidden_split)."""
         cfg = self.cfg = model.config
         if len(cfg.eos_token_ids) > MAX_EOS_TOKEN_IDS:
             raise ValueError(f"the model lists {len(cfg.eos_token_ids)} eos token ids; "
@@ -230,7 +233,8 @@ class ModelRunner:
             pages_per_seq=math.ceil(max_model_len / page_size), max_num_seqs=max_num_seqs,
             hidden_rows=hidden_rows,
             buckets=tuple(token_buckets), vocab_size=cfg.vocab_size,
-            draft_k=draft[2] if draft else 0, data_ranks=cfg.kv_ranks)
+            draft_k=draft[2] if draft else 0, data_ranks=cfg.kv_ranks,
+            hidden_split=hidden_split and cfg.kv_ranks > 1)
         self.num_pages = num_pages
         if draft and channel is not None:
             raise ValueError("draft models run on one process only (no plan channel)")
@@ -244,7 +248,9 @@ class ModelRunner:
                                       sharding=named_sharding(kv_cache_axes(cfg), kv_shape, mesh))
         self._replicated = replicated(mesh)
         self.hidden_RD = jax.device_put(
-            np.zeros((self.spec.hidden_rows, cfg.hidden_size), model.dtype), self._replicated)
+            np.zeros((self.spec.hidden_buffer_rows, cfg.hidden_size), model.dtype),
+            NamedSharding(mesh, PartitionSpec("data")) if self.spec.hidden_split
+            else self._replicated)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         on_vocab = counts_sharding(self.spec, cfg.vocab_size, mesh)
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
@@ -347,7 +353,7 @@ class ModelRunner:
         # The prefill span [a, b) in operator units (2L: the whole stack).
         a, b = (plan.unit_start, plan.unit_end) if plan.prefill else (0, 2 * L)
         before, after = bool(decode) and a > 0, bool(decode) and b < 2 * L
-        dec_rows = np.arange(n_dec, dtype=np.int32)
+        dec_rows, chunk_rows = self._carried_rows(plan, drafts)
         none = np.full(n_dec, -1, np.int32)
         dec_tokens = np.zeros(n_dec, np.int32)
         dec_prev = none.copy()
@@ -390,7 +396,7 @@ class ModelRunner:
         n_pre = offset - n_dec
         pre_rows = R0 + np.concatenate(
             [np.zeros(0, np.int32)] + [np.arange(r, r + c.num_tokens, dtype=np.int32)
-                                       for r, c in zip(plan.chunk_rows, plan.prefill, strict=True)])
+                                       for r, c in zip(chunk_rows, plan.prefill, strict=True)])
         pre_none = np.full(n_pre, -1, np.int32)
         # Decode rows come from call 1's output, or are embedded here; prefill rows are
         # embedded in the first group and carried in the hidden buffer after it.
@@ -421,6 +427,31 @@ class ModelRunner:
                                none, none, one_row, list(range(n_dec)), dec_sampling,
                                objs=decode, check=dec_check))
         return calls, mixed_index
+
+    def _carried_rows(self, plan: StepPlan, drafts) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Hidden-buffer rows of the plan's decode rows (from 0) and of each chunk's first
+        row (from max_num_seqs). One buffer: the decode order, and the plan's chunk rows.
+        Split over data ranks (`spec.hidden_split`): rows of the sequence's own rank's
+        block, each rank's decode rows and chunks packed in plan order; a batch's chunks
+        are the same in each of its plans, so its rows are too."""
+        n_dec = len(plan.decode) + sum(map(len, drafts))
+        if not self.spec.hidden_split:
+            return np.arange(n_dec, dtype=np.int32), plan.chunk_rows
+        if plan.prefill_rows:
+            raise RuntimeError("a plan with its own prefill_rows on a hidden buffer split "
+                               "over data ranks")
+        P_r = self.num_pages // self.spec.data_ranks
+        used, dec_rows = [0] * self.spec.data_ranks, []
+        for s, d in zip(plan.decode, drafts, strict=True):
+            r = s.page_ids[0] // P_r
+            dec_rows += range(used[r], used[r] + 1 + len(d))
+            used[r] += 1 + len(d)
+        used, chunk_rows = [0] * self.spec.data_ranks, []
+        for c in plan.prefill:
+            r = c.seq.page_ids[0] // P_r
+            chunk_rows.append(used[r])
+            used[r] += c.num_tokens
+        return np.asarray(dec_rows, np.int32), tuple(chunk_rows)
 
     def _draft_inputs(self, call: _Call, d: dict) -> None:
         """Fills inputs["draft"] (step._draft) for a call whose rows leave the last

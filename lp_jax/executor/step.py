@@ -53,8 +53,11 @@ whose rows are one token per sequence.
 Data-parallel attention (`StepSpec.data_ranks` R > 1, docs/data_parallel.md): the program
 of bucket N runs N rows on each rank, R N in all (rank r's at [r N, (r + 1) N)), split
 over "data", with ranked metadata; each rank's attention reads its own pool shard
-(lp_jax/models/data_ranks.py). The rows written to the replicated hidden buffer, the
-counted tokens and the sampled rows are gathered whole; sampling is over all ranks' rows.
+(lp_jax/models/data_ranks.py). The counted tokens and the sampled rows are gathered
+whole; sampling is over all ranks' rows. The hidden buffer is split over "data" when each
+rank's carried rows stay in its own block (`hidden_split`, under budgets a rank): rows
+go in and out of it inside a shard_map over "data", nothing gathered; else it is
+replicated and the rows written to it are gathered whole.
 """
 
 from __future__ import annotations
@@ -109,6 +112,15 @@ class StepSpec:
     # Data-parallel attention's ranks R: a call of bucket N runs N rows on each rank, R N
     # rows in all, rank r's at [r N, (r + 1) N), with per-rank metadata (data_ranks.py).
     data_ranks: int = 1
+    # With R > 1: the carried-hidden buffer is R blocks of hidden_rows, split over "data",
+    # and a row's src / dst index its own rank's block (rank-local rows); else one
+    # replicated buffer of hidden_rows, indexed by every rank.
+    hidden_split: bool = False
+
+    @property
+    def hidden_buffer_rows(self) -> int:
+        """Rows of the whole carried-hidden buffer (all ranks' blocks when split)."""
+        return self.hidden_rows * (self.data_ranks if self.hidden_split else 1)
 
     @property
     def mask_words(self) -> int:
@@ -207,6 +219,33 @@ def _score_prompt(model, x_ND, target_N):
             ids_CQK.reshape(C * Q, K)[:N])
 
 
+def _take_rows(hidden_RD, src_N, rank_rows):
+    """hidden_RD[src_N] (rows of src_N < 0: any row); with `rank_rows` (the "data" split),
+    each rank's rows from its own block, src_N rank-local."""
+    def take(h_RD, s_N):
+        return h_RD[jnp.maximum(s_N, 0)]
+
+    if rank_rows is None:
+        return take(hidden_RD, src_N)
+    split = PartitionSpec("data")
+    return jax.shard_map(take, mesh=rank_rows.mesh, in_specs=(split, split), out_specs=split,
+                         axis_names={"data"}, check_vma=False)(hidden_RD, src_N)
+
+
+def _put_rows(hidden_RD, dst_N, x_ND, rank_rows):
+    """hidden_RD with rows dst_N set to x_ND (dst_N < 0: dropped); with `rank_rows`, each
+    rank's rows into its own block, dst_N rank-local."""
+    def put(h_RD, d_N, x):
+        return h_RD.at[jnp.where(d_N < 0, h_RD.shape[0], d_N)].set(x, mode="drop")
+
+    if rank_rows is None:
+        return put(hidden_RD, dst_N, x_ND)
+    split = PartitionSpec("data")
+    return jax.shard_map(put, mesh=rank_rows.mesh, in_specs=(split, split, split),
+                         out_specs=split, axis_names={"data"},
+                         check_vma=False)(hidden_RD, dst_N, x_ND)
+
+
 def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=None,
               counts_sharding=None, draft=None):
     """step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
@@ -222,6 +261,9 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
     # Data-parallel attention: the rows split over "data", rank r's N at [r N, (r + 1) N).
     rank_rows = (NamedSharding(replicated.mesh, PartitionSpec("data"))
                  if spec.data_ranks > 1 and replicated is not None else None)
+    split = spec.hidden_split and rank_rows is not None
+    if spec.hidden_split and draft is not None and draft.aux_layer_ids:
+        raise ValueError("an EAGLE-3 head's aux buffer is not split over data ranks")
 
     def step(state, kv_pages, hidden_RD, inputs, counts=None, draft_params=None,
              draft_state=None):
@@ -231,7 +273,7 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
                              inputs["tokens_N"])
         src_N = inputs["src_N"]
         x_ND = jnp.where((src_N < 0)[:, None], model.embed(tokens_N),
-                         hidden_RD[jnp.maximum(src_N, 0)])
+                         _take_rows(hidden_RD, src_N, rank_rows if split else None))
         if rank_rows is not None:
             x_ND = jax.lax.with_sharding_constraint(x_ND, rank_rows)
         lo, hi = inputs["units"][0], inputs["units"][1]
@@ -243,12 +285,16 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         x_ND, kv_pages, activated, *aux_NAD = model.run_units(
             x_ND, kv_pages, inputs["meta"], lo, hi, decode_only=inputs["decode_only"],
             backends=backends, **aux)
-        dst_N = jnp.where(inputs["dst_N"] < 0, hidden_RD.shape[0], inputs["dst_N"])
-        # The carried buffer is replicated: gather the ranks' rows (R N x D), not an
-        # all-reduce of the whole buffer that a scatter of split rows would become.
-        carried_ND = x_ND if rank_rows is None else jax.lax.with_sharding_constraint(
-            x_ND, replicated)
-        hidden_RD = hidden_RD.at[dst_N].set(carried_ND, mode="drop")
+        dst_N = inputs["dst_N"]
+        if split:  # each rank's rows into its own block
+            hidden_RD = _put_rows(hidden_RD, dst_N, x_ND, rank_rows)
+        else:
+            # A replicated buffer: gather the ranks' rows (R N x D), not an all-reduce of
+            # the whole buffer that a scatter of split rows would become.
+            carried_ND = x_ND if rank_rows is None else jax.lax.with_sharding_constraint(
+                x_ND, replicated)
+            hidden_RD = _put_rows(hidden_RD, dst_N, carried_ND, None)
+            dst_N = jnp.where(dst_N < 0, hidden_RD.shape[0], dst_N)
         if aux:
             draft_state = dict(draft_state, aux_RAD=draft_state["aux_RAD"].at[dst_N].set(
                 aux_NAD[0], mode="drop"))

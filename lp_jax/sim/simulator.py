@@ -82,7 +82,8 @@ class SimConfig:
     ep: int = 1
     # Data-parallel attention ranks (mesh (dp, 1, tp), experts over dp x tp; module note).
     dp: int = 1
-    max_num_batched_tokens: int | None = None  # None: the policy's default (512 / 8192)
+    # None: the policy's default (512 / 8192); with dp > 1, each rank's (core/budget.py)
+    max_num_batched_tokens: int | None = None
     layer_groups: str | int = "paper"
     max_layer_groups: int = 16
     max_num_seqs: int = 256

@@ -15,8 +15,11 @@ A policy sees the scheduler through `self.sched` and uses only these members:
     sched.running       requests that decode
     sched.now           the time the current plan is made at
     sched.latency       the step-latency estimator (latency.py)
-    sched.admit(seq)    admit a waiting request if a slot and its pages are free; None if not
-    sched.admit_head()  admit(sched.waiting[0])
+    sched.admit(seq, ranks=None)  admit a waiting request if a slot and its pages are free
+                        (on one of `ranks`, data ranks, if given); None if not
+    sched.admit_head(ranks=None)  admit(sched.waiting[0], ranks)
+    sched.prefill_budget()    the plan's prefill tokens (core/budget.py): one count, or
+                        one per data rank for a policy with `rank_budgets`
     sched.prefill_start(seq)  where seq's next chunk starts (its cached prefix counts as done)
     sched.new_batch_id()      an id for a new prefill batch
     sched.next_step_id  the step id of the plan being made
@@ -40,6 +43,10 @@ nothing outside a policy branches on its name):
     hidden_slots(cfg)       prefill batches whose hidden states the executor keeps
                             between plans (`StepPlan.prefill_rows`)
     adaptive_groups         whether it takes layer_groups="adaptive"
+    rank_budgets            under data-parallel attention, whether max_num_batched_tokens
+                            is each rank's budget (the policy fills `sched.prefill_budget()`
+                            rank by rank, so one bucket holds one rank's budget); else one
+                            budget holds the whole plan, whichever ranks it lands on
     uses_latency            whether it reads the latency estimator (the simulator then
                             feeds it every simulated step)
     preemptible_policy      the class a `preemptible=True` config runs instead, or None
@@ -54,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from lp_jax.core.budget import PrefillBudget
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.plan import PrefillChunk, StepPlan
 from lp_jax.core.programs import default_token_buckets
@@ -79,6 +87,7 @@ class Policy:
     name: ClassVar[str] = ""
     decodes_in_budget: ClassVar[bool] = False
     adaptive_groups: ClassVar[bool] = False
+    rank_budgets: ClassVar[bool] = False
     uses_latency: ClassVar[bool] = False
     preemptible_policy: ClassVar[type[Policy] | None] = None
 
@@ -108,8 +117,11 @@ class Policy:
 
     @classmethod
     def step_rows(cls, cfg: SchedulerConfig) -> int:
-        """The rows of the largest call a plan makes: the row buckets must reach it."""
-        return cls.max_prefill_tokens(cfg) + (0 if cls.decodes_in_budget else cfg.max_num_seqs)
+        """The rows of the largest call a plan makes on one data rank (the one device):
+        the row buckets must reach it. A rank's prefill is at most the budget, its own
+        under `rank_budgets`, else all of it may land on one rank."""
+        decodes = 0 if cls.decodes_in_budget else cfg.max_decode_rows_per_rank
+        return cls.max_prefill_tokens(cfg) + decodes
 
     @classmethod
     def token_buckets(cls, cfg: SchedulerConfig) -> tuple[int, ...]:
@@ -154,23 +166,30 @@ class Policy:
         """Prefill tokens `seq` still has to compute (its cached prefix excluded)."""
         return seq.prefill_target - self.sched.prefill_start(seq)
 
-    def _admitted_chunk(self, seq: Sequence, left: int) -> PrefillChunk:
-        """The first chunk of a just admitted sequence: from its first uncached token, at
-        most `left` tokens."""
+    def _admitted_chunk(self, seq: Sequence, budget: PrefillBudget,
+                        whole: bool = False) -> PrefillChunk:
+        """The first chunk of a just admitted sequence, from its first uncached token: as
+        much as its rank's budget has left (`whole`: all of it), charged to the budget."""
         start = seq.num_computed_tokens
-        return PrefillChunk(seq, start, start + min(seq.prefill_target - start, left))
+        n = seq.prefill_target - start
+        if not whole:
+            n = min(n, budget.left(seq))
+        budget.take(seq, n)
+        return PrefillChunk(seq, start, start + n)
 
     def _whole_stack(self, chunks: list[PrefillChunk]) -> PrefillPart:
         return PrefillPart(tuple(chunks), self.sched.new_batch_id() if chunks else None)
 
-    def _continue_partials(self, left: int) -> tuple[list[PrefillChunk], int]:
-        """Next chunks of admitted, partially prefilled sequences within `left` tokens."""
+    def _continue_partials(self, budget: PrefillBudget) -> list[PrefillChunk]:
+        """Next chunks of admitted, partially prefilled sequences, in admission order,
+        each within what its rank's budget has left (charged to it)."""
         chunks = []
         for seq in self.sched.prefilling:
-            if left == 0:
+            if not budget.any_left():
                 break
             start = seq.num_computed_tokens
-            n = min(seq.prefill_target - start, left)
-            chunks.append(PrefillChunk(seq, start, start + n))
-            left -= n
-        return chunks, left
+            n = min(seq.prefill_target - start, budget.left(seq))
+            if n:
+                chunks.append(PrefillChunk(seq, start, start + n))
+                budget.take(seq, n)
+        return chunks

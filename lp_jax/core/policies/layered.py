@@ -35,6 +35,7 @@ class LayeredPolicy(Policy):
 
     name = "layered"
     adaptive_groups = True
+    rank_budgets = True
     preemptible_policy = FlowPrefillPolicy  # preemptible=True: pauses at group boundaries
 
     def __init__(self, sched) -> None:
@@ -100,21 +101,21 @@ class LayeredPolicy(Policy):
 
     def _form_batch(self, admit: bool) -> _LayeredBatch | None:
         s, cfg = self.sched, self.sched.config
+        budget = s.prefill_budget()  # under data-parallel attention, one a rank
         # The rest of a prompt cut by the previous batch goes first.
-        chunks, left = self._continue_partials(cfg.max_num_batched_tokens)
-        # Whole prompts while they fit; a prompt longer than the budget opens a batch alone.
-        while admit and left > 0 and s.waiting:
-            if chunks and self._uncached(s.waiting[0]) > left:
-                break
-            seq = s.admit_head()
+        chunks = self._continue_partials(budget)
+        # Whole prompts while they fit (their rank's budget); a prompt longer than the
+        # budget opens a batch (a rank's share of it) alone.
+        while admit and s.waiting:
+            seq = s.admit_head(budget.ranks(s.waiting[0]))
             if seq is None:
                 break
-            chunks.append(self._admitted_chunk(seq, left))
-            left -= chunks[-1].num_tokens
+            chunks.append(self._admitted_chunk(seq, budget))
         if not chunks:
             return None
+        # G from the busiest rank's tokens: under SPMD a step's prefill costs its rows.
         g = num_layer_groups(
-            sum(c.num_tokens for c in chunks),
+            budget.max_taken,
             cfg.layer_groups,
             max_layer_groups=cfg.max_layer_groups,
             num_layers=cfg.num_layers,

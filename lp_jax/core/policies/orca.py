@@ -7,10 +7,12 @@ from lp_jax.core.policies.base import Policy, PrefillPart
 
 
 class OrcaPolicy(Policy):
-    """Whole prompts while they fit the budget; always at least one, so a prompt longer
-    than the budget runs alone and a plan may carry max_model_len prompt tokens."""
+    """Whole prompts while they fit the budget (a data rank's, under data-parallel
+    attention); always at least one, so a prompt longer than the budget runs alone (on its
+    rank) and a plan may carry max_model_len prompt tokens (a rank)."""
 
     name = "orca"
+    rank_budgets = True
 
     @staticmethod
     def default_budget(cfg: SchedulerConfig) -> int:
@@ -21,11 +23,10 @@ class OrcaPolicy(Policy):
         return max(cfg.max_num_batched_tokens, cfg.max_model_len)
 
     def schedule_prefill(self, num_decode: int, admit: bool) -> PrefillPart:
-        s, left, chunks = self.sched, self.sched.config.max_num_batched_tokens, []
-        while admit and s.waiting and not (chunks and self._uncached(s.waiting[0]) > left):
-            seq = s.admit_head()
+        s, budget, chunks = self.sched, self.sched.prefill_budget(), []
+        while admit and s.waiting:
+            seq = s.admit_head(budget.ranks(s.waiting[0]))
             if seq is None:
                 break
-            chunks.append(self._admitted_chunk(seq, seq.prefill_target))
-            left -= chunks[-1].num_tokens
+            chunks.append(self._admitted_chunk(seq, budget, whole=True))
         return self._whole_stack(chunks)
