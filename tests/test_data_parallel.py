@@ -150,9 +150,7 @@ def test_flags_map_data_parallel_attention_onto_the_mesh():
     with pytest.raises(ValueError, match="independent replicas"):
         EngineConfig(data_parallel_size=4)
     EngineConfig(data_parallel_size=4, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="not served under data-parallel attention yet"):
-        EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
-                     attention_backend="tpu")
+    EngineConfig(data_parallel_size=2, enable_expert_parallel=True, attention_backend="tpu")
     with pytest.raises(ValueError, match="not split over the data ranks"):
         EngineConfig(data_parallel_size=2, enable_expert_parallel=True, speculative_config={
             "method": "eagle3", "model": "/head", "num_speculative_tokens": 2})

@@ -217,9 +217,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     vocab_size=model_cfg.vocab_size, data_ranks=data)
     hidden = jax.ShapeDtypeStruct((spec.hidden_rows, model_cfg.hidden_size), dtype,
                                   sharding=replicated(mesh))
-    # XLA's attention under data-parallel attention, as the engine serves it.
-    step = make_step(graphdef, spec, KernelBackends(moe=kernel,
-                                                    attention=kernel if data == 1 else "xla",
+    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
                      replicated=replicated(mesh),
                      counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))

@@ -45,6 +45,7 @@ plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,17 @@ PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
 
 def kernel_mesh(x: jax.Array) -> Mesh | AbstractMesh | None:
-    """The mesh x is sharded over (read from its type, so also under jit) when it
-    spans more than one device; None otherwise."""
+    """The mesh a kernel's shard_map runs on: that of x (read from its type, so also
+    under jit) when it spans more than one device; None otherwise.
+
+    Inside a shard_map that is already manual over some axes (`data_ranks.per_rank`,
+    manual over "data"), a nested shard_map must take the context's mesh, whose
+    manual axes x's type does not show; it splits only over the axes still free, so
+    None when those span one device (each rank calls the kernel directly)."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.manual_axes:
+        free = math.prod(n for a, n in context.shape.items() if a not in context.manual_axes)
+        return context if free > 1 else None
     mesh = jax.typeof(x).sharding.mesh
     return mesh if mesh.size > 1 else None
 
