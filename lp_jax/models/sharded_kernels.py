@@ -45,7 +45,6 @@ plain `jax.ShapeDtypeStruct`s, which check_vma=True rejects inside shard_map
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -80,13 +79,14 @@ def kernel_mesh(x: jax.Array) -> Mesh | AbstractMesh | None:
     under jit) when it spans more than one device; None otherwise.
 
     Inside a shard_map that is already manual over some axes (`data_ranks.per_rank`,
-    manual over "data"), a nested shard_map must take the context's mesh, whose
-    manual axes x's type does not show; it splits only over the axes still free, so
-    None when those span one device (each rank calls the kernel directly)."""
+    manual over "data"), the context's mesh, whose manual axes x's type does not show:
+    a nested shard_map on it splits over the axes still free. It runs even when those
+    span one device (DP d x TP 1), so that the kernel is manual over every axis: a
+    kernel called beside automatic axes is not partitioned as one (the Pallas
+    interpreter's callbacks refuse it)."""
     context = jax.sharding.get_abstract_mesh()
     if context.manual_axes:
-        free = math.prod(n for a, n in context.shape.items() if a not in context.manual_axes)
-        return context if free > 1 else None
+        return context
     mesh = jax.typeof(x).sharding.mesh
     return mesh if mesh.size > 1 else None
 

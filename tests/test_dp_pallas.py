@@ -1,0 +1,120 @@
+"""The Pallas attention kernels under data-parallel attention, on the host's 8 simulated
+CPUs with the kernels in the TPU interpreter.
+
+Each data rank runs the single-rank kernel on its own rows, its ranked metadata's view and
+its shard of the pool: the kernels' shard_map over the heads nests inside `per_rank`'s
+over "data" (`sharded_kernels.kernel_mesh`). Checked by behaviour:
+
+* GQA: tiny-h128 (the TPU kernel's head_dim 128) on DP 2 x TP 4 under layered, and MLA:
+  tiny-deepseek-a128 (the MLA kernel's 128-wide latent) on DP 2 x TP 1 under chunked,
+  give Hugging Face's greedy tokens (tests/golden) with prompts arriving while others
+  decode, so ragged steps and decode-only steps both run the kernels;
+* after every step each sequence's pages lie in one rank's range; at the end every page
+  is free, one program served, nothing compiled while serving;
+* the compiled program gathers no pool: each rank's kernels read its shard in place.
+
+Two engines, one program each; the golden files' prompts, of which only NEW_TOKENS tokens
+are compared.
+"""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN_ENGINES, run_golden_prompts
+from test_dp_families import RankChecked
+
+from checkpoints.make_tiny import ensure_tiny
+from lp_jax import LLM
+from lp_jax.models.metadata import build_metadata
+from pallas_kernels import attention
+from pallas_kernels.attention import mla
+
+GOLDEN = "tests/golden/{}.npz"
+NEW_TOKENS = 3
+MAX_PROGRAMS = 32  # the start-up budget at defaults (tests/test_programs.py)
+PAGES_PER_RANK = 10  # two 80-token sequences of 16-token pages
+# (preset, data ranks, tensor ranks, policy). GQA: the heads' shard_map nests inside the
+# ranks' (t = 4); MLA: its layout for a slice, t = 1 (docs/data_parallel.md).
+LAYOUTS = {"gqa-layered": ("tiny-h128", 2, 4, "layered"),
+           "mla-chunked": ("tiny-deepseek-a128", 2, 1, "chunked")}
+# One row bucket a rank. The interpreter's cost follows the rows times the steps: layered
+# runs best with the golden engines' budget, chunked with a smaller one.
+SHAPES = {"layered": GOLDEN_ENGINES["layered"],
+          "chunked": dict(scheduling="chunked", max_num_batched_tokens=16, token_buckets=(20,))}
+
+
+def _warm_interpreter():
+    """One call of each TPU kernel on one device. The TPU interpreter compiles small
+    host-side helpers of its own on its first kernel run in a process; run here, they
+    do not count as the engine's compiles while serving."""
+    meta = build_metadata([(0, 2, [0])], page_size=16, num_tokens=2, num_seqs=1,
+                          pages_per_seq=1)
+    rest = (meta.query_start_B1, meta.seq_lens_B, meta.page_table_BC, meta.num_seqs)
+    with attention.interpret_mode():
+        attention.ragged_paged_attention(jnp.ones((2, 2, 128)), jnp.ones((1, 16, 2, 128)),
+                                         *rest, sm_scale=1.0, backend="tpu")
+        mla.mla_paged_attention(jnp.ones((2, 1, 16)), jnp.ones((2, 1, 16)),
+                                jnp.ones((1, 16, 1, 256)), jnp.ones((128, 1, 16)),
+                                jnp.ones((128, 1, 16)), *rest, sm_scale=1.0, absorbed=True,
+                                backend="tpu")
+
+
+@pytest.fixture(scope="module")
+def dp_pallas_engine():
+    """dp_pallas_engine(name): the engine of LAYOUTS[name] with the TPU attention kernel
+    (interpreted; XLA's MoE), built on first use (layered: two layer groups).
+    backends="off": no start-up self-test, so nothing can fall back to XLA unseen."""
+    built = {}
+    _warm_interpreter()
+
+    def get(name: str) -> LLM:
+        if name not in built:
+            preset, dp, tp, policy = LAYOUTS[name]
+            with pytest.MonkeyPatch.context() as mp:  # read while the programs trace
+                mp.setenv("LP_JAX_PALLAS_INTERPRET", "1")
+                built[name] = LLM(str(ensure_tiny(preset=preset)), data_parallel_size=dp,
+                                  tensor_parallel_size=tp, enable_expert_parallel=True,
+                                  attention_backend="tpu", moe_backend="xla",
+                                  max_num_seqs=4, max_model_len=80,
+                                  kv_pages=PAGES_PER_RANK * dp, backends="off", log=None,
+                                  **SHAPES[policy])
+        return built[name]
+
+    yield get
+    for llm in built.values():
+        llm.shutdown()
+
+
+def _all_gather_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    """The result shape (one device's) of every all-gather in compiled HLO text."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\{?[\d,]*\}? all-gather(?:-start)?\(", hlo_text)
+    return [tuple(int(d) for d in s.split(",") if d) for s in shapes]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pallas_attention_per_rank_gives_the_golden_tokens(dp_pallas_engine, name):
+    """Prompts of 5, 17 and 40 tokens, the later two arriving while the first decodes:
+    spread over the ranks, every rank's kernels serve its rows, the tokens are golden."""
+    preset, dp, _, _ = LAYOUTS[name]
+    golden = np.load(GOLDEN.format(preset))
+    llm = dp_pallas_engine(name)
+    stats = llm.stats()
+    assert stats["kernel_backends"]["attention"] == "tpu" and not stats["kernel_fallbacks"]
+    kv = llm.engine.runner.kv_pages  # each rank's devices hold only its own pages
+    assert kv.sharding.spec[0] == "data"
+    assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    outs = run_golden_prompts(RankChecked(llm.engine), golden, max_tokens=NEW_TOKENS)
+    for i in range(3):
+        assert outs[i].token_ids == golden[f"greedy_{i}"][:NEW_TOKENS].tolist(), f"prompt {i}"
+    stats = llm.stats()
+    assert sum(r > 0 for r in stats["data_parallel"]["rows"]) == min(dp, 3)
+    assert stats["data_parallel"]["free_pages"] == [PAGES_PER_RANK] * dp
+    assert stats["free_pages"] == stats["total_pages"]
+    assert stats["compilations_after_warmup"] == 0
+    assert stats["programs"] == 1 and stats["startup_compilations"] <= MAX_PROGRAMS
+    (program,) = llm.engine.runner.programs.values()
+    S, X = kv.shape[1], kv.shape[3]  # no pages of the pool, whole or a shard, gathered
+    gathered = _all_gather_shapes(program.as_text())
+    assert gathered and not [s for s in gathered if len(s) == 4 and (s[1], s[3]) == (S, X)]
