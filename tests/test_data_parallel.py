@@ -343,12 +343,13 @@ def test_the_aot_plans_deepseek_v3_with_a_kv_pool_split_over_the_data_ranks():
 def test_deepseek_v3_steps_trace_in_bfloat16():
     """DeepSeek-V3's attention half keeps the model's dtype (its reference attention
     returns float32), so run_units' skip-or-run branches agree and the pod-scale AOT, which
-    runs bfloat16, can lower the step. The CPU engines run float32 and never see it."""
+    runs bfloat16, can lower the step. The CPU engines run float32 and never see it. The
+    AOT serves the TPU MLA kernel on each rank: the preset with the kernel's latent width."""
     import jax
 
     from lp_jax.aot import AotConfig, _abstract_counts, _abstract_inputs, build
 
-    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek"))), AotConfig(
+    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek-a128"))), AotConfig(
         platform="tpu", topology="v6e:2x2", mesh_shape=(2, 1, 1), dtype="bfloat16",
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(20,)))
     with jax.set_mesh(b.mesh):

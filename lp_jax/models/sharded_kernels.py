@@ -15,7 +15,10 @@ for Auto axes), and `jax.shard_map` accepts an AbstractMesh inside jit. So
 `kernel_mesh(w)` reads the mesh off the weight a kernel is about to use: no caller
 has to enter `jax.set_mesh` (without which `jax.sharding.get_abstract_mesh()` is
 empty), and the mesh cannot disagree with where the weights are. An array on one
-device has an empty mesh, which means "call the kernel directly".
+device has an empty mesh, which means "call the kernel directly". Under data-parallel
+attention the attention wrappers run inside `data_ranks.per_rank`'s shard_map (manual
+over "data"), and `kernel_mesh` gives them the context's mesh instead, so their
+shard_map nests in it: each rank's kernels see its rows and its pool shard.
 
 Specs follow `sharding.LOGICAL_RULES`, so they match the shardings the loader and
 the runner give the operands, and entering the shard_map moves no data:
