@@ -1,5 +1,5 @@
 """The Pallas attention kernels under data-parallel attention, on the host's 8 simulated
-CPUs with the kernels in the TPU interpreter.
+CPUs with the kernels in the Pallas interpreters.
 
 Each data rank runs the single-rank kernel on its own rows, its ranked metadata's view and
 its shard of the pool: the kernels' shard_map over the heads nests inside `per_rank`'s
@@ -11,7 +11,9 @@ over "data" (`sharded_kernels.kernel_mesh`). Checked by behaviour:
   decode, so ragged steps and decode-only steps both run the kernels;
 * after every step each sequence's pages lie in one rank's range; at the end every page
   is free, one program served, nothing compiled while serving;
-* the compiled program gathers no pool: each rank's kernels read its shard in place.
+* the compiled program gathers no pool: each rank's kernels read its shard in place;
+* the GPU kernels (Triton, interpreted), ragged and decode, per rank on DP 2 x TP 4 give
+  XLA's attention on a ranked batch.
 
 Two engines, one program each; the golden files' prompts, of which only NEW_TOKENS tokens
 are compared.
@@ -19,6 +21,7 @@ are compared.
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,3 +121,58 @@ def test_pallas_attention_per_rank_gives_the_golden_tokens(dp_pallas_engine, nam
     S, X = kv.shape[1], kv.shape[3]  # no pages of the pool, whole or a shard, gathered
     gathered = _all_gather_shapes(program.as_text())
     assert gathered and not [s for s in gathered if len(s) == 4 and (s[1], s[3]) == (S, X)]
+
+
+def test_gpu_kernels_per_rank_match_xla():
+    """The GPU attention kernels (Triton, interpreted) inside `per_rank` on DP 2 x TP 4,
+    the heads' shard_map nested in the ranks' as for the TPU kernels above, ragged and
+    decode entry points: XLA's attention on the same ranked batch, each rank's rows
+    reading its pool shard with local page ids."""
+    from lp_jax.config import ModelConfig
+    from lp_jax.models.data_ranks import per_rank
+    from lp_jax.models.metadata import build_ranked_metadata
+    from lp_jax.models.sharded_kernels import (
+        kernel_mesh,
+        sharded_decode_attention,
+        sharded_ragged_paged_attention,
+    )
+    from lp_jax.sharding import make_mesh, named_sharding
+
+    K, G, H, S, P_r = 4, 2, 16, 8, 4
+    mesh = make_mesh(2, 1, 4)
+    cfg = ModelConfig.from_pretrained(ensure_tiny(preset="tiny")).replace(kv_ranks=2)
+    # rank 0: a 5-token prompt and 3 tokens after 6 cached; rank 1: one 7-token prompt
+    ragged = build_ranked_metadata([[(0, 5, [0]), (6, 3, [1, 2])], [(0, 7, [3])]],
+                                   page_size=S, num_tokens=8, num_seqs=2, pages_per_seq=2)
+    decode = build_ranked_metadata([[(8, 1, [1, 2]), (3, 1, [0])], [(9, 1, [3, 0])]],
+                                   page_size=S, num_tokens=2, num_seqs=2, pages_per_seq=2)
+    kq, kp = jax.random.split(jax.random.key(1))
+    pool = jax.random.normal(kp, (2 * P_r, S, 2 * K, H), jnp.float32)
+    pool = jax.device_put(pool, named_sharding(("kv_pages", None, "kv_combined_heads", None),
+                                               pool.shape, mesh))
+
+    def run(kernel, meta, rows, backend):
+        q = jax.random.normal(kq, (rows, K * G, H), jnp.float32)
+        q = jax.device_put(q, named_sharding(("batch", "q_heads", None), q.shape, mesh))
+
+        def body(cfg, kv, meta, q):
+            return kernel(kernel_mesh(q), q, kv, meta, backend), kv
+
+        with attention.interpret_mode():
+            return jax.jit(lambda kv, q: per_rank(cfg, body, kv, meta, q)[0])(pool, q)
+
+    def ragged_kernel(mesh, q, kv, m, backend):
+        return sharded_ragged_paged_attention(mesh, q, kv, m.query_start_B1, m.seq_lens_B,
+                                              m.page_table_BC, m.num_seqs, sm_scale=0.1,
+                                              backend=backend)
+
+    def decode_kernel(mesh, q, kv, m, backend):
+        return sharded_decode_attention(mesh, q, kv, m.seq_lens_B, m.page_table_BC,
+                                        sm_scale=0.1, backend=backend)
+
+    for kernel, meta, rows in ((ragged_kernel, ragged, 16), (decode_kernel, decode, 4)):
+        want = run(kernel, meta, rows, "xla")
+        got = run(kernel, meta, rows, "gpu")
+        mask = np.asarray(meta.slots_T) >= 0  # padding rows are left unspecified
+        np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask],
+                                   rtol=1e-5, atol=1e-5)
