@@ -213,17 +213,20 @@ def fix_cuda_root() -> str:
 
 
 @functools.cache
-def cuda_topology_devices(gpu: str = "h200") -> tuple:
-    """One compile-only device of `gpu` ("h200", "h100"), from its target config."""
+def cuda_topology_devices(gpu: str = "h200", count: int = 1) -> tuple:
+    """`count` compile-only devices of `gpu` ("h200", "h100") on one host (an 8-GPU node
+    at most), from its target config."""
     missing = cuda_compiler_missing()
     if missing:
         raise RuntimeError(missing)
+    if not 1 <= count <= 8:
+        raise ValueError(f"a cuda topology is one host of 1 to 8 GPUs, got {count}")
     fix_cuda_root()
     from jax.experimental import topologies
 
     desc = topologies.get_topology_desc(platform="cuda", topology_name="",
                                         target_config=gpu_target_config(gpu),
-                                        topology="1x1x1")
+                                        topology=f"1x1x{count}")
     return tuple(desc.devices)
 
 

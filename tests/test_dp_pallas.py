@@ -176,3 +176,22 @@ def test_gpu_kernels_per_rank_match_xla():
         mask = np.asarray(meta.slots_T) >= 0  # padding rows are left unspecified
         np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_aot_compiles_for_one_hosts_gpus(monkeypatch):
+    """`python -m lp_jax.aot --platform cuda` takes a mesh of up to 8 GPUs (one host), so
+    a data-parallel layout compiles for the H200 as for a TPU slice; an export (no CUDA
+    plugin) stays one device."""
+    import pallas_kernels.compile_targets as ct
+    from lp_jax.aot import AotConfig, build, load_config
+
+    AotConfig(platform="cuda", mesh_shape=(2, 1, 4))
+    with pytest.raises(ValueError, match="at most 8 GPUs"):
+        AotConfig(platform="cuda", mesh_shape=(4, 1, 4))
+    if ct.cuda_compiler_missing() is None:
+        devices = ct.cuda_topology_devices("h200", 8)
+        assert len(devices) == 8 and {d.process_index for d in devices} == {0}
+    monkeypatch.setattr(ct, "cuda_compiler_missing", lambda: "no CUDA compiler (a test)")
+    with pytest.raises(ValueError, match="needs the CUDA plugin"):
+        build(load_config("checkpoints/configs/deepseek-v3-reduced.json"),
+              AotConfig(platform="cuda", mesh_shape=(2, 1, 4)))
