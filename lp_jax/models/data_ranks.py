@@ -17,9 +17,9 @@ its pool shard, and the other mesh axes ("tensor": the heads) stay under GSPMD a
 are outside. So each rank runs the single-rank attention code, kernels included: a
 Pallas kernel's shard_map over the heads nests inside this one, on the context's mesh
 (`sharded_kernels.kernel_mesh`), and reads the rank's metadata view, the forms it reads
-without data ranks. Without that, XLA partitions a global write and gather of the split pool
-and combines the gathered pages by an all-reduce over "data" every layer (and on a pod
-copies the pool's shard around them).
+without data ranks. Without that, XLA partitions a global write and gather of the split
+pool and combines the gathered pages by an all-reduce over "data" every layer (and on a
+pod copies the pool's shard around them).
 """
 
 from __future__ import annotations
