@@ -11,7 +11,10 @@ Layer 0 is dense, the others MoE with one shared expert and a nonzero
   YaRN factor 4 with mscale 0.707 / mscale_all_dim 1.0 (both the cos/sin factor and
   the softmax scale move);
 * "tiny-deepseek-groups": q_proj (no q_lora_rank), 16 experts in 4 groups of which 2
-  are eligible, top-4, default RoPE.
+  are eligible, top-4, default RoPE;
+* "tiny-deepseek-a128": "tiny-deepseek" with a 128-wide latent and a 16-wide rotary key,
+  the smallest shapes both Pallas MLA kernels take (the TPU kernel's latent is whole
+  128-lane rows, the GPU kernel's widths powers of two >= 16).
 
 Like make_tiny, this module imports only numpy, so the transformers venv loads it.
 """
@@ -42,6 +45,7 @@ DEEPSEEK_PRESETS: dict[str, dict] = {
     "tiny-deepseek-groups": {**_DEEPSEEK, "q_lora_rank": None, "n_routed_experts": 16,
                              "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
                              "rope_scaling": None},
+    "tiny-deepseek-a128": {**_DEEPSEEK, "kv_lora_rank": 128, "qk_rope_head_dim": 16},
 }
 
 

@@ -13,7 +13,8 @@ CUDA. The CUDA PJRT plugin and ptxas (`pip install -e '.[gpu-compile]'`: the
 jax-cuda13 plugin and pjrt wheels and nvidia-cuda-nvcc, no GPU and no CUDA libraries
 needed) do the same for one NVIDIA GPU described by an XLA `GpuTargetConfig`
 (`lp_jax/aot/gpu_targets/{h200,h100}.txtpb`): `cuda_topology_devices("h200")` is one
-compile-only "NVIDIA H200 141GB HBM3e" device (sm_90a), and `compile_cuda` lowers
+compile-only "NVIDIA H200 141GB HBM3e" device (sm_90a) (`count=8`: one host's eight, for
+the AOT's meshes), and `compile_cuda` lowers
 under `jax.set_mesh` of it (Pallas Triton and Mosaic GPU read the GPU kind from there)
 and compiles: XLA:GPU, XLA's Triton, the Mosaic GPU passes and ptxas all run here.
 Autotuning needs a device, so it is off. `cuda_compiler_missing()` says what is absent;
@@ -213,17 +214,20 @@ def fix_cuda_root() -> str:
 
 
 @functools.cache
-def cuda_topology_devices(gpu: str = "h200") -> tuple:
-    """One compile-only device of `gpu` ("h200", "h100"), from its target config."""
+def cuda_topology_devices(gpu: str = "h200", count: int = 1) -> tuple:
+    """`count` compile-only devices of `gpu` ("h200", "h100") on one host (an 8-GPU node
+    at most), from its target config."""
     missing = cuda_compiler_missing()
     if missing:
         raise RuntimeError(missing)
+    if not 1 <= count <= 8:
+        raise ValueError(f"a cuda topology is one host of 1 to 8 GPUs, got {count}")
     fix_cuda_root()
     from jax.experimental import topologies
 
     desc = topologies.get_topology_desc(platform="cuda", topology_name="",
                                         target_config=gpu_target_config(gpu),
-                                        topology="1x1x1")
+                                        topology=f"1x1x{count}")
     return tuple(desc.devices)
 
 

@@ -46,13 +46,14 @@ gc.set_threshold(GC_THRESHOLD_GEN0, *gc.get_threshold()[1:])
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
 # longest-first keeps one long file from running alone at the end. Ordered by the
 # 2026-12-07 clean-clone run's test time per file (9507a35, files of 4 s or more; a file
-# not named here runs after them, in collection order; test_spec_mtp.py and
-# test_dp_families.py placed by their own measured times, ~50 and ~20 s).
+# not named here runs after them, in collection order; test_spec_mtp.py,
+# test_dp_pallas.py and test_dp_families.py placed by their own measured times, ~50, ~40
+# and ~20 s).
 SLOWEST_FIRST = ("test_moe_kernels.py", "test_pallas_end_to_end.py", "test_quant_loading.py",
                  "test_sharded_kernels.py", "test_attention_kernels.py", "test_tpu_compile.py",
                  "test_gpu_validate.py", "test_glm4_moe.py", "test_moe_quant.py", "test_aot.py",
                  "test_expert_dispatch.py", "test_roofline_compiled.py", "test_deepseek_v3.py",
-                 "test_spec_eagle.py", "test_spec_mtp.py", "test_gpt_oss.py",
+                 "test_spec_eagle.py", "test_spec_mtp.py", "test_dp_pallas.py", "test_gpt_oss.py",
                  "test_multiprocess.py", "test_kv_fp8.py", "test_kernel_check.py",
                  "test_parallel_layout.py", "test_golden_parity.py", "test_dp_families.py",
                  "test_engine.py", "test_programs.py", "test_chat_harmony.py",

@@ -151,9 +151,7 @@ def test_flags_map_data_parallel_attention_onto_the_mesh():
     with pytest.raises(ValueError, match="independent replicas"):
         EngineConfig(data_parallel_size=4)
     EngineConfig(data_parallel_size=4, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="not served under data-parallel attention yet"):
-        EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
-                     attention_backend="tpu")
+    EngineConfig(data_parallel_size=2, enable_expert_parallel=True, attention_backend="tpu")
     with pytest.raises(ValueError, match="not split over the data ranks"):
         EngineConfig(data_parallel_size=2, enable_expert_parallel=True, speculative_config={
             "method": "eagle3", "model": "/head", "num_speculative_tokens": 2})
@@ -363,17 +361,20 @@ def test_the_aot_plans_deepseek_v3_with_a_kv_pool_split_over_the_data_ranks():
 def test_deepseek_v3_steps_trace_in_bfloat16():
     """DeepSeek-V3's attention half keeps the model's dtype (its reference attention
     returns float32), so run_units' skip-or-run branches agree and the pod-scale AOT, which
-    runs bfloat16, can lower the step. The CPU engines run float32 and never see it."""
+    runs bfloat16, can lower the step. The CPU engines run float32 and never see it. The
+    AOT serves the TPU MLA kernel on each rank (the preset with the kernel's latent width),
+    inside the ranks' shard_map: a pallas_call in the step."""
     import jax
 
     from lp_jax.aot import AotConfig, _abstract_counts, _abstract_inputs, build
 
-    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek"))), AotConfig(
+    b = build(load_config(str(ensure_tiny(preset="tiny-deepseek-a128"))), AotConfig(
         platform="tpu", topology="v6e:2x2", mesh_shape=(2, 1, 1), dtype="bfloat16",
         max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(20,)))
     with jax.set_mesh(b.mesh):
-        jax.jit(b.step).trace(*b.args, _abstract_inputs(b.spec, 20, b.mesh),
-                              _abstract_counts(b))
+        traced = jax.jit(b.step).trace(*b.args, _abstract_inputs(b.spec, 20, b.mesh),
+                                       _abstract_counts(b))
+    assert "lp_tpu_mla_decode" in str(traced.jaxpr)
 
 
 @pytest.mark.skipif(not compile_targets.libtpu_available(), reason=compile_targets.LIBTPU_HINT)

@@ -11,14 +11,16 @@ abstractly (`nnx.eval_shape`) and every argument is a sharded ShapeDtypeStruct.
   of several hosts ("v5e:4x4": 16 chips, 4 hosts) compiles the same way: the compile-only
   devices carry their process index and one program spans them all.
 * cuda: with the CUDA plugin and ptxas installed (`pip install -e '.[gpu-compile]'`, no
-  GPU needed), every program is compiled for one compile-only GPU made from an XLA
-  target config (`--gpu h200`, the default, or `h100`: `gpu_targets/*.txtpb`): XLA:GPU,
-  its Triton, the Mosaic GPU passes and ptxas for sm_90a all run here (autotuning, which
-  needs a device, is off). Besides the TPU's figures, each program lists its kernels'
-  registers, spills, stack, shared memory, threads and grid (`resources.py`, read from
-  the compilers' dumps). Without the plugin each program is only exported
-  (`jax.export`, platforms=["cuda"]) under an abstract H200: the Mosaic GPU kernels are
-  lowered, ptxas does not run; the first line of the output says which. One device.
+  GPU needed), every program is compiled for compile-only GPUs made from an XLA target
+  config (`--gpu h200`, the default, or `h100`: `gpu_targets/*.txtpb`): one, or a mesh
+  of up to one host's 8 (`--data-parallel-size`, `--tensor-parallel-size`, as for a TPU
+  slice). XLA:GPU, its Triton, the Mosaic GPU passes and ptxas for sm_90a all run here
+  (autotuning, which needs a device, is off). Besides the TPU's figures, each program
+  lists its kernels' registers, spills, stack, shared memory, threads and grid
+  (`resources.py`, read from the compilers' dumps). Without the plugin each program is
+  only exported (`jax.export`, platforms=["cuda"]) under an abstract H200: the Mosaic
+  GPU kernels are lowered, ptxas does not run; the first line of the output says which
+  (one device).
 
 Before compiling, the per-device bytes of the weights and the KV pool are checked
 against the chip's HBM, and a configuration that cannot fit is refused. After it,
@@ -109,8 +111,9 @@ class AotConfig:
         if self.platform not in ("tpu", "cuda"):
             raise ValueError(f"platform must be tpu or cuda, got {self.platform!r}")
         resolve_policy(self.scheduling)  # a name, a Policy class or package.module:Class
-        if self.platform == "cuda" and math.prod(self.mesh_shape) != 1:
-            raise ValueError("--platform cuda compiles for one device; meshes compile for tpu")
+        if self.platform == "cuda" and math.prod(self.mesh_shape) > 8:
+            raise ValueError("--platform cuda compiles for one host of at most 8 GPUs, got "
+                             f"mesh {self.mesh_shape}")
         if self.gpu not in GPU_TARGETS:
             raise ValueError(f"gpu must be one of {GPU_TARGETS}, got {self.gpu!r}")
         if not 0.0 < self.memory_fraction <= 1.0:
@@ -139,11 +142,15 @@ def cuda_mode() -> str:
 
 def _devices(cfg: AotConfig):
     if cfg.platform == "cuda":
+        n = math.prod(cfg.mesh_shape)
         if cuda_mode() == "export":
+            if n > 1:
+                raise ValueError("a cuda mesh of several GPUs needs the CUDA plugin (compile "
+                                 "mode); an export is of one device")
             return jax.devices("cpu")[:1]  # a stand-in: the export names no device
         from pallas_kernels.compile_targets import cuda_topology_devices
 
-        return list(cuda_topology_devices(cfg.gpu))
+        return list(cuda_topology_devices(cfg.gpu, n))
     from pallas_kernels.compile_targets import tpu_topology_devices
 
     return list(tpu_topology_devices(cfg.topology))
@@ -220,9 +227,7 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
         (spec.hidden_buffer_rows, model_cfg.hidden_size), dtype,
         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
         if spec.hidden_split else replicated(mesh))
-    # XLA's attention under data-parallel attention, as the engine serves it.
-    step = make_step(graphdef, spec, KernelBackends(moe=kernel,
-                                                    attention=kernel if data == 1 else "xla",
+    step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
                      replicated=replicated(mesh),
                      counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))
@@ -339,7 +344,9 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
     if cfg.platform == "cuda":
         name, _ = chip(cfg)
         if mode == "compile":
-            log(f"cuda: compiling every program for one {name} (sm_90a) on this host: "
+            gpus = math.prod(cfg.mesh_shape)
+            log(f"cuda: compiling every program for {gpus if gpus > 1 else 'one'} {name} "
+                "(sm_90a) on this host: "
                 "XLA:GPU, Triton, Mosaic GPU and ptxas; autotuning off (no device)")
         else:
             from pallas_kernels.compile_targets import cuda_compiler_missing

@@ -221,12 +221,6 @@ class EngineConfig:
                              "from its config.json)")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
         parallel_mesh_shape(**self.parallel_sizes(), has_experts=None)  # raises on a conflict
-        if self.data_parallel_size > 1 and self.attention_backend not in ("auto", "xla"):
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} with data_parallel_size > 1: "
-                "the Pallas attention kernels split the KV pool by heads only, not by data "
-                "rank, so they are not served under data-parallel attention yet; use 'auto' "
-                "(which picks 'xla' there) or 'xla'")
         sc = self.speculative_config
         if self.data_parallel_size > 1 and sc is not None and sc.drafts_on_device:
             raise ValueError(f"speculative_config method {sc.method!r} with data_parallel_size "

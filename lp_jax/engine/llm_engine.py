@@ -180,11 +180,8 @@ class LLMEngine:
                            mesh=self.mesh, dtype=config.dtype)
         self._compiles_loaded = compile_guard.compilations()
         self._draft_model = self._load_draft(model, model_cfg)
-        # Under data-parallel attention XLA partitions the attention over the data-split
-        # pool; the Pallas kernels' shard_map splits heads only (EngineConfig refuses them).
-        attention_backend = "xla" if config.data_parallel_size > 1 else config.attention_backend
         backends, self.kernel_report = check_backends(
-            model_cfg, KernelBackends(moe=config.moe_backend, attention=attention_backend,
+            model_cfg, KernelBackends(moe=config.moe_backend, attention=config.attention_backend,
                                       moe_dispatch=config.moe_dispatch),
             model.dtype, page_size=config.page_size, mode=config.backends, log=self.log,
             experts=model_experts(model))  # quantized: the stored weights and their scales

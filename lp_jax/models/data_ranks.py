@@ -14,9 +14,12 @@ layout of a one-rank pool of P_r pages.
 manual over "data" only: the rows, the metadata and the pool enter split over "data",
 nothing is gathered, each rank sees a one-rank model (cfg.kv_ranks = 1) on its rows and
 its pool shard, and the other mesh axes ("tensor": the heads) stay under GSPMD as they
-are outside. Without that, XLA partitions a global write and gather of the split pool
-and combines the gathered pages by an all-reduce over "data" every layer (and on a pod
-copies the pool's shard around them).
+are outside. So each rank runs the single-rank attention code, kernels included: a
+Pallas kernel's shard_map over the heads nests inside this one, on the context's mesh
+(`sharded_kernels.kernel_mesh`), and reads the rank's metadata view, the forms it reads
+without data ranks. Without that, XLA partitions a global write and gather of the split
+pool and combines the gathered pages by an all-reduce over "data" every layer (and on a
+pod copies the pool's shard around them).
 """
 
 from __future__ import annotations

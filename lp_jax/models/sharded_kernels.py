@@ -15,7 +15,10 @@ for Auto axes), and `jax.shard_map` accepts an AbstractMesh inside jit. So
 `kernel_mesh(w)` reads the mesh off the weight a kernel is about to use: no caller
 has to enter `jax.set_mesh` (without which `jax.sharding.get_abstract_mesh()` is
 empty), and the mesh cannot disagree with where the weights are. An array on one
-device has an empty mesh, which means "call the kernel directly".
+device has an empty mesh, which means "call the kernel directly". Under data-parallel
+attention the attention wrappers run inside `data_ranks.per_rank`'s shard_map (manual
+over "data"), and `kernel_mesh` gives them the context's mesh instead, so their
+shard_map nests in it: each rank's kernels see its rows and its pool shard.
 
 Specs follow `sharding.LOGICAL_RULES`, so they match the shardings the loader and
 the runner give the operands, and entering the shard_map moves no data:
@@ -75,8 +78,18 @@ PALLAS_MOE_BACKENDS = ("tpu", "gpu")
 
 
 def kernel_mesh(x: jax.Array) -> Mesh | AbstractMesh | None:
-    """The mesh x is sharded over (read from its type, so also under jit) when it
-    spans more than one device; None otherwise."""
+    """The mesh a kernel's shard_map runs on: that of x (read from its type, so also
+    under jit) when it spans more than one device; None otherwise.
+
+    Inside a shard_map that is already manual over some axes (`data_ranks.per_rank`,
+    manual over "data"), the context's mesh, whose manual axes x's type does not show:
+    a nested shard_map on it splits over the axes still free. It runs even when those
+    span one device (DP d x TP 1), so that the kernel is manual over every axis: a
+    kernel called beside automatic axes is not partitioned as one (the Pallas
+    interpreter's callbacks refuse it)."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.manual_axes:
+        return context
     mesh = jax.typeof(x).sharding.mesh
     return mesh if mesh.size > 1 else None
 
