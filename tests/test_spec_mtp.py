@@ -275,3 +275,47 @@ def _serve_one_completion(llm, golden):
     assert out["choices"][0]["text"] == llm.engine.tokenizer.decode(
         golden["greedy_0"][:12].tolist())
     assert llm.stats()["spec_decode_num_drafts"] > before
+
+
+# ------------------------------------------------- under data-parallel attention
+@pytest.mark.parametrize("policy, dp, tp", [("chunked", 4, 2), ("layered", 2, 4)])
+def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
+    """DP x TP over the 8 devices: the draft's one-layer pool is split over "data" as the
+    target's, each rank's extend and chained steps run on its own rows and pool shard
+    (rank-local page ids). Greedy tokens are the golden ones, every draft equals the
+    recompute (a draft KV entry written or read on the wrong rank or page changes it),
+    drafts are accepted and rejected, every sequence's pages stay in its rank's range at
+    every step and all come back, one program, nothing compiled while serving."""
+    from test_dp_families import RankChecked
+
+    golden = np.load("tests/golden/tiny-deepseek.npz")
+    llm = LLM(str(two_token_dir), data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_expert_parallel=True, max_num_seqs=4, max_model_len=80,
+              kv_pages=10 * dp, backends="off", log=None, **GOLDEN_ENGINES[policy],
+              speculative_config={"method": "mtp", "num_speculative_tokens": K_DRAFTS})
+    runner = llm.engine.runner
+    for kv in (runner.kv_pages, runner.draft_state["kv"]):  # a rank's devices: its pages
+        assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    seen = record_drafts(llm)
+    outs = run_golden_prompts(RankChecked(llm.engine), golden, max_tokens=16)
+    fulls = []
+    for i, out in outs.items():
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"][:16].tolist(), i
+        fulls.append(golden[f"prompt_{i}"].tolist() + out.outputs[0].token_ids)
+    ref = _Recompute(llm, two_token_dir)
+    hidden = ref.last_hidden(fulls)
+    cases = []
+    for tokens, _ in seen:
+        full = next(f for f in fulls if f[:len(tokens)] == tokens)
+        cases.append((hidden[tuple(full)][: len(tokens) - 1], tokens[1:]))
+    assert len(seen) > 20
+    for (tokens, drafts), want in zip(seen, ref.drafts(cases, K_DRAFTS), strict=True):
+        assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(tokens), drafts)
+    s = llm.stats()
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert sum(r > 0 for r in s["data_parallel"]["rows"]) == min(dp, 3)  # ranks ran rows
+    assert s["data_parallel"]["free_pages"] == [10] * dp
+    assert s["free_pages"] == s["total_pages"] == 10 * dp
+    assert s["programs"] == 1 and s["startup_compilations"] <= 32
+    assert s["compilations_after_warmup"] == 0
+    llm.shutdown()

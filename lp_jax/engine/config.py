@@ -226,11 +226,6 @@ class EngineConfig:
                 "the Pallas attention kernels split the KV pool by heads only, not by data "
                 "rank, so they are not served under data-parallel attention yet; use 'auto' "
                 "(which picks 'xla' there) or 'xla'")
-        sc = self.speculative_config
-        if self.data_parallel_size > 1 and sc is not None and sc.drafts_on_device:
-            raise ValueError(f"speculative_config method {sc.method!r} with data_parallel_size "
-                             "> 1: the draft's one-layer KV pool is not split over the data ranks "
-                             "yet; use n-gram drafts or one data rank")
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:
