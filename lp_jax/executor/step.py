@@ -55,6 +55,9 @@ of bucket N runs N rows on each rank, R N in all (rank r's at [r N, (r + 1) N)),
 over "data", with ranked metadata; each rank's attention reads its own pool shard
 (lp_jax/models/data_ranks.py). The rows written to the replicated hidden buffer, the
 counted tokens and the sampled rows are gathered whole; sampling is over all ranks' rows.
+A draft model's pool is split over "data" as the target's, its extend runs on the call's
+R N rows and its chained steps on R rank_seqs_for(N) rows, rank r's sequences on rank r
+(`StepSpec.draft_seqs_for`, lp_jax/models/draft_chain.py).
 """
 
 from __future__ import annotations
@@ -354,7 +357,9 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
     its first sampled row (-1: it does not draft), `rows_B` its sampled rows, and
     `num_pages_B` the pages it holds (a chained step past them writes nothing and
     drafts nothing); per sampled row, `check_S` the draft that the next row verifies
-    (-1: none). Its accepted rows are those whose predecessors sampled their draft."""
+    (-1: none). Its accepted rows are those whose predecessors sampled their draft. The
+    per-sequence arrays have `StepSpec.draft_seqs_for` slots (rank-major under
+    data-parallel attention); sampled rows are numbered over all ranks."""
     d = inputs["draft"]
     S = inputs["sample_rows_S"].shape[0]  # spec.seqs_for(bucket)
     tokens_S = tokens_R[:S]

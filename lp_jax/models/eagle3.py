@@ -224,8 +224,8 @@ def midlayer(cfg: Eagle3Config, p: Eagle3Params, tokens_T, g_TD, kv_pages_PSJH,
              meta: AttentionMetadata, *, backend="auto"):
     """The head's layer on a ragged batch: row t is token tokens_T[t] (the token after
     the target position it stands for) with hidden g_TD[t]. Writes the rows' KV at
-    meta.slots_T. Returns (draft-vocabulary logits_TW float32, h_TD the prenorm state a
-    chained step feeds back, kv_pages_PSJH)."""
+    meta.slots_T. Returns (h_TD the prenorm state a chained step feeds back and `logits`
+    reads, kv_pages_PSJH)."""
     eps, D = cfg.rms_norm_eps, cfg.hidden_size
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T = g_TD.shape[0]
@@ -251,9 +251,13 @@ def midlayer(cfg: Eagle3Config, p: Eagle3Params, tokens_T, g_TD, kv_pages_PSJH,
     u_TD = rms_norm(r_TD, p.w_post_norm_D, eps)
     h_TD = r_TD + dot(jax.nn.silu(dot(u_TD, p.w_gate_DF)) * dot(u_TD, p.w_up_DF),
                       p.w_down_FD)
-    logits_TW = jnp.dot(rms_norm(h_TD, p.w_norm_D, eps), p.w_head_DW,
-                        preferred_element_type=jnp.float32)
-    return logits_TW, h_TD, kv_pages_PSJH
+    return h_TD, kv_pages_PSJH
+
+
+def logits(cfg: Eagle3Config, p: Eagle3Params, h_BD):
+    """The head's draft-vocabulary logits (float32 [B, W]) of prenorm states h_BD."""
+    return jnp.dot(rms_norm(h_BD, p.w_norm_D, cfg.rms_norm_eps), p.w_head_DW,
+                   preferred_element_type=jnp.float32)
 
 
 def to_target(p: Eagle3Params, draft_ids):
@@ -278,11 +282,11 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     not `drafting_B` (a prompt chunk that samples nothing) chain nothing: their KV past
     the extend is left as it is."""
     g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * cfg.hidden_size), p.w_fc_3DD)
-    logits_TW, h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
-                                              backend=backend)
+    h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
+                                   backend=backend)
     step = lambda tok_B, h_BD, kv, m: midlayer(cfg, p, tok_B, h_BD, kv, m, backend=backend)
-    return chain_drafts(step, logits_TW, h_TD, kv_pages_PSJH, meta, last_row_B, k=k,
-                        page_size=kv_pages_PSJH.shape[1],
+    return chain_drafts(step, functools.partial(logits, cfg, p), h_TD, kv_pages_PSJH, meta,
+                        last_row_B, k=k, page_size=kv_pages_PSJH.shape[1],
                         to_target=functools.partial(to_target, p), num_pages_B=num_pages_B,
                         drafting_B=drafting_B)
 
