@@ -285,7 +285,10 @@ def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
     (rank-local page ids). Greedy tokens are the golden ones, every draft equals the
     recompute (a draft KV entry written or read on the wrong rank or page changes it),
     drafts are accepted and rejected, every sequence's pages stay in its rank's range at
-    every step and all come back, one program, nothing compiled while serving."""
+    every step and all come back, one program, nothing compiled while serving. The
+    drafting rows are gathered on their own rank: no all-reduce in the program spans the
+    data ranks (a global gather of the extend's rows needs one)."""
+    from test_data_parallel import _all_reduces
     from test_dp_families import RankChecked
 
     golden = np.load("tests/golden/tiny-deepseek.npz")
@@ -318,4 +321,7 @@ def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
     assert s["free_pages"] == s["total_pages"] == 10 * dp
     assert s["programs"] == 1 and s["startup_compilations"] <= 32
     assert s["compilations_after_warmup"] == 0
+    (_, program), = runner.programs.items()
+    reduces = _all_reduces(program.as_text(), data=dp, tensor=tp)
+    assert reduces and not [shape for shape, spans in reduces if spans]
     llm.shutdown()
