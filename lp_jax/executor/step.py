@@ -128,8 +128,10 @@ class StepSpec:
 
     def rank_seqs_for(self, N: int) -> int:
         """Sequences one data rank's share of a call of bucket N can hold (its
-        metadata's batch size): seqs_for(N) with one rank."""
-        return min(N, self.max_num_seqs)
+        metadata's batch size): N rows, and no more than the ceil(max_num_seqs / R)
+        sequences the scheduler places on a rank (core/dp_placement.py); seqs_for(N)
+        with one rank."""
+        return min(N, -(-self.max_num_seqs // self.data_ranks))
 
     def draft_seqs_for(self, N: int) -> int:
         """A draft model's per-sequence slots in a call of bucket N: seqs_for(N) on one
