@@ -278,7 +278,9 @@ def _serve_one_completion(llm, golden):
 
 
 # ------------------------------------------------- under data-parallel attention
-@pytest.mark.parametrize("policy, dp, tp", [("chunked", 4, 2), ("layered", 2, 4)])
+# One layout for both policies: the recompute's programs compile once for the two
+# (DP 2 x TP 4 is test_spec_eagle's EAGLE-3 layout).
+@pytest.mark.parametrize("policy, dp, tp", [("chunked", 4, 2), ("layered", 4, 2)])
 def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
     """DP x TP over the 8 devices: the draft's one-layer pool is split over "data" as the
     target's, each rank's extend and chained steps run on its own rows and pool shard
