@@ -232,8 +232,10 @@ def _target_aux(llm, tokens):
     return _aux_cache[key]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])
-@pytest.mark.parametrize("policy", ["orca", "chunked", "layered"])
+# Layered on tiny runs under data-parallel attention (test_eagle3_under_data_parallel_attention).
+@pytest.mark.parametrize("policy, preset", [
+    ("orca", "tiny"), ("orca", "tiny-gpt-oss"), ("chunked", "tiny"), ("chunked", "tiny-gpt-oss"),
+    ("layered", "tiny-gpt-oss")])
 def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
         engines, tmp_path, preset, policy):
     """An engine with an EAGLE-3 head (k = 3, the two-token head) reproduces the Hugging
@@ -277,7 +279,8 @@ def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
 
 
 def test_eagle3_under_data_parallel_attention(tmp_path):
-    """DP 2 x TP 4 (the tiny model's 2 KV heads copied to the 4 tensor ranks): the head's
+    """DP 2 x TP 4 (the tiny model's 2 KV heads copied to the 4 tensor ranks), layered
+    (aux states carried between layer groups in rows split over the ranks): the head's
     pool is split over "data" as the target's and its extend and chained steps attend per
     rank. Greedy tokens are the golden ones, every draft equals the dense recompute,
     drafts are accepted, pages stay on their rank and all come back, one program, no
@@ -293,7 +296,7 @@ def test_eagle3_under_data_parallel_attention(tmp_path):
     head = _two_token_head(target_dir, tmp_path / "head")
     llm = LLM(str(target_dir), data_parallel_size=dp, tensor_parallel_size=4,
               enable_expert_parallel=True, max_num_seqs=4, max_model_len=80,
-              kv_pages=10 * dp, backends="off", log=None, **GOLDEN_ENGINES["chunked"],
+              kv_pages=10 * dp, backends="off", log=None, **GOLDEN_ENGINES["layered"],
               speculative_config={"method": "eagle3", "model": str(head),
                                   "num_speculative_tokens": K_DRAFTS})
     kv = llm.engine.runner.draft_state["kv"]

@@ -217,12 +217,12 @@ class _Recompute:
 
 
 # ------------------------------------------------------------ in the engine
-@pytest.mark.parametrize("policy", ["layered", "orca", "chunked"])  # orca, chunked: one program
+# orca, chunked: one program; layered runs under data-parallel attention (below).
+@pytest.mark.parametrize("policy", ["orca", "chunked"])
 def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_dir, policy):
     """tiny-deepseek's golden greedy tokens (the target's weights are tiny-deepseek's)
-    with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes:
-    under layered prefill each prompt's last hidden states leave the last layer group in
-    a later call than its first. Every draft the engine proposed equals the recompute
+    with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes.
+    Every draft the engine proposed equals the recompute
     over the target's own hidden states at that point, so the draft KV on the target's
     pages, rolled back past rejected rows, gives what none gives. Drafts are accepted and
     rejected; no program beyond one per row bucket, no compile while serving, every page
@@ -282,14 +282,15 @@ def _serve_one_completion(llm, golden):
 # (DP 2 x TP 4 is test_spec_eagle's EAGLE-3 layout).
 @pytest.mark.parametrize("policy, dp, tp", [("chunked", 4, 2), ("layered", 4, 2)])
 def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
-    """DP x TP over the 8 devices: the draft's one-layer pool is split over "data" as the
-    target's, each rank's extend and chained steps run on its own rows and pool shard
-    (rank-local page ids). Greedy tokens are the golden ones, every draft equals the
-    recompute (a draft KV entry written or read on the wrong rank or page changes it),
-    drafts are accepted and rejected, every sequence's pages stay in its rank's range at
-    every step and all come back, one program, nothing compiled while serving. The
-    drafting rows are gathered on their own rank: no all-reduce in the program spans the
-    data ranks (a global gather of the extend's rows needs one)."""
+    """DP 4 x TP 2 over the 8 devices: the draft's one-layer pool is split over "data" as
+    the target's, each rank's extend and chained steps run on its own rows and pool shard
+    (rank-local page ids); under layered prefill each prompt's last hidden states leave
+    the last layer group in a later call than its first. Greedy tokens are the golden
+    ones, every draft equals the recompute (a draft KV entry written or read on the
+    wrong rank or page changes it), drafts are accepted and rejected, every sequence's
+    pages stay in its rank's range at every step and all come back, one program, nothing
+    compiled while serving. The drafting rows are gathered on their own rank: no
+    all-reduce in the program spans the data ranks (a global gather of them needs one)."""
     from test_data_parallel import _all_reduces
     from test_dp_families import RankChecked
 
