@@ -152,9 +152,9 @@ def test_flags_map_data_parallel_attention_onto_the_mesh():
         EngineConfig(data_parallel_size=4)
     EngineConfig(data_parallel_size=4, enable_expert_parallel=True)
     EngineConfig(data_parallel_size=2, enable_expert_parallel=True, attention_backend="tpu")
-    with pytest.raises(ValueError, match="not split over the data ranks"):
-        EngineConfig(data_parallel_size=2, enable_expert_parallel=True, speculative_config={
-            "method": "eagle3", "model": "/head", "num_speculative_tokens": 2})
+    for draft in ({"method": "eagle3", "model": "/head"}, {"method": "mtp"}):  # per rank
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True,
+                     speculative_config=draft | {"num_speculative_tokens": 2})
     # The experts spread over every chip, attention's heads over "tensor" only.
     mesh = make_mesh(2, 1, 4)
     assert partition_spec(("layers", "experts", "embed", "expert_mlp"), (2, 8, 4, 4),

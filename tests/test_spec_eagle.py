@@ -222,7 +222,8 @@ def _target_aux(llm, tokens):
         meta = jax.tree.map(jnp.asarray, build_metadata(
             [(0, T, list(range(pages)))], page_size=16, num_tokens=T, num_seqs=1,
             pages_per_seq=pages))
-        kv = init_kv_cache(cfg, pages, 16, model.dtype)
+        # A rank-major pool (data-parallel engines) takes a whole number of pages a rank.
+        kv = init_kv_cache(cfg, -(-pages // cfg.kv_ranks) * cfg.kv_ranks, 16, model.dtype)
         aux = jnp.zeros((T, 3, cfg.hidden_size), model.dtype)
         _, _, _, aux = model.run_units(
             model.embed(jnp.asarray(tokens)), kv, meta, 0, 2 * cfg.num_hidden_layers,
@@ -231,8 +232,10 @@ def _target_aux(llm, tokens):
     return _aux_cache[key]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])
-@pytest.mark.parametrize("policy", ["orca", "chunked", "layered"])
+# Layered on tiny runs under data-parallel attention (test_eagle3_under_data_parallel_attention).
+@pytest.mark.parametrize("policy, preset", [
+    ("orca", "tiny"), ("orca", "tiny-gpt-oss"), ("chunked", "tiny"), ("chunked", "tiny-gpt-oss"),
+    ("layered", "tiny-gpt-oss")])
 def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
         engines, tmp_path, preset, policy):
     """An engine with an EAGLE-3 head (k = 3, the two-token head) reproduces the Hugging
@@ -273,6 +276,54 @@ def test_eagle3_engine_greedy_equals_golden_and_drafts_equal_a_recompute(
     assert s["programs"] == len(kw["token_buckets"]) and s["startup_compilations"] <= 32
     assert s["compilations_after_warmup"] == 0
     assert s["free_pages"] == s["total_pages"]
+
+
+def test_eagle3_under_data_parallel_attention(tmp_path):
+    """DP 2 x TP 4 (the tiny model's 2 KV heads copied to the 4 tensor ranks), layered
+    (aux states carried between layer groups in rows split over the ranks): the head's
+    pool is split over "data" as the target's and its extend and chained steps attend per
+    rank. Greedy tokens are the golden ones, every draft equals the dense recompute,
+    drafts are accepted, pages stay on their rank and all come back, one program, no
+    compile while serving, no all-reduce spanning the data ranks."""
+    from conftest import GOLDEN_ENGINES, run_golden_prompts
+    from test_data_parallel import _all_reduces
+    from test_dp_families import RankChecked
+
+    from lp_jax import LLM
+
+    golden, dp, tokens = np.load(GOLDEN.format("tiny")), 2, 16
+    target_dir = ensure_tiny(preset="tiny")
+    head = _two_token_head(target_dir, tmp_path / "head")
+    llm = LLM(str(target_dir), data_parallel_size=dp, tensor_parallel_size=4,
+              enable_expert_parallel=True, max_num_seqs=4, max_model_len=80,
+              kv_pages=10 * dp, backends="off", log=None, **GOLDEN_ENGINES["layered"],
+              speculative_config={"method": "eagle3", "model": str(head),
+                                  "num_speculative_tokens": K_DRAFTS})
+    kv = llm.engine.runner.draft_state["kv"]
+    assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    seen = record_drafts(llm)
+    outs = run_golden_prompts(RankChecked(llm.engine), golden, max_tokens=tokens)
+    for i, out in outs.items():
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"][:tokens].tolist(), i
+    # The whole golden sequences: the aux states the tests above computed (causal, so a
+    # prefix's are the first rows).
+    fulls = [golden[f"prompt_{i}"].tolist() + golden[f"greedy_{i}"].tolist() for i in range(3)]
+    embed = np.asarray(llm.engine.runner.draft_params.embed_VE, np.float64)
+    assert len(seen) > 20
+    for toks, drafts in seen:
+        full = next(f for f in fulls if f[:len(toks)] == toks)
+        aux = _target_aux(llm, full)[: len(toks) - 1]
+        want = _dense_drafts(head, embed, aux, np.asarray(toks[1:]), K_DRAFTS)
+        assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(toks), drafts)
+    s = llm.stats()
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert s["data_parallel"]["free_pages"] == [10] * dp
+    assert s["free_pages"] == s["total_pages"] == 10 * dp
+    assert s["programs"] == 1 and s["compilations_after_warmup"] == 0
+    (_, program), = llm.engine.runner.programs.items()
+    reduces = _all_reduces(program.as_text(), data=dp, tensor=4)
+    assert reduces and not [shape for shape, spans in reduces if spans]
+    llm.shutdown()
 
 
 def test_greedy_draft_model_chains_keep_the_target_distribution():

@@ -217,12 +217,12 @@ class _Recompute:
 
 
 # ------------------------------------------------------------ in the engine
-@pytest.mark.parametrize("policy", ["layered", "orca", "chunked"])  # orca, chunked: one program
+# orca, chunked: one program; layered runs under data-parallel attention (below).
+@pytest.mark.parametrize("policy", ["orca", "chunked"])
 def test_mtp_engine_greedy_equals_golden_and_drafts_equal_a_recompute(two_token_dir, policy):
     """tiny-deepseek's golden greedy tokens (the target's weights are tiny-deepseek's)
-    with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes:
-    under layered prefill each prompt's last hidden states leave the last layer group in
-    a later call than its first. Every draft the engine proposed equals the recompute
+    with MTP drafts, k = 3, the golden prompts staggered so prefills run beside decodes.
+    Every draft the engine proposed equals the recompute
     over the target's own hidden states at that point, so the draft KV on the target's
     pages, rolled back past rejected rows, gives what none gives. Drafts are accepted and
     rejected; no program beyond one per row bucket, no compile while serving, every page
@@ -275,3 +275,56 @@ def _serve_one_completion(llm, golden):
     assert out["choices"][0]["text"] == llm.engine.tokenizer.decode(
         golden["greedy_0"][:12].tolist())
     assert llm.stats()["spec_decode_num_drafts"] > before
+
+
+# ------------------------------------------------- under data-parallel attention
+# One layout for both policies: the recompute's programs compile once for the two
+# (DP 2 x TP 4 is test_spec_eagle's EAGLE-3 layout).
+@pytest.mark.parametrize("policy, dp, tp", [("chunked", 4, 2), ("layered", 4, 2)])
+def test_mtp_under_data_parallel_attention(two_token_dir, policy, dp, tp):
+    """DP 4 x TP 2 over the 8 devices: the draft's one-layer pool is split over "data" as
+    the target's, each rank's extend and chained steps run on its own rows and pool shard
+    (rank-local page ids); under layered prefill each prompt's last hidden states leave
+    the last layer group in a later call than its first. Greedy tokens are the golden
+    ones, every draft equals the recompute (a draft KV entry written or read on the
+    wrong rank or page changes it), drafts are accepted and rejected, every sequence's
+    pages stay in its rank's range at every step and all come back, one program, nothing
+    compiled while serving. The drafting rows are gathered on their own rank: no
+    all-reduce in the program spans the data ranks (a global gather of them needs one)."""
+    from test_data_parallel import _all_reduces
+    from test_dp_families import RankChecked
+
+    golden = np.load("tests/golden/tiny-deepseek.npz")
+    llm = LLM(str(two_token_dir), data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_expert_parallel=True, max_num_seqs=4, max_model_len=80,
+              kv_pages=10 * dp, backends="off", log=None, **GOLDEN_ENGINES[policy],
+              speculative_config={"method": "mtp", "num_speculative_tokens": K_DRAFTS})
+    runner = llm.engine.runner
+    for kv in (runner.kv_pages, runner.draft_state["kv"]):  # a rank's devices: its pages
+        assert kv.sharding.shard_shape(kv.shape)[0] == kv.shape[0] // dp
+    seen = record_drafts(llm)
+    outs = run_golden_prompts(RankChecked(llm.engine), golden, max_tokens=16)
+    fulls = []
+    for i, out in outs.items():
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"][:16].tolist(), i
+        fulls.append(golden[f"prompt_{i}"].tolist() + out.outputs[0].token_ids)
+    ref = _Recompute(llm, two_token_dir)
+    hidden = ref.last_hidden(fulls)
+    cases = []
+    for tokens, _ in seen:
+        full = next(f for f in fulls if f[:len(tokens)] == tokens)
+        cases.append((hidden[tuple(full)][: len(tokens) - 1], tokens[1:]))
+    assert len(seen) > 20
+    for (tokens, drafts), want in zip(seen, ref.drafts(cases, K_DRAFTS), strict=True):
+        assert 1 <= len(drafts) and list(drafts) == want[: len(drafts)], (len(tokens), drafts)
+    s = llm.stats()
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert sum(r > 0 for r in s["data_parallel"]["rows"]) == min(dp, 3)  # ranks ran rows
+    assert s["data_parallel"]["free_pages"] == [10] * dp
+    assert s["free_pages"] == s["total_pages"] == 10 * dp
+    assert s["programs"] == 1 and s["startup_compilations"] <= 32
+    assert s["compilations_after_warmup"] == 0
+    (_, program), = runner.programs.items()
+    reduces = _all_reduces(program.as_text(), data=dp, tensor=tp)
+    assert reduces and not [shape for shape, spans in reduces if spans]
+    llm.shutdown()

@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from lp_jax.aot.chips import chip
+from lp_jax.aot.draft import abstract_mtp, draft_k
 from lp_jax.config import ModelConfig, resolve_kv_cache_dtype
 from lp_jax.core.config import SchedulerConfig
 from lp_jax.core.policies import resolve_policy
@@ -106,6 +107,7 @@ class AotConfig:
     moe_dispatch: str = "auto"  # expert-parallel MoE: allreduce, all_to_all or auto
     quantization: str | None = None  # None: the checkpoint's; "int8" / "fp8" / "mxfp4"
     kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3": e4m3 KV pages (half the KV bytes)
+    speculative_config: dict | None = None  # MTP drafts in every program (aot/draft.py)
 
     def __post_init__(self):
         if self.platform not in ("tpu", "cuda"):
@@ -119,6 +121,7 @@ class AotConfig:
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
+        draft_k(self.speculative_config)  # raises ValueError for a method not compiled
 
 
 def load_config(preset_or_path: str) -> ModelConfig:
@@ -175,6 +178,8 @@ class Build:
     weight_bytes_per_device: int
     kv_bytes_per_device: int
     layer_expert_bytes_per_device: int  # one layer's experts on one device
+    draft_args: tuple = ()  # an MTP draft's (params, state) as ShapeDtypeStructs
+    draft_bytes_per_device: int = 0  # its weights and one-layer KV pool on one device
 
 
 def scheduler_config(model_cfg: ModelConfig, cfg: AotConfig, num_pages: int) -> SchedulerConfig:
@@ -222,7 +227,14 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
                     max_num_seqs=cfg.max_num_seqs,
                     hidden_rows=hidden_rows(sched_cfg), buckets=buckets,
                     vocab_size=model_cfg.vocab_size, data_ranks=data,
-                    hidden_split=sched_cfg.rank_budgets)
+                    hidden_split=sched_cfg.rank_budgets,
+                    draft_k=draft_k(cfg.speculative_config))
+    draft, draft_args = None, ()
+    if spec.draft_k:
+        draft, draft_args = abstract_mtp(
+            model_cfg, dtype, mesh, kv_shape, pages=pages, packed=packs_kv(model_cfg, kernel),
+            replicas=kv_head_replicas(model_cfg.num_key_value_heads,
+                                      model_cfg.num_attention_heads, mesh))
     hidden = jax.ShapeDtypeStruct(
         (spec.hidden_buffer_rows, model_cfg.hidden_size), dtype,
         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -230,16 +242,19 @@ def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
     step = make_step(graphdef, spec, KernelBackends(moe=kernel, attention=kernel,
                                                     moe_dispatch=cfg.moe_dispatch),
                      replicated=replicated(mesh),
-                     counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh))
+                     counts_sharding=counts_sharding(spec, model_cfg.vocab_size, mesh),
+                     draft=draft)
     per_layer = 0
     if model_cfg.moe_layers:
         mlp = state["model"]["layers"]["mlp"]
         per_layer = sum(_shard_bytes(w.shape[1:], w.dtype, _drop_first(w.sharding))
                         for w in (mlp["experts_gate_up_proj"], mlp["experts_down_proj"]))
     out = Build(spec, step, (state, kv, hidden), mesh, model_cfg, weight_bytes,
-                _shard_bytes(kv.shape, kv.dtype, kv.sharding), per_layer)
+                _shard_bytes(kv.shape, kv.dtype, kv.sharding), per_layer, draft_args,
+                sum(_shard_bytes(x.shape, x.dtype, x.sharding)
+                    for x in jax.tree.leaves(draft_args)))
     name, hbm = chip(cfg)
-    need = out.weight_bytes_per_device + out.kv_bytes_per_device
+    need = out.weight_bytes_per_device + out.kv_bytes_per_device + out.draft_bytes_per_device
     if hbm and need > hbm:
         raise ValueError(
             f"does not fit: {need / 1e9:.1f} GB per device (weights "
@@ -274,10 +289,10 @@ def lower_program(b: Build, cfg: AotConfig, N: int, dump_dir: Path | None = None
     N-row program, with the engine's arguments and donations. Returns its record: the
     StableHLO text, times, sizes, and for a compile the memory analysis and optimized
     HLO. dump_dir (cuda compiles): XLA dumps this program's PTX and thunk sequence there."""
-    args = (*b.args, _abstract_inputs(b.spec, N, b.mesh), _abstract_counts(b))
+    args = (*b.args, _abstract_inputs(b.spec, N, b.mesh), _abstract_counts(b), *b.draft_args)
     step = functools.wraps(b.step)(lambda *a: b.step(*a))
     step.__name__ = f"step_rows_{N}"  # names the program's dumps (jit_step_rows_N)
-    jitted = jax.jit(step, donate_argnums=(1, 2, 4))
+    jitted = jax.jit(step, donate_argnums=(1, 2, 4, 6) if b.draft_args else (1, 2, 4))
     rec = {"rows": N}
     t0 = time.perf_counter()
     if cfg.platform == "tpu" or cuda_mode() == "compile":
@@ -359,7 +374,9 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
     log(f"{len(b.spec.buckets)} programs (row buckets {list(b.spec.buckets)}) over "
         f"{b.mesh.devices.size} devices on {hosts} host(s); per device: "
         f"weights {b.weight_bytes_per_device / 1e9:.2f} GB, KV pool "
-        f"{b.kv_bytes_per_device / 1e9:.2f} GB")
+        f"{b.kv_bytes_per_device / 1e9:.2f} GB"
+        + (f", MTP draft (k = {b.spec.draft_k}: weights and one-layer pool) "
+           f"{b.draft_bytes_per_device / 1e9:.2f} GB" if b.draft_args else ""))
     reads_kernels = cfg.platform == "cuda" and mode == "compile"
 
     def one(N: int) -> dict:
@@ -405,6 +422,7 @@ def run(model_cfg: ModelConfig, cfg: AotConfig, out_dir: Path, log=print,
         "devices": b.mesh.devices.size, "hosts": hosts,
         "weight_bytes_per_device": b.weight_bytes_per_device,
         "kv_bytes_per_device": b.kv_bytes_per_device,
+        "draft_bytes_per_device": b.draft_bytes_per_device,
         "kv_tokens": plan["kv_tokens"], "kv_head_replicas": plan["kv_head_replicas"],
         "hbm_plan": plan,
         "layer_expert_bytes_per_device": b.layer_expert_bytes_per_device,
@@ -432,7 +450,8 @@ def hbm_plan(b: Build, programs: list[dict], hbm_bytes: int | None) -> dict:
             "kv_head_replicas": pool_kv_heads(kv, b.model_config.head_dim)
             // b.model_config.num_key_value_heads,
             "kv_shard_shape": list(kv.sharding.shard_shape(kv.shape))}
-    plan["total"] = plan["weights"] + plan["kv_pool"] + (plan["max_temp"] or 0)
+    plan["draft"] = b.draft_bytes_per_device  # an MTP layer's weights and pool
+    plan["total"] = plan["weights"] + plan["kv_pool"] + plan["draft"] + (plan["max_temp"] or 0)
     return plan
 
 
@@ -443,7 +462,9 @@ def describe_hbm_plan(plan: dict) -> list[str]:
     lines = [f"per-chip HBM plan: weights {gb(plan['weights'])} + KV pool "
              f"{gb(plan['kv_pool'])} (shard {plan['kv_shard_shape']}, "
              f"{plan['kv_head_replicas']} cop{'y' if plan['kv_head_replicas'] == 1 else 'ies'}"
-             f" of each KV head) + largest temporaries {temp} = {gb(plan['total'])}"
+             f" of each KV head)"
+             + (f" + MTP draft {gb(plan['draft'])}" if plan.get("draft") else "")
+             + f" + largest temporaries {temp} = {gb(plan['total'])}"
              + (f" of {gb(plan['hbm'])}" if plan["hbm"] else "")]
     lines.append(f"KV the slice holds: {plan['kv_tokens']:,} tokens")
     return lines

@@ -39,7 +39,8 @@ def _host_backend_cpu() -> None:
 # The engine flags that shape the programs, as `lp serve` spells them (docs/engine_args.md).
 ENGINE_FLAGS = ("scheduling", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "page_size", "kv_pages", "mesh_shape", "max_paused_prefills", "dtype",
-                "quantization", "kv_cache_dtype", "moe_dispatch", "token_buckets")
+                "quantization", "kv_cache_dtype", "moe_dispatch", "token_buckets",
+                "speculative_config")
 # vLLM's parallel sizes: they choose the mesh (_mesh), not AotConfig fields of their own.
 LAYOUT_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")
 # Compile-only defaults: a 4,096-token context and a mesh over the whole slice keep the

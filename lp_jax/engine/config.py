@@ -221,11 +221,6 @@ class EngineConfig:
                              "from its config.json)")
         resolve_kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the values
         parallel_mesh_shape(**self.parallel_sizes(), has_experts=None)  # raises on a conflict
-        sc = self.speculative_config
-        if self.data_parallel_size > 1 and sc is not None and sc.drafts_on_device:
-            raise ValueError(f"speculative_config method {sc.method!r} with data_parallel_size "
-                             "> 1: the draft's one-layer KV pool is not split over the data ranks "
-                             "yet; use n-gram drafts or one data rank")
         if self.plan_channel not in ("host", "device"):
             raise ValueError(f"plan_channel must be host or device, got {self.plan_channel!r}")
         if not self.follower_timeout_s > 0:

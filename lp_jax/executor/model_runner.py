@@ -203,6 +203,7 @@ class _Call:
     scored: list = dataclasses.field(default_factory=list)  # (seq, position, row, rows)
     objs: list = dataclasses.field(default_factory=list)  # the Sequence of each of `seqs`
     check: list = dataclasses.field(default_factory=list)  # per sampled row: next draft, -1
+    draft_slots: list = dataclasses.field(default_factory=list)  # per seq: its draft slot
 
 
 class ModelRunner:
@@ -453,23 +454,43 @@ class ModelRunner:
             used[r] += c.num_tokens
         return np.asarray(dec_rows, np.int32), tuple(chunk_rows)
 
-    def _draft_inputs(self, call: _Call, d: dict) -> None:
+    def _draft_inputs(self, call: _Call, d: dict, where: np.ndarray, N: int) -> None:
         """Fills inputs["draft"] (step._draft) for a call whose rows leave the last
-        layer: each row's next token, and where each sequence's sampled rows are."""
+        layer: each row's next token (at its program row, `where`), and where each
+        sequence's sampled rows are, in its draft slot (`_draft_slots`), which it keeps
+        in call.draft_slots for the handle."""
         sampled = {r: s for s, r in enumerate(call.sample_rows)}
         d["check_S"][: len(call.check)] = call.check
+        call.draft_slots = self._draft_slots(call, N)
         row = 0
-        for b, ((first, n, pages), seq) in enumerate(zip(call.seqs, call.objs, strict=True)):
+        for b, (first, n, pages), seq in zip(call.draft_slots, call.seqs, call.objs,
+                                             strict=True):
             mine = [sampled[r] for r in range(row, row + n) if r in sampled]
             for j in range(n):
                 s = sampled.get(row + j)
                 p = first + j + 1  # a row's next token: sampled there, or the prompt's
-                d["next_token_N"][row + j] = (-1 - s if s is not None else
-                                              seq.token_ids[p] if p < len(seq.token_ids) else 0)
+                d["next_token_N"][where[row + j]] = (
+                    -1 - s if s is not None else
+                    seq.token_ids[p] if p < len(seq.token_ids) else 0)
             if mine:
                 d["first_S_B"][b], d["rows_B"][b] = mine[0], len(mine)
             d["num_pages_B"][b] = len(pages)
             row += n
+
+    def _draft_slots(self, call: _Call, N: int) -> list[int]:
+        """Each of call.seqs' slot among a draft model's per-sequence arrays
+        (StepSpec.draft_seqs_for): its place in the call on one rank; under data-parallel
+        attention rank-major, r B_r + its place among rank r's sequences, the order of the
+        ranked metadata (`_rank_layout`)."""
+        if self.spec.data_ranks == 1:
+            return list(range(len(call.seqs)))
+        P_r, B_r = self.num_pages // self.spec.data_ranks, self.spec.rank_seqs_for(N)
+        used, slots = [0] * self.spec.data_ranks, []
+        for _, _, pages in call.seqs:
+            r = pages[0] // P_r
+            slots.append(r * B_r + used[r])
+            used[r] += 1
+        return slots
 
     @staticmethod
     def _score_targets(chunk, offset: int) -> np.ndarray:
@@ -546,7 +567,7 @@ class ModelRunner:
         if "bitmask_SW" in inputs["sampling"]:  # None: all ones (run_calls)
             inputs["sampling"]["bitmask_SW"] = None
         if "draft" in inputs and call.units[1] == 2 * self.L:
-            self._draft_inputs(call, inputs["draft"])
+            self._draft_inputs(call, inputs["draft"], where, N)
         if call.sample_rows:
             inputs["do_sample"] = np.bool_(True)
             inputs["do_logprobs"] = np.bool_(any(
@@ -653,7 +674,8 @@ class ModelRunner:
         if self.draft_state is not None and last is not None:
             next_drafts_RK = outs[last]["drafts_RK"]
             sampling_ids = {s.seq_id for s in plan.sampling_seqs}
-            draft_rows = {q.seq_id: b for b, q in enumerate(calls[last].objs)
+            draft_rows = {q.seq_id: b for b, q in zip(calls[last].draft_slots,
+                                                      calls[last].objs, strict=True)
                           if q.seq_id in sampling_ids}
         score = next((o for (_, x), o in zip(batch, outs, strict=True) if x["do_score"]), None)
         return StepHandle(

@@ -57,7 +57,10 @@ over "data", with ranked metadata; each rank's attention reads its own pool shar
 whole; sampling is over all ranks' rows. The hidden buffer is split over "data" when each
 rank's carried rows stay in its own block (`hidden_split`, under budgets a rank): rows
 go in and out of it inside a shard_map over "data", nothing gathered; else it is
-replicated and the rows written to it are gathered whole.
+replicated and the rows written to it are gathered whole. A draft model's pool is split
+over "data" as the target's, its extend runs on the call's R N rows and its chained
+steps on R rank_seqs_for(N) rows, rank r's sequences on rank r
+(`StepSpec.draft_seqs_for`, lp_jax/models/draft_chain.py).
 """
 
 from __future__ import annotations
@@ -137,8 +140,19 @@ class StepSpec:
 
     def rank_seqs_for(self, N: int) -> int:
         """Sequences one data rank's share of a call of bucket N can hold (its
-        metadata's batch size): seqs_for(N) with one rank."""
-        return min(N, self.max_num_seqs)
+        metadata's batch size): N rows, and no more than the ceil(max_num_seqs / R)
+        sequences the scheduler places on a rank (core/dp_placement.py); seqs_for(N)
+        with one rank."""
+        return min(N, -(-self.max_num_seqs // self.data_ranks))
+
+    def draft_seqs_for(self, N: int) -> int:
+        """A draft model's per-sequence slots in a call of bucket N: seqs_for(N) on one
+        rank; under data-parallel attention rank_seqs_for(N) a rank, rank-major (rank r's
+        sequences at [r B_r, (r + 1) B_r), as its metadata orders them), so the chained
+        draft steps run each rank's sequences on that rank."""
+        if self.data_ranks == 1:
+            return self.seqs_for(N)
+        return self.data_ranks * self.rank_seqs_for(N)
 
 
 # XLA:TPU's memory-space assignment may copy one whole entry parameter into on-chip memory
@@ -363,14 +377,16 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
             out["counts"] = counts if counts_sharding is None else jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, counts_sharding), counts)
         if draft is not None:
+            D = inputs["draft"]["first_S_B"].shape[0]  # spec.draft_seqs_for(bucket)
             drafts_BK, draft_kv = jax.lax.cond(
                 hi == 2 * spec.num_layers,
                 lambda kv: _draft(draft, spec, draft_params, kv,
                                   aux_NAD[0] if aux else x_ND[:, None], inputs, tokens_R,
                                   backends),
-                lambda kv: (jnp.full((S, spec.draft_k), -1, jnp.int32), kv),
+                lambda kv: (jnp.full((D, spec.draft_k), -1, jnp.int32), kv),
                 draft_state["kv"])
-            out["drafts_RK"] = jnp.pad(drafts_BK, ((0, R - S), (0, 0)), constant_values=-1)
+            out["drafts_RK"] = jnp.pad(drafts_BK, ((0, max(R - D, 0)), (0, 0)),
+                                       constant_values=-1)
             out["draft_state"] = dict(draft_state, kv=draft_kv)
         return kv_pages, hidden_RD, out
 
@@ -389,7 +405,9 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
     its first sampled row (-1: it does not draft), `rows_B` its sampled rows, and
     `num_pages_B` the pages it holds (a chained step past them writes nothing and
     drafts nothing); per sampled row, `check_S` the draft that the next row verifies
-    (-1: none). Its accepted rows are those whose predecessors sampled their draft."""
+    (-1: none). Its accepted rows are those whose predecessors sampled their draft. The
+    per-sequence arrays have `StepSpec.draft_seqs_for` slots (rank-major under
+    data-parallel attention); sampled rows are numbered over all ranks."""
     d = inputs["draft"]
     S = inputs["sample_rows_S"].shape[0]  # spec.seqs_for(bucket)
     tokens_S = tokens_R[:S]
@@ -416,7 +434,7 @@ def _draft(cfg, spec: StepSpec, params, kv_pages, aux_NAD, inputs, tokens_R, bac
 def empty_inputs(spec: StepSpec, N: int) -> dict:
     """The inputs of an N-row call with no real row (numpy): the lowering example, and
     the template the executor fills."""
-    B, C = spec.seqs_for(N), spec.pages_per_seq
+    B, C, D = spec.seqs_for(N), spec.pages_per_seq, spec.draft_seqs_for(N)
     i32 = lambda n, v=0: np.full(n, v, np.int32)
     if spec.data_ranks > 1:  # per-rank metadata (metadata.build_ranked_metadata)
         meta = build_ranked_metadata([[]] * spec.data_ranks, page_size=spec.page_size,
@@ -453,8 +471,8 @@ def empty_inputs(spec: StepSpec, N: int) -> dict:
                      "bias_ids": np.full((B, BIAS_SLOTS), -1, np.int32),
                      "bias": np.zeros((B, BIAS_SLOTS), np.float32),
                      **({"bitmask_SW": all_ones_mask(spec, B)} if spec.vocab_size else {})},
-        **({"draft": {"next_token_N": i32(N), "first_S_B": i32(B, -1), "rows_B": i32(B),
-                      "num_pages_B": i32(B), "check_S": i32(B, -1)}} if spec.draft_k else {}),
+        **({"draft": {"next_token_N": i32(N), "first_S_B": i32(D, -1), "rows_B": i32(D),
+                      "num_pages_B": i32(D), "check_S": i32(B, -1)}} if spec.draft_k else {}),
     }
 
 

@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lp_jax.config import ModelConfig
+from lp_jax.models.data_ranks import per_rank
 from lp_jax.models.draft_chain import chain_drafts
+from lp_jax.models.kv_cache import repeat_to_pool
 from lp_jax.models.layers import apply_rope, dot, rms_norm
 from lp_jax.models.metadata import AttentionMetadata
 from lp_jax.safetensors_io import CheckpointError, SafetensorsFile
@@ -67,6 +69,12 @@ class Eagle3Config:
     vocab_size: int
     draft_vocab_size: int
     aux_layer_ids: tuple[int, int, int]
+    # The target's data ranks: the head's pool is rank-major and its attention runs per
+    # rank as the target's does (lp_jax/models/data_ranks.py).
+    kv_ranks: int = 1
+
+    def replace(self, **changes) -> Eagle3Config:
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf_dict(cls, hf: dict, target: ModelConfig, *, source: str = "config.json"):
@@ -97,7 +105,8 @@ class Eagle3Config:
             draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"],
             aux_layer_ids=tuple((hf.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids")
-                or default_aux_layers(target.num_hidden_layers)))
+                or default_aux_layers(target.num_hidden_layers)),
+            kv_ranks=target.kv_ranks)
         checks = (
             (cfg.hidden_size == target.hidden_size,
              f"hidden_size {D} differs from the target's {target.hidden_size}"),
@@ -215,8 +224,8 @@ def midlayer(cfg: Eagle3Config, p: Eagle3Params, tokens_T, g_TD, kv_pages_PSJH,
              meta: AttentionMetadata, *, backend="auto"):
     """The head's layer on a ragged batch: row t is token tokens_T[t] (the token after
     the target position it stands for) with hidden g_TD[t]. Writes the rows' KV at
-    meta.slots_T. Returns (draft-vocabulary logits_TW float32, h_TD the prenorm state a
-    chained step feeds back, kv_pages_PSJH)."""
+    meta.slots_T. Returns (h_TD the prenorm state a chained step feeds back and `logits`
+    reads, kv_pages_PSJH)."""
     eps, D = cfg.rms_norm_eps, cfg.hidden_size
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T = g_TD.shape[0]
@@ -227,17 +236,28 @@ def midlayer(cfg: Eagle3Config, p: Eagle3Params, tokens_T, g_TD, kv_pages_PSJH,
     q_TNH = apply_rope(dot(x_T2D, p.w_q_2DX).reshape(T, N, H), meta.positions_T, freqs)
     k_TKH = apply_rope(dot(x_T2D, p.w_k_2DY).reshape(T, K, H), meta.positions_T, freqs)
     v_TKH = dot(x_T2D, p.w_v_2DY).reshape(T, K, H)
-    kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, meta.slots_T)
-    o_TNH = attention.ragged_paged_attention(
-        q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B, meta.page_table_BC,
-        meta.num_seqs, sm_scale=H**-0.5, backend=backend)
+    k_TKH, v_TKH = repeat_to_pool(k_TKH, v_TKH, kv_pages_PSJH)  # a pool of K r heads
+
+    def write_and_attend(cfg, kv_pages_PSJH, meta, q_TNH, k_TKH, v_TKH):
+        kv_pages_PSJH = write_kv(kv_pages_PSJH, k_TKH, v_TKH, meta.slots_T)
+        return attention.ragged_paged_attention(
+            q_TNH, kv_pages_PSJH, meta.query_start_B1, meta.seq_lens_B, meta.page_table_BC,
+            meta.num_seqs, sm_scale=H**-0.5, backend=backend), kv_pages_PSJH
+
+    # Under data-parallel attention, on each data rank's rows and pool shard.
+    o_TNH, kv_pages_PSJH = per_rank(cfg, write_and_attend, kv_pages_PSJH, meta, q_TNH,
+                                    k_TKH, v_TKH)
     r_TD = g_TD + dot(o_TNH.reshape(T, N * H), p.w_o_XD)
     u_TD = rms_norm(r_TD, p.w_post_norm_D, eps)
     h_TD = r_TD + dot(jax.nn.silu(dot(u_TD, p.w_gate_DF)) * dot(u_TD, p.w_up_DF),
                       p.w_down_FD)
-    logits_TW = jnp.dot(rms_norm(h_TD, p.w_norm_D, eps), p.w_head_DW,
-                        preferred_element_type=jnp.float32)
-    return logits_TW, h_TD, kv_pages_PSJH
+    return h_TD, kv_pages_PSJH
+
+
+def logits(cfg: Eagle3Config, p: Eagle3Params, h_BD):
+    """The head's draft-vocabulary logits (float32 [B, W]) of prenorm states h_BD."""
+    return jnp.dot(rms_norm(h_BD, p.w_norm_D, cfg.rms_norm_eps), p.w_head_DW,
+                   preferred_element_type=jnp.float32)
 
 
 def to_target(p: Eagle3Params, draft_ids):
@@ -262,11 +282,11 @@ def propose(cfg: Eagle3Config, p: Eagle3Params, kv_pages_PSJH, aux_T3D, tokens_T
     not `drafting_B` (a prompt chunk that samples nothing) chain nothing: their KV past
     the extend is left as it is."""
     g_TD = dot(aux_T3D.reshape(aux_T3D.shape[0], 3 * cfg.hidden_size), p.w_fc_3DD)
-    logits_TW, h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
-                                              backend=backend)
+    h_TD, kv_pages_PSJH = midlayer(cfg, p, tokens_T, g_TD, kv_pages_PSJH, meta,
+                                   backend=backend)
     step = lambda tok_B, h_BD, kv, m: midlayer(cfg, p, tok_B, h_BD, kv, m, backend=backend)
-    return chain_drafts(step, logits_TW, h_TD, kv_pages_PSJH, meta, last_row_B, k=k,
-                        page_size=kv_pages_PSJH.shape[1],
+    return chain_drafts(step, functools.partial(logits, cfg, p), h_TD, kv_pages_PSJH, meta,
+                        last_row_B, k=k, page_size=kv_pages_PSJH.shape[1],
                         to_target=functools.partial(to_target, p), num_pages_B=num_pages_B,
                         drafting_B=drafting_B)
 

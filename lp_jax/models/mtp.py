@@ -83,7 +83,7 @@ def mtp_layer(cfg: MtpConfig, p: MtpParams, tokens_T, h_TD, kv_pages, meta: Atte
               *, backends: KernelBackends, decode_only=False):
     """The layer on a ragged batch: row t stands for a target position with last hidden
     state h_TD[t] and next token tokens_T[t]. Writes the rows' KV at meta.slots_T.
-    Returns (logits_TV float32, o_TD the state a chained step feeds back, kv_pages)."""
+    Returns (o_TD the state a chained step feeds back and `logits` reads, kv_pages)."""
     model = nnx.merge(cfg.graphdef, p.state)
     eps = cfg.model_cfg.rms_norm_eps
     e_TD = model.embed(tokens_T).astype(h_TD.dtype)
@@ -93,7 +93,12 @@ def mtp_layer(cfg: MtpConfig, p: MtpParams, tokens_T, h_TD, kv_pages, meta: Atte
     x_TD = dot(x_T2D, p.w_eh_2DD)
     o_TD, kv_pages, _ = model.run_units(x_TD, kv_pages, meta, 0, 2, decode_only=decode_only,
                                         backends=backends)
-    return model.compute_logits(o_TD), o_TD, kv_pages
+    return o_TD, kv_pages
+
+
+def logits(cfg: MtpConfig, p: MtpParams, o_BD):
+    """shared_head: the drafts' logits of layer outputs o_BD (float32 [B, V])."""
+    return nnx.merge(cfg.graphdef, p.state).compute_logits(o_BD)
 
 
 def propose(cfg: MtpConfig, p: MtpParams, kv_pages, h_TD, tokens_T, meta: AttentionMetadata,
@@ -103,12 +108,12 @@ def propose(cfg: MtpConfig, p: MtpParams, kv_pages, h_TD, tokens_T, meta: Attent
     last hidden states, tokens_T: the token after each row), then k - 1 chained one-row
     steps from last_row_B (draft_chain.chain_drafts, whose arguments these are).
     Returns (drafts_BK, kv_pages)."""
-    logits_TV, o_TD, kv_pages = mtp_layer(cfg, p, tokens_T, h_TD, kv_pages, meta,
-                                          backends=backends, decode_only=decode_only)
+    o_TD, kv_pages = mtp_layer(cfg, p, tokens_T, h_TD, kv_pages, meta, backends=backends,
+                               decode_only=decode_only)
     step = functools.partial(_chained_step, cfg, p, backends)
-    return chain_drafts(step, logits_TV, o_TD, kv_pages, meta, last_row_B, k=k,
-                        page_size=kv_pages.shape[1], num_pages_B=num_pages_B,
-                        drafting_B=drafting_B)
+    return chain_drafts(step, functools.partial(logits, cfg, p), o_TD, kv_pages, meta,
+                        last_row_B, k=k, page_size=kv_pages.shape[1],
+                        num_pages_B=num_pages_B, drafting_B=drafting_B)
 
 
 def _chained_step(cfg, p, backends, tok_B, h_BD, kv, meta):
