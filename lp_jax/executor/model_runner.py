@@ -248,10 +248,11 @@ class ModelRunner:
                                       replicas=replicas,
                                       sharding=named_sharding(kv_cache_axes(cfg), kv_shape, mesh))
         self._replicated = replicated(mesh)
+        self._hidden_sharding = (NamedSharding(mesh, PartitionSpec("data"))
+                                 if self.spec.hidden_split else self._replicated)
         self.hidden_RD = jax.device_put(
             np.zeros((self.spec.hidden_buffer_rows, cfg.hidden_size), model.dtype),
-            NamedSharding(mesh, PartitionSpec("data")) if self.spec.hidden_split
-            else self._replicated)
+            self._hidden_sharding)
         self._no_prev_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
         on_vocab = counts_sharding(self.spec, cfg.vocab_size, mesh)
         self.counts = jax.device_put(init_counts(self.spec, cfg.vocab_size), on_vocab)
@@ -270,9 +271,9 @@ class ModelRunner:
                                     model.dtype, packed=packed, replicas=replicas,
                                     sharding=named_sharding(kv_cache_axes(one), kv_1, mesh))}
             if draft[0].aux_layer_ids:  # an EAGLE-3 head's aux states of carried rows
-                self.draft_state["aux_RAD"] = jax.device_put(
-                    np.zeros((self.spec.hidden_rows, 3, cfg.hidden_size), model.dtype),
-                    self._replicated)
+                self.draft_state["aux_RAD"] = jax.device_put(  # rows as the hidden buffer's
+                    np.zeros((self.spec.hidden_buffer_rows, 3, cfg.hidden_size), model.dtype),
+                    self._hidden_sharding)
         self._step = jax.jit(make_step(self.graphdef, self.spec, backends,
                                        replicated=self._replicated, counts_sharding=on_vocab,
                                        draft=draft[0] if draft else None),
