@@ -119,7 +119,7 @@ def test_a_layered_plan_becomes_calls_over_its_group(group):
                     group_index=group, num_groups=G)
     runner = object.__new__(ModelRunner)  # only the host-side planning, no model
     runner.L = L
-    runner.spec = type("Spec", (), {"max_num_seqs": 4})()
+    runner.spec = type("Spec", (), {"max_num_seqs": 4, "hidden_split": False})()
     calls, mixed = runner._plan_calls(plan, None)
     units = [c.units for c in calls]
     expected = ([(0, 2 * a)] if a else []) + [(2 * a, 2 * b)] + ([(2 * b, 2 * L)] if b < L else [])
