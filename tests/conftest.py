@@ -45,26 +45,24 @@ gc.set_threshold(GC_THRESHOLD_GEN0, *gc.get_threshold()[1:])
 
 # The slowest files first (`make test` runs two xdist workers, a file each at a time):
 # longest-first keeps one long file from running alone at the end. Ordered by the
-# 2026-12-07 clean-clone run's test time per file (9507a35, files of 4 s or more; a file
-# not named here runs after them, in collection order; test_spec_mtp.py,
-# test_dp_pallas.py and test_dp_families.py placed by their own measured times, ~50, ~40
-# and ~20 s).
-SLOWEST_FIRST = ("test_moe_kernels.py", "test_pallas_end_to_end.py", "test_quant_loading.py",
-                 "test_sharded_kernels.py", "test_attention_kernels.py", "test_tpu_compile.py",
-                 "test_gpu_validate.py", "test_glm4_moe.py", "test_moe_quant.py", "test_aot.py",
-                 "test_expert_dispatch.py", "test_roofline_compiled.py", "test_deepseek_v3.py",
-                 "test_spec_eagle.py", "test_spec_mtp.py", "test_dp_pallas.py", "test_gpt_oss.py",
-                 "test_multiprocess.py", "test_kv_fp8.py", "test_kernel_check.py",
-                 "test_parallel_layout.py", "test_golden_parity.py", "test_dp_families.py",
-                 "test_engine.py", "test_programs.py", "test_chat_harmony.py",
-                 "test_mesh_parity.py", "test_wheel.py", "test_structured_outputs.py",
-                 "test_sampler.py", "test_prefix_cache.py", "test_gpu_compile.py",
-                 "test_data_parallel.py", "test_spec_engine.py", "test_demo.py", "test_roofline.py",
-                 "test_mla_kernels.py", "test_kernel_cost.py", "test_moe_quant_gpu_fp4.py",
-                 "test_quant_golden.py", "test_program_memory.py", "test_moe_router.py",
-                 "test_flowprefill.py", "test_scheduler.py", "test_compile_guard.py",
-                 "test_soak_engine.py", "test_spec.py", "test_server_mock.py",
-                 "test_server_hardening.py", "test_server_api.py", "test_sim_muxwise.py")
+# 2026-12-08 clean-clone run's test time per file (e8c517b, files of 3 s or more; a file
+# not named here runs after them, in collection order).
+SLOWEST_FIRST = ("test_moe_kernels.py", "test_attention_kernels.py", "test_pallas_end_to_end.py",
+                 "test_sharded_kernels.py", "test_quant_loading.py", "test_tpu_compile.py",
+                 "test_spec_eagle.py", "test_engine.py", "test_dp_pallas.py", "test_gpt_oss.py",
+                 "test_moe_quant.py", "test_gpu_validate.py", "test_glm4_moe.py",
+                 "test_spec_mtp.py", "test_kv_fp8.py", "test_aot.py", "test_expert_dispatch.py",
+                 "test_deepseek_v3.py", "test_multiprocess.py", "test_kernel_check.py",
+                 "test_roofline_compiled.py", "test_parallel_layout.py", "test_programs.py",
+                 "test_dp_families.py", "test_golden_parity.py", "test_gpu_compile.py",
+                 "test_roofline.py", "test_mesh_parity.py", "test_spec_engine.py",
+                 "test_sampler.py", "test_moe_router.py", "test_data_parallel.py",
+                 "test_structured_outputs.py", "test_wheel.py", "test_mla_kernels.py",
+                 "test_kernel_cost.py", "test_flowprefill.py", "test_chat_harmony.py",
+                 "test_demo.py", "test_moe_quant_gpu_fp4.py", "test_quant_golden.py",
+                 "test_scheduler.py", "test_server_hardening.py", "test_spec.py",
+                 "test_program_memory.py", "test_server_api.py", "test_server_mock.py",
+                 "test_soak_engine.py", "test_sim_muxwise.py", "test_compile_guard.py")
 
 
 def pytest_configure(config):
