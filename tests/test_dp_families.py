@@ -34,22 +34,34 @@ LAYOUTS = {"gpt-oss": ("tiny-gpt-oss", 2, 4, "layered"),
            "deepseek-layered": ("tiny-deepseek", 4, 2, "layered")}
 
 
-@pytest.fixture(scope="module")
-def dp_engine():
-    """dp_engine(name): the module's engine of LAYOUTS[name], built on first use, with the
-    golden engines' shapes (max_model_len 80, one row bucket)."""
+def lazy_dp_engines(layouts: dict, shapes: dict, env: dict | None = None, **kw):
+    """(get, built): get(name) is the engine of layouts[name] = (preset, dp, tp, policy),
+    built on first use with shapes[policy] (max_model_len 80, PAGES_PER_RANK pages a
+    rank) and `env` set while it builds (read while the programs trace); `built` holds
+    them for the fixture to shut down."""
     built = {}
 
     def get(name: str) -> LLM:
         if name not in built:
-            preset, dp, tp, policy = LAYOUTS[name]
-            built[name] = LLM(str(ensure_tiny(preset=preset)), data_parallel_size=dp,
-                              tensor_parallel_size=tp, enable_expert_parallel=True,
-                              max_num_seqs=4, max_model_len=80,
-                              kv_pages=PAGES_PER_RANK * dp, backends="off", log=None,
-                              **GOLDEN_ENGINES[policy])
+            preset, dp, tp, policy = layouts[name]
+            with pytest.MonkeyPatch.context() as mp:
+                for key, value in (env or {}).items():
+                    mp.setenv(key, value)
+                built[name] = LLM(str(ensure_tiny(preset=preset)), data_parallel_size=dp,
+                                  tensor_parallel_size=tp, enable_expert_parallel=True,
+                                  max_num_seqs=4, max_model_len=80,
+                                  kv_pages=PAGES_PER_RANK * dp, backends="off", log=None,
+                                  **kw, **shapes[policy])
         return built[name]
 
+    return get, built
+
+
+@pytest.fixture(scope="module")
+def dp_engine():
+    """dp_engine(name): the module's engine of LAYOUTS[name], built on first use, with the
+    golden engines' shapes (max_model_len 80, one row bucket)."""
+    get, built = lazy_dp_engines(LAYOUTS, GOLDEN_ENGINES)
     yield get
     for llm in built.values():
         llm.shutdown()

@@ -26,17 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import GOLDEN_ENGINES, run_golden_prompts
-from test_dp_families import RankChecked
+from test_dp_families import PAGES_PER_RANK, RankChecked, lazy_dp_engines
 
 from checkpoints.make_tiny import ensure_tiny
-from lp_jax import LLM
 from lp_jax.models.metadata import build_metadata
 from pallas_kernels import attention
 
 GOLDEN = "tests/golden/{}.npz"
 NEW_TOKENS = 3
 MAX_PROGRAMS = 32  # the start-up budget at defaults (tests/test_programs.py)
-PAGES_PER_RANK = 10  # two 80-token sequences of 16-token pages
 # (preset, data ranks, tensor ranks, policy). GQA: the heads' shard_map nests inside the
 # ranks' (t = 4); MLA: its layout for a slice, t = 1 (docs/data_parallel.md).
 LAYOUTS = {"gqa-layered": ("tiny-h128", 2, 4, "layered"),
@@ -65,22 +63,9 @@ def dp_pallas_engine():
     """dp_pallas_engine(name): the engine of LAYOUTS[name] with the TPU attention kernel
     (interpreted; XLA's MoE), built on first use (layered: two layer groups).
     backends="off": no start-up self-test, so nothing can fall back to XLA unseen."""
-    built = {}
     _warm_interpreter()
-
-    def get(name: str) -> LLM:
-        if name not in built:
-            preset, dp, tp, policy = LAYOUTS[name]
-            with pytest.MonkeyPatch.context() as mp:  # read while the programs trace
-                mp.setenv("LP_JAX_PALLAS_INTERPRET", "1")
-                built[name] = LLM(str(ensure_tiny(preset=preset)), data_parallel_size=dp,
-                                  tensor_parallel_size=tp, enable_expert_parallel=True,
-                                  attention_backend="tpu", moe_backend="xla",
-                                  max_num_seqs=4, max_model_len=80,
-                                  kv_pages=PAGES_PER_RANK * dp, backends="off", log=None,
-                                  **SHAPES[policy])
-        return built[name]
-
+    get, built = lazy_dp_engines(LAYOUTS, SHAPES, env={"LP_JAX_PALLAS_INTERPRET": "1"},
+                                 attention_backend="tpu", moe_backend="xla")
     yield get
     for llm in built.values():
         llm.shutdown()
