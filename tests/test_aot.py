@@ -275,3 +275,29 @@ def test_the_step_compiles_without_a_cross_program_prefetch_on_tpu():
     assert prefetch in lowered.compile().as_text()
     assert prefetch not in lowered.compile(compiler_options=compiler_options("tpu")).as_text()
     assert compiler_options("cpu") == {}  # the flag exists only in TPU's compiler
+
+
+@pytest.mark.parametrize("scheduling, draft", [("layered", None), ("chunked", {"method": "mtp"})])
+def test_the_aot_schedules_as_the_engine_under_data_parallel_attention(scheduling, draft):
+    """The AOT's scheduler config is the engine's for the same arguments: under DP 4 a
+    budget a rank, the hidden buffer split over data, the per-rank row buckets; with an MTP
+    draft its decode rows. (It had left out the data ranks and the draft, and compiled a
+    replicated hidden buffer the engine does not hold.)"""
+    from lp_jax.aot import AotConfig, scheduler_config
+    from lp_jax.config import ModelConfig
+    from lp_jax.core.programs import step_buckets
+    from lp_jax.engine.config import EngineConfig
+
+    model_cfg = ModelConfig.from_pretrained_file("checkpoints/configs/deepseek-v3-reduced.json")
+    sc = None if draft is None else draft | {"num_speculative_tokens": 2}
+    aot = scheduler_config(model_cfg, AotConfig(
+        platform="tpu", scheduling=scheduling, max_model_len=2048, max_num_seqs=16,
+        max_num_batched_tokens=64, mesh_shape=(4, 1, 2), speculative_config=sc), 4096)
+    engine = EngineConfig(scheduling=scheduling, max_model_len=2048, max_num_seqs=16,
+                          max_num_batched_tokens=64, data_parallel_size=4,
+                          tensor_parallel_size=2, enable_expert_parallel=True,
+                          speculative_config=sc).scheduler_config(
+        model_cfg, max_model_len=2048, num_pages=4096)
+    assert aot.data_parallel_size == 4 and aot.rank_budgets == engine.rank_budgets
+    assert aot.max_decode_rows_per_rank == engine.max_decode_rows_per_rank
+    assert step_buckets(aot) == step_buckets(engine)

@@ -73,6 +73,7 @@ from lp_jax.paths import bundled
 from lp_jax.quant import resolve as resolve_quantization
 from lp_jax.roofline.model_shape import ModelShape
 from lp_jax.sharding import kv_head_replicas, make_mesh, named_sharding, replicated
+from lp_jax.spec.config import SpeculativeConfig
 from pallas_kernels.compile_targets import GPU_TARGETS
 from pallas_kernels.quant import stored_bytes
 
@@ -191,7 +192,10 @@ def scheduler_config(model_cfg: ModelConfig, cfg: AotConfig, num_pages: int) -> 
         max_model_len=cfg.max_model_len, page_size=cfg.page_size, num_pages=num_pages,
         vocab_size=model_cfg.vocab_size, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_paused_prefills=cfg.max_paused_prefills)
+        max_paused_prefills=cfg.max_paused_prefills,
+        # under data-parallel attention: budgets a rank, the hidden buffer split over data
+        data_parallel_size=cfg.mesh_shape[0],
+        speculative_config=SpeculativeConfig.parse(cfg.speculative_config))
 
 
 def build(model_cfg: ModelConfig, cfg: AotConfig) -> Build:
