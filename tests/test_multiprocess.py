@@ -7,10 +7,13 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
   plan channel); the leader's shutdown ends the follower (exit 0), and no program
   compiles while serving.
 * Layered prefill (device broadcast) with data-parallel attention over the two processes,
-  DP 2 x TP 4 with the experts over all 8 devices: a data rank a process, each holding
-  only its rank's half of the KV pool; the two prompts go to the two ranks and give the
-  golden tokens; every page returns. (Layered on the (2, 4) layout above is the
-  single-process tests'; one engine fewer to start here.)
+  DP 2 x TP 4 with the experts over all 8 devices, of tiny-deepseek (MLA) with MTP drafts
+  (its next-token layer, k = 3, on every process): a data rank a process, each holding
+  only its rank's half of the KV pool and of the draft's; the two prompts go to the two
+  ranks and give the golden tokens; drafts are proposed on both ranks' rows and some
+  stand, every step's drafts agree on both processes (the followers' acks carry their
+  crc), every page returns. (Layered on the (2, 4) layout above is the single-process
+  tests'; one engine fewer to start here.)
 * lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
   line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
@@ -38,6 +41,7 @@ from tests.multiprocess_common import (
     DP_PAGES,
     ENGINE_ARGS,
     GOLDEN_TOKENS,
+    MTP_GOLDEN_TOKENS,
     NEW_TOKENS,
     PROMPTS,
 )
@@ -59,10 +63,11 @@ def golden_text(tiny_dir):
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(GOLDEN_TOKENS[0])
 
 
-def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
+def test_two_process_engine_matches_the_golden_tokens(tiny_dir, two_token_mtp_dir, tmp_path):
     port, out = free_port(), tmp_path / "tokens.json"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
-                               str(tiny_dir), str(out)], env=_env(pid, port), cwd=ROOT,
+                               str(tiny_dir), str(two_token_mtp_dir), str(out)],
+                              env=_env(pid, port), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
     logs = [p.communicate(timeout=400)[0] for p in procs]
@@ -77,10 +82,15 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
     # 2 KV heads on 4 tensor devices: each kept twice, one per device.
     assert chunked["layout"] == {"kv_heads": 4, "kv_heads_per_device": 1, "expert_devices": 8}
     dp = results["dp"]
-    assert dp["tokens"] == GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
+    assert dp["tokens"] == MTP_GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
     layout = dp["layout"]
     assert layout["rank_processes"] == [[0], [1]] and layout["expert_devices"] == 8
     assert layout["pool_rows_per_device"] * 2 == layout["pool_rows"]
+    assert layout["draft_pool_rows_per_device"] * 2 == layout["draft_pool_rows"]
+    spec = results["spec"]
+    assert len(spec["drafting_steps"]) == 2 and min(spec["drafting_steps"]) > 2  # each rank's
+    assert 0 < spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]
+    assert spec["programs"] == 1 and spec["startup_compilations"] <= 32
     bal = layout["data_parallel"]
     assert bal["seqs"] == [0, 0] and min(bal["rows"]) > 0  # a prompt on each rank
     assert bal["free_pages"] == [DP_PAGES] * 2 and layout["free_pages"] == [2 * DP_PAGES] * 2
