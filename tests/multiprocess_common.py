@@ -27,3 +27,9 @@ _MTP_GOLDEN = np.load(Path(__file__).parent / "golden" / "tiny-deepseek.npz")
 MTP_PROMPTS = [_MTP_GOLDEN[f"prompt_{i}"].tolist() for i in range(2)]
 MTP_NEW_TOKENS, MTP_DRAFTS = 12, 3
 MTP_GOLDEN_TOKENS = [_MTP_GOLDEN[f"greedy_{i}"][:MTP_NEW_TOKENS].tolist() for i in range(2)]
+
+
+def eagle3_config(head_dir) -> dict:
+    """The chunked run's (and lp-serve's) drafts: test_spec_eagle's two-token EAGLE-3 head
+    for tiny, whose drafts (289, 194) prompt 0's greedy tokens repeat, 3 a step."""
+    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}

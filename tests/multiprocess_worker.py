@@ -1,14 +1,14 @@
 """One process of the 2-process engine in test_multiprocess.py (not a test module).
 
-    python tests/multiprocess_worker.py MODEL_DIR MTP_DIR OUT_JSON
+    python tests/multiprocess_worker.py MODEL_DIR MTP_DIR EAGLE3_DIR OUT_JSON
 with LP_NUM_PROCESSES / LP_PROCESS_ID / LP_COORDINATOR_ADDRESS set: builds a chunked engine
-(plan channel "host") of MODEL_DIR (tiny) on a (2, 4) expert x tensor mesh over both
-processes (attention over the 4 tensor devices of a process, its 2 KV heads kept twice;
-the experts over all 8), then a layered engine (plan channel "device") of MTP_DIR
-(tiny-deepseek with a next-token layer) with MTP drafts and data-parallel attention, DP 2
-x TP 4 (a data rank a process, its own half of the target's and the draft's KV pools;
-the experts over all 8), and the leader writes each run's greedy tokens, plan-channel
-stats, draft counts and layout to OUT_JSON.
+(plan channel "host") of MODEL_DIR (tiny) with the EAGLE-3 head EAGLE3_DIR on a (2, 4)
+expert x tensor mesh over both processes (attention over the 4 tensor devices of a
+process, its 2 KV heads kept twice; the experts over all 8), then a layered engine (plan
+channel "device") of MTP_DIR (tiny-deepseek with a next-token layer) with MTP drafts and
+data-parallel attention, DP 2 x TP 4 (a data rank a process, its own half of the
+target's and the draft's KV pools; the experts over all 8), and the leader writes each
+run's greedy tokens, plan-channel stats, draft counts and layout to OUT_JSON.
 """
 
 import json
@@ -25,12 +25,14 @@ from tests.multiprocess_common import (
     MTP_PROMPTS,
     NEW_TOKENS,
     PROMPTS,
+    eagle3_config,
 )
 
-model_dir, mtp_dir, out_path = sys.argv[1:4]
+model_dir, mtp_dir, eagle3_dir, out_path = sys.argv[1:5]
 results = {}
 RUNS = {"chunked": (model_dir, PROMPTS, NEW_TOKENS, dict(
-            scheduling="chunked", mesh_shape=(2, 4), plan_channel="host")),
+            scheduling="chunked", mesh_shape=(2, 4), plan_channel="host",
+            speculative_config=eagle3_config(eagle3_dir))),
         "dp": (mtp_dir, MTP_PROMPTS, MTP_NEW_TOKENS, dict(
             scheduling="layered", data_parallel_size=2, tensor_parallel_size=4,
             enable_expert_parallel=True, plan_channel="device",
@@ -71,6 +73,10 @@ for name, (path, prompts, new_tokens, kwargs) in RUNS.items():
         layout = {"kv_heads": kv.shape[2] // 2,
                   "kv_heads_per_device": kv.sharding.shard_shape(kv.shape)[2] // 2,
                   "expert_devices": expert_devices(llm.engine.runner.state)}
+        results[f"spec_{name}"] = {k: stats[k] for k in (
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens", "startup_compilations", "programs")}
+        results[f"spec_{name}"]["drafting_steps"] = sorted(drafting.values())
         if name == "dp":  # which process's devices hold each pool row block
             layout["pool_rows_per_device"] = kv.sharding.shard_shape(kv.shape)[0]
             layout["pool_rows"] = kv.shape[0]
@@ -83,10 +89,6 @@ for name, (path, prompts, new_tokens, kwargs) in RUNS.items():
             layout["draft_pool_rows_per_device"] = draft_kv.sharding.shard_shape(
                 draft_kv.shape)[0]
             layout["draft_pool_rows"] = draft_kv.shape[0]
-            results["spec"] = {k: stats[k] for k in (
-                "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens", "startup_compilations", "programs")}
-            results["spec"]["drafting_steps"] = sorted(drafting.values())
         results[name] = {"tokens": [o.token_ids for o in outs],
                          "plan_channel": stats["plan_channel"],
                          "compilations_after_warmup": stats["compilations_after_warmup"],

@@ -44,6 +44,7 @@ from tests.multiprocess_common import (
     MTP_GOLDEN_TOKENS,
     NEW_TOKENS,
     PROMPTS,
+    eagle3_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,16 +58,26 @@ def _env(pid, port):
 
 
 @pytest.fixture(scope="module")
+def eagle3_dir(tiny_dir, tmp_path_factory):
+    """test_spec_eagle's two-token EAGLE-3 head for tiny."""
+    from test_spec_eagle import _two_token_head
+
+    return _two_token_head(tiny_dir, tmp_path_factory.mktemp("eagle3") / "head")
+
+
+@pytest.fixture(scope="module")
 def golden_text(tiny_dir):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(GOLDEN_TOKENS[0])
 
 
-def test_two_process_engine_matches_the_golden_tokens(tiny_dir, two_token_mtp_dir, tmp_path):
+def test_two_process_engine_matches_the_golden_tokens(tiny_dir, two_token_mtp_dir, eagle3_dir,
+                                                      tmp_path):
     port, out = free_port(), tmp_path / "tokens.json"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
-                               str(tiny_dir), str(two_token_mtp_dir), str(out)],
+                               str(tiny_dir), str(two_token_mtp_dir), str(eagle3_dir),
+                               str(out)],
                               env=_env(pid, port), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
@@ -87,10 +98,14 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, two_token_mtp_di
     assert layout["rank_processes"] == [[0], [1]] and layout["expert_devices"] == 8
     assert layout["pool_rows_per_device"] * 2 == layout["pool_rows"]
     assert layout["draft_pool_rows_per_device"] * 2 == layout["draft_pool_rows"]
-    spec = results["spec"]
-    assert len(spec["drafting_steps"]) == 2 and min(spec["drafting_steps"]) > 2  # each rank's
+    # Both sequences drafted at most steps: EAGLE-3 (chunked), MTP on each rank's rows
+    # (dp), where some drafts stand (prompt 0's 237, 237, 237, 446 are the head's tokens).
+    for run in ("spec_chunked", "spec_dp"):
+        spec = results[run]
+        assert len(spec["drafting_steps"]) == 2 and min(spec["drafting_steps"]) > 2, run
+        assert spec["programs"] == 1 and spec["startup_compilations"] <= 32
+    spec = results["spec_dp"]
     assert 0 < spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]
-    assert spec["programs"] == 1 and spec["startup_compilations"] <= 32
     bal = layout["data_parallel"]
     assert bal["seqs"] == [0, 0] and min(bal["rows"]) > 0  # a prompt on each rank
     assert bal["free_pages"] == [DP_PAGES] * 2 and layout["free_pages"] == [2 * DP_PAGES] * 2
@@ -111,9 +126,10 @@ def _post(port, body, timeout=120):
     return conn, conn.getresponse()
 
 
-def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
+def test_server_on_two_processes_and_a_dying_follower(tiny_dir, eagle3_dir, golden_text):
     port = free_port()
     args = ["-m", "lp_jax.serve", "--model", str(tiny_dir), "--port", "0",
+            "--speculative-config", json.dumps(eagle3_config(eagle3_dir)),
             "--mesh-shape", "2,4", "--scheduling", "chunked",
             "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
             "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
@@ -157,14 +173,20 @@ def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
                 p.wait()
 
 
-def test_step_codec_round_trips():
+@pytest.mark.parametrize("draft_k", [0, 2])
+def test_step_codec_round_trips(draft_k):
+    """Every input leaf, a draft model's (inputs["draft"]) included, comes back."""
     spec = StepSpec(num_layers=4, hidden_size=8, page_size=4, pages_per_seq=6, max_num_seqs=4,
-                    hidden_rows=12, buckets=(2, 8), vocab_size=0)
+                    hidden_rows=12, buckets=(2, 8), vocab_size=0, draft_k=draft_k)
     codec = StepCodec(spec)
     rng = np.random.default_rng(0)
     calls = []
     for N in (8, 2):
         inputs = empty_inputs(spec, N)
+        assert ("draft" in inputs) == bool(draft_k)
+        if draft_k:
+            for x in inputs["draft"].values():
+                x[:] = rng.integers(-1, 100, x.shape)
         inputs["tokens_N"][:] = rng.integers(0, 1000, N)
         inputs["meta"].page_table_BC[:] = rng.integers(0, 50, inputs["meta"].page_table_BC.shape)
         inputs["sampling"]["temperature"][:] = rng.random(spec.seqs_for(N))

@@ -216,12 +216,9 @@ class LLMEngine:
         sc = self.config.speculative_config
         if sc is None or not sc.drafts_on_device:
             return None
-        if sc.method == "mtp":  # on every process: followers run the same draft programs
+        # On every process of a multi-process engine: followers run the same draft programs.
+        if sc.method == "mtp":
             return self._load_mtp(model, sc.num_speculative_tokens)
-        if self.process.multi_process:
-            raise ValueError(f"speculative_config method {sc.method!r} (an EAGLE-3 head) "
-                             "runs in one process; over several processes use 'mtp' or "
-                             "an n-gram method")
         from lp_jax.models.eagle3 import load_eagle3
 
         ecfg, params = load_eagle3(sc.model, model_cfg, model.model.embed_tokens[...],
