@@ -17,7 +17,8 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 * lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
   serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
   line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
-* The wire format round-trips, and bad distributed arguments are refused.
+* The wire format round-trips (a draft model's inputs too), a follower acks the drafts the
+  leader reads, and bad distributed arguments are refused.
 """
 
 import http.client
@@ -203,6 +204,45 @@ def test_step_codec_round_trips(draft_k):
             np.testing.assert_array_equal(np.asarray(a), b)
     with pytest.raises(ValueError, match="magic"):
         codec.decode(b"\0" * 64)
+
+
+def test_followers_ack_the_drafts_the_leader_reads():
+    """A follower acks each step with its tokens (the sampling call's) and its drafts (the
+    call whose rows leave the last layer: the array the leader's handle reads), and the
+    crc32 the leader compares tells different drafts apart."""
+    from lp_jax.executor.plan_channel import run_follower, tokens_crc
+
+    tokens_R, other_R = np.arange(4, dtype=np.int32), np.zeros(4, np.int32)
+    drafts_RK = np.arange(12, dtype=np.int32).reshape(4, 3)
+
+    class Runner:  # two calls: units [0, 2) then [2, 4) of L = 2 layers, which samples
+        L = 2
+
+        class codec:
+            decode = staticmethod(lambda payload: (5, -1, [
+                (8, {"units": np.array([0, 2]), "do_sample": np.bool_(False)}),
+                (8, {"units": np.array([2, 4]), "do_sample": np.bool_(True)})]))
+
+        def run_calls(self, batch, prev):
+            return [], [{"tokens_R": other_R, "drafts_RK": -drafts_RK},
+                        {"tokens_R": tokens_R, "drafts_RK": drafts_RK}]
+
+    class Channel:
+        def __init__(self):
+            self.payloads, self.acks = [b"step"], []
+
+        def recv_step(self):
+            return self.payloads.pop() if self.payloads else None
+
+        def ack(self, *args):
+            self.acks.append(args)
+
+    channel = Channel()
+    assert run_follower(Runner(), channel) == 1
+    (step_id, acked_R, acked_RK), = channel.acks
+    assert step_id == 5 and acked_R is tokens_R and acked_RK is drafts_RK
+    assert tokens_crc(tokens_R, drafts_RK) != tokens_crc(tokens_R, drafts_RK[::-1])
+    assert tokens_crc(tokens_R, None) == tokens_crc(tokens_R)  # engines without drafts
 
 
 def test_distributed_arguments_are_checked(monkeypatch):
