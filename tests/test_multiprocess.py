@@ -4,8 +4,9 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 * LLM on a (2, 4) expert x tensor mesh spanning both processes (tensor-parallel attention
   with more devices than KV heads, the experts over all 8 devices) gives the Hugging Face
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
-  plan channel); the leader's shutdown ends the follower (exit 0), and no program
-  compiles while serving.
+  plan channel) with EAGLE-3 drafts (test_spec_eagle's two-token head, k = 3, on every
+  process; both sequences draft); the leader's shutdown ends the follower (exit 0), and
+  no program compiles while serving.
 * Layered prefill (device broadcast) with data-parallel attention over the two processes,
   DP 2 x TP 4 with the experts over all 8 devices, of tiny-deepseek (MLA) with MTP drafts
   (its next-token layer, k = 3, on every process): a data rank a process, each holding
@@ -14,9 +15,11 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
   stand, every step's drafts agree on both processes (the followers' acks carry their
   crc), every page returns. (Layered on the (2, 4) layout above is the single-process
   tests'; one engine fewer to start here.)
-* lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
-  serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
-  line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
+* lp-serve on two processes (the chunked run's arguments and head, so its program comes
+  from the run's compilation cache): the leader answers HTTP with the same tokens' text;
+  the follower serves no HTTP; a follower killed mid-stream makes the leader exit at once
+  with its own line (exit 3), not hang in a collective or wait for JAX's heartbeat abort
+  (exit 134).
 * The wire format round-trips (a draft model's inputs too), a follower acks the drafts the
   leader reads, and bad distributed arguments are refused.
 """
