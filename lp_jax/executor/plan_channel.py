@@ -20,12 +20,12 @@ the follower keeps its own copy of every step's tokens (identical by constructio
 checked: each follower acks every step with a crc32 of its tokens, and of a draft model's
 proposals `drafts_RK` where the engine has one, and the leader compares them with its
 own). A draft model's inputs (`inputs["draft"]`, step.py) are leaves of the template
-like any other, and its state (the one-layer KV pool) lives on every process as the
-target's, so followers run the same draft programs. The structured-output bitmask
-(`sampling["bitmask_SW"]`, [B, ceil(V/32)] int32, 4.9 MB at Qwen3's vocabulary and 256
-rows) is not in the fixed layout either: each call ends with its constrained rows only,
-an int64 count r, r int32 row indices and their r x W words; r = 0 (None in the inputs:
-all ones) costs 8 bytes.
+like any other, and its state (the one-layer KV pool, an EAGLE-3 head's aux buffer)
+lives on every process as the target's, so followers run the same draft programs. The
+structured-output bitmask (`sampling["bitmask_SW"]`, [B, ceil(V/32)] int32, 4.9 MB at
+Qwen3's vocabulary and 256 rows) is not in the fixed layout either: each call ends with
+its constrained rows only, an int64 count r, r int32 row indices and their r x W words;
+r = 0 (None in the inputs: all ones) costs 8 bytes.
 
 **Transports** (`plan_channel=`), both measured in BENCHMARKS.md (launch/bench_multihost.py):
 - "host": a TCP connection per follower. The leader listens on an ephemeral port and
