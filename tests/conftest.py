@@ -150,6 +150,32 @@ def tiny_dir():
     return ensure_tiny(preset="tiny")
 
 
+# Tokens the tiny-deepseek golden greedy outputs repeat (prompt 0 emits 237 three times
+# in a row), which `two_token_mtp_dir`'s head drafts, so some drafts stand.
+MTP_TWO_TOKENS = (237, 446)
+
+
+@pytest.fixture(scope="session")
+def two_token_mtp_dir(tmp_path_factory):
+    """tiny-deepseek-mtp whose shared_head.head has two nonzero rows, v at MTP_TWO_TOKENS[0]
+    and -v at [1]: the draft is one or the other by the sign of norm(o) . v, a function of
+    every computation before it, so a wrong hidden state, next token, KV entry or drafting
+    row flips it half the time (test_spec_mtp, test_multiprocess)."""
+    from safetensors.numpy import load_file, save_file
+
+    from checkpoints.make_tiny_mtp import ensure_tiny_mtp
+
+    out = shutil.copytree(ensure_tiny_mtp("tiny-deepseek-mtp"),
+                          tmp_path_factory.mktemp("mtp") / "m")
+    t = load_file(str(out / "model.safetensors"))
+    head = t["model.layers.3.shared_head.head.weight"]
+    v = head[0].copy()
+    head[:] = 0
+    head[MTP_TWO_TOKENS[0]], head[MTP_TWO_TOKENS[1]] = v, -v
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     from lp_jax.loader import load_model

@@ -4,17 +4,24 @@ leader/follower flow of lp_jax/executor/distributed.py and plan_channel.py.
 * LLM on a (2, 4) expert x tensor mesh spanning both processes (tensor-parallel attention
   with more devices than KV heads, the experts over all 8 devices) gives the Hugging Face
   golden greedy tokens (tests/golden/tiny.npz), as one process does, under chunked (host
-  plan channel); the leader's shutdown ends the follower (exit 0), and no program
-  compiles while serving.
+  plan channel) with EAGLE-3 drafts (test_spec_eagle's two-token head, k = 3, on every
+  process; both sequences draft); the leader's shutdown ends the follower (exit 0), and
+  no program compiles while serving.
 * Layered prefill (device broadcast) with data-parallel attention over the two processes,
-  DP 2 x TP 4 with the experts over all 8 devices: a data rank a process, each holding
-  only its rank's half of the KV pool; the two prompts go to the two ranks and give the
-  golden tokens; every page returns. (Layered on the (2, 4) layout above is the
-  single-process tests'; one engine fewer to start here.)
-* lp-serve on two processes: the leader answers HTTP with the same tokens' text; the follower
-  serves no HTTP; a follower killed mid-stream makes the leader exit at once with its own
-  line (exit 3), not hang in a collective or wait for JAX's heartbeat abort (exit 134).
-* The wire format round-trips, and bad distributed arguments are refused.
+  DP 2 x TP 4 with the experts over all 8 devices, of tiny-deepseek (MLA) with MTP drafts
+  (its next-token layer, k = 3, on every process): a data rank a process, each holding
+  only its rank's half of the KV pool and of the draft's; the two prompts go to the two
+  ranks and give the golden tokens; drafts are proposed on both ranks' rows and some
+  stand, every step's drafts agree on both processes (the followers' acks carry their
+  crc), every page returns. (Layered on the (2, 4) layout above is the single-process
+  tests'; one engine fewer to start here.)
+* lp-serve on two processes (the chunked run's arguments and head, so its program comes
+  from the run's compilation cache): the leader answers HTTP with the same tokens' text;
+  the follower serves no HTTP; a follower killed mid-stream makes the leader exit at once
+  with its own line (exit 3), not hang in a collective or wait for JAX's heartbeat abort
+  (exit 134).
+* The wire format round-trips (a draft model's inputs too), a follower acks the drafts the
+  leader reads, and bad distributed arguments are refused.
 """
 
 import http.client
@@ -38,8 +45,10 @@ from tests.multiprocess_common import (
     DP_PAGES,
     ENGINE_ARGS,
     GOLDEN_TOKENS,
+    MTP_GOLDEN_TOKENS,
     NEW_TOKENS,
     PROMPTS,
+    eagle3_config,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,16 +62,27 @@ def _env(pid, port):
 
 
 @pytest.fixture(scope="module")
+def eagle3_dir(tiny_dir, tmp_path_factory):
+    """test_spec_eagle's two-token EAGLE-3 head for tiny."""
+    from test_spec_eagle import _two_token_head
+
+    return _two_token_head(tiny_dir, tmp_path_factory.mktemp("eagle3") / "head")
+
+
+@pytest.fixture(scope="module")
 def golden_text(tiny_dir):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tiny_dir / "tokenizer.json")).decode(GOLDEN_TOKENS[0])
 
 
-def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
+def test_two_process_engine_matches_the_golden_tokens(tiny_dir, two_token_mtp_dir, eagle3_dir,
+                                                      tmp_path):
     port, out = free_port(), tmp_path / "tokens.json"
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
-                               str(tiny_dir), str(out)], env=_env(pid, port), cwd=ROOT,
+                               str(tiny_dir), str(two_token_mtp_dir), str(eagle3_dir),
+                               str(out)],
+                              env=_env(pid, port), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
     logs = [p.communicate(timeout=400)[0] for p in procs]
@@ -77,10 +97,19 @@ def test_two_process_engine_matches_the_golden_tokens(tiny_dir, tmp_path):
     # 2 KV heads on 4 tensor devices: each kept twice, one per device.
     assert chunked["layout"] == {"kv_heads": 4, "kv_heads_per_device": 1, "expert_devices": 8}
     dp = results["dp"]
-    assert dp["tokens"] == GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
+    assert dp["tokens"] == MTP_GOLDEN_TOKENS and dp["compilations_after_warmup"] == 0
     layout = dp["layout"]
     assert layout["rank_processes"] == [[0], [1]] and layout["expert_devices"] == 8
     assert layout["pool_rows_per_device"] * 2 == layout["pool_rows"]
+    assert layout["draft_pool_rows_per_device"] * 2 == layout["draft_pool_rows"]
+    # Both sequences drafted at most steps: EAGLE-3 (chunked), MTP on each rank's rows
+    # (dp), where some drafts stand (prompt 0's 237, 237, 237, 446 are the head's tokens).
+    for run in ("spec_chunked", "spec_dp"):
+        spec = results[run]
+        assert len(spec["drafting_steps"]) == 2 and min(spec["drafting_steps"]) > 2, run
+        assert spec["programs"] == 1 and spec["startup_compilations"] <= 32
+    spec = results["spec_dp"]
+    assert 0 < spec["spec_decode_num_accepted_tokens"] < spec["spec_decode_num_draft_tokens"]
     bal = layout["data_parallel"]
     assert bal["seqs"] == [0, 0] and min(bal["rows"]) > 0  # a prompt on each rank
     assert bal["free_pages"] == [DP_PAGES] * 2 and layout["free_pages"] == [2 * DP_PAGES] * 2
@@ -101,9 +130,10 @@ def _post(port, body, timeout=120):
     return conn, conn.getresponse()
 
 
-def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
+def test_server_on_two_processes_and_a_dying_follower(tiny_dir, eagle3_dir, golden_text):
     port = free_port()
     args = ["-m", "lp_jax.serve", "--model", str(tiny_dir), "--port", "0",
+            "--speculative-config", json.dumps(eagle3_config(eagle3_dir)),
             "--mesh-shape", "2,4", "--scheduling", "chunked",
             "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
             "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
@@ -147,14 +177,20 @@ def test_server_on_two_processes_and_a_dying_follower(tiny_dir, golden_text):
                 p.wait()
 
 
-def test_step_codec_round_trips():
+@pytest.mark.parametrize("draft_k", [0, 2])
+def test_step_codec_round_trips(draft_k):
+    """Every input leaf, a draft model's (inputs["draft"]) included, comes back."""
     spec = StepSpec(num_layers=4, hidden_size=8, page_size=4, pages_per_seq=6, max_num_seqs=4,
-                    hidden_rows=12, buckets=(2, 8), vocab_size=0)
+                    hidden_rows=12, buckets=(2, 8), vocab_size=0, draft_k=draft_k)
     codec = StepCodec(spec)
     rng = np.random.default_rng(0)
     calls = []
     for N in (8, 2):
         inputs = empty_inputs(spec, N)
+        assert ("draft" in inputs) == bool(draft_k)
+        if draft_k:
+            for x in inputs["draft"].values():
+                x[:] = rng.integers(-1, 100, x.shape)
         inputs["tokens_N"][:] = rng.integers(0, 1000, N)
         inputs["meta"].page_table_BC[:] = rng.integers(0, 50, inputs["meta"].page_table_BC.shape)
         inputs["sampling"]["temperature"][:] = rng.random(spec.seqs_for(N))
@@ -171,6 +207,45 @@ def test_step_codec_round_trips():
             np.testing.assert_array_equal(np.asarray(a), b)
     with pytest.raises(ValueError, match="magic"):
         codec.decode(b"\0" * 64)
+
+
+def test_followers_ack_the_drafts_the_leader_reads():
+    """A follower acks each step with its tokens (the sampling call's) and its drafts (the
+    call whose rows leave the last layer: the array the leader's handle reads), and the
+    crc32 the leader compares tells different drafts apart."""
+    from lp_jax.executor.plan_channel import run_follower, tokens_crc
+
+    tokens_R, other_R = np.arange(4, dtype=np.int32), np.zeros(4, np.int32)
+    drafts_RK = np.arange(12, dtype=np.int32).reshape(4, 3)
+
+    class Runner:  # two calls: units [0, 2) then [2, 4) of L = 2 layers, which samples
+        L = 2
+
+        class codec:
+            decode = staticmethod(lambda payload: (5, -1, [
+                (8, {"units": np.array([0, 2]), "do_sample": np.bool_(False)}),
+                (8, {"units": np.array([2, 4]), "do_sample": np.bool_(True)})]))
+
+        def run_calls(self, batch, prev):
+            return [], [{"tokens_R": other_R, "drafts_RK": -drafts_RK},
+                        {"tokens_R": tokens_R, "drafts_RK": drafts_RK}]
+
+    class Channel:
+        def __init__(self):
+            self.payloads, self.acks = [b"step"], []
+
+        def recv_step(self):
+            return self.payloads.pop() if self.payloads else None
+
+        def ack(self, *args):
+            self.acks.append(args)
+
+    channel = Channel()
+    assert run_follower(Runner(), channel) == 1
+    (step_id, acked_R, acked_RK), = channel.acks
+    assert step_id == 5 and acked_R is tokens_R and acked_RK is drafts_RK
+    assert tokens_crc(tokens_R, drafts_RK) != tokens_crc(tokens_R, drafts_RK[::-1])
+    assert tokens_crc(tokens_R, None) == tokens_crc(tokens_R)  # engines without drafts
 
 
 def test_distributed_arguments_are_checked(monkeypatch):

@@ -25,11 +25,6 @@ K_DRAFTS = 3
 # The recompute's one batch shape (one compile for every length): up to BATCH sequences.
 ROWS, PAGE, BATCH = 1024, 16, 16
 POOL_PAGES = ROWS // PAGE + BATCH
-# Tokens the tiny-deepseek golden greedy outputs repeat (prompt 0 emits 237 three times
-# in a row), which the two-token head below drafts, so some drafts stand.
-TWO_TOKENS = (237, 446)
-
-
 def _tensors(d):
     from safetensors.numpy import load_file
 
@@ -37,22 +32,9 @@ def _tensors(d):
 
 
 @pytest.fixture(scope="module")
-def two_token_dir(tmp_path_factory):
-    """tiny-deepseek-mtp whose shared_head.head has two nonzero rows, v at TWO_TOKENS[0]
-    and -v at [1]: the draft is one or the other by the sign of norm(o) . v, a function of
-    every computation before it, so a wrong hidden state, next token, KV entry or drafting
-    row flips it half the time."""
-    from safetensors.numpy import load_file, save_file
-
-    out = shutil.copytree(ensure_tiny_mtp("tiny-deepseek-mtp"),
-                          tmp_path_factory.mktemp("mtp") / "m")
-    t = load_file(str(out / "model.safetensors"))
-    head = t["model.layers.3.shared_head.head.weight"]
-    v = head[0].copy()
-    head[:] = 0
-    head[TWO_TOKENS[0]], head[TWO_TOKENS[1]] = v, -v
-    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+def two_token_dir(two_token_mtp_dir):
+    """tiny-deepseek-mtp with a two-token head (conftest.two_token_mtp_dir)."""
+    return two_token_mtp_dir
 
 
 # ------------------------------------------------------------------ loading

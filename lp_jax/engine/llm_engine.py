@@ -216,8 +216,7 @@ class LLMEngine:
         sc = self.config.speculative_config
         if sc is None or not sc.drafts_on_device:
             return None
-        if self.process.multi_process:
-            raise ValueError(f"speculative_config method {sc.method!r} runs in one process")
+        # On every process of a multi-process engine: followers run the same draft programs.
         if sc.method == "mtp":
             return self._load_mtp(model, sc.num_speculative_tokens)
         from lp_jax.models.eagle3 import load_eagle3

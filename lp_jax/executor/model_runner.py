@@ -125,12 +125,12 @@ class StepHandle:
                 a, tokens[sid] = accept_sampled(d, tokens_R[r : r + len(d) + 1].tolist())
                 if a:
                     accepted[sid] = d[:a]
+        drafts_RK = None if self.next_drafts_RK is None else host_array(self.next_drafts_RK)
         if self.channel is not None:
-            self.channel.record_tokens(self.step_id, tokens_R)
+            self.channel.record_tokens(self.step_id, tokens_R, drafts_RK)
         lps, accepted_lps = self._logprobs(tokens, accepted)
         next_drafts = {}
-        if self.next_drafts_RK is not None:
-            drafts_RK = host_array(self.next_drafts_RK)
+        if drafts_RK is not None:
             for sid, b in self.next_draft_rows.items():
                 row = drafts_RK[b].tolist()
                 next_drafts[sid] = tuple(row[: row.index(-1)] if -1 in row else row)
@@ -237,8 +237,6 @@ class ModelRunner:
             draft_k=draft[2] if draft else 0, data_ranks=cfg.kv_ranks,
             hidden_split=hidden_split and cfg.kv_ranks > 1)
         self.num_pages = num_pages
-        if draft and channel is not None:
-            raise ValueError("draft models run on one process only (no plan channel)")
         self.graphdef, self.state = nnx.split(model)
         backends = model.serving_backends(backends)
         packed = packs_kv(cfg, backends.attention)

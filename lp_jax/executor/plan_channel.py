@@ -6,7 +6,7 @@
     runner.dispatch(plan):
       calls = [(N, inputs)] (numpy)      ---- STEP ---->  decode_step -> same calls
       run calls on local shards          <- collectives ->  run calls on local shards
-    handle.collect(): tokens_R          <---- ACK -----   crc32(tokens_R) per step
+    handle.collect(): tokens_R          <---- ACK -----   crc32(tokens_R, drafts_RK)
       compare crc32s (tokens must agree)
     shutdown                              ---- STOP ---->  leave the loop
 
@@ -17,11 +17,15 @@ the template's order. The layout is fixed by the row bucket N, so nothing is pic
 described: a decode step of 32 sequences at max_model_len 4096 is ~35 KB, most of it the
 page table. `prev_tokens_R`, the previous step's sampled tokens on device, is not sent:
 the follower keeps its own copy of every step's tokens (identical by construction, and
-checked: each follower acks every step with a crc32 of its tokens, and the leader
-compares them with its own). The structured-output bitmask (`sampling["bitmask_SW"]`,
-[B, ceil(V/32)] int32, 4.9 MB at Qwen3's vocabulary and 256 rows) is not in the fixed
-layout either: each call ends with its constrained rows only, an int64 count r, r int32
-row indices and their r x W words; r = 0 (None in the inputs: all ones) costs 8 bytes.
+checked: each follower acks every step with a crc32 of its tokens, and of a draft model's
+proposals `drafts_RK` where the engine has one, and the leader compares them with its
+own). A draft model's inputs (`inputs["draft"]`, step.py) are leaves of the template
+like any other, and its state (the one-layer KV pool, an EAGLE-3 head's aux buffer)
+lives on every process as the target's, so followers run the same draft programs. The
+structured-output bitmask (`sampling["bitmask_SW"]`, [B, ceil(V/32)] int32, 4.9 MB at
+Qwen3's vocabulary and 256 rows) is not in the fixed layout either: each call ends with
+its constrained rows only, an int64 count r, r int32 row indices and their r x W words;
+r = 0 (None in the inputs: all ones) costs 8 bytes.
 
 **Transports** (`plan_channel=`), both measured in BENCHMARKS.md (launch/bench_multihost.py):
 - "host": a TCP connection per follower. The leader listens on an ephemeral port and
@@ -163,8 +167,12 @@ class StepCodec:
         return mask_BW, offset + 4 * r * W
 
 
-def tokens_crc(tokens: np.ndarray | None) -> int:
-    return 0 if tokens is None else zlib.crc32(np.ascontiguousarray(tokens).tobytes())
+def tokens_crc(tokens: np.ndarray | None, drafts: np.ndarray | None = None) -> int:
+    """A step's check value: crc32 of its sampled tokens, then of its drafts (if any)."""
+    crc = 0 if tokens is None else zlib.crc32(np.ascontiguousarray(tokens).tobytes())
+    if drafts is not None:
+        crc = zlib.crc32(np.ascontiguousarray(drafts).tobytes(), crc)
+    return crc
 
 
 # ------------------------------------------------------------------------ framing
@@ -316,10 +324,12 @@ class LeaderChannel:
         self.sent_bytes += len(payload)
         self.steps_sent += 1
 
-    def record_tokens(self, step_id: int, tokens: np.ndarray | None):
-        """The leader's own tokens of a step, to compare with the followers' acks."""
+    def record_tokens(self, step_id: int, tokens: np.ndarray | None,
+                      drafts: np.ndarray | None = None):
+        """The leader's own tokens (and drafts) of a step, to compare with the followers'
+        acks."""
         with self._lock:
-            self._mine[step_id] = tokens_crc(tokens)
+            self._mine[step_id] = tokens_crc(tokens, drafts)
             self._settle(step_id)
 
     def _settle(self, step_id: int):
@@ -328,7 +338,7 @@ class LeaderChannel:
             return
         for pid, crc in acks.items():
             if crc != mine:
-                distributed.fatal(f"follower {pid} sampled different tokens at step "
+                distributed.fatal(f"follower {pid} sampled different tokens or drafts at step "
                                   f"{step_id} (crc {crc:#x} vs {mine:#x}); stopping")
         if len(acks) == len(self.followers):
             self._acks.pop(step_id, None)
@@ -432,14 +442,15 @@ class FollowerChannel:
         kind, payload = msg
         return None if kind == STOP else payload
 
-    def ack(self, step_id: int, tokens_R: jax.Array | None):
-        """Acks a step once its tokens exist, without blocking the caller."""
-        self._acks.put((step_id, tokens_R))
+    def ack(self, step_id: int, tokens_R: jax.Array | None,
+            drafts_RK: jax.Array | None = None):
+        """Acks a step once its tokens (and drafts) exist, without blocking the caller."""
+        self._acks.put((step_id, tokens_R, drafts_RK))
 
     def _ack_loop(self):
         while (item := self._acks.get()) is not None:
-            step_id, tokens_R = item
-            crc = tokens_crc(None if tokens_R is None else host_array(tokens_R))
+            step_id, *arrays = item
+            crc = tokens_crc(*(None if x is None else host_array(x) for x in arrays))
             self._send(ACK, struct.pack("!qQ", step_id, crc))
 
     def _send(self, kind: int, payload: bytes = b""):
@@ -485,10 +496,14 @@ def run_follower(runner, channel: FollowerChannel) -> int:
         _, outs = runner.run_calls(batch, prev)
         tokens_R = next((o["tokens_R"] for (_, x), o in zip(batch, outs, strict=True)
                          if x["do_sample"]), None)
+        # A draft model's proposals: those of the call whose rows leave the last layer,
+        # the array the leader's handle reads (ModelRunner.dispatch).
+        drafts_RK = next((o["drafts_RK"] for (_, x), o in zip(batch, outs, strict=True)
+                          if "drafts_RK" in o and x["units"][1] == 2 * runner.L), None)
         if tokens_R is not None:
             tokens[step_id] = tokens_R
             for old in [k for k in tokens if k < step_id - 4]:
                 del tokens[old]
-        channel.ack(step_id, tokens_R)
+        channel.ack(step_id, tokens_R, drafts_RK)
         steps += 1
     return steps

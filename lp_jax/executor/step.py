@@ -395,6 +395,10 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
                 draft_state["kv"])
             out["drafts_RK"] = jnp.pad(drafts_BK, ((0, max(R - D, 0)), (0, 0)),
                                        constant_values=-1)
+            if replicated is not None:  # whole on every process, as tokens_R: the
+                # leader reads every rank's drafts (a rank's rows may live on a follower)
+                out["drafts_RK"] = jax.lax.with_sharding_constraint(out["drafts_RK"],
+                                                                    replicated)
             out["draft_state"] = dict(draft_state, kv=draft_kv)
         return kv_pages, hidden_RD, out
 
