@@ -292,12 +292,11 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
         aux = {}
         if draft is not None and draft.aux_layer_ids:  # carried rows bring their aux states
             aux_RAD = draft_state["aux_RAD"]  # rows as hidden_RD's (split over data with it)
-            R_, A, D = aux_RAD.shape
-            taken_NX = _take_rows(aux_RAD.reshape(R_, A * D), src_N,
+            taken_NX = _take_rows(aux_RAD.reshape(aux_RAD.shape[0], -1), src_N,
                                   rank_rows if split else None)
             aux = {"aux_layers": draft.aux_layer_ids,
                    "aux_NAD": jnp.where((src_N < 0)[:, None, None], 0,
-                                        taken_NX.reshape(-1, A, D))}
+                                        taken_NX.reshape(-1, *aux_RAD.shape[1:]))}
         x_ND, kv_pages, activated, *aux_NAD = model.run_units(
             x_ND, kv_pages, inputs["meta"], lo, hi, decode_only=inputs["decode_only"],
             backends=backends, **aux)
@@ -312,14 +311,11 @@ def make_step(graphdef, spec: StepSpec, backends: KernelBackends, *, replicated=
             hidden_RD = _put_rows(hidden_RD, dst_N, carried_ND, None)
             dst_N = jnp.where(dst_N < 0, hidden_RD.shape[0], dst_N)
         if aux:
-            aux_RAD = draft_state["aux_RAD"]
-            R_, A, D = aux_RAD.shape
-            if split:
-                aux_RAD = _put_rows(aux_RAD.reshape(R_, A * D), dst_N,
-                                    aux_NAD[0].reshape(-1, A * D), rank_rows).reshape(R_, A, D)
-            else:
-                aux_RAD = aux_RAD.at[dst_N].set(aux_NAD[0], mode="drop")
-            draft_state = dict(draft_state, aux_RAD=aux_RAD)
+            aux_RAD = draft_state["aux_RAD"]  # dst_N as hidden_RD's put took it
+            put_RX = _put_rows(aux_RAD.reshape(aux_RAD.shape[0], -1), dst_N,
+                               aux_NAD[0].reshape(aux_NAD[0].shape[0], -1),
+                               rank_rows if split else None)
+            draft_state = dict(draft_state, aux_RAD=put_RX.reshape(aux_RAD.shape))
 
         if counts is not None:  # the token ids whole: the counts are not split by rank
             counts = _count_tokens(counts, inputs, tokens_N if rank_rows is None else
